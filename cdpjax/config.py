@@ -1,0 +1,184 @@
+"""Configs: `ml_collections.ConfigDict`s built by Python files, overridden from the command line.
+
+A config file defines `get_config()` returning a ConfigDict (the big_vision and
+flax-examples convention). `load_config` starts from `default_config()`, applies
+the file, then `--config.KEY=VALUE` overrides, then validates everything it can
+without touching a device, so that a bad value fails before anything compiles.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from typing import Any, Iterable
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the value and what is accepted."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The no-argument run: CDP-v2 (ring realisation) on scikit-learn's digits, 8 workers."""
+    c = ml_collections.ConfigDict()
+    c.method = "cdp-v2"
+    c.model = "mlp"
+    c.model_kwargs = ml_collections.ConfigDict({"width": 128})
+    c.norm = "none"  # 'batch' | 'group' | 'none' (models that support it)
+    c.bn_cross_device = True  # BatchNorm statistics over the whole data axis, not per device
+    c.dataset = "digits"
+    c.data_dir = ""  # tensorflow-datasets data_dir ('' = tfds default)
+    c.augment = True
+    c.global_batch_size = 128
+    c.num_steps = 600
+    c.eval_every = 200
+    c.checkpoint_every = 200
+    c.log_every = 20
+    c.seed = 0
+    # Optimizer: optax; one state per stage for the staged methods.
+    c.optimizer = "sgd"  # 'sgd' | 'adam' | 'adamw'
+    c.learning_rate = 0.1
+    c.momentum = 0.9
+    c.nesterov = False
+    c.weight_decay = 5e-4
+    c.schedule = "cosine"  # 'constant' | 'cosine' | 'step'
+    c.warmup_steps = 0
+    c.decay_every = 0  # 'step' schedule: steps between decays
+    c.decay_factor = 0.2
+    # Mesh: axis sizes; -1 takes the devices left over.
+    c.mesh = ml_collections.ConfigDict({"data": -1})
+    # Stages: a number of stages, or explicit split points (block indices where a stage starts).
+    c.stages = 4
+    c.partition = "params"  # 'params' | 'flops' | 'blocks' (how `stages: int` is balanced)
+    # Cyclic data parallelism.
+    c.workers = 0  # CDP workers; 0 = the size of the data axis
+    c.cdp_impl = "ring"  # 'simulate' | 'ring'
+    # Local learning / PPLL.
+    c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
+    c.aux_kwargs = ml_collections.ConfigDict()
+    c.microbatches = 4  # gpipe
+    c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
+    c.nonfinite = "stop"  # 'stop' | 'skip'
+    return c
+
+
+# Keys whose values must be numbers, and the range each accepts.
+_NUMERIC = {
+    "global_batch_size": (int, 1, None),
+    "num_steps": (int, 1, None),
+    "eval_every": (int, 0, None),
+    "checkpoint_every": (int, 0, None),
+    "log_every": (int, 1, None),
+    "seed": (int, 0, None),
+    "learning_rate": (float, 0.0, None),
+    "momentum": (float, 0.0, 1.0),
+    "weight_decay": (float, 0.0, None),
+    "warmup_steps": (int, 0, None),
+    "decay_every": (int, 0, None),
+    "decay_factor": (float, 0.0, 1.0),
+    "workers": (int, 0, None),
+    "microbatches": (int, 1, None),
+}
+_CHOICES = {
+    "norm": ("batch", "group", "none"),
+    "optimizer": ("sgd", "adam", "adamw"),
+    "schedule": ("constant", "cosine", "step"),
+    "partition": ("params", "flops", "blocks"),
+    "cdp_impl": ("simulate", "ring"),
+    "aux_head": ("greedy", "dgl", "infopro", "vit"),
+    "residuals": ("recompute", "carry"),
+    "nonfinite": ("stop", "skip"),
+}
+
+
+def load_file(path: str) -> ml_collections.ConfigDict:
+    """Runs a config file and returns its `get_config()`."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} defines no get_config()")
+    return module.get_config()
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str]) -> None:
+    """Applies `KEY=VALUE` strings (dotted keys, values parsed as Python literals)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form --config.KEY=VALUE")
+        key, text = item.split("=", 1)
+        set_value(config, key, _parse_value(text))
+
+
+def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+        if p not in node:
+            raise ConfigError(f"unknown config key {key!r}")
+        node = node[p]
+    if leaf not in node and not isinstance(node, ml_collections.ConfigDict):
+        raise ConfigError(f"unknown config key {key!r}")
+    if leaf not in node and node is config:
+        raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(config.keys()))}")
+    old = node[leaf] if leaf in node else None
+    top = parents[0] if parents else leaf
+    if top == "mesh" and not isinstance(value, int):
+        raise ConfigError(f"mesh axis size {key}={value!r} must be an integer (-1: the devices left over)")
+    if old is not None and isinstance(old, (int, float)) and not isinstance(old, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not (leaf == "stages" and isinstance(value, (list, tuple))):
+                raise ConfigError(f"{key} must be a number, got {value!r}")
+        if isinstance(old, float):
+            value = float(value)
+    with node.ignore_type():
+        node[leaf] = value
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks types, ranges and names that need no device; raises ConfigError."""
+    from cdpjax import data, methods, models  # late: the registries import JAX modules
+
+    for key, (kind, lo, hi) in _NUMERIC.items():
+        if key not in config:
+            continue
+        v = config[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
+            raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
+    for key, choices in _CHOICES.items():
+        if key in config and config[key] not in choices:
+            raise ConfigError(f"{key}={config[key]!r} is not one of {', '.join(choices)}")
+    if config.method not in methods.REGISTRY:
+        raise ConfigError(f"unknown method {config.method!r}; registered: {', '.join(sorted(methods.REGISTRY))}")
+    if config.model not in models.REGISTRY:
+        raise ConfigError(f"unknown model {config.model!r}; available: {', '.join(sorted(models.REGISTRY))}")
+    if config.dataset not in data.REGISTRY:
+        raise ConfigError(f"unknown dataset {config.dataset!r}; available: {', '.join(sorted(data.REGISTRY))}")
+    mesh = dict(config.mesh)
+    for axis, size in mesh.items():
+        if axis not in ("data", "stage"):
+            raise ConfigError(f"unknown mesh axis {axis!r}; axes are 'data' and 'stage'")
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"mesh.{axis}={size!r} must be a positive integer or -1")
+    if list(mesh.values()).count(-1) > 1:
+        raise ConfigError(f"mesh {mesh} has more than one axis of size -1")
+    stages = config.stages
+    if isinstance(stages, bool) or not isinstance(stages, (int, list, tuple)):
+        raise ConfigError(f"stages must be a number of stages or a list of split points, got {stages!r}")
+    if isinstance(stages, int) and stages < 1:
+        raise ConfigError(f"stages={stages} must be >= 1")
+    if config.checkpoint_every and config.eval_every < 0:
+        raise ConfigError("eval_every must be >= 0")

@@ -1,0 +1,111 @@
+"""What every method shares: the builder contract, the registry, and small SPMD helpers.
+
+A method's builder takes a `Context` (config, mesh, input shape, classes) and
+returns a `Method`: pure functions over an explicit train state (a pytree of
+arrays, checkpointed whole, so in-flight state resumes exactly):
+
+- `init(rng) -> state`, placed on the mesh;
+- `train_step(state, batch) -> (state, metrics)`, jitted with the state donated;
+  `batch` is one global batch `{'image': [B,H,W,C], 'label': [B]}`;
+- `export(state) -> (params, model_state)`: per-stage lists in the common
+  `StagedNet` layout, which evaluation, checkpoint inspection and the equality
+  tests use;
+- `flush(state) -> state` (pipelines only): completes the work still in flight,
+  so that the parameters account for every batch fed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax import lax
+
+from cdpjax import models, optim
+from cdpjax.config import ConfigError
+from cdpjax.mesh import axis_size
+
+REGISTRY: dict[str, Callable[["Context"], "Method"]] = {}
+
+
+def register(name: str):
+    def wrap(builder):
+        REGISTRY[name] = builder
+        return builder
+
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    config: ml_collections.ConfigDict
+    mesh: Any
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def net(self, bn_axis_name=None, stages=None) -> models.StagedNet:
+        return models.build(self.config, self.input_shape, self.num_classes, bn_axis_name, stages)
+
+    def axis(self, name: str) -> int:
+        return axis_size(self.mesh, name)
+
+    def optimizer(self):
+        return optim.make(self.config)
+
+    def require_axes(self, method: str, allowed: tuple[str, ...]) -> None:
+        for axis, size in self.mesh.shape.items():
+            if axis not in allowed and size > 1:
+                raise ConfigError(
+                    f"method {method!r} runs on mesh axes {allowed}, but the mesh has {axis}={size}; "
+                    f"set --config.mesh.{axis}=1 or choose another method"
+                )
+
+    def require_divisible(self, what: str, value: int, by: int, by_what: str) -> None:
+        if value % by:
+            raise ConfigError(f"{what}={value} is not divisible by {by_what}={by}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    net: models.StagedNet
+    init: Callable[[jax.Array], Any]
+    train_step: Callable[[Any, dict], tuple[Any, dict]]
+    export: Callable[[Any], tuple[list, list]]
+    flush: Callable[[Any], Any] | None = None
+    table: Any = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def varying(x, axes):
+    """`x` made device-varying over `axes`, leaving axes it already varies over.
+
+    Scan carries, switch branch outputs and loss cotangents inside `shard_map`
+    must agree on which axes they vary over; pcasting an already varying value
+    raises, hence the check.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def one(leaf):
+        have = jax.typeof(leaf).vma if hasattr(jax, "typeof") else frozenset()
+        missing = tuple(a for a in axes if a not in have)
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(one, x)
+
+
+def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True):
+    logits, new_state = net.apply(params, state, images, train)
+    loss = models.cross_entropy(logits, labels)
+    return loss, (new_state, models.accuracy(logits, labels))
+
+
+def init_params(net: models.StagedNet, rng):
+    """Per-stage parameters and model state, the same for every method given the seed."""
+    return net.init(rng)
+
+
+def tree_select(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

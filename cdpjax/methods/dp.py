@@ -1,0 +1,60 @@
+"""`dp`: data parallel over the `data` axis, gradients averaged once per step.
+
+Timing: every worker runs forward and backward of its slice of the global batch
+at the same time; all gradients are ready together at the end of backward, so
+the whole model is all-reduced in one burst.
+Update rule: theta_{k+1} = opt(theta_k, mean_i g_i(theta_k)), identical to
+`e2e` on the global batch (with cross-device BatchNorm statistics).
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cdpjax.methods.common import Context, Method, loss_and_metrics, register
+from cdpjax.methods.e2e import apply_updates
+
+
+@register("dp")
+def build(ctx: Context) -> Method:
+    ctx.require_axes("dp", ("data",))
+    cfg = ctx.config
+    workers = ctx.axis("data")
+    ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "mesh.data")
+    cross = bool(cfg.get("bn_cross_device", True))
+    net = ctx.net(bn_axis_name="data" if cross else None)
+    tx = ctx.optimizer()
+    mesh = ctx.mesh
+    replicated = NamedSharding(mesh, P())
+
+    def init(rng):
+        params, model_state = net.init(rng)
+        state = {"params": params, "model_state": model_state, "opt_state": [tx.init(p) for p in params]}
+        return jax.device_put(state, replicated)
+
+    def local_step(state, images, labels):
+        def local_loss(params):
+            loss, aux = loss_and_metrics(net, params, state["model_state"], images, labels)
+            # The gradient of a replicated parameter is summed over `data` by shard_map's
+            # transpose; dividing the local mean by the worker count makes that sum the mean.
+            return loss / workers, aux
+
+        (loss, (model_state, acc)), grads = jax.value_and_grad(local_loss, has_aux=True)(state["params"])
+        if not cross:  # per-device statistics: average the running estimates like the paper's code
+            model_state = lax.pmean(model_state, "data")
+        params, opt_state = apply_updates(tx, state["params"], state["opt_state"], grads)
+        metrics = {"loss": lax.psum(loss, "data"), "accuracy": lax.pmean(acc, "data")}
+        return {"params": params, "model_state": model_state, "opt_state": opt_state}, metrics
+
+    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                            out_specs=(P(), P()), check_vma=True)
+
+    @jax.jit
+    def train_step(state, batch):
+        return sharded(state, batch["image"], batch["label"])
+
+    def export(state):
+        return state["params"], state["model_state"]
+
+    return Method("dp", net, init, train_step, export)

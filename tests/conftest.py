@@ -1,0 +1,26 @@
+"""Every test runs on 8 simulated CPU devices, set before JAX initialises."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_threefry_partitionable", True)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def digits_config():
+    """A small, fast config on digits (override per test)."""
+    from cdpjax.config import default_config
+
+    c = default_config()
+    c.num_steps = 20
+    c.eval_every = 0
+    c.checkpoint_every = 0
+    c.global_batch_size = 64
+    c.log_every = 10
+    return c
