@@ -55,6 +55,12 @@ def resolve_axes(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, 
             f"mesh {dict(mesh_config)} needs {total} devices but only {num_devices} exist "
             f"(on CPU, more can be simulated with --cpu-devices)"
         )
+    if total != num_devices:
+        raise ConfigError(
+            f"mesh {dict(mesh_config)} covers {total} of the {num_devices} devices; the axis sizes must "
+            f"multiply to {num_devices} (use -1 for one axis, or run with --cpu-devices {total} on CPU "
+            f"or CUDA_VISIBLE_DEVICES on GPUs)"
+        )
     return sizes
 
 

@@ -1,0 +1,150 @@
+"""The foundation's claims: dp equals e2e, resume equals an uninterrupted run, the default trains,
+and bad input fails early with a message naming the value."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import data, methods, train
+from cdpjax.cli import main
+from cdpjax.config import ConfigError, default_config
+from cdpjax.mesh import make_mesh
+
+
+def _run(config, name, steps, mesh_axes):
+    config.method = name
+    ds = data.build(config)
+    mesh = make_mesh(mesh_axes)
+    method = methods.build(methods.Context(config, mesh, ds.image_shape, ds.num_classes))
+    state = method.init(jax.random.key(config.seed))
+    losses = []
+    for k in range(steps):
+        state, metrics = method.train_step(state, ds.train_batch(k, config.global_batch_size, config.seed))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(method.export(state))
+
+
+@pytest.mark.parametrize("model,norm", [("mlp", "batch"), ("mlp", "none")])
+def test_dp_equals_e2e(digits_config, model, norm):
+    """dp on 8 devices: same losses and parameters as e2e on one device for the same global batch
+    (cross-device BatchNorm statistics)."""
+    c = digits_config
+    c.model, c.norm, c.bn_cross_device = model, norm, True
+    e2e_losses, e2e_params = _run(c, "e2e", 3, {"data": -1})
+    dp_losses, dp_params = _run(c, "dp", 3, {"data": -1})
+    np.testing.assert_allclose(dp_losses, e2e_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), dp_params, e2e_params)
+
+
+def test_dp_gradient_is_mean_not_sum(digits_config):
+    """One SGD step without momentum moves dp's parameters exactly as e2e's: a pmean after shard_map's
+    own sum would move them 8 times as far."""
+    c = digits_config
+    c.momentum, c.weight_decay, c.schedule = 0.0, 0.0, "constant"
+    _, e2e_params = _run(c, "e2e", 1, {"data": -1})
+    _, dp_params = _run(c, "dp", 1, {"data": -1})
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), dp_params, e2e_params)
+
+
+def _final_params(config, workdir):
+    from cdpjax.checkpoint import Checkpointer
+
+    _, _, method = train.setup(config)
+    ckpt = Checkpointer(workdir)
+    state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(config.seed)))
+    ckpt.close()
+    return jax.device_get(method.export(state)[0])
+
+
+@pytest.mark.parametrize("method", ["dp"])
+def test_resume_equals_uninterrupted(digits_config, tmp_path, method):
+    c = digits_config
+    c.method, c.num_steps, c.checkpoint_every, c.eval_every, c.norm = method, 12, 4, 4, "batch"
+    full = train.train(c, str(tmp_path / "full"), progress=False)
+    part = tmp_path / "part"
+    assert train.train(c, str(part), progress=False, stop_after=6) == {"stopped_at": 6}  # killed after step 6
+    resumed = train.train(c, str(part), progress=False)
+    assert resumed["resumed_from"] == 4
+    jax.tree.map(np.testing.assert_array_equal, _final_params(c, str(part)), _final_params(c, str(tmp_path / "full")))
+    assert resumed["test_accuracy"] == full["test_accuracy"]
+    read = lambda d: (d / "metrics.jsonl").read_text()  # noqa: E731
+    assert read(part) == read(tmp_path / "full")
+
+
+def test_summary_and_metrics_files(digits_config, tmp_path):
+    c = digits_config
+    c.method, c.num_steps, c.eval_every = "dp", 10, 5
+    s = train.train(c, str(tmp_path), progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("method", "model", "dataset", "devices", "steps", "test_accuracy", "images_per_second", "wall_seconds"):
+        assert key in summary
+    assert summary["devices"] == 8 and s["steps"] == 10
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"train", "test"} <= {r["split"] for r in records}
+    for r in records:
+        assert {"step", "split", "loss", "accuracy"} <= set(r)
+
+
+BAD_INPUT = [
+    (["--config.method=sgd-magic"], "unknown method 'sgd-magic'"),
+    (["--config.model=resnet9000"], "unknown model 'resnet9000'"),
+    (["--config.dataset=mnist-ultra"], "unknown dataset 'mnist-ultra'"),
+    (["--config.method=dp", "--config.global_batch_size=100"], "global_batch_size=100 is not divisible by mesh.data=8"),
+    (["--config.mesh.data=16"], "needs 16 devices but only 8 exist"),
+    (["--config.mesh.data=3"], "must multiply to 8"),
+    (["--config.stages=9"], "stages=9 but mlp has only 4 blocks"),
+    (["--config.learning_rate=fast"], "learning_rate must be a number, got 'fast'"),
+    (["--config.num_steps=ten"], "num_steps must be a number, got 'ten'"),
+    (["--config.nosuchkey=1"], "unknown config key 'nosuchkey'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_fails_before_compiling(args, message, capsys, tmp_path, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1))
+    code = main(["train", "--no-progress", "--workdir", str(tmp_path), "--config.method=dp", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert not compiled
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_bad_input_subprocess_exits_nonzero_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config.method=nope", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown method 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_config_file_and_overrides(tmp_path):
+    from cdpjax.config import apply_overrides, load_file
+
+    path = tmp_path / "c.py"
+    path.write_text('"""doc"""\nfrom cdpjax.config import default_config\n\ndef get_config():\n'
+                    '    c = default_config()\n    c.method = "dp"\n    return c\n')
+    c = load_file(str(path))
+    apply_overrides(c, ["mesh.data=4", "mesh.stage=2", "learning_rate=0.5", "stages=[1, 3]"])
+    assert c.method == "dp" and c.mesh.data == 4 and c.mesh.stage == 2 and c.learning_rate == 0.5
+    assert list(c.stages) == [1, 3]
+    with pytest.raises(ConfigError, match="mesh axis size mesh.data='x'"):
+        apply_overrides(c, ["mesh.data='x'"])
+
+
+def test_default_command_trains_digits(tmp_path):
+    """`cdpjax train` with no arguments: at least 97% on digits in under 3 minutes (here: in a
+    subprocess, as a user runs it)."""
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--no-progress"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (workdir,) = (tmp_path / "workdirs").iterdir()
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["method"] == default_config().method and summary["dataset"] == "digits"
+    assert summary["test_accuracy"] >= 0.97, summary
+    assert str(workdir.name) in proc.stderr
