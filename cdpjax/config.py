@@ -49,7 +49,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Mesh: axis sizes; -1 takes the devices left over.
     c.mesh = ml_collections.ConfigDict({"data": -1})
     # Stages: a number of stages, or explicit split points (block indices where a stage starts).
-    c.stages = 4
+    c.stages = ml_collections.FieldReference(4, field_type=object)  # an int or a list of split points
     c.partition = "params"  # 'params' | 'flops' | 'blocks' (how `stages: int` is balanced)
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
@@ -93,7 +93,14 @@ _CHOICES = {
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
-    """Runs a config file and returns its `get_config()`."""
+    """Runs a config file and returns its `get_config()`.
+
+    `path` may end in `:ARG` (the big_vision convention): the file's `get_config(ARG)`
+    is called with that string, for files that hold several variants.
+    """
+    arg = None
+    if not os.path.isfile(path) and ":" in path:
+        path, arg = path.rsplit(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
@@ -101,7 +108,18 @@ def load_file(path: str) -> ml_collections.ConfigDict:
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config()")
-    return module.get_config()
+    return module.get_config() if arg is None else module.get_config(arg)
+
+
+def parse_arg(arg: str | None, **defaults) -> dict:
+    """`"a=1,b=x"` -> {'a': 1, 'b': 'x'} over `defaults`; unknown keys are refused."""
+    out = dict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        key, _, text = item.partition("=")
+        if key not in defaults:
+            raise ConfigError(f"config argument {key!r} is not one of {', '.join(defaults)}")
+        out[key] = _parse_value(text)
+    return out
 
 
 def _parse_value(text: str) -> Any:

@@ -38,9 +38,9 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P("data") if "data" in mesh.axis_names else P())
 
 
-def put_batch(batch: dict, mesh) -> dict:
-    """This process's slice of the global batch as global arrays sharded over `data`."""
-    sharding = batch_sharding(mesh)
+def put_batch(batch: dict, mesh, sharding=None) -> dict:
+    """This process's slice of the global batch as global arrays (default: sharded over `data`)."""
+    sharding = sharding or batch_sharding(mesh)
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
@@ -167,7 +167,7 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
             return {"stopped_at": step}
         batch = dataset.train_batch(step, config.global_batch_size, config.seed, config.augment, pid, pcount)
         t0 = time.perf_counter()
-        new_state, metrics = method.train_step(state, put_batch(batch, mesh))
+        new_state, metrics = method.train_step(state, put_batch(batch, mesh, method.input_sharding))
         metrics = jax.device_get(metrics)
         if step > start:  # the first step of a process compiles
             timed_seconds += time.perf_counter() - t0

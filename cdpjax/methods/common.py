@@ -11,7 +11,8 @@ arrays, checkpointed whole, so in-flight state resumes exactly):
   `StagedNet` layout, which evaluation, checkpoint inspection and the equality
   tests use;
 - `flush(state) -> state` (pipelines only): completes the work still in flight,
-  so that the parameters account for every batch fed.
+  so that the parameters account for every batch fed;
+- `input_sharding`: where the trainer places each global batch (default: over `data`).
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ class Method:
     flush: Callable[[Any], Any] | None = None
     table: Any = None
     info: dict = dataclasses.field(default_factory=dict)
+    # Where the trainer puts each global batch; None: sharded over the mesh's `data` axis
+    # (replicated when there is none). Single-device methods give their device's sharding.
+    input_sharding: Any = None
 
 
 def varying(x, axes):
@@ -89,11 +93,20 @@ def varying(x, axes):
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
 
     def one(leaf):
-        have = jax.typeof(leaf).vma if hasattr(jax, "typeof") else frozenset()
+        have = varying_axes(leaf)
         missing = tuple(a for a in axes if a not in have)
         return lax.pcast(leaf, missing, to="varying") if missing else leaf
 
     return jax.tree.map(one, x)
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes `x` varies over inside `shard_map` (`.vma` on JAX 0.11, `.manual_axis_type` on 0.10)."""
+    t = jax.typeof(x)
+    if hasattr(t, "vma"):
+        return frozenset(t.vma)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
 
 
 def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True):

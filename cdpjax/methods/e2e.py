@@ -7,6 +7,7 @@ elementwise optimizers used here, and the same layout as the staged methods).
 from __future__ import annotations
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from cdpjax.methods.common import Context, Method, loss_and_metrics, register
 
@@ -43,7 +44,8 @@ def build(ctx: Context) -> Method:
     def export(state):
         return state["params"], state["model_state"]
 
-    return Method("e2e", net, init, train_step, export)
+    return Method("e2e", net, init, train_step, export, info={"devices": 1},
+                  input_sharding=SingleDeviceSharding(device))
 
 
 apply_updates = _update

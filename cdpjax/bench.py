@@ -1,0 +1,181 @@
+"""Benchmarks: compile time, step time, memory, collectives and table figures, per method.
+
+Everything is measured side by side in one process, so ratios between methods
+are meaningful on any machine; on simulated CPU devices (which share the same
+cores) absolute times are not results, but the ratio of a parallel method to the
+same work on one device is the framework's own overhead.
+
+- memory: `jax.jit(step).lower(...).compile().memory_analysis()` per device.
+- collectives: the compiled HLO text, per kind: static count of the ops (an op
+  inside a loop body is counted once), bytes of their results, largest one.
+- activation, busy fraction, comm balance: from the method's time table.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1, "u64": 8,
+                "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b(f64|f32|f16|bf16|s64|s32|s16|s8|u64|u32|u16|u8|pred|c64|c128)\[([0-9,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Per collective kind: static `count`, total result `bytes`, `max_bytes` of one op."""
+    out = {k: {"count": 0, "bytes": 0, "max_bytes": 0} for k in COLLECTIVES}
+    for line in hlo_text.splitlines():
+        if "=" not in line:
+            continue
+        lhs, rhs = line.split("=", 1)
+        for kind in COLLECTIVES:
+            # `kind(` or the async `kind-start(`; the matching `-done` is the same transfer.
+            m = re.match(rf"\s*(\(.*?\)|\S+)\s+{kind}(-start)?\(", rhs)
+            if m:
+                nbytes = _shape_bytes(m.group(1))
+                if m.group(2):  # async start returns (operand, result, ...): count the result once
+                    nbytes //= 2 if kind != "collective-permute" else 1
+                rec = out[kind]
+                rec["count"] += 1
+                rec["bytes"] += nbytes
+                rec["max_bytes"] = max(rec["max_bytes"], nbytes)
+                break
+    return out
+
+
+def memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return {
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(getattr(m, "alias_size_in_bytes", 0)),
+    }
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def stage_sizes(net, micro_batch: int) -> dict[str, list[int]]:
+    """Per-stage parameter bytes and output-activation bytes for `micro_batch` examples."""
+    params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    act = [int(np.prod(s)) * 4 for s in net.stage_output_shapes(micro_batch)]
+    return {"param_bytes": [tree_bytes(p) for p in params], "activation_bytes": act}
+
+
+def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
+    """Figures that come from the method's time table (None where it has none)."""
+    if table is None:
+        return {}
+    out: dict[str, Any] = {}
+    if hasattr(table, "busy_fraction"):
+        bf = table.busy_fraction()
+        out["busy_fraction"] = float(bf["overall"] if isinstance(bf, dict) else bf)
+    if hasattr(table, "activation_total"):
+        act = table.activation_total()
+        act = act if isinstance(act, dict) else {"series": list(act)}
+        series = np.asarray(act.get("series", act.get("total", [])), float)
+        mean_bytes = float(np.mean(sizes["activation_bytes"])) if sizes else 0.0
+        peak = float(act.get("peak", series.max() if series.size else 0.0))
+        mean = float(act.get("mean", series.mean() if series.size else 0.0))
+        out["activation_total"] = {"peak": peak, "mean": mean, "peak_bytes": peak * mean_bytes,
+                                   "mean_bytes": mean * mean_bytes}
+    if hasattr(table, "comm_balance") and sizes:
+        out["comm_balance"] = float(table.comm_balance(sizes["param_bytes"]))
+    if hasattr(table, "bytes_per_tick") and sizes:
+        per_tick = np.asarray(table.bytes_per_tick(sizes["param_bytes"]), float)
+        workers = max(int(getattr(table, "workers", 1)), 1)
+        steps = max(int(getattr(table, "steps", 1)), 1)
+        out["bytes_sent_per_worker_per_step"] = float(per_tick.sum() / workers / steps)
+    return out
+
+
+def time_steps(step_fn, state, batch, warmup: int = 2, repeats: int = 5):
+    """Median seconds of `step_fn(state, batch)` after warm-up (state threaded through)."""
+    for _ in range(warmup):
+        state, out = step_fn(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, out = step_fn(state, batch)
+        jax.block_until_ready((state, out))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), state
+
+
+def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:
+    """One record: compile, time, memory, collectives and table figures of `config.method`."""
+    from cdpjax import train
+
+    dataset, mesh, method = train.setup(config, devices)
+    batch = train.put_batch(dataset.train_batch(0, config.global_batch_size, config.seed, False), mesh,
+                            method.input_sharding)
+    state = method.init(jax.random.key(config.seed))
+    t0 = time.perf_counter()
+    lowered = method.train_step.lower(state, batch)
+    compiled = lowered.compile()
+    compile_seconds = time.perf_counter() - t0
+    step_seconds, _ = time_steps(compiled, state, batch, warmup, repeats)
+    workers = int(method.info.get("workers", mesh.shape.get("data", 1)))
+    sizes = stage_sizes(method.net, max(config.global_batch_size // max(workers, 1), 1))
+    record = {
+        "method": config.method,
+        "devices": int(method.info.get("devices", mesh.devices.size)),
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "stages": method.net.num_stages,
+        "global_batch_size": config.global_batch_size,
+        "compile_seconds": compile_seconds,
+        "step_seconds": step_seconds,
+        "images_per_second": config.global_batch_size / step_seconds,
+        "memory": memory(compiled),
+        "collectives": collectives(compiled.as_text()),
+        "param_bytes": int(sum(sizes["param_bytes"])),
+        "stage_param_bytes": sizes["param_bytes"],
+        **table_figures(method.table, sizes),
+        "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
+    }
+    return record
+
+
+def format_table(records: list[dict]) -> str:
+    """A readable table with ratios to the first method."""
+    if not records:
+        return ""
+    base = records[0]
+    head = ["method", "devices", "compile s", "step s", "x first", "img/s", "temp MiB", "args MiB",
+            "busy", "act peak", "comm bal", "all-reduce MiB", "permute MiB"]
+    rows = []
+    for r in records:
+        mem = r.get("memory", {})
+        coll = r.get("collectives", {})
+        act = r.get("activation_total", {})
+        rows.append([
+            r["method"], str(r["devices"]), f"{r['compile_seconds']:.1f}", f"{r['step_seconds']:.4f}",
+            f"{r['step_seconds'] / base['step_seconds']:.2f}", f"{r['images_per_second']:.0f}",
+            f"{mem.get('temp_bytes', 0) / 2**20:.2f}", f"{mem.get('argument_bytes', 0) / 2**20:.2f}",
+            f"{r['busy_fraction']:.2f}" if "busy_fraction" in r else "-",
+            f"{act['peak']:.1f}" if act else "-",
+            f"{r['comm_balance']:.2f}" if "comm_balance" in r else "-",
+            f"{coll.get('all-reduce', {}).get('bytes', 0) / 2**20:.3f}",
+            f"{coll.get('collective-permute', {}).get('bytes', 0) / 2**20:.3f}",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,0 +1,74 @@
+"""`cdpjax bench`: several methods on the same model and batch, side by side in one process."""
+from __future__ import annotations
+
+import json
+import sys
+
+# The mesh each method runs on when benchmarked with all devices: pipeline methods put the
+# devices on `stage`, the others on `data` (single-device methods use the first device only).
+STAGE_AXIS_METHODS = ("ppll", "gpipe", "cdp-mp")
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("bench", help="compare methods: compile/step time, memory, collectives, tables")
+    p.add_argument("--config", help="Python config file (default: the digits default)")
+    p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2", help="comma-separated method names")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices where no accelerator is present")
+    p.add_argument("--json", dest="json_out", help="write the records to this JSON file")
+    p.add_argument("--keep-mesh", action="store_true", help="use the config's mesh for every method")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (median reported)")
+    p.add_argument("--predict", type=int, default=0, metavar="K",
+                   help="also predict step time and speedup on K real devices (see cdpjax.speedup)")
+    p.add_argument("--bandwidth", type=float, default=100e9, help="bytes/s between devices for --predict")
+    return p
+
+
+def mesh_for(method: str, config):
+    from cdpjax import config as cfg_lib
+
+    if method in STAGE_AXIS_METHODS:
+        mesh = {"stage": -1}
+    else:
+        mesh = {"data": -1}
+    return cfg_lib.ml_collections.ConfigDict(mesh)
+
+
+def run(args, overrides=()) -> int:
+    from cdpjax.cli import _load
+    from cdpjax.mesh import setup_devices
+
+    base = _load(args, overrides)
+    setup_devices(args.cpu_devices)
+    from cdpjax import bench, config as cfg_lib
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    from cdpjax import methods
+
+    unknown = [m for m in names if m not in methods.REGISTRY]
+    if unknown:
+        raise cfg_lib.ConfigError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(sorted(methods.REGISTRY))}")
+    records = []
+    for name in names:
+        c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
+        c.method = name
+        if not args.keep_mesh:
+            c.mesh = mesh_for(name, c)
+        print(f"cdpjax bench: {name} ...", file=sys.stderr, flush=True)
+        records.append(bench.bench_method(c, repeats=args.repeats))
+    if args.predict:
+        from cdpjax import speedup
+
+        for r, name in zip(records, names):
+            c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
+            c.method = name
+            r["prediction"] = speedup.predict_for_config(c, args.predict, args.bandwidth)
+    print(bench.format_table(records))
+    if args.predict:
+        from cdpjax import speedup
+
+        print(speedup.format_predictions(records))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(records, f, indent=2)
+        print(f"cdpjax bench: records in {args.json_out}", file=sys.stderr)
+    return 0
