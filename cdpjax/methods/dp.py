@@ -57,4 +57,16 @@ def build(ctx: Context) -> Method:
     def export(state):
         return state["params"], state["model_state"]
 
-    return Method("dp", net, init, train_step, export)
+    return Method("dp", net, init, train_step, export, table=_table(workers, net.num_stages),
+                  info={"workers": workers})
+
+
+def _table(workers: int, stages: int):
+    """dp's time table (for the benches and pictures); None where the CDP layout refuses the sizes."""
+    from cdpjax import timetable
+    from cdpjax.config import ConfigError
+
+    try:
+        return timetable.cdp_table("dp", workers, stages)
+    except ConfigError:
+        return None

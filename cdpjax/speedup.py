@@ -1,0 +1,243 @@
+"""A speedup model: predicted step time of a method on K real devices.
+
+From per-stage forward and backward times measured on ONE device, a method's
+time table, and a transfer bandwidth, an event simulation replays the table on
+K devices and predicts the step time, and hence the speedup over running the
+same work sequentially on one device.
+
+Assumptions (stated, not hidden):
+- An op takes the measured time of its stage on one device, whatever else runs
+  (no contention, no kernel overlap between ops on one device); `FB` (PPLL's
+  forward + local backward + update) takes forward + backward of the stage body,
+  auxiliary head excluded unless `head_seconds` is given.
+- A device runs its ops in the table's tick order, each as soon as its inputs
+  are there: a forward needs the previous stage's forward of the same
+  micro-batch, a backward the next stage's backward (the last stage: its own
+  forward); crossing devices adds bytes / bandwidth (activation or cotangent of
+  the boundary, one hop, no latency term).
+- An op reading parameter version v >= 1 of stage j waits for stage j's update
+  v-1, which is ready when the last backward of that stage's step is done plus
+  its gradient synchronisation: `dp` one ring all-reduce of the whole model,
+  2(N-1)/N x model bytes / bandwidth, after the last backward of the step; CDP
+  the relay of the completed stage sum, (N-1) hops of the stage's gradient
+  (partial-sum hops overlap compute and are not on the critical path);
+  pipelines none (the stage owns its parameters).
+- Steady state: the step time is the slope of step completion times over the
+  laid-out steps, so fill and drain at the ends of a run are excluded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+    forward: tuple[float, ...]  # seconds per micro-batch, per stage
+    backward: tuple[float, ...]
+    activation_bytes: tuple[float, ...]  # output of each stage, per micro-batch
+    gradient_bytes: tuple[float, ...]  # parameters of each stage
+
+
+def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
+    """Replays `table` with `costs`; returns finish times and the predicted step time."""
+    L = table.stages
+    n_workers = max(int(table.workers), 1)
+    bw = float(bandwidth)
+    device_free = defaultdict(float)
+    done: dict[tuple, tuple[float, int]] = {}  # (kind, stage, step, micro) -> (finish, device)
+    last_backward: dict[tuple[int, int], float] = defaultdict(float)  # (stage, step) -> finish
+    step_finish: dict[int, float] = defaultdict(float)
+    ops = sorted(table.ops, key=lambda o: (o.tick, o.device))
+
+    def update_ready(stage: int, step: int) -> float:
+        t = last_backward[(stage, step)]
+        if table.method == "dp":
+            model = float(sum(costs.gradient_bytes))
+            return max(last_backward[(j, step)] for j in range(L)) + 2 * (n_workers - 1) / n_workers * model / bw
+        if table.method.startswith("cdp"):
+            return t + (n_workers - 1) * costs.gradient_bytes[stage] / bw
+        return t
+
+    def after(key, device, nbytes):
+        finish, dev = done[key]
+        return finish + (nbytes / bw if dev != device else 0.0)
+
+    for op in ops:
+        j, mb = op.stage, (op.step, op.micro)
+        ready = device_free[op.device]
+        if op.kind in ("F", "FB") and j > 0:
+            ready = max(ready, after((op.kind, j - 1, *mb), op.device, costs.activation_bytes[j - 1]))
+        if op.kind == "B":
+            if j < L - 1:
+                ready = max(ready, after(("B", j + 1, *mb), op.device, costs.activation_bytes[j]))
+            else:
+                ready = max(ready, after(("F", j, *mb), op.device, 0.0))
+        if op.kind in ("F", "FB") and op.version >= 1 and table.method != "ppll":
+            ready = max(ready, update_ready(j, op.version - 1))
+        duration = {"F": costs.forward[j], "B": costs.backward[j],
+                    "FB": costs.forward[j] + costs.backward[j]}[op.kind]
+        finish = ready + duration
+        device_free[op.device] = finish
+        done[(op.kind, j, *mb)] = (finish, op.device)
+        if op.kind in ("B", "FB"):
+            last_backward[(j, op.step)] = max(last_backward[(j, op.step)], finish)
+        step_finish[op.step] = max(step_finish[op.step], finish)
+    steps = sorted(step_finish)
+    ends = np.array([step_finish[s] for s in steps])
+    if len(ends) >= 3:
+        step_time = float(np.polyfit(np.arange(len(ends))[1:], ends[1:], 1)[0])
+    elif len(ends) == 2:
+        step_time = float(ends[1] - ends[0])
+    else:
+        step_time = float(ends[0])
+    sequential = _sequential_step(table, costs)
+    return {"step_seconds": step_time, "sequential_step_seconds": sequential,
+            "speedup": sequential / step_time if step_time > 0 else float("nan"),
+            "total_seconds": float(ends[-1]), "devices": int(table.devices)}
+
+
+def _sequential_step(table, costs: StageCosts) -> float:
+    """The same work on one device: every op of one step, back to back."""
+    per_step = defaultdict(float)
+    for op in table.ops:
+        per_step[op.step] += {"F": costs.forward[op.stage], "B": costs.backward[op.stage],
+                              "FB": costs.forward[op.stage] + costs.backward[op.stage]}[op.kind]
+    return float(np.median(list(per_step.values())))
+
+
+def _median_seconds(fn, *args, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_stage_costs(net, micro_batch: int, repeats: int = 5) -> StageCosts:
+    """Per-stage forward and backward (recomputing the forward inside, as the pipelines do) on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    params, state = net.init(jax.random.key(0))
+    x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
+    fwd, bwd, act, grad = [], [], [], []
+    for j in range(net.num_stages):
+        f = jax.jit(lambda p, s, v, j=j: net.apply_stage(j, p, s, v, True)[0])
+        y = f(params[j], state[j], x)
+
+        def backward(p, s, v, ct, j=j):
+            _, vjp = jax.vjp(lambda p_, v_: net.apply_stage(j, p_, s, v_, True)[0], p, v)
+            return vjp(ct)
+
+        b = jax.jit(backward)
+        fwd.append(_median_seconds(f, params[j], state[j], x, repeats=repeats))
+        bwd.append(_median_seconds(b, params[j], state[j], x, jnp.ones_like(y), repeats=repeats))
+        act.append(float(y.size * y.dtype.itemsize))
+        grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
+        x = y
+    return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad))
+
+
+def table_for(method: str, devices: int, stages: int, microbatches: int = 4, steps: int = 6):
+    from cdpjax import timetable
+
+    if method in ("e2e", "local"):
+        return None
+    if method in timetable.CDP_METHODS:
+        return timetable.cdp_table(method, devices, stages, steps)
+    if method == "ppll":
+        return timetable.ppll_table(stages, steps * 2 + stages)
+    if method == "gpipe":
+        return timetable.gpipe_table(stages, microbatches, steps)
+    extra = getattr(timetable, "table", None)
+    try:
+        return extra(method, devices, stages, steps, microbatches) if extra else None
+    except Exception:  # noqa: BLE001 - a method with no table of its own
+        return None
+
+
+def predict_for_config(config, devices: int, bandwidth: float) -> dict:
+    """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`."""
+    from cdpjax import data, models
+
+    ds = data.build(config)
+    net = models.build(config, ds.image_shape, ds.num_classes)
+    method = config.method
+    pipeline = method in ("ppll", "gpipe", "cdp-mp")
+    stages = net.num_stages
+    if pipeline and devices != stages:
+        return {"method": method, "error": f"{method} runs one stage per device: devices={devices} != stages={stages}"}
+    workers = devices if not pipeline else 1
+    mb = config.global_batch_size // (config.microbatches if method == "gpipe" else max(workers, 1))
+    try:
+        tbl = table_for(method, devices, stages, int(config.get("microbatches", 4)))
+    except Exception as e:  # noqa: BLE001 - e.g. sizes the CDP table refuses
+        return {"method": method, "error": str(e)}
+    if tbl is None:
+        return {"method": method, "error": "no time table (single-device method)"}
+    costs = measure_stage_costs(net, max(mb, 1))
+    out = simulate(tbl, costs, bandwidth)
+    out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
+               imbalance=float(max(np.add(costs.forward, costs.backward)) / np.mean(np.add(costs.forward, costs.backward))),
+               assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
+    return out
+
+
+def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int, repeats: int = 5):
+    """Split points minimising the slowest stage by MEASURED forward+backward time per block.
+
+    Returns (points, report) where the report gives the per-stage times and the
+    imbalance (slowest / mean) of these points and of the even split by block count.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from cdpjax.models.partition import balanced_points, even_points
+
+    x = jnp.zeros((batch_size, *input_shape), jnp.float32)
+    costs = []
+    for k, block in enumerate(blocks):
+        variables = block.init(jax.random.key(k), x, train=False)
+
+        def fwd_bwd(v, inp, block=block):
+            def f(params, i):
+                return block.apply({**v, "params": params}, i, train=False).sum()
+
+            return jax.grad(f, argnums=(0, 1))(v["params"], inp)
+
+        costs.append(_median_seconds(jax.jit(fwd_bwd), variables, x, repeats=repeats))
+        x = block.apply(variables, x, train=False)
+    points = balanced_points(costs, stages)
+    even = even_points(len(blocks), stages)
+
+    def per_stage(pts):
+        bounds = list(zip((0, *pts), (*pts, len(blocks))))
+        return [float(sum(costs[a:b])) for a, b in bounds]
+
+    report = {}
+    for name, pts in (("by_time", points), ("even", even)):
+        t = per_stage(pts)
+        report[name] = {"points": list(pts), "stage_seconds": t, "imbalance": max(t) / (sum(t) / len(t))}
+    return points, report
+
+
+def format_predictions(records: list[dict]) -> str:
+    lines = ["prediction on real devices (cdpjax.speedup; assumptions in its docstring):"]
+    for r in records:
+        p = r.get("prediction", {})
+        if "error" in p:
+            lines.append(f"  {r['method']:>8}: {p['error']}")
+        elif p:
+            lines.append(f"  {r['method']:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices, "
+                         f"speedup {p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}")
+    return "\n".join(lines)

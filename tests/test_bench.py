@@ -1,0 +1,76 @@
+"""`cdpjax bench` and the speedup model: fields present, HLO parsed right, predictions match closed forms."""
+import json
+
+import numpy as np
+import pytest
+
+from cdpjax import bench, speedup, timetable
+from cdpjax.cli import main
+
+
+def test_collective_parser_reads_shapes_and_tuples():
+    hlo = """
+  %all-reduce.1 = f32[128,10]{1,0} all-reduce(f32[128,10]{1,0} %p), channel_id=1, to_apply=%sum
+  %ar2 = (f32[4]{0}, bf16[8]{0}) all-reduce(f32[4]{0} %a, bf16[8]{0} %b), channel_id=2
+  %collective-permute.3 = f32[2,3]{1,0} collective-permute(f32[2,3]{1,0} %x), source_target_pairs={{0,1}}
+  %add = f32[2] add(f32[2] %a, f32[2] %b)
+"""
+    out = bench.collectives(hlo)
+    assert out["all-reduce"] == {"count": 2, "bytes": 128 * 10 * 4 + 16 + 16, "max_bytes": 5120}
+    assert out["collective-permute"] == {"count": 1, "bytes": 24, "max_bytes": 24}
+    assert out["all-gather"]["count"] == 0
+
+
+def test_bench_records_e2e_and_dp(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--methods", "e2e,dp", "--repeats", "2", "--json", str(out),
+                 "--config.method=dp"]) == 0
+    table = capsys.readouterr().out
+    assert "x first" in table and "dp" in table
+    e2e, dp = json.loads(out.read_text())
+    for r in (e2e, dp):
+        for key in ("compile_seconds", "step_seconds", "images_per_second", "memory", "collectives"):
+            assert key in r
+        assert {"temp_bytes", "argument_bytes", "output_bytes"} <= set(r["memory"])
+    assert e2e["devices"] == 1 and dp["devices"] == 8
+    assert e2e["collectives"]["all-reduce"]["count"] == 0
+    # dp all-reduces the whole model (plus two scalars) once per step.
+    assert dp["collectives"]["all-reduce"]["bytes"] >= dp["param_bytes"]
+    assert dp["collectives"]["all-reduce"]["max_bytes"] >= 0.9 * dp["param_bytes"]
+
+
+def test_bench_refuses_unknown_method(capsys):
+    assert main(["bench", "--methods", "e2e,warp-drive"]) == 2
+    assert "unknown method(s) warp-drive" in capsys.readouterr().err
+
+
+UNIFORM = speedup.StageCosts((1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
+def test_gpipe_prediction_is_the_bubble_formula(microbatches):
+    """With free transfers and balanced stages GPipe's speedup is M*K/(M+K-1)."""
+    r = speedup.simulate(timetable.gpipe_table(4, microbatches, 5), UNIFORM, 1e15)
+    assert r["speedup"] == pytest.approx(microbatches * 4 / (microbatches + 3))
+
+
+def test_ppll_and_cdp_predictions():
+    ppll = speedup.simulate(timetable.ppll_table(4, 24), UNIFORM, 1e15)
+    assert ppll["speedup"] == pytest.approx(4.0)  # no bubble in steady state
+    # an imbalanced stage sets the pace of the pipeline
+    slow = speedup.StageCosts((1.0, 1.0, 3.0, 1.0), (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
+    assert speedup.simulate(timetable.ppll_table(4, 24), slow, 1e15)["step_seconds"] == pytest.approx(5.0)
+    # dp pays its all-reduce on the critical path; cdp-v1 hides the relay behind the delay
+    dp = speedup.simulate(timetable.cdp_table("dp", 4, 4, 6), UNIFORM, 1.0)
+    v1 = speedup.simulate(timetable.cdp_table("cdp-v1", 4, 4, 6), UNIFORM, 1.0)
+    assert dp["step_seconds"] == pytest.approx(12.0 + 2 * 3 / 4 * 4)
+    assert v1["step_seconds"] == pytest.approx(12.0)
+
+
+def test_balance_by_time_beats_even_split():
+    from cdpjax.models.mlp import mlp
+
+    blocks = mlp(10, (8, 8, 1), width=64, depth=5)
+    points, report = speedup.balance_by_time(blocks, (8, 8, 1), 3, batch_size=32, repeats=3)
+    assert report["by_time"]["imbalance"] <= report["even"]["imbalance"] + 1e-9
+    assert len(points) == 2
