@@ -28,6 +28,10 @@ class Dataset:
       read: read(split, indices) -> (uint8 or float images [n, ...], int labels [n]); unaugmented.
       augment: augment(images float32 [n,H,W,C], rng: np.random.Generator) -> images; the papers' recipe.
       mean, std: per-channel normalisation applied after augmentation.
+      read_augmented: optional read_augmented(indices, rng) -> (float32 images, labels): reads and
+        augments training examples together, replacing read + augment in `train_batch`, for
+        datasets whose augmentation needs the raw image (ImageNet's random resized crop of images
+        of varying size).
     """
 
     name: str
@@ -39,6 +43,7 @@ class Dataset:
     augment: Callable | None = None
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    read_augmented: Callable | None = None
 
     def _normalise(self, images: np.ndarray) -> np.ndarray:
         images = images.astype(np.float32)
@@ -50,11 +55,14 @@ class Dataset:
         idx = stream_indices(step, global_batch, self.num_train, seed)
         per_process = global_batch // process_count
         idx = idx[process_index * per_process:(process_index + 1) * per_process]
-        images, labels = self.read("train", idx)
-        images = images.astype(np.float32)
-        if augment and self.augment is not None:
-            rng = np.random.default_rng([seed, step, process_index, 1])
-            images = self.augment(images, rng)
+        rng = np.random.default_rng([seed, step, process_index, 1])
+        if augment and self.read_augmented is not None:
+            images, labels = self.read_augmented(idx, rng)
+        else:
+            images, labels = self.read("train", idx)
+            images = images.astype(np.float32)
+            if augment and self.augment is not None:
+                images = self.augment(images, rng)
         return {"image": self._normalise(images), "label": labels.astype(np.int32)}
 
     def test_batches(self, batch_size: int, limit: int | None = None):
