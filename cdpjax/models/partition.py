@@ -1,9 +1,33 @@
-"""Stage partitions: where the blocks of a model are cut into stages."""
+"""Stage partitions: where the blocks of a model are cut into stages.
+
+A partition is a tuple of split points: the block indices where stages
+1..L-1 start. It is given explicitly, or computed for a number of stages by a
+strategy:
+
+- `blocks`: the same number of blocks per stage (rounded);
+- `params`: balance parameter counts (each block's `init` evaluated abstractly),
+  which sets the padding of a uniform parameter carrier;
+- `flops`: balance XLA's cost-analysis FLOPs of each block's forward at batch 1,
+  which sets the pace of a pipeline (the slowest stage).
+
+The balanced strategies return the contiguous partition that minimises the
+largest stage cost (exactly, by dynamic programming), and among those the one
+with the smallest sum of squared stage costs, so ties go to the most even cut.
+
+`INFOPRO_SPLITS` holds InfoPro's ResNet-32 cuts for K local modules as split
+points of `resnet32`'s block list; `infopro_points(K)` returns them for a config.
+"""
 from __future__ import annotations
 
+import functools
+import math
 from typing import Sequence
 
+import numpy as np
+
 from cdpjax.config import ConfigError
+
+STRATEGIES = ("params", "flops", "blocks")
 
 
 def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name: str = "model") -> tuple[int, ...]:
@@ -25,5 +49,178 @@ def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name:
         raise ConfigError(f"stages={stages} but {model_name} has only {n} blocks: choose stages <= {n}")
     if stages < 1:
         raise ConfigError(f"stages={stages} must be >= 1")
-    # Even split by block count; the balanced strategies refine it.
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"partition={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy == "blocks" or stages in (1, n):  # nothing to balance
+        return even_points(n, stages)
+    return balanced_points(block_costs(blocks, input_shape, strategy), stages)
+
+
+def even_points(n: int, stages: int) -> tuple[int, ...]:
+    """The same number of blocks per stage, rounded."""
     return tuple(round(n * k / stages) for k in range(1, stages))
+
+
+def balanced_points(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+    """Split points of the contiguous partition of `costs` into `stages` non-empty parts
+    with the smallest maximum part; among those, the smallest sum of squared parts."""
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"cannot cut {n} blocks into {stages} non-empty stages")
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+
+    def part(a, b):
+        return prefix[b] - prefix[a]
+
+    # Pass 1: the optimal bottleneck. worst[k][i]: best max cost of the first i blocks in k parts.
+    inf = math.inf
+    worst = [[inf] * (n + 1) for _ in range(stages + 1)]
+    worst[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            worst[k][i] = min(max(worst[k - 1][j], part(j, i)) for j in range(k - 1, i))
+    bound = worst[stages][n] * (1 + 1e-9) + 1e-12
+    # Pass 2: under that bound, the most even partition (least sum of squares).
+    square = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    square[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                c = part(j, i)
+                if c <= bound and square[k - 1][j] + c * c < square[k][i]:
+                    square[k][i], choice[k][i] = square[k - 1][j] + c * c, j
+    points, i = [], n
+    for k in range(stages, 1, -1):
+        i = choice[k][i]
+        points.append(i)
+    return tuple(reversed(points))
+
+
+def _cached(fn):
+    """Memoise per (block, input shape); blocks are frozen dataclasses, so equal blocks share costs."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(block, shape):
+        try:
+            return cached(block, shape)
+        except TypeError:  # an unhashable block: compute without the cache
+            return fn(block, shape)
+
+    return wrapper
+
+
+def _abstract_init(block, shape):
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    y, variables = jax.eval_shape(lambda v: block.init_with_output(jax.random.key(0), v, train=False), x)
+    return x, y, variables
+
+
+@_cached
+def _params_and_output(block, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    import jax
+
+    _, y, variables = _abstract_init(block, shape)
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(variables.get("params", {})))
+    return count, tuple(y.shape)
+
+
+@_cached
+def _flops(block, shape: tuple[int, ...]) -> float:
+    import jax
+
+    x, _, variables = _abstract_init(block, shape)
+    lowered = jax.jit(lambda v, a: block.apply(v, a, train=False)).lower(variables, x)
+    # Cost analysis of the lowered module avoids a compile where the backend offers it.
+    cost = _first(lowered.cost_analysis())
+    if not cost or "flops" not in cost:
+        cost = _first(lowered.compile().cost_analysis())
+    return float(cost["flops"])
+
+
+def _first(cost):
+    return cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+
+
+def block_shapes(blocks: Sequence, input_shape, batch_size: int = 1) -> list[tuple[int, ...]]:
+    """The input shape of every block, then the model's output shape (len(blocks) + 1 entries)."""
+    shapes = [(batch_size, *tuple(input_shape))]
+    for block in blocks:
+        shapes.append(_params_and_output(block, shapes[-1])[1])
+    return shapes
+
+
+def block_costs(blocks: Sequence, input_shape, metric: str) -> list[float]:
+    """Per-block cost: `params` (parameter count), `flops` (forward FLOPs at batch 1) or `blocks` (1 each)."""
+    if metric == "blocks":
+        return [1.0] * len(blocks)
+    if metric not in STRATEGIES:
+        raise ConfigError(f"partition={metric!r} is not one of {', '.join(STRATEGIES)}")
+    shapes = block_shapes(blocks, input_shape)
+    if metric == "params":
+        return [float(_params_and_output(b, s)[0]) for b, s in zip(blocks, shapes)]
+    return [_flops(b, s) for b, s in zip(blocks, shapes)]
+
+
+def _imbalance(costs: Sequence[float]) -> float:
+    mean = float(np.mean(costs))
+    return float(np.max(costs)) / mean if mean > 0 else 1.0
+
+
+def balance_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+    """Per-stage parameter counts and forward FLOPs (batch 1) of a partition, and the
+    imbalance of each: the largest stage over the mean stage (1.0 is perfect)."""
+    points = tuple(points)
+    bounds = list(zip((0, *points), (*points, len(blocks))))
+    report = {"bounds": bounds}
+    for metric in ("params", "flops"):
+        costs = block_costs(blocks, input_shape, metric)
+        per_stage = [float(sum(costs[a:b])) for a, b in bounds]
+        report[metric] = [int(c) for c in per_stage] if metric == "params" else per_stage
+        report[f"{metric}_imbalance"] = _imbalance(per_stage)
+    return report
+
+
+# InfoPro's ResNet-32 table (InfoPro-Pytorch, networks/configs.py): the local module
+# ends after residual block `b` (0-based) of group `g` (1..3); (0, 0) is the stem.
+# The last module always ends with the classifier.
+_INFOPRO_CUTS = {
+    1: (),
+    2: ((2, 1),),
+    3: ((1, 4), (2, 4)),
+    4: ((1, 2), (2, 1), (3, 0)),
+    8: ((1, 0), (1, 2), (1, 4), (2, 1), (2, 3), (3, 0), (3, 2)),
+    16: ((0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4),
+         (3, 0), (3, 1), (3, 2), (3, 3)),
+}
+_RESNET32_GROUP_DEPTH = 5
+
+
+def _infopro_point(group: int, block: int) -> int:
+    # resnet32's blocks: stem 0, group g's block b at 1 + 5 (g - 1) + b, head 16. A cut after
+    # a block is a split point at the next index.
+    return 1 if group == 0 else 1 + _RESNET32_GROUP_DEPTH * (group - 1) + block + 1
+
+
+# K -> split points of `resnet32`. K = 4: (4, 8, 12), i.e. stages [stem, g1b0-g1b2],
+# [g1b3-g2b1], [g2b2-g3b0], [g3b1-g3b4, head]. K = 16 follows InfoPro too: the stem alone is
+# the first module, and the last residual block shares the last module with the classifier.
+INFOPRO_SPLITS: dict[int, tuple[int, ...]] = {
+    k: tuple(_infopro_point(g, b) for g, b in cuts) for k, cuts in _INFOPRO_CUTS.items()
+}
+
+
+def infopro_points(k: int) -> list[int]:
+    """InfoPro's split points of `resnet32` for K local modules (K in 1, 2, 3, 4, 8, 16).
+
+    In a config file: `config.stages` is typed as an int, so set it with
+    `with config.ignore_type(): config.stages = infopro_points(4)`.
+    """
+    if k not in INFOPRO_SPLITS:
+        raise ConfigError(f"no InfoPro split for K={k!r}; tables exist for K in {sorted(INFOPRO_SPLITS)}")
+    return list(INFOPRO_SPLITS[k])

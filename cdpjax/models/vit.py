@@ -1,1 +1,101 @@
-def _none(): pass
+"""Vision transformers as blocks: [patch embedding, encoder blocks..., head].
+
+Between blocks the activation is a token sequence [B, T, D] with T = 1 + the
+number of patches (a class token first), so every encoder block has the same
+input and output shape and the same parameters: stages of a ViT stack
+natively. The head reads the class token through a final LayerNorm.
+
+- `vit_b` (ViT-B shape: 768 wide, 12 heads, 12 blocks, MLP 3072) with patch 16,
+  or patch 4 for inputs of 32x32 or less (the PPLL setup on CIFAR-10 / SVHN);
+- `vit_tiny` (32 wide, 2 heads, 4 blocks) with patch 2 for inputs up to 16x16
+  (8x8 digits give 16 patches), 4 above;
+- `vit`: any size (`patch`, `dim`, `depth`, `heads`, `mlp_dim`).
+
+Normalisation is always pre-LayerNorm, whatever `norm` says: it is per token,
+so it keeps no state and gives the same result however the batch is split.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from cdpjax.config import ConfigError
+from cdpjax.models import register
+
+dense_init = nn.initializers.xavier_uniform()
+
+
+class PatchEmbedding(nn.Module):
+    """Non-overlapping patches projected to `dim`, a learned class token, learned positions."""
+
+    patch: int
+    dim: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        p = self.patch
+        x = nn.Conv(self.dim, (p, p), (p, p), padding="VALID", name="projection")(x)
+        b, h, w, d = x.shape
+        x = x.reshape(b, h * w, d)
+        cls = self.param("cls", nn.initializers.zeros, (1, 1, d))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, d)).astype(x.dtype), x], axis=1)
+        return x + self.param("pos_embedding", nn.initializers.normal(0.02), (1, h * w + 1, d))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
+    heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        d = x.shape[-1]
+        y = nn.LayerNorm(epsilon=1e-6)(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, kernel_init=dense_init)(y, y, deterministic=True)
+        x = x + y
+        y = nn.LayerNorm(epsilon=1e-6)(x)
+        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init)(y))
+        return x + nn.Dense(d, kernel_init=dense_init)(y)
+
+
+class Head(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.LayerNorm(epsilon=1e-6)(x[:, 0])
+        return nn.Dense(self.num_classes, kernel_init=nn.initializers.truncated_normal(0.02))(x)
+
+
+@register("vit")
+def vit(num_classes: int, input_shape, norm: str = "batch", bn_axis_name=None, *, patch: int | None = None,
+        dim: int = 768, depth: int = 12, heads: int = 12, mlp_dim: int | None = None) -> list[nn.Module]:
+    """`depth + 2` blocks. `patch=None`: 4 for inputs of 32x32 or less, else 16; `mlp_dim=None`: 4 * dim."""
+    del norm, bn_axis_name  # LayerNorm throughout (see the module docstring)
+    h, w = input_shape[:2]
+    patch = (4 if max(h, w) <= 32 else 16) if patch is None else int(patch)
+    if patch < 1 or h % patch or w % patch:
+        raise ConfigError(f"ViT patch={patch} must divide the input's height and width ({h}x{w})")
+    if dim < 1 or heads < 1 or dim % heads:
+        raise ConfigError(f"ViT dim={dim} must be a positive multiple of heads={heads}")
+    if depth < 1:
+        raise ConfigError(f"ViT depth={depth} must be >= 1")
+    mlp_dim = 4 * dim if mlp_dim is None else int(mlp_dim)
+    return [PatchEmbedding(patch, dim)] + [EncoderBlock(heads, mlp_dim) for _ in range(depth)] + [Head(num_classes)]
+
+
+@register("vit_b")
+def vit_b(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None):
+    """ViT-B: 768 wide, 12 heads, 12 blocks, MLP 3072 (85.2M parameters at patch 4 on 32x32, 10 classes)."""
+    return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=768, depth=12, heads=12)
+
+
+@register("vit_tiny")
+def vit_tiny(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dim=32, depth=4, heads=2,
+             mlp_dim=64):
+    """6 blocks by default; patch 2 for inputs up to 16x16, else 4."""
+    if patch is None:
+        patch = 2 if max(input_shape[:2]) <= 16 else 4
+    return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=dim, depth=depth, heads=heads,
+               mlp_dim=mlp_dim)
