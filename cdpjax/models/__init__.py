@@ -26,7 +26,15 @@ def build(config, input_shape, num_classes, bn_axis_name=None, stages=None) -> S
     if config.model not in REGISTRY:
         raise ConfigError(f"unknown model {config.model!r}; available: {', '.join(sorted(REGISTRY))}")
     kwargs = dict(config.get("model_kwargs", {}) or {})
-    blocks = REGISTRY[config.model](
+    import inspect
+
+    factory = REGISTRY[config.model]
+    accepted = [p for p in inspect.signature(factory).parameters
+                if p not in ("num_classes", "input_shape", "norm", "bn_axis_name")]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(f"model_kwargs {unknown} are not options of {config.model!r}; it accepts {accepted}")
+    blocks = factory(
         num_classes=num_classes,
         input_shape=tuple(input_shape),
         norm=config.get("norm", "none"),

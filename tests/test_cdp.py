@@ -1,0 +1,247 @@
+"""cdp-v1 / cdp-v2: equal to dp and e2e with the delay removed; the SPMD ring equal to the
+simulation; each worker reads exactly the version the table names; v1 is the paper code's
+delayed gradient shifted by one step; the ring sends no model-sized all-reduce."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cdpjax import data, methods, optim
+from cdpjax.config import ConfigError, default_config
+from cdpjax.mesh import make_mesh
+from cdpjax.methods import cdp
+from cdpjax.methods.common import Context
+from cdpjax.methods.e2e import apply_updates
+from cdpjax.models import cross_entropy
+from cdpjax.timetable import cdp_table
+
+BATCH, STEPS = 32, 3
+
+
+def config(**kw):
+    c = default_config()
+    c.model_kwargs.width = 16  # mlp: 4 blocks, so up to 4 stages
+    c.global_batch_size = BATCH
+    c.num_steps = 20
+    c.eval_every = c.checkpoint_every = 0
+    c.norm = "none"  # exact equality; BatchNorm has its own test
+    for k, v in kw.items():
+        c[k] = v
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def dataset():
+    return data.build(config())
+
+
+@functools.lru_cache(maxsize=None)
+def batches(n=STEPS + 1):
+    return [dataset().train_batch(k, BATCH, 0, augment=False) for k in range(n)]
+
+
+def context(devices, **kw):
+    ds = dataset()
+    return Context(config(**kw), make_mesh({"data": devices}, jax.devices()[:devices]), ds.image_shape, ds.num_classes)
+
+
+@functools.lru_cache(maxsize=None)
+def build(method, impl="simulate", workers=1, devices=1, stages=4, delay_free=False, norm="none"):
+    ctx = context(devices, method=method, cdp_impl=impl, workers=workers, stages=stages, norm=norm)
+    if method in ("dp", "e2e"):
+        return methods.build(ctx)
+    return cdp.make(ctx, method, cdp_table("dp", workers, stages) if delay_free else None)
+
+
+def train(m, steps=STEPS, flush=True, state=None, batches_from=0):
+    state = m.init(jax.random.key(0)) if state is None else state
+    for b in batches()[batches_from:batches_from + steps]:
+        state, metrics = m.train_step(state, b)
+        assert np.isfinite(float(metrics["loss"]))
+    if flush and m.flush is not None:
+        state = m.flush(state)
+    return state
+
+
+def params(m, state):
+    return jax.device_get(m.export(state)[0])
+
+
+def assert_close(a, b, atol=1e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and la
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ------------------------------------------------------------------ equality
+
+
+def test_delay_removed_equals_dp_and_e2e():
+    """FIRST: with no stale pair, CDP is DP: simulate (4 workers vmapped on 2 devices) with
+    the dp table, and the ring with one worker (the only delay-free ring), equal dp and e2e."""
+    e2e = build("e2e")
+    reference = params(e2e, train(e2e))
+    assert max_diff(reference, params(e2e, e2e.init(jax.random.key(0)))) > 1e-3  # it trained
+    dp = build("dp", workers=4, devices=4)
+    assert_close(params(dp, train(dp)), reference)
+    sim = build("cdp-v2", "simulate", workers=4, devices=2, delay_free=True)
+    assert not sim.info["stale"].any()
+    assert_close(params(sim, train(sim)), reference)
+    ring = build("cdp-v2", "ring", workers=1, devices=1)
+    assert not ring.table.stale.any()
+    assert_close(params(ring, train(ring)), reference)
+    # The delay is real: with it, the same run differs from dp.
+    delayed = build("cdp-v2", "simulate", workers=4, devices=2)
+    assert max_diff(params(delayed, train(delayed)), reference) > 1e-4
+
+
+@pytest.mark.parametrize("method,workers,stages,norm", [
+    ("cdp-v2", 2, 4, "none"), ("cdp-v2", 4, 4, "none"), ("cdp-v2", 8, 4, "none"), ("cdp-v1", 4, 4, "none"),
+    # BatchNorm: statistics per micro-batch, running averages averaged over workers (the ring
+    # averages each worker's running average at export: the same, the averages being linear).
+    ("cdp-v2", 4, 2, "batch"),
+])
+def test_ring_equals_simulate(method, workers, stages, norm):
+    sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm)
+    ring = build(method, "ring", workers=workers, devices=workers, stages=stages, norm=norm)
+    np.testing.assert_array_equal(ring.info["stale"], sim.info["stale"])
+    expected_params, expected_state = sim.export(train(sim))
+    state = train(ring, flush=False)
+    unflushed = params(ring, state)
+    state = ring.flush(state)
+    got_params, got_state = ring.export(state)
+    assert_close(got_params, expected_params)
+    if norm == "batch":
+        assert jax.tree.leaves(got_state)
+        assert_close(got_state, expected_state)
+    # The flush finished real work (the last step's late updates), and a second one has none left.
+    assert max_diff(unflushed, expected_params) > 1e-6
+    assert_close(params(ring, ring.flush(state)), params(ring, state), atol=0)
+
+
+# ------------------------------------------------------------------ poisoning
+
+
+def poisoned(tree, stage):
+    out = list(tree)
+    out[stage] = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), tree[stage])
+    return out
+
+
+@pytest.mark.parametrize("workers", [4, 8])
+def test_simulate_reads_the_named_version(workers):
+    """Poison one stage's unread version: worker i's loss is NaN iff the table says it reads it."""
+    m = build("cdp-v2", "simulate", workers=workers, devices=2, stages=4)
+    stale = m.table.stale
+    state = m.init(jax.random.key(0))
+    for j in range(4):
+        for which, reads in (("previous", stale[:, j]), ("params", ~stale[:, j])):
+            s = dict(state, **{which: poisoned(state[which], j)})
+            losses = np.asarray(m.info["worker_losses"](s, batches()[0]))
+            np.testing.assert_array_equal(np.isnan(losses), reads, err_msg=f"{which}[{j}]")
+    # A whole step with the never-read version poisoned is the clean step.
+    if workers == 4:
+        clean, _ = m.train_step(state, batches()[0])
+        dirty, _ = m.train_step(dict(state, previous=poisoned(state["previous"], 3)), batches()[0])
+        assert_close(params(m, dirty), params(m, clean), atol=0)
+
+
+def test_ring_reads_the_named_slot():
+    """Mid-run, change one stored version in every worker's copy: for N = L = 4, stage 3's
+    previous version is never read (column 3 is fresh) and the run is unchanged; stage 0's is
+    read (stale workers' backward ticks) and the run changes. (A perturbation, not NaN: a
+    ReLU's derivative would mask a NaN weight out of the first stage's gradient.)"""
+    m = build("cdp-v2", "ring", workers=4, devices=4, stages=4)
+    assert not m.table.stale[:, 3].any() and m.table.stale[0, 0]
+    clean = params(m, train(m))
+    for stage, read in ((3, False), (0, True)):
+        state = train(m, steps=1, flush=False)
+        changed = list(state["previous"])
+        changed[stage] = jax.tree.map(lambda a: a + 0.5, changed[stage])
+        state = train(m, steps=STEPS - 1, state=dict(state, previous=changed), batches_from=1)
+        got = params(m, state)
+        if read:
+            assert max_diff(got, clean) > 1e-3
+        else:
+            assert_close(got, clean, atol=0)
+
+
+# ------------------------------------------------------------------ cdp-v1
+
+
+def test_v1_is_the_paper_delayed_gradient_shifted_by_one_step():
+    """Paper code: g_k = grad at theta_k on batch k, applied at step k+1, no update at step 0.
+    Ours after S steps = the paper's after S+1 (its first step only computes a gradient)."""
+    m = build("cdp-v1", "simulate", workers=4, devices=2, stages=4)
+    ours = params(m, train(m))
+    net, tx = m.net, optim.make(config())
+    theta, _ = net.init(jax.random.key(0))
+    opt = [tx.init(p) for p in theta]
+    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(net.apply(p, [{}] * 4, x, True)[0], y)))
+    pending, history = None, []
+    for b in batches()[:STEPS + 1]:
+        g = grad(theta, b["image"], b["label"])
+        if pending is not None:
+            theta, opt = apply_updates(tx, theta, opt, pending)
+        pending = g
+        history.append(theta)
+    assert_close(ours, history[STEPS])
+    assert max_diff(ours, history[STEPS - 1]) > 1e-4  # not the unshifted count
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def collective_sizes(hlo: str, name: str) -> list[int]:
+    """Elements per `name` op in compiled HLO text (a tuple's shapes summed)."""
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(.*?)\s" + re.escape(name) + r"(-start)?\(", line)
+        if m:
+            dims = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
+            sizes.append(sum(int(np.prod([int(d) for d in s.split(",") if d] or [1])) for s in dims))
+    return sizes
+
+
+def test_ring_hlo_has_no_model_sized_all_reduce():
+    m = build("cdp-v2", "ring", workers=8, devices=8, stages=4)
+    state, b = m.init(jax.random.key(0)), batches()[0]
+    # The step's own program (`train_step` calls it), from the compile cache when it ran already.
+    hlo = m.info["period"].lower(state, b["image"], b["label"], True).compile().as_text()
+    model = sum(x.size for x in jax.tree.leaves(m.export(state)[0]))
+    reduces = collective_sizes(hlo, "all-reduce")
+    assert max(reduces, default=0) <= 8, reduces  # the loss/accuracy scalars only
+    permutes = collective_sizes(hlo, "collective-permute")
+    assert permutes and max(permutes) == m.info["carrier"].p_max < model  # one stage's gradient per hop
+    for other in ("all-gather", "reduce-scatter", "all-to-all"):
+        assert not collective_sizes(hlo, other)
+    # The parser does see dp's model-sized all-reduce.
+    dp = build("dp", workers=4, devices=4)
+    dp_hlo = dp.train_step.lower(dp.init(jax.random.key(0)), b).compile().as_text()
+    assert sum(collective_sizes(dp_hlo, "all-reduce")) >= model
+
+
+# ------------------------------------------------------------------ set-up
+
+
+def test_registered_and_config_errors():
+    assert {"cdp-v1", "cdp-v2"} <= set(methods.REGISTRY)
+    assert methods.build(context(2, method="cdp-v1", cdp_impl="simulate", stages=2)).name == "cdp-v1"
+    bad = [
+        (dict(workers=3, stages=4), 1, "choose workers in"),
+        (dict(workers=2, cdp_impl="ring"), 4, "must equal mesh.data=4"),
+        (dict(workers=2, cdp_impl="simulate"), 4, "not a multiple of mesh.data=4"),
+        (dict(workers=4, global_batch_size=30), 1, "global_batch_size=30"),
+        (dict(cdp_impl="pipelined"), 1, "cdp_impl"),
+    ]
+    for kw, devices, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            cdp.make(context(devices, **kw), "cdp-v2")
