@@ -1,0 +1,590 @@
+"""Writes the notebooks of colab/ from the cell sources below (run it after editing them).
+
+    python colab/make_notebooks.py
+
+The notebooks are generated so that their code can be reviewed here as plain
+Python and so that the cells they share (install, devices, config loading) are
+written once. Each notebook opens in Colab (its first cell installs cdpjax where
+it is missing), runs the paper's config on a GPU runtime and a tiny digits
+config anywhere else; CDPJAX_TINY=1 forces the tiny config. Figures go to
+$CDPJAX_FIGURES (default figures/) and are shown. tests/test_notebooks.py runs
+every notebook on its tiny config in a real kernel.
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY = "cdpjax/cdpjax"
+
+
+def _src(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def badge(name: str) -> str:
+    url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/main/colab/{name}"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+
+
+INSTALL = _src(f"""
+    # Installs cdpjax from its repository where it is missing (Colab); a checkout or CI already has it.
+    import importlib.util
+
+    if importlib.util.find_spec("cdpjax") is None:
+        %pip install -q "cdpjax @ git+https://github.com/{REPOSITORY}"
+""")
+
+SETUP = _src("""
+    import os
+
+    from cdpjax.mesh import setup_devices
+
+    setup_devices(8)  # 8 simulated CPU devices where there is no accelerator; must precede JAX's start
+
+    import jax
+    from IPython.display import Image, display
+
+    ACCELERATOR = jax.default_backend() != "cpu"
+    # The tiny config runs anywhere in a minute or two; CDPJAX_TINY=1 forces it on a GPU runtime too.
+    TINY = os.environ.get("CDPJAX_TINY") == "1" or not ACCELERATOR
+    FIGURES = os.environ.get("CDPJAX_FIGURES", "figures")
+    os.makedirs(FIGURES, exist_ok=True)
+    print(f"{jax.device_count()} {jax.default_backend()} device(s): the {'tiny' if TINY else 'GPU-sized'} "
+          f"config; figures go to {FIGURES}/")
+""")
+
+CONFIGS = _src(f"""
+    import math
+    import urllib.request
+
+    import cdpjax
+    from cdpjax import config as cfg_lib
+
+
+    def configs_dir():
+        \"\"\"experiments/configs of a checkout: $CDPJAX_REPO, the one cdpjax is installed from, or the cwd's.\"\"\"
+        here = os.path.dirname(os.path.dirname(os.path.abspath(cdpjax.__file__)))
+        for root in (os.environ.get("CDPJAX_REPO", ""), here, os.getcwd()):
+            path = os.path.join(root, "experiments", "configs")
+            if root and os.path.isdir(path):
+                return path
+        return None
+
+
+    def load_config(spec):
+        \"\"\"'FILE.py:ARGS' of experiments/configs -> ConfigDict. Where there is no checkout (Colab
+        installs the package only) the file is fetched from the repository once.\"\"\"
+        directory = configs_dir()
+        if directory is None:
+            directory = "cdpjax_configs"
+            name = spec.split(":")[0]
+            os.makedirs(directory, exist_ok=True)
+            if not os.path.exists(os.path.join(directory, name)):
+                urllib.request.urlretrieve(
+                    f"https://raw.githubusercontent.com/{REPOSITORY}/main/experiments/configs/{{name}}",
+                    os.path.join(directory, name))
+        return cfg_lib.load_file(os.path.join(directory, spec))
+
+
+    def devices_for(config):
+        \"\"\"The first prod(mesh) devices (a pipeline's mesh names K of them), or all for a -1 axis.\"\"\"
+        sizes = dict(config.mesh)
+        if -1 in sizes.values():
+            return jax.devices()
+        return jax.devices()[:math.prod(sizes.values())]
+
+
+    def fits(config):
+        sizes = dict(config.mesh)
+        return -1 in sizes.values() or math.prod(sizes.values()) <= jax.device_count()
+""")
+
+PREPARE_CIFAR = _src("""
+    # GPU-sized config only: CIFAR-10 prepared once for tensorflow-datasets (internet; Colab has TensorFlow).
+    if not TINY:
+        import tensorflow_datasets as tfds
+
+        builder = tfds.builder("cifar10")
+        if not builder.is_prepared():
+            builder.download_and_prepare(file_format="array_record")
+""")
+
+METRICS = _src("""
+    import json
+
+
+    def read_metrics(workdir):
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+""")
+
+
+# ------------------------------------------------------------------ notebooks
+
+
+def timing_diagrams():
+    name = "cdp_timing_diagrams.ipynb"
+    return name, [
+        new_markdown_cell(_src(f"""
+            # Timing diagrams: DP, CDP-v1, CDP-v2, cdp-mp and PPLL
+
+            {badge(name)}
+
+            Reproduces the timing diagram of *Cyclic Data Parallelism* (Fournier and Oyallon,
+            arXiv 2403.08837): time steps (ticks) on x, stages on y, one colour per worker, forward
+            light and backward dark, operations that read the previous parameter version hatched,
+            updates marked in red. With the pipelines of *PPLL* (Guo et al., arXiv 2411.12780) and
+            GPipe for comparison. Every picture is drawn from `cdpjax.timetable`, the one table that
+            the SPMD implementations, the staleness rules and the memory model also read.
+
+            Tables are pure Python: the GPU-sized and the tiny config draw the same sizes (the
+            paper's N = L = 4 and its runs' N = 8 workers on L = 4 stages); the tiny one draws
+            fewer steps.
+        """)),
+        new_code_cell(INSTALL),
+        new_code_cell(SETUP),
+        new_code_cell(_src("""
+            from cdpjax import methods, plotting, timetable
+
+            STEPS = 2 if TINY else 3
+            SIZES = [(4, 4), (8, 4)]  # (workers N, stages L)
+
+
+            def show(table, filename, text=True):
+                if text:
+                    print(table.format_grid(), end="\\n\\n")
+                display(Image(plotting.plot_schedule(table, os.path.join(FIGURES, filename))))
+        """)),
+        new_markdown_cell(_src("""
+            ## DP against CDP
+
+            DP: every worker runs the same phase at the same tick, and all update together at the end
+            of the step. CDP: worker i starts 2L*i/N ticks later, so with N = L every stage is used by
+            exactly one worker at every tick. CDP-v1 reads the previous version everywhere; CDP-v2
+            only where the update of the previous step has not landed yet.
+        """)),
+        new_code_cell(_src("""
+            for workers, stages in SIZES:
+                for method in ("dp", "cdp-v1", "cdp-v2"):
+                    table = timetable.cdp_table(method, workers, stages, STEPS)
+                    show(table, f"timing_{method}_N{workers}_L{stages}.png", text=workers == stages)
+        """)),
+        new_markdown_cell(_src("""
+            ## CDP-v2's delays for N != L
+
+            The rule "fresh iff j >= L-1-i" of the paper's reference code holds for N = L only. With
+            N = 8 workers on L = 4 stages the table says that half of the (worker, stage) pairs read
+            the previous version; the hard-coded rule delays about 19% of them.
+        """)),
+        new_code_cell(_src("""
+            import numpy as np
+            from matplotlib.figure import Figure
+
+            N, L = 8, 4
+            table = timetable.cdp_table("cdp-v2", N, L, STEPS)
+            reference = np.array([[j < L - 1 - i for j in range(L)] for i in range(N)])
+            print(f"delayed (worker, stage) pairs: from the table {table.stale.mean():.0%}, "
+                  f"reference code's N = L rule {reference.mean():.0%}")
+            fig = Figure(figsize=(6, 3.6), layout="constrained")
+            for k, (title, stale) in enumerate((("time table", table.stale), ("reference code's rule", reference))):
+                ax = fig.add_subplot(1, 2, k + 1)
+                ax.imshow(stale, cmap="Greys", vmin=0, vmax=1.5)
+                ax.set(title=title, xlabel="stage", ylabel="worker", xticks=range(L), yticks=range(N))
+            fig.suptitle(f"cdp-v2, N={N}, L={L}: reads the previous version (dark)")
+            path = os.path.join(FIGURES, "staleness_cdp-v2_N8_L4.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+        new_markdown_cell(_src("""
+            ## cdp-mp: stages on devices, workers flowing through them
+
+            Drawn when the `cdp-mp` method is registered in the installed cdpjax.
+        """)),
+        new_code_cell(_src("""
+            if "cdp-mp" in methods.REGISTRY:
+                show(timetable.table("cdp-mp", workers=4, stages=4, steps=STEPS), "timing_cdp-mp_N4_L4.png")
+            else:
+                print("cdp-mp is not registered in this cdpjax: no diagram")
+        """)),
+        new_markdown_cell(_src("""
+            ## PPLL against GPipe
+
+            PPLL: at tick t stage j runs batch t-j (forward, local backward through its auxiliary head,
+            update); no gradient crosses a stage, so after K-1 fill ticks every device is busy at every
+            tick. GPipe: M micro-batches fill and drain the pipeline every step (the bubble); M = 1 is
+            plain model parallelism, the "conventional pipeline" of PPLL's code.
+        """)),
+        new_code_cell(_src("""
+            K = 4
+            show(timetable.ppll_table(K, 6 if TINY else 10), f"timing_ppll_K{K}.png")
+            show(timetable.gpipe_table(K, 4, STEPS), f"timing_gpipe_K{K}_M4.png")
+            show(timetable.gpipe_table(K, 1, STEPS), f"timing_gpipe_K{K}_M1.png", text=False)
+        """)),
+    ]
+
+
+def memory_and_communication():
+    name = "cdp_memory_and_communication.ipynb"
+    return name, [
+        new_markdown_cell(_src(f"""
+            # Activation memory and communication: DP against CDP
+
+            {badge(name)}
+
+            Reproduces two figures of *Cyclic Data Parallelism* (arXiv 2403.08837):
+
+            - **activation memory over time**: in DP all workers hold their activations at the same
+              time (N*L stage-activations at the end of the forward pass); in CDP the phases are
+              spread and the total stays near N*L/2 at every tick;
+            - **communication per time step**: DP sends one all-reduce of the whole model at the end
+              of the step; CDP sends one stage's gradient a hop along the ring every tick.
+
+            Both come from the time table (`cdpjax.timetable`) and the model's stage sizes; then the
+            compiled steps of `dp` and `cdp-v2` are measured (`cdpjax.bench`: XLA memory analysis per
+            device, the collectives in the compiled HLO). GPU-sized config: ResNet-18 on CIFAR-10-shaped
+            inputs, 8 workers, 4 stages, 64 images per worker (random images: only shapes matter here).
+            Tiny: the 4-stage MLP on digits, 8 workers.
+        """)),
+        new_code_cell(INSTALL),
+        new_code_cell(SETUP),
+        new_code_cell(CONFIGS),
+        new_code_cell(_src("""
+            from cdpjax import bench, data, models, plotting, timetable
+
+            if TINY:
+                base = load_config("digits.py:method=cdp-v2")
+            else:
+                base = load_config("cdp_cifar10.py:model=resnet18,method=cdp-v2")
+                base.dataset, base.dataset_kwargs = "synthetic", {"image_shape": (32, 32, 3), "num_classes": 10}
+                if jax.device_count() < 8:  # the ring needs one device per worker; simulate otherwise
+                    base.cdp_impl, base.mesh = "simulate", {"data": 1}
+            dataset = data.build(base)
+            net = models.build(base, dataset.image_shape, dataset.num_classes)
+            N = base.workers or jax.device_count()
+            L = net.num_stages
+            sizes = bench.stage_sizes(net, base.global_batch_size // N)
+            print(f"{base.model}: N={N} workers, L={L} stages, {base.global_batch_size // N} images per worker")
+            print("stage parameters (bytes):", sizes["param_bytes"])
+            print("stage outputs per micro-batch (bytes):", sizes["activation_bytes"])
+        """)),
+        new_markdown_cell("## Activation memory over time"),
+        new_code_cell(_src("""
+            tables = {m: timetable.cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v1", "cdp-v2")}
+            for m, t in tables.items():
+                s = t.activation_stats()
+                print(f"{m:>7}: all workers peak {s['total_peak']} mean {s['total_mean']:.1f} stage-activations; "
+                      f"one worker peak {s['worker_peak']}")
+            # cdp-v1 and cdp-v2 share one timing: one CDP line.
+            path = plotting.plot_activation([tables["dp"], tables["cdp-v2"]],
+                                            os.path.join(FIGURES, "activation_over_time.png"))
+            display(Image(path))
+        """)),
+        new_markdown_cell(_src("""
+            The same in bytes: each stage's output is held from its forward until its backward, and
+            weighs what that stage's output weighs for one micro-batch.
+        """)),
+        new_code_cell(_src("""
+            import numpy as np
+            from matplotlib.figure import Figure
+
+
+            def held_bytes(table, stage_bytes):
+                \"\"\"[ticks] bytes of activations held by all workers: each forward's output is held
+                from its tick until its backward's tick.\"\"\"
+                out = np.zeros(table.num_ticks)
+                forward = {}
+                for op in table.ops:
+                    key = (op.device, op.stage, op.step)
+                    if op.kind == "F":
+                        forward[key] = op.tick
+                    else:
+                        out[forward.pop(key):op.tick] += stage_bytes[op.stage]
+                return out
+
+
+            fig = Figure(figsize=(7, 3.2))
+            ax = fig.add_subplot()
+            for m in ("dp", "cdp-v2"):
+                b = held_bytes(tables[m], sizes["activation_bytes"]) / 2**20
+                ax.step(np.arange(len(b)), b, where="post", label=f"{m} (peak {b.max():.2f} MiB)")
+            ax.set(xlabel="time step (tick)", ylabel="activations held, all workers (MiB)")
+            ax.legend(fontsize=8)
+            path = os.path.join(FIGURES, "activation_bytes_over_time.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+        new_markdown_cell("## Communication per time step"),
+        new_code_cell(_src("""
+            for m, t in tables.items():
+                print(f"{m:>7}: busiest tick / mean tick = {t.comm_balance(sizes['param_bytes']):.2f}")
+            path = plotting.plot_comm([tables["dp"], tables["cdp-v2"]], sizes["param_bytes"],
+                                      os.path.join(FIGURES, "comm_per_tick.png"))
+            display(Image(path))
+        """)),
+        new_markdown_cell(_src("""
+            ## Measured: the compiled steps
+
+            Per device: temporaries of the compiled train step (XLA memory analysis), and the bytes of
+            each kind of collective in its HLO (an op inside a loop body is counted once). DP's
+            gradients travel as one all-reduce; CDP's as collective-permutes (point-to-point) inside
+            the scan over ticks.
+        """)),
+        new_code_cell(_src("""
+            import ml_collections
+
+            records = {}
+            for m in ("dp", "cdp-v2"):
+                c = ml_collections.ConfigDict(base.to_dict())
+                c.method = m
+                if m == "dp" and c.cdp_impl == "simulate":
+                    c.mesh = {"data": -1}
+                records[m] = bench.bench_method(c, devices_for(c), repeats=2)
+            print(bench.format_table(list(records.values())))
+
+            kinds = ("all-reduce", "collective-permute")
+            fig = Figure(figsize=(9, 3.2))
+            ax, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+            x = np.arange(len(kinds))
+            for n, (m, r) in enumerate(records.items()):
+                ax.bar(x + (n - 0.5) * 0.4, [r["collectives"][k]["bytes"] / 2**20 for k in kinds], 0.4, label=m)
+            ax.set(xticks=x, xticklabels=kinds, ylabel="MiB in the compiled step", title="collectives (HLO)")
+            ax.legend(fontsize=8)
+            mem.bar(list(records), [r["memory"].get("temp_bytes", 0) / 2**20 for r in records.values()])
+            mem.set(ylabel="MiB", title="temporaries per device (XLA)")
+            path = os.path.join(FIGURES, "measured_memory_and_collectives.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+    ]
+
+
+def accuracy():
+    name = "cdp_accuracy.ipynb"
+    return name, [
+        new_markdown_cell(_src(f"""
+            # Accuracy curves: DP, CDP-v1, CDP-v2
+
+            {badge(name)}
+
+            Reproduces the accuracy figure of *Cyclic Data Parallelism* (arXiv 2403.08837): despite
+            the gradient delay, CDP-v1 and CDP-v2 train as well as DP.
+
+            - GPU-sized config: `experiments/configs/cdp_cifar10.py` (ResNet-18, CIFAR-10, 8 workers,
+              global batch 512, SGD 0.05, step decay) for `EPOCHS` epochs (the paper: 101; expected
+              about 95% for all three). With fewer than 8 devices the CDP rules run as
+              `cdp_impl='simulate'` (same updates, workers simulated on the devices there are).
+            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, 8 workers on 8 simulated CPU
+              devices), a few hundred steps.
+
+            Runs go to `runs/<method>/` and resume from their last checkpoint when the cell is rerun.
+        """)),
+        new_code_cell(INSTALL),
+        new_code_cell(SETUP),
+        new_code_cell(CONFIGS),
+        new_code_cell(PREPARE_CIFAR),
+        new_code_cell(_src("""
+            from cdpjax import train
+
+            METHODS = ("dp", "cdp-v1", "cdp-v2")
+            EPOCHS = 30  # GPU-sized config; 101 reproduces the paper's run
+            TINY_STEPS = 150
+
+
+            def make_config(method):
+                if TINY:
+                    c = load_config(f"digits.py:method={method},steps={TINY_STEPS}")
+                    c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
+                    return c
+                c = load_config(f"cdp_cifar10.py:model=resnet18,method={method},epochs={EPOCHS}")
+                if jax.device_count() < 8 and method != "dp":
+                    c.cdp_impl = "simulate"
+                if jax.device_count() < 8:
+                    c.mesh = {"data": -1}
+                return c
+
+
+            summaries = {}
+            for method in METHODS:
+                config = make_config(method)
+                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+                                                devices=devices_for(config))
+                print(f"{method:>7}: test accuracy {summaries[method]['test_accuracy']:.4f} after "
+                      f"{summaries[method]['steps']} steps")
+        """)),
+        new_code_cell(METRICS),
+        new_code_cell(_src("""
+            from matplotlib.figure import Figure
+
+            fig = Figure(figsize=(10, 3.4))
+            acc, loss = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+            for method in METHODS:
+                metrics = read_metrics(os.path.join("runs", method))
+                test = [m for m in metrics if m["split"] == "test"]
+                trained = [m for m in metrics if m["split"] == "train"]
+                acc.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
+                         label=method)
+                loss.plot([m["step"] for m in trained], [m["loss"] for m in trained], label=method)
+            acc.set(xlabel="step", ylabel="test accuracy", title="test accuracy")
+            loss.set(xlabel="step", ylabel="train loss", yscale="log", title="train loss")
+            acc.legend(fontsize=8)
+            loss.legend(fontsize=8)
+            path = os.path.join(FIGURES, "cdp_accuracy.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+    ]
+
+
+def ppll():
+    name = "ppll_vs_local_gpipe.ipynb"
+    return name, [
+        new_markdown_cell(_src(f"""
+            # PPLL against local learning and GPipe: speedup and accuracy
+
+            {badge(name)}
+
+            Reproduces the claims of *PPLL* (Guo et al., arXiv 2411.12780): pipelining local learning
+            over K devices trains faster than sequential local learning (their 4 GPUs: 1.33x for
+            ResNet, 2.62x for ViT) at the accuracy of local learning (here: exactly, since `ppll`'s
+            parameters after T batches equal `local`'s), against GPipe and plain model parallelism.
+
+            - GPU-sized config: `experiments/configs/ppll_resnet32.py` (ResNet-32, CIFAR-10, InfoPro
+              heads, K = 4) for `EPOCHS` epochs (the paper: 400). `ppll` and `gpipe` need K devices;
+              with fewer they are not trained, and their speed is predicted only.
+            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, K = 4 on simulated CPU devices).
+
+            Speedup on K devices is predicted by `cdpjax.speedup` from per-stage times measured on one
+            device (assumptions in its docstring); times measured on simulated CPU devices share the
+            same cores and show the framework's overhead, not a speedup.
+        """)),
+        new_code_cell(INSTALL),
+        new_code_cell(SETUP),
+        new_code_cell(CONFIGS),
+        new_code_cell(PREPARE_CIFAR),
+        new_code_cell(_src("""
+            from cdpjax import methods, train
+
+            K = 4
+            EPOCHS = 40  # GPU-sized config; 400 reproduces the paper's run
+            TINY_STEPS = 150
+            METHODS = [m for m in ("e2e", "local", "ppll", "gpipe") if m in methods.REGISTRY]
+
+
+            def make_config(method, microbatches=None):
+                if TINY:
+                    c = load_config(f"digits.py:method={method},stages={K},steps={TINY_STEPS}")
+                    c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
+                else:
+                    c = load_config(f"ppll_resnet32.py:K={K},method={method},epochs={EPOCHS}")
+                if microbatches is not None:
+                    c.microbatches = microbatches
+                return c
+
+
+            summaries = {}
+            for method in METHODS:
+                config = make_config(method)
+                if not fits(config):
+                    print(f"{method:>6}: needs {K} devices, {jax.device_count()} here: not trained (speed predicted below)")
+                    continue
+                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+                                                devices=devices_for(config))
+                print(f"{method:>6}: test accuracy {summaries[method]['test_accuracy']:.4f}, "
+                      f"{summaries[method]['images_per_second']:.0f} images/s here")
+        """)),
+        new_markdown_cell(_src("""
+            ## Speedup on K devices (predicted) and here (measured)
+
+            Predicted: `ppll`, `gpipe` with M = 4 micro-batches, and plain model parallelism (gpipe with
+            M = 1, PPLL's "conventional pipeline"), each against the same work on one device.
+        """)),
+        new_code_cell(_src("""
+            import numpy as np
+            from matplotlib.figure import Figure
+
+            from cdpjax import speedup
+
+            BANDWIDTH = 100e9  # bytes/s between devices (NVLink-class)
+            predicted = {}
+            for label, method, mb in (("ppll", "ppll", None), ("gpipe M=4", "gpipe", 4), ("model parallel", "gpipe", 1)):
+                p = speedup.predict_for_config(make_config(method, mb), K, BANDWIDTH)
+                if "error" in p:
+                    print(f"{label}: {p['error']}")
+                    continue
+                predicted[label] = p["speedup"]
+                print(f"{label:>15}: predicted {p['speedup']:.2f}x on {K} devices "
+                      f"(stage imbalance {p['imbalance']:.2f})")
+            if "model parallel" in predicted:
+                print(f"ppll / model parallel: {predicted['ppll'] / predicted['model parallel']:.2f} "
+                      f"(PPLL's claim on 4 GPUs: 0.85 for ResNet, 1.25 for ViT)")
+            here = {m: s["images_per_second"] / summaries["local"]["images_per_second"]
+                    for m, s in summaries.items() if "local" in summaries}
+
+            fig = Figure(figsize=(10, 3.4))
+            ax, meas = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+            ax.bar(list(predicted), list(predicted.values()), color=["C1", "C2", "C3"][:len(predicted)])
+            ax.axhline(K, color="grey", linestyle="--", linewidth=0.8, label=f"K = {K}")
+            ax.set(ylabel="speedup over one device", title=f"predicted on {K} devices")
+            ax.legend(fontsize=8)
+            meas.bar(list(here), list(here.values()))
+            meas.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+            meas.set(ylabel="images/s over local", title="measured here" + (" (simulated devices)" if not ACCELERATOR else ""))
+            path = os.path.join(FIGURES, "ppll_speedup.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+        new_markdown_cell("## Accuracy"),
+        new_code_cell(METRICS),
+        new_code_cell(_src("""
+            fig = Figure(figsize=(10, 3.4))
+            bars, curves = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+            bars.bar(list(summaries), [s["test_accuracy"] for s in summaries.values()],
+                     color=[f"C{n}" for n in range(len(summaries))])
+            low = min(s["test_accuracy"] for s in summaries.values())
+            bars.set(ylabel="test accuracy", title=f"after training, K = {K}", ylim=(max(0.0, low - 0.1), 1.0))
+            for method in summaries:
+                test = [m for m in read_metrics(os.path.join("runs", method)) if m["split"] == "test"]
+                curves.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
+                            label=method)
+            curves.set(xlabel="step", ylabel="test accuracy", title="test accuracy")
+            curves.legend(fontsize=8)
+            path = os.path.join(FIGURES, "ppll_accuracy.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+            if {"local", "ppll"} <= set(summaries):
+                print(f"local {summaries['local']['test_accuracy']:.4f}, ppll {summaries['ppll']['test_accuracy']:.4f} "
+                      f"(equal by construction: the same updates in a pipeline)")
+        """)),
+    ]
+
+
+NOTEBOOKS = (timing_diagrams, memory_and_communication, accuracy, ppll)
+
+
+def build(make) -> tuple[str, nbformat.NotebookNode]:
+    name, cells = make()
+    nb = new_notebook(cells=cells)
+    nb.metadata.update({
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+        "accelerator": "GPU",  # Colab opens it on a GPU runtime
+        "colab": {"provenance": []},
+    })
+    return name, nb
+
+
+def main() -> None:
+    for make in NOTEBOOKS:
+        name, nb = build(make)
+        nbformat.validate(nb)
+        nbformat.write(nb, os.path.join(HERE, name))
+        print(os.path.join("colab", name))
+
+
+if __name__ == "__main__":
+    main()

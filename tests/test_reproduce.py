@@ -1,0 +1,142 @@
+"""experiments/reproduce.py: the tiny CDP table runs end to end, its numbers are the time
+table's and the runs', a rerun resumes from what is there, and rows that cannot run say why."""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from cdpjax import methods, timetable
+from cdpjax.config import ConfigError, validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "reproduce.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("experiments_reproduce", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+reproduce = _module()
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+
+
+def _table(markdown: str) -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[2:]
+
+
+@pytest.fixture(scope="module")
+def tiny_cdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reproduce")
+    result = _run("cdp-table", "--tiny", "--steps", "60", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_tiny_cdp_table_rows_and_columns(tiny_cdp):
+    out, result = tiny_cdp
+    markdown = (out / "cdp_table.md").read_text()
+    assert markdown in result.stdout
+    head, rows = _table(markdown)
+    assert head == reproduce.CDP_HEAD
+    assert [r[2] for r in rows] == ["dp", "cdp-v1", "cdp-v2"]
+    col = {name: head.index(name) for name in head}
+    for r in rows:
+        assert len(r) == len(head)
+        assert r[:2] == ["digits", "mlp"] and r[col["N x L"]] == "8 x 4" and r[col["steps"]] == "60"
+        assert 10.0 < float(r[col["test acc"]].rstrip("%")) <= 100.0  # learnt something in 60 steps
+        # Activation and communication columns are the time table's figures for these sizes.
+        stats = timetable.cdp_table(r[2], 8, 4, steps=4).activation_stats()
+        assert r[col["act. peak / mean (stage-acts)"]] == f"{stats['total_peak']} / {stats['total_mean']:.1f}"
+    acts = {r[2]: int(r[col["act. peak / mean (stage-acts)"]].split(" / ")[0]) for r in rows}
+    assert acts == {"dp": 32, "cdp-v1": 16, "cdp-v2": 16}  # N*L against N*L/2
+    balance = {r[2]: float(r[col["comm busiest / mean tick"]]) for r in rows}
+    assert balance["dp"] == pytest.approx(8.0) and balance["cdp-v2"] < balance["dp"]
+    # dp's gradients travel as an all-reduce; cdp's as collective-permutes.
+    assert rows[0][col["HLO permute"]] == "0 B" and rows[2][col["HLO permute"]] != "0 B"
+
+
+def test_tiny_cdp_rows_keep_their_runs(tiny_cdp):
+    out, _ = tiny_cdp
+    for method in ("dp", "cdp-v1", "cdp-v2"):
+        workdir = out / f"cdp-digits-mlp-{method}"
+        summary = json.loads((workdir / "summary.json").read_text())
+        assert summary["method"] == method and summary["steps"] == 60
+        record = json.loads((workdir / "row.json").read_text())
+        assert record["summary"]["test_accuracy"] == summary["test_accuracy"]
+        assert {"memory", "collectives"} <= set(record["bench"])
+        tests = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        assert sum(m["split"] == "test" for m in tests) >= 5  # points of the accuracy curve
+
+
+def test_tiny_cdp_figures(tiny_cdp):
+    out, _ = tiny_cdp
+    for kind in ("accuracy", "activation", "comm"):
+        path = out / "figures" / f"cdp_{kind}_digits_mlp.png"
+        assert path.is_file() and path.stat().st_size > 1000
+
+
+def test_rerun_reuses_finished_rows(tiny_cdp):
+    out, _ = tiny_cdp
+    before = (out / "cdp_table.md").read_text()
+    result = _run("cdp-table", "--tiny", "--steps", "60", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("reusing") == 3
+    assert (out / "cdp_table.md").read_text() == before
+
+
+def test_rerun_with_other_steps_is_refused(tiny_cdp):
+    out, _ = tiny_cdp
+    row = reproduce.cdp_rows(True)[0]
+    with pytest.raises(ConfigError, match="holds a 60-step run, not 30"):
+        reproduce.run_row(row, str(out), 30, log=lambda _: None)
+
+
+def test_unregistered_method_is_a_visible_row(tmp_path):
+    rows = [reproduce.Row("cdp", "x-warp", ("digits", "mlp"), "warp-drive", "digits.py:method=dp"),
+            reproduce.Row("ppll", "y-warp", ("mlp", 4), "warp-drive", "digits.py:method=dp")]
+    records = [reproduce.run_row(r, str(tmp_path), 10, log=lambda _: None) for r in rows]
+    assert [r["status"] for r in records] == ["not registered"] * 2
+    assert not os.listdir(tmp_path)  # nothing trained
+    for markdown in (reproduce.cdp_markdown(records[:1]), reproduce.ppll_markdown(records[1:])):
+        head, (row,) = _table(markdown)
+        assert len(row) == len(head) and "warp-drive" in row and "not registered" in row
+
+
+def test_rows_that_cannot_run_here_say_why(tmp_path):
+    row = reproduce.Row("ppll", "too-big", ("mlp", 16), "ppll", "digits.py:method=ppll,stages=4")
+    record = reproduce.run_row(row, str(tmp_path), 10, ["mesh.stage=16"], log=lambda _: None)
+    assert record["status"] == "skipped" and "needs 16 devices" in record["note"]
+
+
+def test_row_lists_cover_the_paper_tables():
+    cdp = reproduce.cdp_rows(False)
+    assert {tuple(r.group) for r in cdp} == {(d, m) for d in ("cifar10", "imagenet2012") for m in ("resnet18", "resnet50")}
+    assert {r.method for r in cdp} == {"dp", "cdp-v1", "cdp-v2"}
+    ppll = reproduce.ppll_rows(False)
+    assert {tuple(r.group) for r in ppll if r.method == "ppll"} == {("resnet32", k) for k in (2, 4, 8, 16)} | {("vit", 4)}
+    assert {r.method for r in ppll} == {"e2e", "local", "ppll", "gpipe"}
+    assert len({r.name for r in cdp + ppll}) == len(cdp + ppll)  # one directory per row
+
+
+@pytest.mark.parametrize("row", reproduce.cdp_rows(False) + reproduce.ppll_rows(False), ids=lambda r: r.name)
+def test_shortened_paper_configs_stay_valid(row):
+    """--steps on the paper configs scales their schedules so that they still validate."""
+    config = reproduce.row_config(row, 20)
+    if config.method not in methods.REGISTRY:
+        pytest.skip(f"{config.method} not registered")
+    validate(config)
+    assert config.num_steps == 20 and config.warmup_steps < 20 and config.eval_every == 2
