@@ -27,30 +27,54 @@ def _load(args, overrides):
 
     c = cfg_lib.default_config()
     if args.config:
+        # The file's config, completed with the defaults it leaves out; a key the defaults do
+        # not know (a misspelling) stays, for `validate` to name.
         file_config = cfg_lib.load_file(args.config)
-        for key in file_config.keys():
-            cfg_lib.set_value(c, key, file_config[key]) if key in c else c.__setitem__(key, file_config[key])
+        for key in c.keys():
+            if key not in file_config:
+                file_config[key] = c[key]
+        c = file_config
     cfg_lib.apply_overrides(c, overrides)
     return c
 
 
-def _cpu_devices(args):
+def _cpu_devices(args, config=None):
+    """Simulated CPU devices: --cpu-devices, else as many as the config's mesh names, else 8."""
     from cdpjax.mesh import setup_devices
 
-    setup_devices(args.cpu_devices)
+    count = args.cpu_devices
+    if count is None:
+        count = 8
+        sizes = [] if config is None else [v for v in dict(config.mesh).values()]
+        if sizes and all(isinstance(v, int) and v >= 1 for v in sizes):
+            count = int(__import__("math").prod(sizes))
+    setup_devices(count)
 
 
 def cmd_train(args, overrides) -> int:
     config = _load(args, overrides)
-    _cpu_devices(args)
+    _cpu_devices(args, config)
+    from cdpjax import distributed
+
+    # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
+    joined = distributed.initialize(config)
     from cdpjax import train
 
+    if joined and not args.workdir:
+        raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
     workdir = args.workdir or train.default_workdir(config)
-    print(f"cdpjax: training {config.method} / {config.model} / {config.dataset} in {workdir}", file=sys.stderr)
-    summary = train.train(config, workdir, progress=not args.no_progress)
-    print(f"cdpjax: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
-          f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
-          f"summary in {workdir}/summary.json", file=sys.stderr)
+    if args.resume and not args.workdir:
+        raise ConfigError("--resume needs --workdir (the directory of the run to resume)")
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"cdpjax: training {config.method} / {config.model} / {config.dataset} in {workdir}"
+              + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""), file=sys.stderr)
+    summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume)
+    if jax.process_index() == 0:
+        print(f"cdpjax: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
+              f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
+              f"summary in {workdir}/summary.json", file=sys.stderr)
     return 0
 
 
@@ -75,8 +99,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)")
     p.add_argument("--config", help="Python file whose get_config() returns a ConfigDict")
     p.add_argument("--workdir", help="where checkpoints, metrics.jsonl and summary.json go (resumes if it has a checkpoint)")
-    p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices where no accelerator is present (default 8)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulated CPU devices where no accelerator is present (default: what the config's "
+                        "mesh names when all its axis sizes are given, else 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true",
+                   help="fail unless --workdir holds a checkpoint to resume from (without it, a workdir with "
+                        "a checkpoint resumes and one without starts afresh)")
     commands = {"train": cmd_train}
     for name in ("schedule", "bench", "reproduce"):
         try:

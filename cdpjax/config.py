@@ -29,6 +29,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.bn_cross_device = True  # BatchNorm statistics over the whole data axis, not per device
     c.dataset = "digits"
     c.data_dir = ""  # tensorflow-datasets data_dir ('' = tfds default)
+    c.dataset_kwargs = ml_collections.ConfigDict()  # options of the dataset's loader (e.g. train_split)
     c.augment = True
     c.global_batch_size = 128
     c.num_steps = 600
@@ -38,7 +39,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     # Optimizer: optax; one state per stage for the staged methods.
     c.optimizer = "sgd"  # 'sgd' | 'adam' | 'adamw'
-    c.learning_rate = 0.1
+    c.learning_rate = 0.05
     c.momentum = 0.9
     c.nesterov = False
     c.weight_decay = 5e-4
@@ -54,12 +55,21 @@ def default_config() -> ml_collections.ConfigDict:
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
     c.cdp_impl = "ring"  # 'simulate' | 'ring'
+    c.cdp_rule = "cdp-v2"  # cdp-mp's staleness: the 'cdp-v2' | 'cdp-v1' table of N = L workers
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
     c.microbatches = 4  # gpipe
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
+    # Multi-process runs (see cdpjax.distributed); empty: from the environment, or one process.
+    c.distributed = ml_collections.ConfigDict({
+        "coordinator_address": "",  # HOST:PORT of process 0 (or CDPJAX_COORDINATOR)
+        "num_processes": 0,  # 0: from CDPJAX_NUM_PROCESSES or the cluster
+        "process_id": -1,  # -1: from CDPJAX_PROCESS_ID or the cluster
+        "auto_detect": True,  # a SLURM job step with several tasks starts jax.distributed by itself
+        "timeout_s": 300,  # how long processes wait for each other at start-up
+    })
     return c
 
 
@@ -86,6 +96,7 @@ _CHOICES = {
     "schedule": ("constant", "cosine", "step"),
     "partition": ("params", "flops", "blocks"),
     "cdp_impl": ("simulate", "ring"),
+    "cdp_rule": ("cdp-v2", "cdp-v1"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),
@@ -163,19 +174,71 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
         node[leaf] = value
 
 
+# Keys of other kinds: booleans, names, nested option dicts (checked against their consumer).
+_BOOLS = ("bn_cross_device", "augment", "nesterov")
+_STRINGS = ("method", "model", "dataset", "data_dir")
+_DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed")
+_DISTRIBUTED = {
+    "coordinator_address": str,
+    "num_processes": (int, 0, None),
+    "process_id": (int, -1, None),
+    "auto_detect": bool,
+    "timeout_s": (int, 1, None),
+}
+# Arguments a model receives from other config keys, never from model_kwargs.
+_MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name")
+
+
+def _check_number(key: str, v, kind, lo, hi) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
+        raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
+
+
+def _options(fn, reserved=()) -> set[str]:
+    """The keyword options `fn` names (less `reserved`); a `**kwargs` catch-all ignores what it
+    takes, so it accepts nothing more."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named - set(reserved)
+
+
+def _check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
+    known = _options(fn, reserved)
+    for name in dict(kwargs):
+        if name in reserved:
+            raise ConfigError(f"{key}.{name} is set by the config key {name!r}, not by {key}")
+        if name not in known:
+            raise ConfigError(f"{key}.{name} is not an option of {owner}; its options: "
+                              f"{', '.join(sorted(known)) or 'none'}")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks types, ranges and names that need no device; raises ConfigError."""
+    """Checks every key's type and range, the names, and the combinations that cannot work,
+    with no device touched; raises ConfigError naming the value and what is accepted.
+    (Checks that need the model or the mesh follow in the method builders, still before
+    anything compiles.) docs/guarantees.md lists them all."""
     from cdpjax import data, methods, models  # late: the registries import JAX modules
 
+    unknown = sorted(set(config.keys()) - set(default_config().keys()))
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(default_config().keys()))}")
     for key, (kind, lo, hi) in _NUMERIC.items():
-        if key not in config:
-            continue
-        v = config[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
-            raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-        if lo is not None and v < lo or hi is not None and v > hi:
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
+        if key in config:
+            _check_number(key, config[key], kind, lo, hi)
+    for key in _BOOLS:
+        if key in config and not isinstance(config[key], bool):
+            raise ConfigError(f"{key} must be True or False, got {config[key]!r}")
+    for key in _STRINGS:
+        if key in config and not isinstance(config[key], str):
+            raise ConfigError(f"{key} must be a string, got {config[key]!r}")
+    for key in _DICTS:
+        if key in config and not isinstance(config[key], (dict, ml_collections.ConfigDict)):
+            raise ConfigError(f"{key} must be a dict of options, got {config[key]!r}")
     for key, choices in _CHOICES.items():
         if key in config and config[key] not in choices:
             raise ConfigError(f"{key}={config[key]!r} is not one of {', '.join(choices)}")
@@ -185,6 +248,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"unknown model {config.model!r}; available: {', '.join(sorted(models.REGISTRY))}")
     if config.dataset not in data.REGISTRY:
         raise ConfigError(f"unknown dataset {config.dataset!r}; available: {', '.join(sorted(data.REGISTRY))}")
+    _check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, models.REGISTRY[config.model],
+                  f"model {config.model!r}", _MODEL_RESERVED)
+    _check_kwargs("dataset_kwargs", config.get("dataset_kwargs", {}) or {}, data.REGISTRY[config.dataset],
+                  f"dataset {config.dataset!r}", ("data_dir",))
+    data_dir = config.get("data_dir", "")
+    if data_dir and "://" not in data_dir and not os.path.isdir(os.path.expanduser(data_dir)):
+        raise ConfigError(f"data_dir={data_dir!r} is not a directory (prepared tensorflow-datasets go there; "
+                          f"'' means tfds's default)")
     mesh = dict(config.mesh)
     for axis, size in mesh.items():
         if axis not in ("data", "stage"):
@@ -198,5 +269,37 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"stages must be a number of stages or a list of split points, got {stages!r}")
     if isinstance(stages, int) and stages < 1:
         raise ConfigError(f"stages={stages} must be >= 1")
-    if config.checkpoint_every and config.eval_every < 0:
-        raise ConfigError("eval_every must be >= 0")
+    if isinstance(stages, (list, tuple)):
+        if any(isinstance(p, bool) or not isinstance(p, int) for p in stages):
+            raise ConfigError(f"stages={list(stages)!r}: split points must be integers (block indices)")
+        if any(b <= a for a, b in zip((0, *stages), stages)):
+            raise ConfigError(f"stages={list(stages)!r}: split points must be strictly increasing and >= 1")
+    _check_combinations(config)
+    _check_distributed(config.get("distributed", {}) or {})
+
+
+def _check_combinations(config) -> None:
+    if config.get("nesterov", False) and (config.optimizer != "sgd" or not config.momentum):
+        raise ConfigError(f"nesterov=True needs optimizer='sgd' with momentum > 0, got "
+                          f"optimizer={config.optimizer!r}, momentum={config.momentum!r}")
+    if config.warmup_steps and config.warmup_steps >= config.num_steps:
+        raise ConfigError(f"warmup_steps={config.warmup_steps} must be < num_steps={config.num_steps}")
+    if config.schedule == "step" and config.decay_every > config.num_steps:
+        raise ConfigError(f"schedule='step' with decay_every={config.decay_every} > num_steps="
+                          f"{config.num_steps} never decays: lower decay_every or use schedule='constant'")
+
+
+def _check_distributed(d) -> None:
+    for key in dict(d):
+        if key not in _DISTRIBUTED:
+            raise ConfigError(f"unknown config key 'distributed.{key}'; known: {', '.join(_DISTRIBUTED)}")
+    for key, rule in _DISTRIBUTED.items():
+        if key not in d:
+            continue
+        v = d[key]
+        if isinstance(rule, tuple):
+            _check_number(f"distributed.{key}", v, *rule)
+        elif rule is bool and not isinstance(v, bool):
+            raise ConfigError(f"distributed.{key} must be True or False, got {v!r}")
+        elif rule is str and not isinstance(v, str):
+            raise ConfigError(f"distributed.{key} must be a string (HOST:PORT), got {v!r}")

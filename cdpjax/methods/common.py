@@ -13,6 +13,13 @@ arrays, checkpointed whole, so in-flight state resumes exactly):
 - `flush(state) -> state` (pipelines only): completes the work still in flight,
   so that the parameters account for every batch fed;
 - `input_sharding`: where the trainer places each global batch (default: over `data`).
+
+What the trainer reads besides (`cdpjax.train`, docs/guarantees.md): `train_step`
+and `export` must trace inside the trainer's own jit (it adds the finite checks
+there); `metrics['loss']` (required), `metrics['stage_loss']` and an optional
+`metrics['finite']`, one value per stage, name the stage that went non-finite;
+`info['state_depends_on_mesh'] = True` refuses a checkpoint from another mesh even
+when the state's shapes fit; `info['stale']` (CDP) is compared with the checkpoint's.
 """
 from __future__ import annotations
 

@@ -1,0 +1,601 @@
+"""Reliability claims (docs/guarantees.md), each method of the registry in turn.
+
+A killed run resumes to the same end as an uninterrupted one (in-flight state
+included), e2e / dp / local checkpoints restore onto other device counts and
+the others say why not, non-finite values stop training naming the step and
+the stage (or are skipped and counted), bad input fails before anything
+compiles with a message naming it, reruns are identical, and every training
+example is used exactly once per epoch.
+
+One uninterrupted run per method (and one run killed after step 6, between
+its checkpoints 4 and 8) is shared by the tests of the module; each test works
+on its own copy.
+"""
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import data as data_lib
+from cdpjax import methods, train
+from cdpjax.checkpoint import Checkpointer
+from cdpjax.cli import main
+from cdpjax.config import ConfigError, default_config
+from cdpjax.data.base import Dataset, stream_indices
+
+# Every method the project plans; those not registered yet are skipped, saying so.
+PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
+METHODS = sorted(set(PLANNED) | set(methods.REGISTRY))
+PIPELINES = ("ppll", "gpipe", "cdp-mp")
+SINGLE_DEVICE = ("e2e", "local")
+MESH_FREE = ("e2e", "dp", "local")  # their state is the model itself: it restores on any device count
+STEPS, KILLED_AFTER, RESUMED_FROM = 12, 6, 4
+
+
+def require(name):
+    if name not in methods.REGISTRY:
+        pytest.skip(f"method {name!r} is not registered yet (no cdpjax/methods module defines it)")
+
+
+def layout(name):
+    """The mesh and devices each method runs on here."""
+    if name in PIPELINES:
+        return {"stage": 4}, jax.devices()[:4]
+    if name in SINGLE_DEVICE:
+        return {"data": -1}, jax.devices()[:1]
+    return {"data": -1}, jax.devices()
+
+
+def other_layout(name):
+    """Another device count for the same method (a different device for `local`, which has one)."""
+    if name in PIPELINES:
+        return {"stage": 4, "data": 2}, jax.devices()
+    if name == "e2e":
+        return {"data": -1}, jax.devices()
+    if name == "local":
+        return {"data": -1}, jax.devices()[5:6]
+    return {"data": -1}, jax.devices()[:4]
+
+
+def small_config(name, **overrides):
+    """Digits, a 4-stage MLP, 128 images a step: 12 steps are one epoch (1,497 images) and a bit."""
+    c = default_config()
+    c.method = name
+    c.mesh = layout(name)[0]
+    c.stages = 4
+    c.global_batch_size = 128
+    c.num_steps = STEPS
+    c.checkpoint_every = 4
+    c.eval_every = 4
+    c.log_every = 3
+    c.schedule = "constant"  # so that a run with skipped steps can be compared with a shorter one
+    for k, v in overrides.items():
+        c[k] = v
+    return c
+
+
+class Recorder:
+    """Wraps `cdpjax.data.build` and `train.setup` to count what the trainer reads and feeds."""
+
+    def __init__(self, monkeypatch, poison=(), insert=False, snapshot=None):
+        """`snapshot=(step, workdir, copy)`: just before feeding batch `step`, WORKDIR is copied to
+        `copy`: what a process killed after `step` steps leaves behind."""
+        self.reads, self.fed, self.flushes, self.has_flush = [], 0, 0, False
+        build, setup, put = data_lib.build, train.setup, train.put_batch
+
+        def counting_build(config):
+            ds = build(config)
+
+            def read(split, idx):
+                if split == "train":
+                    self.reads.append(np.asarray(idx).copy())
+                return ds.read(split, idx)
+
+            wrapped = dataclasses.replace(ds, read=read)
+            return PoisonedDataset(wrapped, poison, insert) if poison else wrapped
+
+        def counting_setup(config, devices=None):
+            dataset, mesh, method = setup(config, devices)
+            self.has_flush = method.flush is not None
+            if method.flush is not None:
+                def flush(state, flush=method.flush):
+                    self.flushes += 1
+                    return flush(state)
+
+                method = dataclasses.replace(method, flush=flush)
+            return dataset, mesh, method
+
+        def counting_put(batch, mesh, sharding=None):
+            if snapshot and self.fed == snapshot[0]:
+                shutil.copytree(snapshot[1], snapshot[2])
+            self.fed += 1
+            return put(batch, mesh, sharding)
+
+        monkeypatch.setattr(data_lib, "build", counting_build)
+        monkeypatch.setattr(train, "setup", counting_setup)
+        monkeypatch.setattr(train, "put_batch", counting_put)
+
+
+class PoisonedDataset:
+    """Batches at the steps in `poison` have NaN images. With `insert`, they are extra batches
+    slotted into the stream, the others being the plain stream's batches in order."""
+
+    def __init__(self, base, poison, insert):
+        self.base, self.poison, self.insert = base, tuple(poison), insert
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def train_batch(self, step, *args, **kwargs):
+        under = step - sum(p < step for p in self.poison) if self.insert else step
+        batch = self.base.train_batch(under, *args, **kwargs)
+        if step in self.poison:
+            batch = {**batch, "image": np.full_like(batch["image"], np.nan)}
+        return batch
+
+
+def final_state(config, workdir, devices):
+    """The whole train state of the last checkpoint (in-flight buffers, optimizer states...)."""
+    _, _, method = train.setup(config, devices)
+    ckpt = Checkpointer(str(workdir))
+    state, meta = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(config.seed)))
+    ckpt.close()
+    return jax.device_get(state), jax.device_get(method.export(state)[0]), meta
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """The module's runs differ in their state, not in their programs: JAX's persistent
+    compilation cache (in a temporary directory, for this module only) compiles each program
+    once. (The SIGKILL test's subprocesses compile afresh, so the cross-process comparisons
+    there also show that compiling again gives the same bits.)"""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla-cache")),
+            "jax_persistent_cache_min_compile_time_secs": 0.0,
+            "jax_persistent_cache_min_entry_size_bytes": 0}
+    old = {k: getattr(jax.config, k) for k in keys}
+    cc.reset_cache()
+    for k, v in keys.items():
+        jax.config.update(k, v)
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Per method: an uninterrupted run (with what it read and fed), and its WORKDIR as it was
+    after step 6 (checkpoint 4, metrics up to step 6): what a run killed then leaves."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            mesh, devices = layout(name)
+            c = small_config(name)
+            root = tmp_path_factory.mktemp(name)
+            with pytest.MonkeyPatch.context() as mp:
+                rec = Recorder(mp, snapshot=(KILLED_AFTER, root / "full", root / "killed"))
+                summary = train.train(c, str(root / "full"), progress=False, devices=devices)
+            assert [r["step"] for r in map(json.loads, (root / "killed" / "metrics.jsonl").read_text().splitlines())
+                    ] == [3, 4, 6]
+            state, params, _ = final_state(c, root / "full", devices)
+            cache[name] = {"full": root / "full", "killed": root / "killed", "summary": summary,
+                           "state": state, "params": params, "reads": rec.reads, "fed": rec.fed,
+                           "flushes": rec.flushes, "has_flush": rec.has_flush}
+        return cache[name]
+
+    return get
+
+
+def steps(workdir):
+    """The complete checkpoints in WORKDIR, read off the directory names."""
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _equal_trees(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _damage(directory):
+    for root, _, files in os.walk(directory):
+        for f in files:
+            with open(os.path.join(root, f), "r+b") as fh:
+                fh.truncate(max(os.path.getsize(os.path.join(root, f)) // 2, 1))
+                fh.seek(0)
+                fh.write(b"\xff" * 8)
+
+
+# 1. Resume everything -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", METHODS)
+def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
+    """Killed after step 6 (checkpoints every 4), with a checkpoint of step 8 half written
+    (orbax's temporary directory): the restart takes checkpoint 4 and ends with the whole train
+    state (parameters, previous versions, partial sums, pipeline buffers, every stage's
+    optimizer state) and metrics.jsonl identical to the uninterrupted run's."""
+    require(name)
+    ref = reference(name)
+    part = tmp_path / "part"
+    shutil.copytree(ref["killed"], part)
+    ckpts = part / "checkpoints"
+    assert steps(part) == [RESUMED_FROM]
+    partial = ckpts / "8.orbax-checkpoint-tmp-1700000000000"
+    shutil.copytree(ckpts / str(RESUMED_FROM), partial)
+    _damage(partial)
+    c = small_config(name)
+    resumed = train.train(c, str(part), progress=False, devices=layout(name)[1])
+    assert resumed["resumed_from"] == RESUMED_FROM
+    assert not partial.exists()  # the leftover of the dead writer is cleaned up
+    state, _, _ = final_state(c, part, layout(name)[1])
+    _equal_trees(state, ref["state"])
+    assert (part / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+    assert resumed["test_accuracy"] == ref["summary"]["test_accuracy"]
+
+
+def _overrides(name):
+    """`small_config(name)` as command-line overrides."""
+    return [f"--config.method={name}", f"--config.num_steps={STEPS}", "--config.checkpoint_every=4",
+            "--config.eval_every=4", "--config.log_every=3", "--config.global_batch_size=128",
+            "--config.schedule=constant", "--config.stages=4"]
+
+
+def _cli_args(name, workdir):
+    return ["-m", "cdpjax.cli", "train", "--no-progress", "--workdir", str(workdir), "--cpu-devices", "8",
+            *_overrides(name)]
+
+
+def test_sigkill_between_checkpoints_then_restart(reference, tmp_path):
+    """`cdpjax train` SIGKILLed right after step 10 (checkpoint 8 written, 12 not), then the same
+    command again: the run ends as the uninterrupted one, to the bit; the killed process's
+    metrics lines past step 8 are replaced."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    env = {**os.environ, train.KILL_ENV: "10"}
+    killed = subprocess.run([sys.executable, *_cli_args("dp", work)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (work / "summary.json").exists()
+    assert steps(work) == [4, 8]
+    assert json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 9  # logged past 8
+    again = subprocess.run([sys.executable, *_cli_args("dp", work)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((work / "summary.json").read_text())["resumed_from"] == 8
+    assert (work / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+    state, _, _ = final_state(small_config("dp"), work, layout("dp")[1])
+    _equal_trees(state, ref["state"])
+
+
+def test_finished_run_started_again_changes_nothing(reference, tmp_path):
+    """Starting a finished run again (a job scheduler's retry) trains nothing more and leaves
+    metrics.jsonl as it was."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    shutil.copytree(ref["full"], work)
+    again = train.train(small_config("dp"), str(work), progress=False)
+    assert again["resumed_from"] == STEPS and again["test_accuracy"] == ref["summary"]["test_accuracy"]
+    assert (work / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+
+
+# 2. Other device counts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", METHODS)
+def test_restore_on_another_device_count(name, reference, tmp_path):
+    """Checkpoint 4 written on one device count, the run continued on another: e2e, dp and local
+    end where the uninterrupted run ends (to float tolerance: reductions change order); a method
+    whose state follows the mesh either does too or refuses with a ConfigError saying why and
+    what to do."""
+    require(name)
+    ref = reference(name)
+    work = tmp_path / "moved"
+    shutil.copytree(ref["killed"], work)
+    mesh, devices = other_layout(name)
+    c = small_config(name, mesh=mesh)
+    try:
+        out = train.train(c, str(work), progress=False, devices=devices)
+    except ConfigError as e:
+        assert name not in MESH_FREE, f"{name} must restore onto another device count: {e}"
+        message = str(e)
+        assert "this run has" in message and "fresh --workdir" in message, message
+        assert "mesh" in message or "workers" in message, message
+        return
+    assert out["resumed_from"] == RESUMED_FROM
+    _, params, _ = final_state(c, work, devices)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), params, ref["params"])
+
+
+@pytest.mark.parametrize("declared,shape,message", [
+    (False, (4, 3), "has a leading worker or stage axis whose size follows the mesh"),
+    (True, (8, 3), "train state depends on the mesh"),
+    (False, (8, 3), None),
+], ids=["shape-changes", "declared", "fits"])
+def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tmp_path):
+    """The rule for any method: a state written on mesh {data: 8} restores onto {data: 4} when its
+    arrays keep their shapes and the method does not declare `state_depends_on_mesh`; otherwise
+    a ConfigError names both meshes and what to do."""
+    from types import SimpleNamespace
+
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8})
+    method = SimpleNamespace(info={"state_depends_on_mesh": True} if declared else {})
+    mesh = SimpleNamespace(shape={"data": 4}, devices=np.zeros(4))
+    like = {"w": jax.device_put(np.zeros(shape))}
+    if message is None:
+        state, _ = train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+        np.testing.assert_array_equal(state["w"], np.arange(24.0).reshape(8, 3))
+    else:
+        with pytest.raises(ConfigError, match=message) as err:
+            train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+        assert "{'data': 8} (8 devices); this run has mesh {'data': 4} (4 devices)" in str(err.value)
+        assert "start a fresh --workdir" in str(err.value)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("src,dst", [("dp", "e2e"), ("e2e", "dp")])
+def test_dp_and_e2e_checkpoints_are_interchangeable(src, dst, reference, tmp_path):
+    """A dp run on 8 devices continues as e2e on one device (and back): same update rule, same
+    state; the end equals the uninterrupted run to float tolerance."""
+    ref = reference(src)
+    work = tmp_path / "moved"
+    shutil.copytree(ref["killed"], work)
+    mesh, devices = layout(dst)
+    c = small_config(dst, mesh=mesh)
+    assert train.train(c, str(work), progress=False, devices=devices)["resumed_from"] == RESUMED_FROM
+    _, params, _ = final_state(c, work, devices)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), params, ref["params"])
+
+
+# 3. Non-finite values --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", METHODS)
+def test_nonfinite_stops_naming_step_and_stage(name, tmp_path, monkeypatch):
+    """A batch of NaN images at step 3 (checkpoints every 2): training stops with NonFiniteError
+    naming step 3 and the stage (or the in-flight state) where it showed; checkpoint 2 is kept,
+    finite, and metrics.jsonl holds no NaN."""
+    require(name)
+    Recorder(monkeypatch, poison=(2,))
+    c = small_config(name, checkpoint_every=2, eval_every=0)
+    mesh, devices = layout(name)
+    with pytest.raises(train.NonFiniteError) as err:
+        train.train(c, str(tmp_path), progress=False, devices=devices)
+    message = str(err.value)
+    assert re.search(r"non-finite values at step 3 in (stage \d+|the in-flight state|the loss)", message), message
+    assert "the last good checkpoint (step 2)" in message and "nonfinite=skip" in message
+    monkeypatch.undo()
+    state, params, _ = final_state(c, tmp_path, devices)
+    assert steps(tmp_path) == [2]
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state) if np.asarray(x).dtype.kind == "f")
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        assert all(np.isfinite(v) for v in json.loads(line).values() if isinstance(v, float))
+
+
+def test_nonfinite_names_the_first_stage_that_broke(tmp_path, monkeypatch):
+    """e2e with NaN images: every stage's gradient is NaN, stage 0 is named first."""
+    Recorder(monkeypatch, poison=(2,))
+    with pytest.raises(train.NonFiniteError, match=r"at step 3 in stage 0: its parameters after the update"):
+        train.train(small_config("e2e", checkpoint_every=2, eval_every=0), str(tmp_path), progress=False,
+                    devices=layout("e2e")[1])
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_nonfinite_skip_drops_the_step_and_counts_it(name, reference, tmp_path, monkeypatch):
+    """With nonfinite='skip', two NaN batches slotted into the stream are skipped and counted; the
+    whole state is left as it was at those steps, so the run ends exactly where the run without
+    them ends (pipelines and CDP included: nothing of the bad batch stays in flight)."""
+    require(name)
+    ref = reference(name)
+    Recorder(monkeypatch, poison=(3, 7), insert=True)
+    c = small_config(name, nonfinite="skip", num_steps=STEPS + 2, checkpoint_every=0, eval_every=0)
+    out = train.train(c, str(tmp_path), progress=False, devices=layout(name)[1])
+    assert out["skipped_steps"] == 2
+    monkeypatch.undo()
+    _, params, meta = final_state(c, tmp_path, layout(name)[1])
+    assert meta["skipped_steps"] == 2
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params, ref["params"])
+
+
+def test_nonfinite_from_the_command_line(tmp_path, capsys):
+    """A learning rate of 1e30 diverges: `cdpjax train` exits with status 3 and one line naming
+    the step and the stage, no traceback."""
+    code = main(["train", "--no-progress", "--workdir", str(tmp_path), "--config.method=dp",
+                 "--config.learning_rate=1e30", "--config.num_steps=20", "--config.checkpoint_every=1",
+                 "--config.eval_every=0", "--config.global_batch_size=64"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert re.search(r"non-finite values at step \d+ in (stage \d+|the loss)", err) and "Traceback" not in err
+    step = int(re.search(r"at step (\d+)", err).group(1))
+    assert steps(tmp_path) == list(range(1, step))[-2:]  # the good ones (two are kept), none after
+
+
+# 4. Bad input ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def compiles():
+    """(event, function) of every program traced or compiled while the test runs (tracing shows
+    even where the module's compilation cache then spares the compile)."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration"):
+            names.append((event.split("/")[-1].split("_")[0], kwargs.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield names
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _fails(args, message, capsys, workdir, compiles, train_step_only=False):
+    code = main(["train", "--no-progress", "--workdir", str(workdir), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert not any("guarded_train_step" in name for _, name in compiles), compiles
+    if not train_step_only:  # nothing at all compiled (checkpoint errors come after the state's init)
+        assert not [c for c in compiles if c[0] == "backend"], compiles
+    assert not (workdir / "summary.json").exists()
+    return err
+
+
+BAD_CONFIG = [
+    (["--config.augment='yes'"], "augment must be True or False, got 'yes'"),
+    (["--config.method=[1]"], "method must be a string"),
+    (["--config.model_kwargs.widht=64"], "model_kwargs.widht is not an option of model 'mlp'; its options: depth, width"),
+    (["--config.model_kwargs.norm='batch'"], "model_kwargs.norm is set by the config key 'norm'"),
+    (["--config.dataset_kwargs.split='x'"], "dataset_kwargs.split is not an option of dataset 'digits'"),
+    (["--config.data_dir='/no/such/dir'"], "data_dir='/no/such/dir' is not a directory"),
+    (["--config.stages=[3, 1]"], "split points must be strictly increasing"),
+    (["--config.stages=[1, 'x']"], "split points must be integers"),
+    (["--config.momentum=1.5"], "momentum=1.5 is out of range: must be in [0.0, 1.0]"),
+    (["--config.seed=-1"], "seed=-1 is out of range: must be >= 0"),
+    (["--config.log_every=0"], "log_every=0 is out of range: must be >= 1"),
+    (["--config.num_steps=2.5"], "num_steps must be an integer, got 2.5"),
+    (["--config.optimizer=adam", "--config.nesterov=True"], "nesterov=True needs optimizer='sgd'"),
+    (["--config.num_steps=10", "--config.warmup_steps=10"], "warmup_steps=10 must be < num_steps=10"),
+    (["--config.schedule=step", "--config.decay_every=700"], "decay_every=700 > num_steps=600 never decays"),
+    (["--config.nonfinite=ignore"], "nonfinite='ignore' is not one of stop, skip"),
+    (["--config.mesh.pipe=2"], "unknown mesh axis 'pipe'"),
+    (["--config.mesh.data=-1", "--config.mesh.stage=-1"], "more than one axis of size -1"),
+    (["--config.distributed.num_processes=2"], "without a coordinator address"),
+    (["--config.distributed.coordinator_address='host'"], "must be HOST:PORT"),
+    (["--config.distributed.coordinator_address='h:1'"], "needs the process count"),
+    (["--config.distributed.coordinator_address='h:1'", "--config.distributed.num_processes=2",
+      "--config.distributed.process_id=2"], "distributed.process_id=2 must be in [0, 2)"),
+    (["--config.distributed.timeout_s=0"], "distributed.timeout_s=0 is out of range"),
+    (["--config.method=ppll", "--config.mesh.stage=2", "--config.mesh.data=4"], "stages=4 gives 4 stages but mesh.stage=2"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_CONFIG, ids=[m for _, m in BAD_CONFIG])
+def test_bad_config_fails_before_compiling(args, message, capsys, tmp_path, compiles):
+    _fails(["--config.method=dp", *args], message, capsys, tmp_path, compiles)
+
+
+def test_config_file_with_a_misspelt_key(tmp_path, capsys, compiles):
+    path = tmp_path / "c.py"
+    path.write_text("from cdpjax.config import default_config\n\ndef get_config():\n"
+                    "    c = default_config()\n    c.learnig_rate = 0.05\n    return c\n")
+    _fails(["--config", str(path)], "unknown config key 'learnig_rate'", capsys, tmp_path / "w", compiles)
+
+
+def test_dataset_not_prepared(tmp_path, capsys, compiles):
+    if "cifar10" not in data_lib.REGISTRY:
+        pytest.skip("the tensorflow-datasets loaders are not importable here")
+    _fails(["--config.method=dp", "--config.dataset=cifar10", f"--config.data_dir={tmp_path}",
+            "--config.model=mlp"], "is not prepared", capsys, tmp_path / "w", compiles)
+
+
+def _fake_dataset(image_shape, read_shape, labels=lambda idx: np.asarray(idx) % 10):
+    def make(**_):
+        def read(split, idx):
+            return np.zeros((len(idx), *read_shape), np.float32), labels(idx).astype(np.int32)
+
+        return Dataset("fake", image_shape, 10, 256, 32, read)
+
+    return make
+
+
+@pytest.mark.parametrize("read_shape,labels,message", [
+    ((7, 7, 1), lambda idx: np.asarray(idx) % 10, "gives training images of shape (7, 7, 1)"),
+    ((8, 8, 1), lambda idx: np.asarray(idx) % 10 + 5, "labels in [5, 14], outside [0, 10)"),
+], ids=["image-shape", "label-range"])
+def test_dataset_that_does_not_give_what_it_declares(read_shape, labels, message, tmp_path, capsys, compiles,
+                                                     monkeypatch):
+    monkeypatch.setitem(data_lib.REGISTRY, "fake", _fake_dataset((8, 8, 1), read_shape, labels))
+    _fails(["--config.method=dp", "--config.dataset=fake"], message, capsys, tmp_path, compiles)
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys, compiles):
+    _fails(["--config.method=dp", "--resume"], "nothing to resume", capsys, tmp_path / "never-ran", compiles)
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    _fails(["--config.method=dp", "--resume"], "holds no complete checkpoint", capsys, tmp_path / "empty",
+           compiles)
+
+
+def test_checkpoint_path_that_is_a_file(tmp_path, capsys, compiles):
+    (tmp_path / "checkpoints").write_text("not a directory")
+    _fails(["--config.method=dp"], "exists and is not a directory", capsys, tmp_path, compiles)
+
+
+def test_corrupt_checkpoint(reference, tmp_path, capsys, compiles):
+    """The latest checkpoint damaged on disk: a clear error before the train step compiles, naming
+    it and the previous complete checkpoint to fall back on."""
+    work = tmp_path / "run"
+    shutil.copytree(reference("dp")["full"], work)
+    (work / "summary.json").unlink()
+    _damage(work / "checkpoints" / str(STEPS) / "state")
+    err = _fails(_overrides("dp"), f"checkpoint {STEPS} in", capsys, work, compiles, train_step_only=True)
+    assert "damaged" in err and "previous complete checkpoint (step 8)" in err
+
+
+@pytest.mark.parametrize("change,message", [
+    (["--config.seed=1"], "seed=0 there, 1 here"),
+    (["--config.global_batch_size=64"], "global_batch_size=128 there, 64 here"),
+    (["--config.method=cdp-v2"], "method='dp' there, 'cdp-v2' here"),
+])
+def test_resume_with_another_config(change, message, reference, tmp_path, capsys, compiles):
+    """Resuming a WORKDIR with a config that changes the data stream or the state is refused."""
+    if "cdp-v2" in change[0]:
+        require("cdp-v2")
+    work = tmp_path / "run"
+    shutil.copytree(reference("dp")["killed"], work)
+    err = _fails([*_overrides("dp"), *change], message, capsys, work, compiles, train_step_only=True)
+    assert "fresh --workdir" in err
+
+
+# 5. Determinism --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dp", "cdp-v2"])
+def test_rerun_gives_identical_metrics(name, reference, tmp_path):
+    """The same config and seed, run again: metrics.jsonl identical byte for byte."""
+    require(name)
+    again = train.train(small_config(name), str(tmp_path), progress=False, devices=layout(name)[1])
+    assert (tmp_path / "metrics.jsonl").read_text() == (reference(name)["full"] / "metrics.jsonl").read_text()
+    assert again["test_accuracy"] == reference(name)["summary"]["test_accuracy"]
+
+
+# 6. Exactly once -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_example_once_per_epoch(name, reference):
+    """Over 12 steps of 128 (one epoch of 1,497 images and 39 of the next), the trainer reads each
+    batch once, feeds each once to the method, in stream order, and flushes a pipeline once at
+    the end, so that in-flight batches are trained on too: every example of epoch 0 exactly once,
+    none of epoch 1 twice."""
+    require(name)
+    ref = reference(name)
+    n = data_lib.build(small_config(name)).num_train
+    reads = np.concatenate(ref["reads"])
+    assert len(ref["reads"]) == STEPS and ref["fed"] == STEPS
+    assert ref["flushes"] == (1 if ref["has_flush"] else 0)
+    expected = np.concatenate([stream_indices(k, 128, n, 0) for k in range(STEPS)])
+    np.testing.assert_array_equal(reads, expected)
+    np.testing.assert_array_equal(np.sort(reads[:n]), np.arange(n))
+    assert len(np.unique(reads[n:])) == len(reads) - n
+
+
+@pytest.mark.parametrize("batch,processes", [(128, 1), (100, 4), (64, 2)])
+def test_stream_is_exactly_once_for_any_batch_and_process_count(batch, processes):
+    """Three epochs of the stream with batches straddling epochs, each process reading its own
+    slice: the slices tile every global batch, and every example appears once per epoch."""
+    ds = data_lib.build(default_config())
+    n, steps = ds.num_train, -(-3 * ds.num_train // batch)
+    seen = []
+    for step in range(steps):
+        parts = [ds.train_batch(step, batch, 0, False, p, processes)["label"] for p in range(processes)]
+        whole = ds.train_batch(step, batch, 0, False)["label"]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+        seen.append(stream_indices(step, batch, n, 0))
+    seen = np.concatenate(seen)
+    for epoch in range(3):
+        np.testing.assert_array_equal(np.sort(seen[epoch * n:(epoch + 1) * n]), np.arange(n))
