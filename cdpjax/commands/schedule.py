@@ -3,6 +3,7 @@
     cdpjax schedule --method cdp-v2 --workers 4 --stages 4            # text grid
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --json     # the table as JSON
     cdpjax schedule --method gpipe --stages 4 --microbatches 4 --out gpipe.svg
+    cdpjax schedule --method cdp-zero --workers 4 --stages 4 --rule cdp-v1  # owners, relayed versions
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=4, help="stages L")
     p.add_argument("--steps", type=int, default=3, help="training steps laid out (ppll: batches)")
     p.add_argument("--microbatches", type=int, default=4, help="gpipe micro-batches M (1: plain model parallelism)")
+    p.add_argument("--rule", choices=("cdp-v2", "cdp-v1"), default="cdp-v2", help="staleness rule of cdp-zero and cdp-mp")
     p.add_argument("--out", default=None, help="draw the timing diagram to FILE.png or FILE.svg")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
@@ -35,7 +37,7 @@ def run(args) -> int:
     """Returns 0, or 2 after a one-line message for bad sizes."""
     try:
         t = table(args.method, workers=args.workers, stages=args.stages, steps=args.steps,
-                  microbatches=args.microbatches)
+                  microbatches=args.microbatches, rule=getattr(args, "rule", "cdp-v2"))
         if args.out:
             from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
 

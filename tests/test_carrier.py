@@ -1,0 +1,160 @@
+"""The uniform stage carrier: stages of different shapes as padded rows on one `stage` axis.
+
+Claims: packing is lossless, the padding stays exactly zero under the elementwise
+optimizers (so they can run on the padded rows), a `lax.switch` over the rows runs
+each device's own stage, and the padding report says what the uniform layout costs.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from cdpjax import models
+from cdpjax.carrier import FlatLayout, StageCarrier, init_opt, squeeze, update_row
+from cdpjax.config import default_config
+from cdpjax.mesh import make_mesh
+
+
+def _net(model="resnet_tiny", stages=4, norm="batch"):
+    c = default_config()
+    c.model, c.stages, c.norm, c.model_kwargs = model, stages, norm, {}
+    return models.build(c, (8, 8, 1), 10)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """resnet_tiny cut into 4 stages of different shapes, its parameters and state, its carrier."""
+    net = _net()
+    params, state = net.init(jax.random.key(0))
+    return net, params, state, StageCarrier.from_net(net, 4)
+
+
+def test_stages_differ_in_shape(tiny):
+    """The test network is what the carrier is for: no two stages alike."""
+    net, _, _, carrier = tiny
+    assert len(set(carrier.params.sizes)) == net.num_stages
+    assert len(set(carrier.acts.shapes)) > 1
+
+
+def test_params_and_state_round_trip(tiny):
+    net, params, state, carrier = tiny
+    rows = carrier.pack_params(params)
+    assert rows.shape == (net.num_stages, max(carrier.params.sizes))
+    jax.tree.map(np.testing.assert_array_equal, carrier.unpack_params(rows), params)
+    jax.tree.map(np.testing.assert_array_equal, carrier.unpack_state(carrier.pack_state(state)), state)
+    for j, size in enumerate(carrier.params.sizes):
+        assert not np.any(np.asarray(rows[j, size:])), f"stage {j}: padding is not zero"
+
+
+def test_activation_round_trip_and_padding(tiny):
+    carrier = tiny[3]
+    for j, shape in enumerate(carrier.acts.shapes):
+        x = jax.random.normal(jax.random.key(j), (4, *shape))
+        buf = carrier.pack_act(j, x)
+        assert buf.shape == (4, carrier.acts.width)
+        np.testing.assert_array_equal(carrier.unpack_act(j, buf), x)
+        assert not np.any(np.asarray(buf[:, x[0].size:]))
+
+
+def test_padding_report(tiny):
+    carrier = tiny[3]
+    report = carrier.padding_report()
+    sizes = carrier.params.sizes
+    np.testing.assert_allclose(report["params"], len(sizes) * max(sizes) / sum(sizes))
+    acts = report["activation_sizes"]
+    np.testing.assert_allclose(report["activations"], len(acts) * max(acts) / sum(acts))
+    assert report["params"] > 1.0 and report["activations"] > 1.0
+    one = StageCarrier.from_net(_net(stages=1), 4).padding_report()
+    assert one["params"] == 1.0 and one["activations"] == 1.0  # one stage: nothing to pad
+
+
+@pytest.mark.parametrize("name,tx", [
+    ("sgd-momentum-wd", optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9, nesterov=True))),
+    ("adam-wd", optax.chain(optax.add_decayed_weights(1e-3), optax.adam(1e-2))),
+    ("adamw", optax.adamw(1e-2, weight_decay=0.1)),
+])
+def test_elementwise_optimizer_on_padded_rows(name, tx):
+    """Updating the padded rows equals updating each stage's pytree, and the padding stays zero."""
+    shapes = [{"kernel": (3, 3, 2, 4), "bias": (4,)}, {"kernel": (5, 7)}, {"scale": (6,), "dense": {"w": (6, 2)}}]
+    params = [jax.tree.map(lambda s, j=j: 1.0 + jax.random.normal(jax.random.key(j), s), t,
+                           is_leaf=lambda s: isinstance(s, tuple)) for j, t in enumerate(shapes)]
+    layout = FlatLayout.from_trees(params)
+
+    @jax.jit
+    def step(rows, opt_rows, params, opt_trees, key):
+        grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
+        rows, opt_rows = jax.vmap(lambda g, s, r: update_row(tx, g, s, r))(layout.pack(grads), opt_rows, rows)
+        for j in range(len(params)):
+            u, opt_trees[j] = tx.update(grads[j], opt_trees[j], params[j])
+            params[j] = optax.apply_updates(params[j], u)
+        return rows, opt_rows, params, opt_trees
+
+    rows, opt_rows = layout.pack(params), init_opt(tx, layout.pack(params))
+    opt_trees = [tx.init(p) for p in params]
+    for k in range(3):
+        rows, opt_rows, params, opt_trees = step(rows, opt_rows, params, opt_trees, jax.random.key(k))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), layout.unpack(rows), params)
+    for j, size in enumerate(layout.sizes):
+        assert not np.any(np.asarray(rows[j, size:])), f"{name}: stage {j}'s padding moved"
+
+
+def test_switch_runs_each_devices_stage(tiny):
+    """On 4 devices each runs its own stage (different shapes) on its input through `lax.switch`."""
+    net, params, state, carrier = tiny
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+    inputs, outputs = [], []
+    for j in range(net.num_stages):
+        inputs.append(x)
+        x, _ = net.apply_stage(j, params[j], state[j], x, False)
+        outputs.append(x)
+    mesh = make_mesh({"stage": 4}, jax.devices()[:4])
+    act_in = jnp.stack([carrier.pack_act(j, v) for j, v in enumerate(inputs)])
+
+    def stage_forward(j, row, buf):
+        y, _ = net.apply_stage(j, carrier.params.unpack_one(j, row), state[j], carrier.unpack_act(j, buf), False)
+        return jnp.pad(y.reshape(4, -1), ((0, 0), (0, carrier.acts.width - y[0].size)))
+
+    def local(rows, bufs):
+        row, buf = squeeze((rows, bufs))
+        return carrier.switch(stage_forward, row, buf)[None]
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P("stage")), out_specs=P("stage")))
+    out = run(carrier.pack_params(params), act_in)
+    for j, y in enumerate(outputs):
+        np.testing.assert_allclose(out[j, :, : y[0].size].reshape(y.shape), y, atol=1e-5)
+
+
+def test_flat_layout_refuses_a_foreign_tree():
+    layout = FlatLayout.from_trees([{"a": jnp.zeros(3)}, {"b": jnp.zeros((2, 2))}])
+    assert layout.width == 4 and layout.sizes == (3, 4)
+    with pytest.raises(ValueError, match="stage 0"):
+        layout.pack_one(0, {"a": jnp.zeros(4)})
+
+
+def test_gradient_convolutions_inside_loops_take_the_fast_layout():
+    """XLA:CPU puts convolutions into its fast NHWC/HWIO layout only at top level; with the carrier's
+    lowering every convolution of a gradient inside a scan is in that layout, and the result is
+    bit for bit the top-level one."""
+    import flax.linen as nn
+    from jax import lax
+
+    from cdpjax.carrier import use_canonical_cpu_convolutions
+
+    assert use_canonical_cpu_convolutions()
+    conv = nn.Conv(8, (3, 3), strides=2, use_bias=False)
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+    v = conv.init(jax.random.key(1), x)
+
+    def grads(v, x):
+        return jax.grad(lambda v, x: (conv.apply(v, x) ** 2).sum(), argnums=(0, 1))(v, x)
+
+    def in_loop(v, x):
+        return lax.scan(lambda c, _: (c, grads(v, x)), 0, None, length=1)[1]
+
+    hlo = jax.jit(in_loop).lower(v, x).compile().as_text()
+    labels = [line.split("dim_labels=")[1].split(",")[0] for line in hlo.splitlines() if " convolution(" in line]
+    assert len(labels) >= 2 and set(labels) == {"b01f_01io->b01f"}, labels
+    looped = jax.tree.map(lambda a: a[0], jax.jit(in_loop)(v, x))
+    jax.tree.map(np.testing.assert_array_equal, looped, jax.jit(grads)(v, x))

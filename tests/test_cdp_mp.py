@@ -1,0 +1,281 @@
+"""cdp-mp, the cyclic pipeline: its table puts exactly one op on every device at every tick;
+after S steps and a flush its parameters equal CDP `simulate` with N = L workers and the same
+staleness (a ResNet with stages of different shapes, a ViT, both residual options, both rules);
+one call scans over any number of steps with one program; no gradient crosses a device."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import bench, data, methods
+from cdpjax.commands import schedule
+from cdpjax.config import ConfigError, default_config, validate
+from cdpjax.mesh import make_mesh
+from cdpjax.methods import cdp
+from cdpjax.methods.cdp_mp import period_program
+from cdpjax.methods.common import Context
+from cdpjax.timetable import cdp_mp_table, cdp_table, table
+
+STEPS, BATCH = 3, 16
+# Four blocks each, one per stage: a ResNet whose stages differ in shape (stem; a block at
+# 8 channels, 8x8; a block to 16 channels, 4x4; head) and a ViT; small, so that compiling is cheap.
+MODEL_KWARGS = {"mlp": {"width": 16}, "resnet_tiny": {"depths": (1, 1)}, "vit_tiny": {"depth": 2}}
+
+
+# ---------------------------------------------------------------------- the table
+
+
+@pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
+def test_one_op_per_device_per_tick(rule, stages):
+    """The CDP table of N = L workers with ops moved to their stage's device: every device
+    busy at every steady-state tick with exactly one op, a forward when tick - stage is even,
+    a backward when odd; staleness and updates are the CDP table's, and no gradient is sent."""
+    t, base = cdp_mp_table(stages, steps=4, rule=rule), cdp_table(rule, stages, stages, steps=4)
+    assert t.devices == t.workers == stages and t.messages == ()
+    assert t.busy_fraction()["overall"] == 1.0 and t.busy_fraction()["per_device"] == [1.0] * stages
+    lo, hi = t.steady
+    cells = {}
+    for op in t.ops:
+        assert op.device == op.stage
+        assert (op.tick, op.device) not in cells
+        cells[(op.tick, op.device)] = op
+        if lo <= op.tick < hi:
+            assert op.kind == ("F" if (op.tick - op.stage) % 2 == 0 else "B")
+    assert all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
+    moved = sorted((o.tick, o.micro, o.stage, o.kind, o.step, o.version, o.slot) for o in t.ops)
+    assert moved == sorted((o.tick, o.device, o.stage, o.kind, o.step, o.version, o.slot) for o in base.ops)
+    np.testing.assert_array_equal(t.stale, base.stale)
+    assert t.updates == base.updates
+    assert table("cdp-mp", stages=stages, steps=4) == cdp_mp_table(stages, 4)
+
+
+def test_device_memory_model():
+    """Device j holds a stage input from its forward to its backward: 2(L-j)-1 ticks per worker,
+    so device 0 holds the most (L micro-batches at once) and the last device one."""
+    act = cdp_mp_table(4, steps=4).activation_per_worker()[8:16]
+    assert act.max(0).tolist() == [4, 3, 2, 1]
+    assert act.sum(1).tolist() == [8] * 8  # N*L/2 stage-activations in all, flat over the period
+
+
+@pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_period_program_replays_the_table(rule, stages):
+    """S periods of the per-tick arrays, with the ops of unfed steps masked as the SPMD scan
+    masks them, give back exactly the table's ops (worker, kind, step, slot) and updates.
+    (At step 0 both slots hold theta_0, so there the slot is not compared.)"""
+    prog, S, T = period_program(rule, stages), 4, 2 * stages
+    ops, updates = set(), set()
+    for k in range(S + 1):  # S fed periods, then the flush
+        feeding, inflight = k < S, k > 0
+        for t in range(T):
+            for j in range(stages):
+                step = k + prog["step"][t, j]
+                if feeding if prog["step"][t, j] == 0 else inflight:
+                    kind = "FB"[prog["kind"][t, j]]
+                    slot = ("current", "previous")[prog["slot"][t, j]] if step else "theta_0"
+                    ops.add((k * T + t, j, kind, int(prog["worker"][t, j]), int(step), slot))
+                if prog["update"][t, j] and (feeding if prog["update_step"][t, j] == 0 else inflight):
+                    updates.add((k * T + t, j, int(k + prog["update_step"][t, j])))
+    t = cdp_mp_table(stages, steps=S, rule=rule)
+    assert ops == {(o.tick, o.device, o.kind, o.micro, o.step, o.slot if o.step else "theta_0") for o in t.ops}
+    assert updates == {(u.tick, u.stage, u.step) for u in t.updates}
+
+
+def test_schedule_draws_it(tmp_path, capsys):
+    assert schedule.main(["--method", "cdp-mp", "--stages", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "busy fraction (steady state): 1.000" in text and "stale (worker, stage) pairs: 6 of 16" in text
+    out = tmp_path / "cdp_mp.png"
+    assert schedule.main(["--method", "cdp-mp", "--stages", "4", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert schedule.main(["--method", "cdp-mp", "--stages", "4", "--rule", "cdp-v1"]) == 0
+    assert "stale (worker, stage) pairs: 16 of 16" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the method
+
+
+def config(**kw):
+    c = default_config()
+    c.model, c.model_kwargs, c.norm, c.stages = "mlp", {"width": 16}, "none", 4
+    c.global_batch_size, c.schedule = BATCH, "constant"
+    for k, v in kw.items():
+        c[k] = v
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def dataset():
+    return data.build(config())
+
+
+@functools.lru_cache(maxsize=None)
+def batches(n=STEPS + 2):
+    return [dataset().train_batch(k, BATCH, 0, augment=False) for k in range(n)]
+
+
+def context(mesh, devices, **kw):
+    ds = dataset()
+    return Context(config(**kw), make_mesh(mesh, jax.devices()[:devices]), ds.image_shape, ds.num_classes)
+
+
+@functools.lru_cache(maxsize=None)
+def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", data_axis=1):
+    mesh = {"stage": 4, "data": data_axis} if data_axis > 1 else {"stage": 4}
+    return methods.build(context(mesh, 4 * data_axis, method="cdp-mp", model=model, model_kwargs=MODEL_KWARGS[model],
+                                 residuals=residuals, cdp_rule=rule, norm=norm))
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS):
+    """CDP simulate with N = 4 workers on one device: parameters and model state after `steps`."""
+    ctx = context({"data": 1}, 1, method=rule, cdp_impl="simulate", workers=4, model=model,
+                  model_kwargs=MODEL_KWARGS[model],
+                  norm=norm)
+    m = cdp.make(ctx, rule)
+    state = m.init(jax.random.key(0))
+    for b in batches()[:steps]:
+        state, _ = m.train_step(state, b)
+    return jax.device_get(m.export(state)), jax.device_get(m.export(m.init(jax.random.key(0)))[0])
+
+
+def train(m, steps=STEPS, state=None, start=0):
+    state = m.init(jax.random.key(0)) if state is None else state
+    for b in batches()[start:start + steps]:
+        state, metrics = m.train_step(state, b)
+        assert np.isfinite(float(metrics["loss"]))
+    return m.flush(state)
+
+
+def assert_close(a, b, atol=1e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and la
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
+
+
+def max_diff(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+CASES = [
+    ("resnet_tiny", "recompute", "cdp-v2", "group"),  # stages of different shapes
+    ("vit_tiny", "carry", "cdp-v2", "none"),
+    ("mlp", "carry", "cdp-v1", "none"),
+    pytest.param("mlp", "recompute", "cdp-v1", "none", marks=pytest.mark.heavy),
+    pytest.param("resnet_tiny", "carry", "cdp-v2", "group", marks=pytest.mark.heavy),
+    pytest.param("vit_tiny", "recompute", "cdp-v2", "none", marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.parametrize("model,residuals,rule,norm", CASES)
+def test_equals_simulate(model, residuals, rule, norm):
+    """FIRST: after S steps and a flush, cdp-mp's parameters are simulate's with the same
+    staleness on one device, to float tolerance."""
+    m = build_mp(model, residuals, rule, norm)
+    if model == "resnet_tiny":
+        carrier = m.info["carrier"]  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
+        assert len(set(carrier.params.sizes)) == 4 and len(set(carrier.acts.shapes)) == 3
+    assert m.info["workers"] == 4 and m.info["devices"] == 4 and m.info["dp_mp_devices"] == 16
+    (reference, _), initial = simulated(model, rule, norm)
+    assert max_diff(reference, initial) > 1e-3  # it trained
+    assert_close(jax.device_get(m.export(train(m))[0]), reference)
+
+
+def test_staleness_is_the_rules():
+    """The equality above is not blind to the rule: cdp-v1's run is not cdp-v2's simulate."""
+    (v2, _), _ = simulated("mlp", "cdp-v2")
+    m = build_mp("mlp", "carry", "cdp-v1")
+    assert max_diff(jax.device_get(m.export(train(m))[0]), v2) > 1e-4
+
+
+def test_batchnorm_parameters_equal_simulate():
+    """norm='batch': statistics per micro-batch and running averages averaged over the step's
+    micro-batches, as in simulate: parameters and running averages agree."""
+    m = build_mp("mlp", "carry", "cdp-v2", "batch")
+    (reference, reference_state), _ = simulated("mlp", "cdp-v2", "batch")
+    params, model_state = jax.device_get(m.export(train(m)))
+    assert_close(params, reference)
+    assert_close(model_state, reference_state)
+    initial_state = jax.device_get(m.export(m.init(jax.random.key(0)))[1])
+    assert max_diff(model_state, initial_state) > 1e-3
+
+
+def test_flush_then_train_on():
+    """A flush completes the fed steps; training on restarts the cycle from the flushed
+    parameters, which then stand in both slots (as at step 0)."""
+    m = build_mp()
+    state = train(m, steps=2)
+    state = train(m, steps=2, state=state, start=2)
+    ref = cdp.make(context({"data": 1}, 1, method="cdp-v2", cdp_impl="simulate", workers=4), "cdp-v2")
+    s = ref.init(jax.random.key(0))
+    for k, b in enumerate(batches()[:4]):
+        if k == 2:
+            s = {**s, "previous": s["params"]}
+        s, _ = ref.train_step(s, b)
+    assert_close(jax.device_get(m.export(state)[0]), jax.device_get(ref.export(s)[0]))
+
+
+def test_run_steps_is_one_program():
+    """`run_steps` scans over steps: it equals the same steps one call each, and its compiled
+    program is the same whatever the number of steps (compile time does not grow with it)."""
+    m = build_mp()
+    stacked = {k: np.stack([b[k] for b in batches()[:STEPS]]) for k in ("image", "label")}
+    state, metrics = m.info["run_steps"](m.init(jax.random.key(0)), stacked)
+    assert metrics["loss"].shape == (STEPS,)
+    assert_close(jax.device_get(m.export(m.flush(state))[0]), jax.device_get(m.export(train(m))[0]), atol=1e-6)
+
+    def program(steps):
+        images, labels = (np.zeros((steps, *stacked[k].shape[1:]), stacked[k].dtype) for k in ("image", "label"))
+        lowered = m.info["run"].lower(m.init(jax.random.key(0)), images, labels, np.ones((steps,), bool))
+        text = lowered.compile().as_text()
+        return [line for line in text.splitlines() if "=" in line and "constant(" not in line]
+
+    two, eight = program(2), program(8)
+    assert len(two) == len(eight)
+
+
+def test_no_gradient_communication():
+    """The compiled step sends activations and cotangents one hop (two collective-permutes of
+    one padded micro-batch buffer each) and all-reduces only the three metric scalars."""
+    m = build_mp()
+    state = m.init(jax.random.key(0))
+    coll = bench.collectives(jax.jit(m.train_step).lower(state, batches()[0]).compile().as_text())
+    micro_buffer = BATCH // 4 * m.info["carrier"].acts.width * 4
+    assert coll["collective-permute"]["count"] == 2
+    assert coll["collective-permute"]["max_bytes"] == micro_buffer
+    assert coll["all-reduce"]["bytes"] <= 16
+    assert coll["all-gather"]["count"] == coll["reduce-scatter"]["count"] == 0
+
+
+def test_data_axis_runs_a_pipeline_per_group():
+    """On stage x data = 4 x 2 each data group runs its own cyclic pipeline on its half of the
+    batch and the stage gradients are summed over data at the update: the same parameters as
+    one pipeline fed a batch whose micro-batch i is the two groups' micro-batches i."""
+    m2 = build_mp(data_axis=2)
+    assert m2.info["devices"] == 8
+    m1 = build_mp()
+    half, micro = BATCH // 2, BATCH // 8
+    order = np.array([d * half + i * micro + r for i in range(4) for d in range(2) for r in range(micro)])
+    s1, s2 = m1.init(jax.random.key(0)), m2.init(jax.random.key(0))
+    for b in batches()[:STEPS]:
+        s1, _ = m1.train_step(s1, {k: v[order] for k, v in b.items()})
+        s2, _ = m2.train_step(s2, b)
+    assert_close(jax.device_get(m2.export(m2.flush(s2))[0]), jax.device_get(m1.export(m1.flush(s1))[0]))
+
+
+@pytest.mark.parametrize("overrides,mesh,message", [
+    ({"cdp_rule": "cdp-v3"}, {"stage": 4}, "cdp_rule='cdp-v3' is not one of cdp-v2, cdp-v1"),
+    ({"workers": 2}, {"stage": 4}, "cdp-mp runs N = L workers"),
+    ({"stages": 2}, {"stage": 4}, "stages=2 gives 2 stages but mesh.stage=4"),
+    ({"global_batch_size": 18}, {"stage": 4}, "global_batch_size / mesh.data=18 is not divisible"),
+    ({}, {"data": 4}, "needs a 'stage' mesh axis"),
+])
+def test_bad_config_refused_before_compiling(overrides, mesh, message):
+    c = config(method="cdp-mp", mesh=mesh, **overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(c)
+        ds = dataset()
+        methods.build(Context(c, make_mesh(mesh, jax.devices()[:4]), ds.image_shape, ds.num_classes))

@@ -1,0 +1,106 @@
+"""GPipe, the backprop pipeline baseline: the same gradients and updates as `e2e` on one device.
+
+Claims: the gradient summed over M micro-batches flowing forward and backward
+through K stages (of different shapes) on K devices is backprop's gradient of the
+mean loss over the batch; with M=1 it is plain model parallelism, equal to e2e
+even with BatchNorm; with a data axis the groups' gradients are averaged.
+"""
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import methods
+from cdpjax.config import ConfigError, default_config
+from cdpjax.mesh import make_mesh
+from cdpjax.methods.common import loss_and_metrics
+
+BATCH = 16
+
+
+def _config(method, model="resnet_tiny", stages=4, microbatches=4, norm="none", **kw):
+    c = default_config()
+    c.method, c.model, c.stages, c.microbatches, c.norm = method, model, stages, microbatches, norm
+    c.model_kwargs, c.global_batch_size, c.num_steps = {}, BATCH, 10
+    for k, v in kw.items():
+        c[k] = v
+    return c
+
+
+def _build(config, mesh_axes):
+    n = int(np.prod(list(mesh_axes.values())))
+    return methods.build(methods.Context(config, make_mesh(mesh_axes, jax.devices()[:n]), (8, 8, 1), 10))
+
+
+def _batches(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"image": rng.normal(size=(BATCH, 8, 8, 1)).astype(np.float32),
+             "label": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(count)]
+
+
+def _close(a, b, atol=1e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5), a, b)
+
+
+CASES = {  # model, K, data groups, M, check the gradient itself (one more compile)
+    "resnet-K4-M4": ("resnet_tiny", 4, 1, 4, True),
+    "vit-K2-M2-data2": ("vit_tiny", 2, 2, 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_and_updates_equal_e2e(case):
+    """The gradient, then two updates with SGD momentum and weight decay, as e2e's."""
+    model, stages, groups, micro, check_gradient = CASES[case]
+    e2e = _build(_config("e2e", model, stages, micro), {"data": 1})
+    gpipe = _build(_config("gpipe", model, stages, micro), {"stage": stages, "data": groups})
+    batches = _batches(2)
+    s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
+    if check_gradient:
+        b = batches[0]
+        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
+                                                        b["label"])[0])(s_e2e["params"])
+        _close(gpipe.info["gradients"](s_gp, b), reference)
+    for b in batches:
+        s_e2e, m_e2e = e2e.train_step(s_e2e, b)
+        s_gp, m_gp = gpipe.train_step(s_gp, b)
+        np.testing.assert_allclose(m_gp["loss"], m_e2e["loss"], rtol=1e-5)
+        np.testing.assert_allclose(m_gp["accuracy"], m_e2e["accuracy"], atol=1e-6)
+    _close(gpipe.export(s_gp), e2e.export(s_e2e))
+
+
+def test_one_microbatch_is_model_parallel_e2e_with_batchnorm():
+    """M=1: PPLL's "conventional pipeline"; BatchNorm statistics are the whole batch's, as in e2e."""
+    e2e = _build(_config("e2e", stages=2, microbatches=1, norm="batch"), {"data": 1})
+    gpipe = _build(_config("gpipe", stages=2, microbatches=1, norm="batch"), {"stage": 2})
+    s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
+    for b in _batches(2):
+        s_e2e, _ = e2e.train_step(s_e2e, b)
+        s_gp, _ = gpipe.train_step(s_gp, b)
+    _close(gpipe.export(s_gp), e2e.export(s_e2e))
+
+
+def test_pipeline_shape_is_reported():
+    gpipe = _build(_config("gpipe", stages=4, microbatches=4), {"stage": 4})
+    assert gpipe.info["ticks"] == 2 * (4 + 4 - 1)
+    np.testing.assert_allclose(gpipe.info["bubble"], 3 / 7)
+    assert gpipe.info["padding"]["params"] > 1.0
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"residuals": "carry"}, "residuals='recompute' only"),
+    ({"microbatches": 3}, "microbatches=3"),
+    ({"stages": 2}, "mesh.stage=4"),
+])
+def test_bad_config_fails_early(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        _build(_config("gpipe", **changes), {"stage": 4})
+
+
+def test_trains_in_the_training_loop(digits_config, tmp_path):
+    from cdpjax import train
+
+    c = digits_config
+    c.method, c.model, c.stages, c.microbatches, c.num_steps, c.eval_every = "gpipe", "mlp", 2, 2, 30, 0
+    c.mesh = {"stage": 2, "data": -1}
+    summary = train.train(c, str(tmp_path), progress=False)
+    assert summary["test_accuracy"] > 0.5  # digits: chance is 0.1

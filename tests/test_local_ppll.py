@@ -1,0 +1,286 @@
+"""Local learning and PPLL.
+
+The central claim (DESIGN.md, "PPLL timing"): PPLL's pipeline over K devices gives
+exactly the parameters of sequential local learning on one device after the same
+batches, for stages of different shapes (a ResNet) and for a ViT. Around it: the
+fill ticks must be masked, the gradient stops at every stage's input, the heads'
+learning rate scales alone, compile time does not grow with the number of ticks,
+and bad input fails before anything compiles.
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cdpjax import methods
+from cdpjax.config import ConfigError, default_config
+from cdpjax.mesh import make_mesh
+from cdpjax.models import aux_heads
+
+BATCH = 8
+
+
+def _config(method, model="mlp", stages=2, norm="none", head="greedy", **kw):
+    c = default_config()
+    c.method, c.model, c.norm, c.aux_head = method, model, norm, head
+    with c.ignore_type():
+        c.stages = stages
+    c.model_kwargs = {"width": 16} if model == "mlp" else {}
+    c.global_batch_size, c.num_steps, c.bn_cross_device = BATCH, 10, False
+    with c.ignore_type():
+        for k, v in kw.items():
+            c[k] = v
+    return c
+
+
+def _build(config, mesh_axes):
+    n = int(np.prod(list(mesh_axes.values())))
+    mesh = make_mesh(mesh_axes, jax.devices()[:n])
+    return methods.build(methods.Context(config, mesh, (8, 8, 1), 10))
+
+
+def _batches(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"image": rng.normal(size=(BATCH, 8, 8, 1)).astype(np.float32),
+             "label": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(count)]
+
+
+def _assert_trees_close(a, b, atol=1e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5), a, b)
+
+
+def _run(method, batches):
+    state = method.init(jax.random.key(0))
+    for b in batches:
+        state, _ = method.train_step(state, b)
+    if method.flush is not None:
+        state = method.flush(state)
+    return state
+
+
+CASES = {
+    # model, K, data groups, norm, head, aux_kwargs
+    "resnet-K4-dgl-batchnorm": ("resnet_tiny", 4, 1, "batch", "dgl", {"head_lr_scale": 0.5}),
+    "vit-K4-vit": ("vit_tiny", 4, 1, "none", "vit", {}),
+    "resnet-K2xdata2-infopro-reconstruction": ("resnet_tiny", 2, 2, "none", "infopro", {"reconstruction": True}),
+}
+HEAVY = {
+    "resnet-K2-greedy-batchnorm": ("resnet_tiny", 2, 1, "batch", "greedy", {}),
+    "vit-K2xdata4-greedy": ("vit_tiny", 2, 4, "none", "greedy", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + [pytest.param(c, marks=pytest.mark.heavy) for c in HEAVY])
+def test_ppll_equals_local(case):
+    """After T batches and a flush, ppll on K devices has local's bodies, heads and model state."""
+    model, stages, groups, norm, head, kwargs = {**CASES, **HEAVY}[case]
+    kw = {"aux_kwargs": kwargs, "stages": stages}
+    local = _build(_config("local", model, norm=norm, head=head, **kw), {"data": 1})
+    ppll = _build(_config("ppll", model, norm=norm, head=head, **kw), {"stage": stages, "data": groups})
+    if model.startswith("resnet"):  # what the carrier is for: stages of different sizes
+        assert len(set(ppll.info["carrier"].params.sizes)) == stages
+    batches = _batches(3)
+    s_local, s_ppll = _run(local, batches), _run(ppll, batches)
+    _assert_trees_close(ppll.export(s_ppll), local.export(s_local))
+    _assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                         local.export(s_local)[0], local.export(local.init(jax.random.key(0)))[0])
+    assert min(max(jax.tree.leaves(m)) for m in moved) > 1e-4  # every stage trained
+
+
+def test_ppll_losses_are_locals_delayed_by_the_pipeline():
+    """Stage j's loss at tick t is local's stage-j loss on batch t-j; fill ticks report nothing."""
+    stages = 4
+    local = _build(_config("local", stages=stages), {"data": 1})
+    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
+    batches = _batches(5)
+    s_local, s_ppll = local.init(jax.random.key(0)), ppll.init(jax.random.key(0))
+    local_losses, ppll_losses, valid = [], [], []
+    for b in batches:
+        s_local, m = local.train_step(s_local, b)
+        local_losses.append(np.asarray(m["stage_loss"]))
+        s_ppll, m = ppll.train_step(s_ppll, b)
+        ppll_losses.append(np.asarray(m["stage_loss"]))
+        valid.append(np.asarray(m["stage_valid"]))
+    for t in range(len(batches)):
+        for j in range(stages):
+            assert valid[t][j] == (t >= j)
+            if t >= j:
+                np.testing.assert_allclose(ppll_losses[t][j], local_losses[t - j][j], rtol=1e-5)
+
+
+def test_fill_ticks_are_masked():
+    """After the first tick only stage 0 has trained: the later stages ran on no batch and kept
+    their parameters, heads and optimizer states bit for bit (unmasked, they would move)."""
+    stages = 4
+    ppll = _build(_config("ppll", stages=stages, momentum=0.9), {"stage": stages})
+    init = jax.device_get(ppll.init(jax.random.key(0)))
+    state, _ = ppll.train_step(ppll.init(jax.random.key(0)), _batches(1)[0])
+    state = jax.device_get(state)
+    for key in ("body", "head", "opt_body", "opt_head"):
+        for a, b in zip(jax.tree.leaves(state[key]), jax.tree.leaves(init[key])):
+            np.testing.assert_array_equal(a[1:], b[1:])
+    assert np.abs(state["body"][0] - init["body"][0]).max() > 1e-4
+
+
+def test_local_with_one_stage_is_e2e():
+    """One stage has no auxiliary head: local learning is then plain backprop."""
+    e2e = _build(_config("e2e", stages=1), {"data": 1})
+    local = _build(_config("local", stages=1), {"data": 1})
+    batches = _batches(3)
+    _assert_trees_close(local.export(_run(local, batches)), e2e.export(_run(e2e, batches)), atol=1e-6)
+
+
+def test_gradient_stops_at_stage_input():
+    """Stage 0's update depends on its own head but on nothing after it."""
+    local = _build(_config("local", stages=2), {"data": 1})
+    batch = _batches(1)[0]
+
+    def stage0_after_step(change):
+        state = local.init(jax.random.key(0))
+        state["params"] = change(state["params"])
+        state, _ = local.train_step(state, batch)
+        return jax.device_get((state["params"]["body"][0], state["params"]["head"][0]))
+
+    def shift(tree):  # not a uniform shift of a classifier: softmax would ignore that
+        return jax.tree.map(lambda x: 2.0 * x + 0.1, tree)
+
+    base = stage0_after_step(lambda p: p)
+    later_changed = stage0_after_step(lambda p: {**p, "body": [p["body"][0], shift(p["body"][1])]})
+    own_head_changed = stage0_after_step(lambda p: {**p, "head": [shift(p["head"][0]), p["head"][1]]})
+    _assert_trees_close(later_changed, base, atol=0)
+    diff = jax.tree.map(lambda x, y: float(np.abs(x - y).max()), own_head_changed[0], base[0])
+    assert max(jax.tree.leaves(diff)) > 1e-6  # the test would see a gradient arriving
+
+
+def test_head_learning_rate_scale():
+    """With plain SGD the heads' first update scales with head_lr_scale; the bodies' does not."""
+    kw = dict(stages=2, momentum=0.0, weight_decay=0.0, schedule="constant")
+    batch = _batches(1)[0]
+    deltas = []
+    for scale in (1.0, 0.25):
+        local = _build(_config("local", aux_kwargs={"head_lr_scale": scale}, **kw), {"data": 1})
+        start = jax.device_get(local.init(jax.random.key(0))["params"])
+        end, _ = local.train_step(local.init(jax.random.key(0)), batch)
+        deltas.append(jax.tree.map(lambda x, y: np.asarray(x) - y, jax.device_get(end["params"]), start))
+    _assert_trees_close(deltas[1]["body"], deltas[0]["body"], atol=1e-7)
+    _assert_trees_close(deltas[1]["head"], jax.tree.map(lambda d: 0.25 * d, deltas[0]["head"]), atol=1e-7)
+
+
+def test_compile_time_does_not_grow_with_ticks():
+    """Ticks are a `lax.scan`: compiling 64 ticks takes about as long as 8."""
+    stages = 4
+    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
+    state = ppll.init(jax.random.key(0))
+    seconds = {}
+    for ticks in (9, 8, 64):  # 9: a first compile that warms up tracing (each length compiles anew)
+        batches = {"image": jnp.zeros((ticks, BATCH, 8, 8, 1)), "label": jnp.zeros((ticks, BATCH), jnp.int32)}
+        t0 = time.perf_counter()
+        ppll.info["run_ticks"].lower(state, batches).compile()
+        seconds[ticks] = time.perf_counter() - t0
+    assert seconds[64] < 2 * seconds[8], seconds
+
+
+def test_run_ticks_equals_train_steps():
+    stages = 2
+    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
+    batches = _batches(3)
+    stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+    scanned, metrics = ppll.info["run_ticks"](ppll.init(jax.random.key(0)), stacked)
+    assert metrics["stage_loss"].shape == (3, stages)
+    stepped = ppll.init(jax.random.key(0))
+    for b in batches:
+        stepped, _ = ppll.train_step(stepped, b)
+    _assert_trees_close(ppll.export(scanned), ppll.export(stepped), atol=1e-6)
+
+
+def test_heads_fit_their_stages():
+    """Every head kind builds from its stage's output shape and gives a scalar loss (abstractly
+    evaluated: shapes only); the last stage has no head."""
+    from cdpjax import models
+
+    for model, kind, kwargs in [("resnet_tiny", "greedy", {}), ("resnet_tiny", "dgl", {}),
+                                ("resnet_tiny", "infopro", {"reconstruction": True}), ("vit_tiny", "vit", {}),
+                                ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {})]:
+        net = models.build(_config("local", model, stages=3), (8, 8, 1), 10)
+        heads = aux_heads.build(kind, net, 10, kwargs)
+        params = jax.eval_shape(heads.init, jax.random.key(0))
+        assert heads.modules[-1] is None and params[-1] == {}
+        labels, images = jnp.zeros(2, jnp.int32), jnp.ones((2, 8, 8, 1))
+        for j, shape in enumerate(heads.feature_shapes[:-1]):
+            y = jnp.ones((2, *shape))
+            logits, recon = jax.eval_shape(lambda p, y: heads.modules[j].apply({"params": p}, y), params[j], y)
+            assert logits.shape == (2, 10)
+            assert (recon is not None) == bool(kwargs.get("reconstruction"))
+            loss, _ = jax.eval_shape(lambda p, y: heads.loss(j, p, y, labels, images), params[j], y)
+            assert loss.shape == ()
+        assert heads.needs_image == bool(kwargs.get("reconstruction"))
+
+
+def test_vit_head_depths_follow_ppll():
+    from cdpjax import models
+
+    net = models.build(_config("local", "vit_tiny", stages=[1, 2, 3, 4, 5]), (8, 8, 1), 10)
+    heads = aux_heads.build("vit", net, 10, {})
+    assert [m.depth for m in heads.modules[:-1]] == [2, 2, 2, 1, 1]
+    assert heads.modules[0].heads == 2  # the network's own encoder shape
+
+
+def test_infopro_reconstruction_weights_interpolate():
+    from cdpjax import models
+
+    net = models.build(_config("local", "resnet_tiny", stages=4), (8, 8, 1), 10)
+    heads = aux_heads.build("infopro", net, 10, {"reconstruction": True, "recon_start": 2.0, "recon_end": 0.0})
+    np.testing.assert_allclose(heads.recon_weights, [2.0, 1.0, 0.0, 0.0])
+
+
+def test_adaptive_pool_is_pytorchs():
+    x = jnp.arange(5 * 5, dtype=jnp.float32).reshape(1, 5, 5, 1)
+    out = aux_heads.adaptive_avg_pool(x, 2)[0, :, :, 0]
+    grid = np.arange(25.0).reshape(5, 5)  # windows [0, 3) and [2, 5): they overlap on row / column 2
+    expect = [[grid[:3, :3].mean(), grid[:3, 2:].mean()], [grid[2:, :3].mean(), grid[2:, 2:].mean()]]
+    np.testing.assert_allclose(out, expect)
+
+
+@pytest.mark.parametrize("changes,mesh_axes,match", [
+    ({"aux_head": "vit", "model": "resnet_tiny"}, {"stage": 2}, "token outputs"),
+    ({"aux_kwargs": {"reconstruction": True}, "aux_head": "infopro"}, {"stage": 2}, "image-like"),
+    ({"aux_kwargs": {"depth": 3}}, {"stage": 2}, "aux_kwargs.depth"),
+    ({"aux_kwargs": {"head_lr_scale": -1.0}}, {"stage": 2}, "head_lr_scale"),
+    ({"stages": 4}, {"stage": 2}, "mesh.stage=2"),
+    ({"norm": "batch", "bn_cross_device": True}, {"stage": 2, "data": 2}, "bn_cross_device"),
+    ({"global_batch_size": 9}, {"stage": 2, "data": 2}, "global_batch_size=9"),
+    ({}, {"data": 2}, "stage"),
+])
+def test_bad_config_fails_early(changes, mesh_axes, match):
+    c = _config("ppll", **changes)
+    with pytest.raises(ConfigError, match=match):
+        _build(c, mesh_axes)
+
+
+def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):
+    """The pipeline's queues are part of the checkpointed state: a run killed mid-way and resumed
+    ends with the parameters and metrics of an uninterrupted one (flushed once, at the end)."""
+    from cdpjax import train
+    from cdpjax.checkpoint import Checkpointer
+
+    c = digits_config
+    c.method, c.model, c.stages, c.num_steps, c.checkpoint_every, c.eval_every = "ppll", "mlp", 2, 8, 4, 4
+    c.mesh = {"stage": 2, "data": -1}
+    full = train.train(c, str(tmp_path / "full"), progress=False)
+    part = tmp_path / "part"
+    assert train.train(c, str(part), progress=False, stop_after=6) == {"stopped_at": 6}
+    resumed = train.train(c, str(part), progress=False)
+    assert resumed["resumed_from"] == 4 and resumed["test_accuracy"] == full["test_accuracy"]
+
+    def final(workdir):
+        _, _, method = train.setup(c)
+        ckpt = Checkpointer(str(workdir))
+        state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(c.seed)))
+        ckpt.close()
+        return jax.device_get(method.export(state)[0])
+
+    jax.tree.map(np.testing.assert_array_equal, final(part), final(tmp_path / "full"))
+    assert (part / "metrics.jsonl").read_text() == (tmp_path / "full" / "metrics.jsonl").read_text()
