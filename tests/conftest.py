@@ -24,3 +24,18 @@ def digits_config():
     c.global_batch_size = 64
     c.log_every = 10
     return c
+
+
+@pytest.fixture
+def compiles():
+    """(event, function) of every program traced or compiled while the test runs (tracing shows
+    even where the module's compilation cache then spares the compile)."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration"):
+            names.append((event.split("/")[-1].split("_")[0], kwargs.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield names
+    jax.monitoring.unregister_event_duration_listener(listener)

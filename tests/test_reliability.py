@@ -419,21 +419,6 @@ def test_nonfinite_from_the_command_line(tmp_path, capsys):
 
 # 4. Bad input ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def compiles():
-    """(event, function) of every program traced or compiled while the test runs (tracing shows
-    even where the module's compilation cache then spares the compile)."""
-    names = []
-
-    def listener(event, duration, **kwargs):
-        if event in ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration"):
-            names.append((event.split("/")[-1].split("_")[0], kwargs.get("fun_name", "?")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield names
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def _fails(args, message, capsys, workdir, compiles, train_step_only=False):
     code = main(["train", "--no-progress", "--workdir", str(workdir), *args])
     err = capsys.readouterr().err
