@@ -180,4 +180,20 @@ def format_table(records: list[dict]) -> str:
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
+    notes = [_layout_note(r) for r in records]
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows), *filter(None, notes)])
+
+
+def _layout_note(record: dict) -> str:
+    """A line for a method on a uniform stage carrier: its padding, and its device count against
+    the N*L devices that DP with model parallelism needs for the same workers and stages."""
+    info = record.get("info", {})
+    padding = info.get("padding")
+    if not isinstance(padding, dict):
+        return ""
+    ratios = ", ".join(f"{k} x{v:.2f}" for k, v in padding.items() if isinstance(v, float))
+    note = f"{record['method']}: padding (stored/real) {ratios}"
+    if "dp_mp_devices" in info:
+        note += (f"; {record['devices']} devices for N={info.get('workers')} workers x L={record['stages']} "
+                 f"stages, where DP with model parallelism needs {info['dp_mp_devices']}")
+    return note

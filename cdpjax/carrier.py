@@ -233,10 +233,6 @@ def format_report(report: dict) -> str:
     return "carrier padding (stored/real): " + ", ".join(parts)
 
 
-__all__ = ["ActLayout", "FlatLayout", "StageCarrier", "format_report", "init_opt", "squeeze",
-           "stage_specs", "unsqueeze", "update_row"]
-
-
 _CANONICAL_CONV_INSTALLED = False
 
 
@@ -249,7 +245,10 @@ def use_canonical_cpu_convolutions() -> bool:
     back to a naive loop: a weight gradient there ran 35x slower than at top
     level. This lowering does the same rewrite for every convolution (transpose
     to NHWC / HWIO, convolve, transpose back): the same arithmetic, on every
-    computation. GPUs are untouched. Idempotent.
+    computation (results equal the top-level ones bit for bit). It registers a
+    CPU lowering rule for `conv_general_dilated` process-wide, through JAX's
+    private `mlir` module: where that module differs (another JAX version) it
+    does nothing and returns False. GPUs are untouched. Idempotent.
     """
     global _CANONICAL_CONV_INSTALLED
     if _CANONICAL_CONV_INSTALLED:
@@ -267,7 +266,8 @@ def use_canonical_cpu_convolutions() -> bool:
         nd = len(lhs_spec)
         nhwc = (0, nd - 1, *range(1, nd - 1))
         hwio = (nd - 1, nd - 2, *range(nd - 2))
-        if (lhs_spec, rhs_spec, out_spec) == (nhwc, hwio, nhwc) or feature_group_count != 1 or batch_group_count != 1:
+        plain = feature_group_count == 1 and batch_group_count == 1 and params.get("out_sharding") is None
+        if (lhs_spec, rhs_spec, out_spec) == (nhwc, hwio, nhwc) or not plain:
             return original(ctx, lhs, rhs, dimension_numbers=dimension_numbers,
                             feature_group_count=feature_group_count, batch_group_count=batch_group_count, **params)
 
@@ -287,3 +287,7 @@ def use_canonical_cpu_convolutions() -> bool:
     mlir.register_lowering(lax.conv_general_dilated_p, rule, platform="cpu")
     _CANONICAL_CONV_INSTALLED = True
     return True
+
+
+__all__ = ["ActLayout", "FlatLayout", "StageCarrier", "format_report", "init_opt", "squeeze", "stage_specs",
+           "unsqueeze", "update_row", "use_canonical_cpu_convolutions"]

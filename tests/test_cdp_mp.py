@@ -157,7 +157,8 @@ def assert_close(a, b, atol=1e-5):
 
 
 def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs)
 
 
 CASES = [

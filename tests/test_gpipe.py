@@ -91,9 +91,10 @@ def test_pipeline_shape_is_reported():
     ({"microbatches": 3}, "microbatches=3"),
     ({"stages": 2}, "mesh.stage=4"),
 ])
-def test_bad_config_fails_early(changes, match):
+def test_bad_config_fails_early(changes, match, compiles):
     with pytest.raises(ConfigError, match=match):
         _build(_config("gpipe", **changes), {"stage": 4})
+    assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 
 def test_trains_in_the_training_loop(digits_config, tmp_path):

@@ -63,7 +63,7 @@ def _run(method, batches):
 CASES = {
     # model, K, data groups, norm, head, aux_kwargs
     "resnet-K4-dgl-batchnorm": ("resnet_tiny", 4, 1, "batch", "dgl", {"head_lr_scale": 0.5}),
-    "vit-K4-vit": ("vit_tiny", 4, 1, "none", "vit", {}),
+    "vit-K4-vit": ("vit_tiny", 4, 1, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
     "resnet-K2xdata2-infopro-reconstruction": ("resnet_tiny", 2, 2, "none", "infopro", {"reconstruction": True}),
 }
 HEAVY = {
@@ -254,10 +254,11 @@ def test_adaptive_pool_is_pytorchs():
     ({"global_batch_size": 9}, {"stage": 2, "data": 2}, "global_batch_size=9"),
     ({}, {"data": 2}, "stage"),
 ])
-def test_bad_config_fails_early(changes, mesh_axes, match):
+def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     c = _config("ppll", **changes)
     with pytest.raises(ConfigError, match=match):
         _build(c, mesh_axes)
+    assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 
 def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):

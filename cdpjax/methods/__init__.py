@@ -21,6 +21,11 @@ for _name in ("cdp", "local", "ppll", "gpipe", "cdp_mp", "cdp_zero"):
 def build(ctx: Context) -> Method:
     from cdpjax.config import ConfigError
 
+    # Every method of a process compiles with the same convolution lowering, so that side-by-side
+    # timings compare like with like (see carrier.use_canonical_cpu_convolutions; CPU only).
+    from cdpjax.carrier import use_canonical_cpu_convolutions
+
+    use_canonical_cpu_convolutions()
     name = ctx.config.method
     if name not in REGISTRY:
         raise ConfigError(f"unknown method {name!r}; registered: {', '.join(sorted(REGISTRY))}")

@@ -72,7 +72,7 @@ from cdpjax import models
 from cdpjax.config import ConfigError
 from cdpjax.methods.common import Context, Method, register, tree_select, varying
 from cdpjax.methods.ppll import check_mesh, net_stages
-from cdpjax.timetable import TimeTable, cdp_mp_table
+from cdpjax.timetable import cdp_mp_table
 
 RULES = ("cdp-v2", "cdp-v1")
 RESIDUALS = ("recompute", "carry")
@@ -160,7 +160,7 @@ def build(ctx: Context) -> Method:
     has_state = max(carrier.model_state.sizes) > 0
     share = 1.0 / (N * groups)  # the sum of the N x groups micro-batch gradients is then their mean
     image_shape = tuple(net.input_shape)
-    program = {k: jnp.asarray(v) for k, v in period_program(rule, L).items()}
+    program = period_program(rule, L)
 
     # ------------------------------------------------------------- one stage's vjp
 
@@ -178,10 +178,11 @@ def build(ctx: Context) -> Method:
             return jax.vjp(lambda p: run(p, x), p, has_aux=True)
         return jax.vjp(run, p, x, has_aux=True)
 
+    abstract_params, abstract_state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+
     def abstract_inputs(j):
-        params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
         x = jax.ShapeDtypeStruct((micro, *carrier.acts.shapes[j]), jnp.float32)
-        return params[j], state[j], x, jax.ShapeDtypeStruct((micro,), jnp.int32)
+        return abstract_params[j], abstract_state[j], x, jax.ShapeDtypeStruct((micro,), jnp.int32)
 
     def traced_residual_sizes():
         """Per stage, the residuals of one micro-batch's vjp, counted inside `shard_map` with
@@ -306,7 +307,7 @@ def build(ctx: Context) -> Method:
             update = (new_ms - ms) / N
             state_sums = state_sums + (lax.pmean(update, "data") if data else update)
         sums = c["sums"] + gradient
-        metrics = c["metrics"] + jnp.stack([loss * counted, correct, counted])
+        metrics = c["metrics"] + jnp.stack([loss, correct, counted])
         if L > 1:
             act_in = lax.ppermute(act_out, "stage", [(j, j + 1) for j in range(L - 1)])
             cot_in = lax.ppermute(cot_out, "stage", [(j, j - 1) for j in range(1, L)])
@@ -320,8 +321,8 @@ def build(ctx: Context) -> Method:
         params, previous, opt = lax.cond(apply, update_stage, keep, c["params"], c["previous"], c["opt_state"],
                                          total)
         sums = jnp.where(apply, jnp.zeros_like(sums), sums)
-        new = dict(c, params=params, previous=previous, opt_state=opt, model_state=ms, state_sums=state_sums, sums=sums, stash=stash,
-                   labels=labels, act_in=act_in, cot_in=cot_in, metrics=metrics)
+        new = dict(c, params=params, previous=previous, opt_state=opt, model_state=ms, state_sums=state_sums,
+                   sums=sums, stash=stash, labels=labels, act_in=act_in, cot_in=cot_in, metrics=metrics)
         return new, None
 
     def period(state, step_batch):
@@ -329,7 +330,8 @@ def build(ctx: Context) -> Method:
         images = images.reshape(N, micro, *image_shape)
         new_labels = new_labels.reshape(N, micro)
         carry = dict(state, metrics=varying(jnp.zeros((3,), jnp.float32), axes))
-        carry, _ = lax.scan(lambda c, x: tick(c, x, feeding, images, new_labels), carry, program)
+        carry, _ = lax.scan(lambda c, x: tick(c, x, feeding, images, new_labels), carry,
+                            jax.tree.map(jnp.asarray, program))
         metrics = carry.pop("metrics")
         # After a flush both slots hold the newest version, as at step 0.
         carry["previous"] = tree_select(feeding, carry["previous"], carry["params"])

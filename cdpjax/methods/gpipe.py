@@ -139,8 +139,8 @@ def build(ctx: Context) -> Method:
         return grads, model_state, {"loss": loss, "accuracy": acc}
 
     def local_step(state, images, labels):
-        grads, model_state, metrics = local_grads(carriers.squeeze(state), images, labels)
         st = carriers.squeeze(state)
+        grads, model_state, metrics = local_grads(st, images, labels)
         params, opt_state = carriers.update_row(tx, grads, st["opt_state"], st["params"])
         new = {"params": params, "model_state": model_state, "opt_state": opt_state}
         return carriers.unsqueeze(new), metrics

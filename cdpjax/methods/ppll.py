@@ -20,7 +20,8 @@ SPMD realisation: one `shard_map` over the mesh, `lax.scan` over ticks,
 `lax.switch(axis_index('stage'))` over the stage carrier (parameters, heads,
 optimizer and model state as zero-padded rows, activations as padded flat
 buffers); the optimizer updates the padded rows outside the switch; the
-`ppermute` follows the switch. The input is read by stage 0 only.
+`ppermute` follows the switch. The batch is placed like any method's (over
+`data`, replicated over `stage`) and read by stage 0 only.
 With a `data` axis, each data group runs its own pipeline on its slice of the
 batch; gradients are averaged over `data` after the switch, so the update is
 that of the whole batch (BatchNorm statistics are then per data group, and
@@ -44,7 +45,7 @@ from cdpjax.methods.local import HEADS_KEY, setup, stage_grads
 
 
 def check_mesh(ctx: Context, method: str):
-    """The stage count and the per-group batch of a pipeline on `stage` (x `data`)."""
+    """(stages, data groups) of a pipeline on `stage` (x `data`); refuses what it cannot run."""
     cfg = ctx.config
     ctx.require_axes(method, ("stage", "data"))
     stages, groups = ctx.axis("stage"), ctx.axis("data")
@@ -119,7 +120,7 @@ def build(ctx: Context) -> Method:
         valid = jnp.where(first, fed, inbox["valid"])
         images = jnp.where(first, image, inbox["image"]) if heads.needs_image else None
         # Replicated rows enter the switch varying over every axis: their gradients are
-        # then per data group, and the sum over `data` (a collective) stays outside.
+        # then per data group, and the mean over `data` (a collective) stays outside.
         g_body, g_head, model_state, out, loss, acc = carrier.switch(
             branch, *varying((state["body"], state["head"], state["model_state"]), axes),
             x, labels, images, axes=axes)
@@ -153,23 +154,24 @@ def build(ctx: Context) -> Method:
         return sharded(state, images, labels, fed)
 
     def summary(metrics):
-        """Per-tick metrics `[T, K]`: the network's own loss is the last stage's."""
+        """Per-tick metrics `[T, K]`; the network's own loss is the last stage's (0 while it has
+        no batch yet)."""
         return {"loss": metrics["loss"][:, last], "accuracy": metrics["accuracy"][:, last],
                 "stage_loss": metrics["loss"], "stage_valid": metrics["valid"]}
 
-    def _tick(state, image, label, fed):
+    def one_tick(state, image, label, fed):
         """One tick: `image`, `label` enter stage 0 as a batch when `fed`, as nothing otherwise."""
         state, metrics = run(state, image[None], label[None], fed[None])
         return state, jax.tree.map(lambda m: m[0], summary(metrics))
 
-    def _run_ticks(state, batches):
+    def many_ticks(state, batches):
         ticks = batches["label"].shape[0]
         state, metrics = run(state, batches["image"], batches["label"], jnp.ones((ticks,), bool))
         return state, summary(metrics)
 
-    tick_fn = jax.jit(_tick, donate_argnums=0)
+    tick_fn = jax.jit(one_tick, donate_argnums=0)
     feed_sharding = NamedSharding(mesh, P("data") if data else P())  # the trainer's default placement
-    run_ticks = jax.jit(_run_ticks, donate_argnums=0)
+    run_ticks = jax.jit(many_ticks, donate_argnums=0)
 
     def train_step(state, batch):
         batch = jax.device_put(batch, feed_sharding)  # a no-op for the trainer's batches
