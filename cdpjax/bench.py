@@ -106,6 +106,18 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     return out
 
 
+def _padded_figures(method, sizes) -> dict[str, Any]:
+    """What the uniform carrier really sends: every relayed gradient is one padded stage row."""
+    carrier = method.info.get("carrier")
+    p_max = getattr(carrier, "p_max", None)
+    if p_max is None or method.table is None or not hasattr(method.table, "comm_balance"):
+        return {}
+    padded = {"param_bytes": [int(p_max) * 4] * len(sizes["param_bytes"]), "activation_bytes": sizes["activation_bytes"]}
+    figures = table_figures(method.table, padded)
+    return {"comm_balance_padded": figures.get("comm_balance"),
+            "bytes_sent_per_worker_per_step_padded": figures.get("bytes_sent_per_worker_per_step")}
+
+
 def time_steps(step_fn, state, batch, warmup: int = 2, repeats: int = 5):
     """Median seconds of `step_fn(state, batch)` after warm-up (state threaded through)."""
     for _ in range(warmup):
@@ -151,6 +163,7 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
         "param_bytes": int(sum(sizes["param_bytes"])),
         "stage_param_bytes": sizes["param_bytes"],
         **table_figures(method.table, sizes),
+        **_padded_figures(method, sizes),
         "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
     }
     return record

@@ -266,7 +266,11 @@ def use_canonical_cpu_convolutions() -> bool:
         nd = len(lhs_spec)
         nhwc = (0, nd - 1, *range(1, nd - 1))
         hwio = (nd - 1, nd - 2, *range(nd - 2))
-        plain = feature_group_count == 1 and batch_group_count == 1 and params.get("out_sharding") is None
+        # Inside `shard_map` a gradient's convolution carries an out_sharding on the manual mesh,
+        # unsharded in every dimension: still plain (and kept as it is for any output layout).
+        out_sharding = params.get("out_sharding")
+        unsharded = out_sharding is None or all(s is None for s in getattr(out_sharding, "spec", (0,)))
+        plain = feature_group_count == 1 and batch_group_count == 1 and unsharded
         if (lhs_spec, rhs_spec, out_spec) == (nhwc, hwio, nhwc) or not plain:
             return original(ctx, lhs, rhs, dimension_numbers=dimension_numbers,
                             feature_group_count=feature_group_count, batch_group_count=batch_group_count, **params)

@@ -24,7 +24,7 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = "cdp-v2"
     c.model = "mlp"
-    c.model_kwargs = ml_collections.ConfigDict({"width": 128})
+    c.model_kwargs = ml_collections.ConfigDict()  # options of the model builder (mlp: width 128, depth 3)
     c.norm = "none"  # 'batch' | 'group' | 'none' (models that support it)
     c.bn_cross_device = True  # BatchNorm statistics over the whole data axis, not per device
     c.dataset = "digits"

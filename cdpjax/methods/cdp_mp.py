@@ -31,10 +31,13 @@ k; their mean update lands just before the stage's first forward of step k+1).
 
 Residuals (`config.residuals`): 'recompute' stashes each micro-batch's stage input
 at its forward and reruns the stage under `jax.vjp` at its backward; 'carry'
-stashes the residuals of the forward's `jax.vjp` (raveled, zero-padded to the
-largest stage's) and the backward only runs the pullback (its structure is taken
-from an abstract `eval_shape` of the same vjp inside the same trace). Both give the
-same parameters; `info['padding']` and `cdpjax bench` give their memory.
+stashes the residuals of the forward's `jax.vjp` but the stage's own parameters
+(raveled, zero-padded to the largest stage's; the backward takes the parameters
+from the slot its forward read) and the backward only runs the pullback, rebuilt
+on the structure of a template vjp traced in the same branch. Both give the same
+parameters; `info['padding']` and `cdpjax bench` give their memory (measured: on
+CPU, carry stores 4 to 14 times more per device and is faster for a ResNet, slower
+for a ViT; recompute is the default).
 
 SPMD realisation: one `shard_map`, `lax.scan` over the 2L ticks of the table's
 steady-state period (each device reads its column with `axis_index('stage')`),
@@ -48,12 +51,15 @@ sums, both versions) lives in the train state. `flush(state)` runs one period wi
 nothing fed (its ops of the unfed step are idle, updates masked), so that the
 parameters account for every batch fed; training on after a flush restarts the
 cycle from the flushed parameters. `info['run_steps'](state, batches)` scans over
-S periods in one program (compile time does not grow with S). A call's metrics
-are those of the micro-batches whose loss was computed in it.
+S periods in one program (compile time does not grow with S); `info['run']` is the
+one jitted program behind all three. A call's metrics are those of the
+micro-batches whose loss was computed in it. The whole global batch reaches every
+device (stage 0 reads the images, every device keeps the labels).
 
 With a `data` axis, each data group runs its own cyclic pipeline on its slice of
-the batch and every stage's gradient sum is summed over `data` at its update tick
-(one all-reduce of one stage per update: data parallelism over pipelines).
+the batch, and at every tick where some stage updates every device all-reduces its
+stage's gradient sum over `data` (zeros where its stage does not update): data
+parallelism over pipelines, the only case with gradient traffic.
 """
 from __future__ import annotations
 
@@ -184,15 +190,24 @@ def build(ctx: Context) -> Method:
         x = jax.ShapeDtypeStruct((micro, *carrier.acts.shapes[j]), jnp.float32)
         return abstract_params[j], abstract_state[j], x, jax.ShapeDtypeStruct((micro,), jnp.int32)
 
+    def split_residuals(pullback, p):
+        """The pullback's leaves, its structure, and which leaves are stashed: all but the
+        stage's own parameters, which the backward reads from the slot its forward read."""
+        own = {id(q) for q in jax.tree.leaves(p)}
+        leaves, structure = jax.tree.flatten(pullback)
+        return leaves, structure, [i for i, leaf in enumerate(leaves) if id(leaf) not in own]
+
     def traced_residual_sizes():
-        """Per stage, the residuals of one micro-batch's vjp, counted inside `shard_map` with
-        device-varying inputs as in the tick (outside it, a few scalars differ)."""
+        """Per stage, the stashed residuals of one micro-batch's vjp, counted inside `shard_map`
+        with device-varying inputs as in the tick (outside it, a few scalars differ)."""
         sizes = []
 
         def probe():
             for j in range(L):
-                inputs = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype), axes), abstract_inputs(j))
-                sizes.append(_flat_size(jax.tree.leaves(stage_vjp(j, *inputs)[1])))
+                p, s, x, labels = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype), axes),
+                                               abstract_inputs(j))
+                leaves, _, stashed = split_residuals(stage_vjp(j, p, s, x, labels)[1], p)
+                sizes.append(_flat_size([leaves[i] for i in stashed]))
             return varying(jnp.zeros((1,)), axes)
 
         jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(), out_specs=P(axes), check_vma=True))
@@ -237,7 +252,8 @@ def build(ctx: Context) -> Method:
                 y, new_state = net.apply_stage(j, p, s, x, True)
             else:
                 y, pullback, (new_state, loss_j, acc_j) = stage_vjp(j, p, s, x, labels)
-                flat, _ = ravel_pytree(jax.tree.leaves(pullback))
+                leaves, _, stashed = split_residuals(pullback, p)
+                flat, _ = ravel_pytree([leaves[i] for i in stashed])
                 check_residuals(j, flat.size)
                 stash_row = jnp.pad(flat.astype(jnp.float32), (0, stash_width - flat.size))
                 if j == last:
@@ -258,14 +274,16 @@ def build(ctx: Context) -> Method:
                 if j == last:
                     loss, correct, counted = loss_j, acc_j, scalar(1.0)
             else:
-                x = carrier.unpack_act(j, act_in)  # only its shape is read
-                structure = jax.eval_shape(lambda *a: stage_vjp(j, *a)[1], p, s, x, labels)
-                leaves = jax.tree.leaves(structure)
-                _, unravel = ravel_pytree(leaves)
-                size = _flat_size(leaves)
+                # A template pullback traced here on a stand-in input gives the structure; its
+                # stashed leaves are replaced by the forward's (the unused rest is dead code).
+                stand_in = carrier.unpack_act(j, act_in)
+                leaves, structure, stashed = split_residuals(stage_vjp(j, p, s, stand_in, labels)[1], p)
+                _, unravel = ravel_pytree([leaves[i] for i in stashed])
+                size = _flat_size([leaves[i] for i in stashed])
                 check_residuals(j, size)
-                flat = stash_row[:size]
-                pullback = jax.tree.unflatten(jax.tree.structure(structure), unravel(flat))
+                for i, leaf in zip(stashed, unravel(stash_row[:size])):
+                    leaves[i] = leaf
+                pullback = jax.tree.unflatten(structure, leaves)
             cotangents = pullback(seed)
             gradient = carrier.params.pack_one(j, cotangents[0])
             cot_out = carrier.pack_act(j, cotangents[1]) if j > 0 else zeros_act()
@@ -284,9 +302,8 @@ def build(ctx: Context) -> Method:
     def keep(params, previous, opt, gradient):
         return params, previous, opt
 
-    def tick(carry, x, feeding, images, new_labels):
+    def tick(c, x, feeding, images, new_labels):
         me = lax.axis_index("stage")
-        c = carry
         kind, worker, slot, step = x["kind"][me], x["worker"][me], x["slot"][me], x["step"][me]
         valid = jnp.where(step == 0, feeding, c["inflight"])
         # The labels of a micro-batch reach every device with the batch; stored as it enters stage 0.
