@@ -148,6 +148,12 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
     compile_seconds = time.perf_counter() - t0
     step_seconds, _ = time_steps(compiled, state, batch, warmup, repeats)
     workers = int(method.info.get("workers", mesh.shape.get("data", 1)))
+    table = method.table
+    if table is None:  # methods whose table is not their program's (ppll, gpipe): laid out by name
+        from cdpjax.speedup import table_for
+
+        table = table_for(config.method, int(mesh.devices.size), method.net.num_stages,
+                          int(config.get("microbatches", 4)))
     sizes = stage_sizes(method.net, max(config.global_batch_size // max(workers, 1), 1))
     record = {
         "method": config.method,
@@ -162,7 +168,7 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
         "collectives": collectives(compiled.as_text()),
         "param_bytes": int(sum(sizes["param_bytes"])),
         "stage_param_bytes": sizes["param_bytes"],
-        **table_figures(method.table, sizes),
+        **table_figures(table, sizes),
         **_padded_figures(method, sizes),
         "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
     }

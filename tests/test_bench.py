@@ -74,3 +74,32 @@ def test_balance_by_time_beats_even_split():
     points, report = speedup.balance_by_time(blocks, (8, 8, 1), 3, batch_size=32, repeats=3)
     assert report["by_time"]["imbalance"] <= report["even"]["imbalance"] + 1e-9
     assert len(points) == 2
+
+
+def test_cdp_figures_for_resnet18_cifar():
+    """N = L = 4, ResNet-18 of CIFAR shape: the table figures `cdpjax bench` reports (no compile needed).
+    The comm balance depends on the stage cut (gradient sizes): the README's split [3, 6, 8] keeps it under 2."""
+    from cdpjax import models
+    from cdpjax.config import default_config
+
+    c = default_config()
+    c.model, c.model_kwargs, c.norm, c.stages = "resnet18", {"stem": "cifar"}, "batch", [3, 6, 8]
+    net = models.build(c, (32, 32, 3), 10)
+    sizes = bench.stage_sizes(net, 8)
+    dp = bench.table_figures(timetable.cdp_table("dp", 4, 4, 6), sizes)
+    cdp = bench.table_figures(timetable.cdp_table("cdp-v2", 4, 4, 6), sizes)
+    assert cdp["activation_total"]["peak"] <= 0.55 * dp["activation_total"]["peak"]
+    assert dp["comm_balance"] == pytest.approx(8.0)
+    assert cdp["comm_balance"] <= 2.0
+    # the same gradients, in small messages: CDP sends what DP's ring all-reduce sends, per worker and step
+    assert cdp["bytes_sent_per_worker_per_step"] == pytest.approx(dp["bytes_sent_per_worker_per_step"], rel=0.05)
+
+
+def test_pipeline_busy_fractions_from_their_tables():
+    """What `cdpjax bench` reports as busy fraction: ppll and cdp-mp 1.0 in steady state, gpipe M/(M+K-1)."""
+    from cdpjax.speedup import table_for
+
+    sizes = {"param_bytes": [4] * 4, "activation_bytes": [4] * 4}
+    assert bench.table_figures(table_for("ppll", 4, 4), sizes)["busy_fraction"] == pytest.approx(1.0)
+    assert bench.table_figures(table_for("gpipe", 4, 4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
+    assert bench.table_figures(timetable.table("cdp-mp", stages=4, steps=4), sizes)["busy_fraction"] == pytest.approx(1.0)
