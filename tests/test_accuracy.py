@@ -21,3 +21,17 @@ def test_cdp_matches_dp_on_digits(tmp_path):
     assert dp >= 0.97
     assert abs(v1 - dp) <= 0.01 + 1e-9, (dp, v1)
     assert abs(v2 - dp) <= 0.01 + 1e-9, (dp, v2)
+
+
+def test_local_and_ppll_match_each_other_and_come_close_to_e2e(tmp_path):
+    """PPLL's claims on digits: ppll reaches exactly local learning's accuracy (it computes the same
+    parameters), and both are within 2 points of end-to-end backprop."""
+    import jax
+
+    e2e = _accuracy(tmp_path, "e2e")
+    local = _accuracy(tmp_path, "local")
+    c = default_config()
+    c.method, c.eval_every, c.checkpoint_every, c.mesh = "ppll", 0, 0, {"stage": 4}
+    ppll = train.train(c, str(tmp_path / "ppll"), progress=False, devices=jax.devices()[:4])["test_accuracy"]
+    assert ppll == pytest.approx(local, abs=1e-9)
+    assert abs(local - e2e) <= 0.02 + 1e-9, (e2e, local)
