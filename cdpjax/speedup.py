@@ -111,7 +111,7 @@ def _sequential_step(table, costs: StageCosts) -> float:
     return float(np.median(list(per_step.values())))
 
 
-def _median_seconds(fn, *args, repeats: int = 5) -> float:
+def median_seconds(fn, *args, repeats: int = 5) -> float:
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -140,8 +140,8 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5) -> StageCosts:
             return vjp(ct)
 
         b = jax.jit(backward)
-        fwd.append(_median_seconds(f, params[j], state[j], x, repeats=repeats))
-        bwd.append(_median_seconds(b, params[j], state[j], x, jnp.ones_like(y), repeats=repeats))
+        fwd.append(median_seconds(f, params[j], state[j], x, repeats=repeats))
+        bwd.append(median_seconds(b, params[j], state[j], x, jnp.ones_like(y), repeats=repeats))
         act.append(float(y.size * y.dtype.itemsize))
         grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
         x = y
@@ -215,7 +215,7 @@ def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int,
 
             return jax.grad(f, argnums=(0, 1))(v["params"], inp)
 
-        costs.append(_median_seconds(jax.jit(fwd_bwd), variables, x, repeats=repeats))
+        costs.append(median_seconds(jax.jit(fwd_bwd), variables, x, repeats=repeats))
         x = block.apply(variables, x, train=False)
     points = balanced_points(costs, stages)
     even = even_points(len(blocks), stages)

@@ -14,9 +14,6 @@ measures both, before and after installing it.
 
     python experiments/xla_cpu_nested_conv.py
 """
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,19 +44,9 @@ def steps_in_scan(w, x, n=4):
     return w.sum()
 
 
-def median_seconds(fn, *args, repeats=7):
-    fn = jax.jit(fn)
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main():
     from cdpjax.carrier import use_canonical_cpu_convolutions
+    from cdpjax.speedup import median_seconds
 
     w = jax.random.normal(jax.random.key(0), (3, 3, 32, 32))
     x = jax.random.normal(jax.random.key(1), (8, 16, 16, 32))
@@ -67,8 +54,8 @@ def main():
         if label.startswith("canonical"):
             use_canonical_cpu_convolutions()
             jax.clear_caches()
-        top = median_seconds(steps_top_level, w, x)
-        nested = median_seconds(steps_in_scan, w, x)
+        top = median_seconds(jax.jit(steps_top_level), w, x, repeats=7)
+        nested = median_seconds(jax.jit(steps_in_scan), w, x, repeats=7)
         print(f"{jax.default_backend()}, {label}: top level {top * 1e3:.1f} ms, inside lax.scan "
               f"{nested * 1e3:.1f} ms, ratio {nested / top:.1f}x")
 
