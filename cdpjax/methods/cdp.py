@@ -70,10 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import models
+from cdpjax.carrier import FlatLayout
 from cdpjax.config import ConfigError
 from cdpjax.methods.common import Context, Method, register, tree_select, varying
 from cdpjax.methods.e2e import apply_updates
@@ -242,6 +242,65 @@ def _replace(items, j, value):
     return [value if k == j else v for k, v in enumerate(items)]
 
 
+def worker_branches(net, workers: int, layout, inputs, a_max: int, row_of):
+    """A CDP worker's ops for the per-tick `lax.switch`: [idle, forward of stage j..., backward of stage j...].
+
+    Each maps (params, model_state, stash, cotangent, labels, images, new_labels) to
+    (stash, cotangent, labels, model_state, gradient row, loss, correct, counted).
+    `row_of(j, params)` is stage j's parameters as one padded row of `layout`, from
+    whatever the realisation holds (`ring`: the slot the table names; `cdp-zero`: the
+    row just relayed); the gradient comes back as such a row. A backward recomputes
+    its stage from the stashed input.
+    """
+    L, p_max = net.num_stages, layout.width
+
+    def idle(params, ms, stash, cot, labels, images, new_labels):
+        zero = jnp.zeros((), jnp.float32)
+        return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), zero, zero, zero), AXIS)
+
+    def forward(j):
+        def branch(params, ms, stash, cot, labels, images, new_labels):
+            if j == 0:  # a new micro-batch: stash its input and labels for the backward
+                x, labels = images, new_labels
+                stash = stash.at[0].set(pad(images, a_max))
+            else:
+                x = unpad(stash[j], inputs[j])
+            y, ms_j = net.apply_stage(j, layout.unpack_one(j, row_of(j, params)), ms[j], x, True)
+            ms = _replace(ms, j, ms_j)
+            zero = jnp.zeros((), jnp.float32)
+            if j < L - 1:
+                stash = stash.at[j + 1].set(pad(y, a_max))
+                loss = correct = counted = zero
+            else:
+                loss, correct, counted = models.cross_entropy(y, labels), models.accuracy(y, labels), zero + 1
+            return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), loss, correct, counted), AXIS)
+        return branch
+
+    def backward(j):
+        def branch(params, ms, stash, cot, labels, images, new_labels):
+            x = unpad(stash[j], inputs[j])
+
+            def stage(row, x):  # recomputed from the stashed input; BN state updates are the forward's
+                y, _ = net.apply_stage(j, layout.unpack_one(j, row), ms[j], x, True)
+                # the 1/N makes the ring's sum of worker gradients their mean
+                return models.cross_entropy(y, labels) / workers if j == L - 1 else y
+
+            seed = varying(jnp.ones((), jnp.float32), AXIS) if j == L - 1 else unpad(cot, inputs[j + 1])
+            row = row_of(j, params)
+            if j == 0:  # the input needs no gradient
+                _, vjp = jax.vjp(lambda r: stage(r, x), row)
+                (g,) = vjp(seed)
+            else:
+                _, vjp = jax.vjp(stage, row, x)
+                g, gx = vjp(seed)
+                cot = pad(gx, a_max)
+            zero = jnp.zeros((), jnp.float32)
+            return varying((stash, cot, labels, ms, g, zero, zero, zero), AXIS)
+        return branch
+
+    return [idle] + [forward(j) for j in range(L)] + [backward(j) for j in range(L)]
+
+
 # --- the ring itself
 
 
@@ -255,65 +314,20 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
     ring = [(i, (i + 1) % N) for i in range(N)]
     per_worker = NamedSharding(mesh, P(AXIS))
 
-    def read(current, previous, slot, j):
-        return tree_select(slot == 1, previous[j], current[j])
+    layout = FlatLayout.from_trees(jax.eval_shape(lambda: net.init(jax.random.key(0)))[0])
 
-    # Branches of the per-tick switch. Signature: (current, previous, model_state,
-    # stash, cotangent, labels, slot, images, new_labels) ->
-    # (stash, cotangent, labels, model_state, gradient, loss, correct, counted).
-    def idle(current, previous, ms, stash, cot, labels, slot, images, new_labels):
-        zero = jnp.zeros((), jnp.float32)
-        return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), zero, zero, zero), AXIS)
+    def read(j, versions):  # stage j's row from the slot the table names for this op
+        current, previous, slot = versions
+        return layout.pack_one(j, tree_select(slot == 1, previous[j], current[j]))
 
-    def forward(j):
-        def branch(current, previous, ms, stash, cot, labels, slot, images, new_labels):
-            if j == 0:  # a new micro-batch: stash its input and labels for the backward
-                x, labels = images, new_labels
-                stash = stash.at[0].set(pad(images, a_max))
-            else:
-                x = unpad(stash[j], inputs[j])
-            y, ms_j = net.apply_stage(j, read(current, previous, slot, j), ms[j], x, True)
-            ms = _replace(ms, j, ms_j)
-            zero = jnp.zeros((), jnp.float32)
-            if j < L - 1:
-                stash = stash.at[j + 1].set(pad(y, a_max))
-                loss = correct = counted = zero
-            else:
-                loss, correct, counted = models.cross_entropy(y, labels), models.accuracy(y, labels), zero + 1
-            return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), loss, correct, counted), AXIS)
-        return branch
-
-    def backward(j):
-        def branch(current, previous, ms, stash, cot, labels, slot, images, new_labels):
-            x = unpad(stash[j], inputs[j])
-
-            def stage(p, x):  # recomputed from the stashed input; BN state updates are the forward's
-                y, _ = net.apply_stage(j, p, ms[j], x, True)
-                # the 1/N makes the ring's sum of worker gradients their mean
-                return models.cross_entropy(y, labels) / N if j == L - 1 else y
-
-            seed = varying(jnp.ones((), jnp.float32), AXIS) if j == L - 1 else unpad(cot, inputs[j + 1])
-            params = read(current, previous, slot, j)
-            if j == 0:  # the input needs no gradient
-                _, vjp = jax.vjp(lambda p: stage(p, x), params)
-                (g,) = vjp(seed)
-            else:
-                _, vjp = jax.vjp(stage, params, x)
-                g, gx = vjp(seed)
-                cot = pad(gx, a_max)
-            zero = jnp.zeros((), jnp.float32)
-            return varying((stash, cot, labels, ms, pad(ravel_pytree(g)[0], p_max), zero, zero, zero), AXIS)
-        return branch
-
-    branches = [idle] + [forward(j) for j in range(L)] + [backward(j) for j in range(L)]
+    branches = worker_branches(net, N, layout, inputs, a_max, read)
 
     def keep(current, previous, opt, gradient):
         return current, previous, opt
 
     def update(j):
         def branch(current, previous, opt, gradient):
-            _, unravel = ravel_pytree(current[j])
-            g = unravel(gradient[: carrier.param_sizes[j]])
+            g = layout.unpack_one(j, gradient)
             new, new_opt = apply_updates(tx, [current[j]], [opt[j]], [g])
             return _replace(current, j, new[0]), _replace(previous, j, current[j]), _replace(opt, j, new_opt[0])
         return branch
@@ -329,7 +343,7 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
         valid = jnp.where(x["step"][me] == 0, feeding, inflight)
         op = jnp.where(valid, planned, 0)
         stash, cot, labels, ms, grad, loss, correct, counted = lax.switch(
-            op, branches, current, previous, ms, stash, cot, labels, x["slot"][me], images, new_labels)
+            op, branches, (current, previous, x["slot"][me]), ms, stash, cot, labels, images, new_labels)
         metrics = metrics + jnp.stack([loss, correct, counted])
 
         # The running partial sum of the stage just finished goes on one hop.

@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from cdpjax import models
 from cdpjax.carrier import FlatLayout, init_opt, update_row
 from cdpjax.config import ConfigError
-from cdpjax.methods.cdp import make_carrier, pad, unpad
+from cdpjax.methods.cdp import make_carrier, worker_branches
 from cdpjax.methods.common import Context, Method, register, varying
 from cdpjax.timetable import ZERO_RULES, cdp_zero_table, zero_period_arrays
 
@@ -102,53 +102,8 @@ def _zero(ctx: Context, net, table, rule: str, N: int) -> Method:
     def hop(x):
         return lax.ppermute(x, AXIS, ring) if N > 1 else x
 
-    # Branches of the per-tick switch: (flat, model_state, stash, cotangent, labels, images,
-    # new_labels) -> (stash, cotangent, labels, model_state, gradient, loss, correct, counted),
-    # `flat` being the stage's parameters as received, `gradient` padded to p_max.
-    def idle(flat, ms, stash, cot, labels, images, new_labels):
-        zero = jnp.zeros((), jnp.float32)
-        return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), zero, zero, zero), AXIS)
-
-    def forward(j):
-        def branch(flat, ms, stash, cot, labels, images, new_labels):
-            if j == 0:  # a new micro-batch: stash its input and labels for the backward
-                x, labels = images, new_labels
-                stash = stash.at[0].set(pad(images, a_max))
-            else:
-                x = unpad(stash[j], inputs[j])
-            y, ms_j = net.apply_stage(j, layout.unpack_one(j, flat), ms[j], x, True)
-            ms = [ms_j if k == j else s for k, s in enumerate(ms)]
-            zero = jnp.zeros((), jnp.float32)
-            if j < L - 1:
-                stash = stash.at[j + 1].set(pad(y, a_max))
-                loss = correct = counted = zero
-            else:
-                loss, correct, counted = models.cross_entropy(y, labels), models.accuracy(y, labels), zero + 1
-            return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), loss, correct, counted), AXIS)
-        return branch
-
-    def backward(j):
-        def branch(flat, ms, stash, cot, labels, images, new_labels):
-            x = unpad(stash[j], inputs[j])
-
-            def stage(flat, x):  # recomputed from the stashed input; BN state updates are the forward's
-                y, _ = net.apply_stage(j, layout.unpack_one(j, flat), ms[j], x, True)
-                # the 1/N makes the ring's sum of worker gradients their mean
-                return models.cross_entropy(y, labels) / N if j == L - 1 else y
-
-            seed_ct = varying(jnp.ones((), jnp.float32), AXIS) if j == L - 1 else unpad(cot, inputs[j + 1])
-            if j == 0:  # the input needs no gradient
-                _, vjp = jax.vjp(lambda f: stage(f, x), flat)
-                (g,) = vjp(seed_ct)
-            else:
-                _, vjp = jax.vjp(stage, flat, x)
-                g, gx = vjp(seed_ct)
-                cot = pad(gx, a_max)
-            zero = jnp.zeros((), jnp.float32)
-            return varying((stash, cot, labels, ms, g, zero, zero, zero), AXIS)
-        return branch
-
-    branches = [idle] + [forward(j) for j in range(L)] + [backward(j) for j in range(L)]
+    # The worker's ops are the ring's; here the stage's row is the one just relayed.
+    branches = worker_branches(net, N, layout, inputs, a_max, lambda j, flat: flat)
 
     def tick(carry, x, feeding, inflight, images, new_labels):
         me = lax.axis_index(AXIS)
