@@ -193,8 +193,8 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
 
 
 # ====================================================================== ring
-# --- uniform carrier: stages of different shapes behind one switch. To be merged
-# --- with cdpjax/carrier.py (PPLL); kept apart here on purpose.
+# --- stage inputs and gradient sizes of the ring (parameter rows use carrier.FlatLayout;
+# --- this activation stash is still apart from carrier.ActLayout).
 
 
 @dataclasses.dataclass(frozen=True)
