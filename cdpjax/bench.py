@@ -80,35 +80,34 @@ def stage_sizes(net, micro_batch: int) -> dict[str, list[int]]:
 
 
 def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
-    """Figures that come from the method's time table (None where it has none)."""
+    """Figures that come from the method's time table ({} where it has none).
+
+    activation_total: over all devices in steady state, `peak` / `mean` in stage-activations
+    (the unit model) and `peak_bytes` / `mean_bytes` with each stage's real output bytes;
+    `device_peak_bytes` (the largest device's peak), `device_peak_bytes_mean` (the mean of the
+    devices' peaks) and `device_mean_bytes` (mean held per device) per device.
+    """
     if table is None:
         return {}
-    out: dict[str, Any] = {}
-    if hasattr(table, "busy_fraction"):
-        bf = table.busy_fraction()
-        out["busy_fraction"] = float(bf["overall"] if isinstance(bf, dict) else bf)
-    if hasattr(table, "activation_total"):
-        act = table.activation_total()
-        act = act if isinstance(act, dict) else {"series": list(act)}
-        series = np.asarray(act.get("series", act.get("total", [])), float)
-        mean_bytes = float(np.mean(sizes["activation_bytes"])) if sizes else 0.0
-        peak = float(act.get("peak", series.max() if series.size else 0.0))
-        mean = float(act.get("mean", series.mean() if series.size else 0.0))
-        out["activation_total"] = {"peak": peak, "mean": mean, "peak_bytes": peak * mean_bytes,
-                                   "mean_bytes": mean * mean_bytes}
-    if hasattr(table, "comm_balance") and sizes:
+    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["overall"])}
+    stats = table.activation_stats(sizes["activation_bytes"]) if sizes else table.activation_stats()
+    act = {"peak": float(stats["total_peak"]), "mean": float(stats["total_mean"])}
+    if sizes:
+        act.update(peak_bytes=stats["total_peak_bytes"], mean_bytes=stats["total_mean_bytes"],
+                   device_peak_bytes=stats["device_peak_bytes"],
+                   device_peak_bytes_mean=stats["device_peak_bytes_mean"],
+                   device_mean_bytes=stats["device_mean_bytes"])
+    out["activation_total"] = act
+    if sizes and table.messages:
         out["comm_balance"] = float(table.comm_balance(sizes["param_bytes"]))
-    if hasattr(table, "bytes_per_tick") and sizes:
         per_tick = np.asarray(table.bytes_per_tick(sizes["param_bytes"]), float)
-        workers = max(int(getattr(table, "workers", 1)), 1)
-        steps = max(int(getattr(table, "steps", 1)), 1)
-        out["bytes_sent_per_worker_per_step"] = float(per_tick.sum() / workers / steps)
+        out["bytes_sent_per_worker_per_step"] = float(per_tick.sum() / max(table.workers, 1) / max(table.steps, 1))
     return out
 
 
 def _padded_figures(method, sizes) -> dict[str, Any]:
     """What the uniform carrier really sends: every relayed gradient is one padded stage row."""
-    carrier = method.info.get("carrier")
+    carrier = method.carrier
     p_max = getattr(carrier, "p_max", None)
     if p_max is None or method.table is None or not hasattr(method.table, "comm_balance"):
         return {}
@@ -147,19 +146,22 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - t0
     step_seconds, _ = time_steps(compiled, state, batch, warmup, repeats)
-    workers = int(method.info.get("workers", mesh.shape.get("data", 1)))
+    workers = method.workers or 1
     table = method.table
-    if table is None:  # methods whose table is not their program's (ppll, gpipe): laid out by name
+    if table is None:  # a method that does not keep its table: laid out from its layout
         from cdpjax.speedup import table_for
 
-        table = table_for(config.method, int(mesh.devices.size), method.net.num_stages,
-                          int(config.get("microbatches", 4)))
-    sizes = stage_sizes(method.net, max(config.global_batch_size // max(workers, 1), 1))
+        table = table_for(config, int(mesh.devices.size), method.net.num_stages)
+    from cdpjax.layouts import LAYOUTS
+
+    per_step = config.microbatches if LAYOUTS[config.method].microbatches else workers
+    sizes = stage_sizes(method.net, max(config.global_batch_size // max(per_step, 1), 1))
     record = {
         "method": config.method,
-        "devices": int(method.info.get("devices", mesh.devices.size)),
+        "devices": int(method.devices or mesh.devices.size),
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "stages": method.net.num_stages,
+        "workers": method.workers,
         "global_batch_size": config.global_batch_size,
         "compile_seconds": compile_seconds,
         "step_seconds": step_seconds,
@@ -213,6 +215,6 @@ def _layout_note(record: dict) -> str:
     ratios = ", ".join(f"{k} x{v:.2f}" for k, v in padding.items() if isinstance(v, float))
     note = f"{record['method']}: padding (stored/real) {ratios}"
     if "dp_mp_devices" in info:
-        note += (f"; {record['devices']} devices for N={info.get('workers')} workers x L={record['stages']} "
+        note += (f"; {record['devices']} devices for N={record.get('workers')} workers x L={record['stages']} "
                  f"stages, where DP with model parallelism needs {info['dp_mp_devices']}")
     return note

@@ -17,7 +17,7 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax names a checkpoint being written <step>.orbax-checkpoint-tmp-<time>
 

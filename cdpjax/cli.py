@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 
 def _split_config_overrides(argv):
@@ -42,12 +42,11 @@ def _cpu_devices(args, config=None):
     """Simulated CPU devices: --cpu-devices, else as many as the config's mesh names, else 8."""
     from cdpjax.mesh import setup_devices
 
+    from cdpjax import layouts
+
     count = args.cpu_devices
     if count is None:
-        count = 8
-        sizes = [] if config is None else [v for v in dict(config.mesh).values()]
-        if sizes and all(isinstance(v, int) and v >= 1 for v in sizes):
-            count = int(__import__("math").prod(sizes))
+        count = (layouts.devices_needed(config) if config is not None else None) or 8
     setup_devices(count)
 
 
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
         print("cdpjax: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - a training failure: one line, not a traceback
-        from cdpjax.train import NonFiniteError
+        from cdpjax.errors import NonFiniteError
 
         if isinstance(e, NonFiniteError):
             print(f"cdpjax: error: {e}", file=sys.stderr)

@@ -4,6 +4,10 @@ A config file defines `get_config()` returning a ConfigDict (the big_vision and
 flax-examples convention). `load_config` starts from `default_config()`, applies
 the file, then `--config.KEY=VALUE` overrides, then validates everything it can
 without touching a device, so that a bad value fails before anything compiles.
+
+This module imports nothing of cdpjax but its errors: names (method, model, dataset) and
+the options that belong to them are checked by the registries that own them
+(`cdpjax.checks.validate` runs both).
 """
 from __future__ import annotations
 
@@ -14,9 +18,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the value and what is accepted."""
+from cdpjax.errors import ConfigError  # noqa: F401 - re-exported: `from cdpjax.config import ConfigError`
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -47,8 +49,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.warmup_steps = 0
     c.decay_every = 0  # 'step' schedule: steps between decays
     c.decay_factor = 0.2
-    # Mesh: axis sizes; -1 takes the devices left over.
-    c.mesh = ml_collections.ConfigDict({"data": -1})
+    # Mesh: axis sizes ('data', 'stage'); -1 takes the devices left over. Empty: the method's
+    # own (cdpjax.layouts: data-parallel methods take every device on 'data', pipelines one
+    # 'stage' device per stage or module group, one-device methods one device).
+    c.mesh = ml_collections.ConfigDict()
     # Stages: a number of stages, or explicit split points (block indices where a stage starts).
     c.stages = ml_collections.FieldReference(4, field_type=object)  # an int or a list of split points
     c.partition = "params"  # 'params' | 'flops' | 'blocks' (how `stages: int` is balanced)
@@ -185,8 +189,6 @@ _DISTRIBUTED = {
     "auto_detect": bool,
     "timeout_s": (int, 1, None),
 }
-# Arguments a model receives from other config keys, never from model_kwargs.
-_MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name")
 
 
 def _check_number(key: str, v, kind, lo, hi) -> None:
@@ -197,33 +199,12 @@ def _check_number(key: str, v, kind, lo, hi) -> None:
         raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
 
 
-def _options(fn, reserved=()) -> set[str]:
-    """The keyword options `fn` names (less `reserved`); a `**kwargs` catch-all ignores what it
-    takes, so it accepts nothing more."""
-    import inspect
-
-    params = inspect.signature(fn).parameters.values()
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return named - set(reserved)
-
-
-def _check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
-    known = _options(fn, reserved)
-    for name in dict(kwargs):
-        if name in reserved:
-            raise ConfigError(f"{key}.{name} is set by the config key {name!r}, not by {key}")
-        if name not in known:
-            raise ConfigError(f"{key}.{name} is not an option of {owner}; its options: "
-                              f"{', '.join(sorted(known)) or 'none'}")
-
-
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks every key's type and range, the names, and the combinations that cannot work,
-    with no device touched; raises ConfigError naming the value and what is accepted.
-    (Checks that need the model or the mesh follow in the method builders, still before
-    anything compiles.) docs/guarantees.md lists them all."""
-    from cdpjax import data, methods, models  # late: the registries import JAX modules
-
+    """Checks every key's type and range and the combinations that cannot work, with no
+    device touched and no registry read; raises ConfigError naming the value and what is
+    accepted. Names and their options are `cdpjax.checks.validate`'s; checks that need the
+    model or the mesh follow in the method builders, still before anything compiles.
+    docs/guarantees.md lists them all."""
     unknown = sorted(set(config.keys()) - set(default_config().keys()))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(default_config().keys()))}")
@@ -242,16 +223,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key, choices in _CHOICES.items():
         if key in config and config[key] not in choices:
             raise ConfigError(f"{key}={config[key]!r} is not one of {', '.join(choices)}")
-    if config.method not in methods.REGISTRY:
-        raise ConfigError(f"unknown method {config.method!r}; registered: {', '.join(sorted(methods.REGISTRY))}")
-    if config.model not in models.REGISTRY:
-        raise ConfigError(f"unknown model {config.model!r}; available: {', '.join(sorted(models.REGISTRY))}")
-    if config.dataset not in data.REGISTRY:
-        raise ConfigError(f"unknown dataset {config.dataset!r}; available: {', '.join(sorted(data.REGISTRY))}")
-    _check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, models.REGISTRY[config.model],
-                  f"model {config.model!r}", _MODEL_RESERVED)
-    _check_kwargs("dataset_kwargs", config.get("dataset_kwargs", {}) or {}, data.REGISTRY[config.dataset],
-                  f"dataset {config.dataset!r}", ("data_dir",))
     data_dir = config.get("data_dir", "")
     if data_dir and "://" not in data_dir and not os.path.isdir(os.path.expanduser(data_dir)):
         raise ConfigError(f"data_dir={data_dir!r} is not a directory (prepared tensorflow-datasets go there; "

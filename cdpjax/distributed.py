@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 ENV_COORDINATOR = "CDPJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"

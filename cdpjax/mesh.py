@@ -11,7 +11,7 @@ from typing import Mapping
 
 import numpy as np
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 AXES = ("stage", "data")  # mesh axis order: stage-major, so a data group shares a stage
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import optax
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 
 def schedule(config, num_steps: int | None = None) -> optax.Schedule:
@@ -49,3 +49,16 @@ def make(config, num_steps: int | None = None, learning_rate_scale: float = 1.0)
     if kind == "adamw":
         return optax.adamw(lr, weight_decay=wd)
     raise ConfigError(f"optimizer={kind!r} is not one of sgd, adam, adamw")
+
+
+def apply(tx: optax.GradientTransformation, params, opt_state, grads):
+    """One optimizer step on one pytree (a stage, a padded row, a whole model):
+    (new params, new optimizer state). Every method updates through this."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def apply_per_stage(tx: optax.GradientTransformation, params, opt_state, grads):
+    """`apply` to each stage of per-stage lists: (new params list, new optimizer state list)."""
+    pairs = [apply(tx, p, s, g) for p, s, g in zip(params, opt_state, grads)]
+    return [p for p, _ in pairs], [s for _, s in pairs]

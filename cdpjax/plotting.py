@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.timetable import TimeTable
 
 _SUFFIXES = (".png", ".svg")
@@ -35,10 +35,12 @@ def _save(fig, path: str) -> str:
 
 
 def _colour_key(table: TimeTable, op) -> int:
-    """One colour per worker (CDP; cdp-mp: `micro` is the worker), per micro-batch (gpipe), per batch (ppll)."""
-    if table.is_cdp:
-        return op.device
-    return op.micro if table.method in ("gpipe", "cdp-mp") else op.step
+    """One colour per what the layout says: a worker (an op's `micro` in CDP tables), a
+    micro-batch, or a step (ppll's batches)."""
+    return op.step if table.layout.colour == "step" else op.micro
+
+
+_WHO = {"worker": "worker", "micro": "micro-batch", "step": "batch"}
 
 
 def _shade(rgb, backward: bool):
@@ -69,9 +71,7 @@ def plot_schedule(table: TimeTable, path: str, title: str | None = None) -> str:
             y = stage - 0.45 + n * h
             ax.add_patch(Rectangle((tick, y), 1, h, facecolor=_shade(colour[_colour_key(table, op)], op.kind == "B"),
                                    edgecolor="black", linewidth=0.4, hatch="///" if op.stale else None))
-            text = op.kind if table.is_cdp else table.label(op)
-            if table.is_cdp and table.workers > 1:
-                text = f"{op.kind}{op.device}"
+            text = table.layout.cell(op, diagram=True)
             ax.text(tick + 0.5, y + h / 2, text, ha="center", va="center", fontsize=6 if len(ops) > 1 else 7,
                     color="white" if op.kind == "B" else "black")
     for u in table.updates:  # the update lands at the end of its tick
@@ -86,7 +86,7 @@ def plot_schedule(table: TimeTable, path: str, title: str | None = None) -> str:
     ax.set_yticklabels([f"stage {j}" for j in range(table.stages)])
     ax.set_xlabel("time step (tick)")
     ax.set_title(title or _title(table))
-    who = "worker" if table.is_cdp or table.method == "cdp-mp" else ("micro-batch" if table.method == "gpipe" else "batch")
+    who = _WHO[table.layout.colour]
     handles = [Patch(facecolor=_shade(colour[k], False), edgecolor="black", label=f"{who} {k}") for k in keys[:12]]
     if any(op.stale for op in table.ops):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="reads previous version"))
@@ -96,13 +96,7 @@ def plot_schedule(table: TimeTable, path: str, title: str | None = None) -> str:
 
 
 def _title(table: TimeTable) -> str:
-    if table.is_cdp:
-        return f"{table.method}: {table.workers} workers, {table.stages} stages"
-    if table.method == "cdp-mp":
-        return f"cdp-mp: {table.workers} workers' micro-batches through {table.stages} stage devices"
-    if table.method == "gpipe":
-        return f"gpipe: {table.stages} stages, {table.microbatches} micro-batches"
-    return f"ppll: {table.stages} stages, {table.steps} batches"
+    return table.format_grid().splitlines()[0]  # the grid's heading, from the layout's title
 
 
 def plot_activation(tables: Sequence[TimeTable], path: str) -> str:

@@ -55,14 +55,17 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
     step_finish: dict[int, float] = defaultdict(float)
     ops = sorted(table.ops, key=lambda o: (o.tick, o.device))
 
+    allreduce = {(m.stage, m.step) for m in table.messages if m.kind == "allreduce"}
+    sum_hops = defaultdict(int)  # (stage, step) -> hops the completed sum takes
+    for m in table.messages:
+        if m.kind == "sum":
+            sum_hops[(m.stage, m.step)] += 1
+
     def update_ready(stage: int, step: int) -> float:
-        t = last_backward[(stage, step)]
-        if table.method == "dp":
+        if (stage, step) in allreduce:  # one all-reduce of the whole model after the step's last backward
             model = float(sum(costs.gradient_bytes))
             return max(last_backward[(j, step)] for j in range(L)) + 2 * (n_workers - 1) / n_workers * model / bw
-        if table.method.startswith("cdp"):
-            return t + (n_workers - 1) * costs.gradient_bytes[stage] / bw
-        return t
+        return last_backward[(stage, step)] + sum_hops[(stage, step)] * costs.gradient_bytes[stage] / bw
 
     def after(key, device, nbytes):
         finish, dev = done[key]
@@ -78,7 +81,7 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
                 ready = max(ready, after(("B", j + 1, *mb), op.device, costs.activation_bytes[j]))
             else:
                 ready = max(ready, after(("F", j, *mb), op.device, 0.0))
-        if op.kind in ("F", "FB") and op.version >= 1 and table.method != "ppll":
+        if op.kind in ("F", "FB") and op.version >= 1:
             ready = max(ready, update_ready(j, op.version - 1))
         duration = {"F": costs.forward[j], "B": costs.backward[j],
                     "FB": costs.forward[j] + costs.backward[j]}[op.kind]
@@ -148,43 +151,36 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5) -> StageCosts:
     return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad))
 
 
-def table_for(method: str, devices: int, stages: int, microbatches: int = 4, steps: int = 6):
-    from cdpjax import timetable
+def table_for(config, devices: int, stages: int, steps: int | None = None):
+    """The table `config.method` runs on `devices` devices (None: a method without one), laid
+    out over enough steps for a steady state (the slope of step completion times)."""
+    from cdpjax.layouts import table_for_config
 
-    if method in ("e2e", "local"):
-        return None
-    if method in timetable.CDP_METHODS:
-        return timetable.cdp_table(method, devices, stages, steps)
-    if method == "ppll":
-        return timetable.ppll_table(stages, steps * 2 + stages)
-    if method == "gpipe":
-        return timetable.gpipe_table(stages, microbatches, steps)
-    extra = getattr(timetable, "table", None)
-    try:
-        return extra(method, devices, stages, steps, microbatches) if extra else None
-    except Exception:  # noqa: BLE001 - a method with no table of its own
-        return None
+    return table_for_config(config, devices, stages, steps or max(6, 2 * devices))
 
 
 def predict_for_config(config, devices: int, bandwidth: float) -> dict:
     """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`."""
     from cdpjax import data, models
+    from cdpjax.errors import ConfigError
 
     ds = data.build(config)
     net = models.build(config, ds.image_shape, ds.num_classes)
     method = config.method
-    pipeline = method in ("ppll", "gpipe", "cdp-mp")
     stages = net.num_stages
-    if pipeline and devices != stages:
-        return {"method": method, "error": f"{method} runs one stage per device: devices={devices} != stages={stages}"}
-    workers = devices if not pipeline else 1
-    mb = config.global_batch_size // (config.microbatches if method == "gpipe" else max(workers, 1))
     try:
-        tbl = table_for(method, devices, stages, int(config.get("microbatches", 4)))
-    except Exception as e:  # noqa: BLE001 - e.g. sizes the CDP table refuses
+        tbl = table_for(config, devices, stages)
+    except (ConfigError, AssertionError) as e:  # e.g. sizes a CDP table refuses
         return {"method": method, "error": str(e)}
     if tbl is None:
         return {"method": method, "error": "no time table (single-device method)"}
+    if tbl.devices != devices:
+        return {"method": method, "error": f"{method} with {stages} stages runs on {tbl.devices} devices, "
+                                           f"not {devices}"}
+    from cdpjax.layouts import LAYOUTS
+
+    per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
+    mb = config.global_batch_size // per_step
     costs = measure_stage_costs(net, max(mb, 1))
     out = simulate(tbl, costs, bandwidth)
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,

@@ -40,12 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import config as cfg_lib
+from cdpjax import checks, layouts, models
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
-from cdpjax import models
 from cdpjax.checkpoint import Checkpointer
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError, NonFiniteError
 from cdpjax.mesh import make_mesh
 from cdpjax.methods.common import tree_select
 
@@ -60,10 +59,6 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals")
-
-
-class NonFiniteError(RuntimeError):
-    """A NaN or Inf in a loss or gradient; training stopped, the last good checkpoint kept."""
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -136,12 +131,12 @@ def check_batches(dataset, config, net, step: int = 0) -> dict:
 
 def setup(config, devices=None):
     """Validated config -> (dataset, mesh, method); everything that can fail before compiling."""
-    cfg_lib.validate(config)
+    checks.validate(config)
     dataset = data_lib.build(config)
     if config.global_batch_size % jax.process_count():
         raise ConfigError(f"global_batch_size={config.global_batch_size} is not divisible by the "
                           f"{jax.process_count()} processes")
-    mesh = make_mesh(config.mesh, devices)
+    mesh = make_mesh(layouts.mesh_for(config), devices)
     ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes)
     method = methods_lib.build(ctx)
     if jax.process_count() > 1 and isinstance(method.input_sharding, jax.sharding.SingleDeviceSharding):
@@ -288,7 +283,7 @@ def check_resume_config(workdir: str, config) -> None:
 
 
 def _stale(method) -> list:
-    return np.asarray(method.info["stale"]).astype(int).tolist()
+    return np.asarray(method.stale).astype(int).tolist()
 
 
 def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
@@ -303,8 +298,8 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     if saved not in (None, config.method) and not _interchangeable(saved, config.method):
         raise ConfigError(f"checkpoint {step} in {ckpt.directory} holds a {saved!r} run, not {config.method!r}: "
                           f"use a fresh --workdir")
-    if "stale" in meta and "stale" in method.info and meta["stale"] != _stale(method):
-        workers, saved_workers = method.info.get("workers", "?"), meta.get("workers", "?")
+    if "stale" in meta and method.stale is not None and meta["stale"] != _stale(method):
+        workers, saved_workers = method.workers or "?", meta.get("workers", "?")
         raise ConfigError(f"checkpoint {step} in {ckpt.directory} was written with {saved_workers} CDP workers; this "
                           f"run has {workers}, which changes the update rule (which worker reads which stage's "
                           f"previous version); workers=0 follows the data axis, so the device count changed it: "
@@ -319,7 +314,7 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     what_to_do = (f"resume on the mesh it was written on (the same --config.mesh, with "
                   f"{meta.get('devices', '?')} devices: --cpu-devices on CPU, CUDA_VISIBLE_DEVICES on GPUs), "
                   f"or start a fresh --workdir")
-    if method.info.get("state_depends_on_mesh"):
+    if method.state_depends_on_mesh:
         raise ConfigError(f"{moved}, and {config.method}'s train state depends on the mesh: {what_to_do}")
 
     def explain(e):
@@ -373,9 +368,9 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
     step_fn = guarded_step(method, skip)
     here = {"method": config.method, "mesh": {k: int(v) for k, v in mesh.shape.items()},
             "devices": int(mesh.devices.size), "processes": jax.process_count()}
-    if isinstance(method.info.get("workers"), int):
-        here["workers"] = method.info["workers"]
-    if "stale" in method.info:  # CDP: the update rule itself, which the worker count decides
+    if method.workers is not None:
+        here["workers"] = method.workers
+    if method.stale is not None:  # CDP: the update rule itself, which the worker count decides
         here["stale"] = _stale(method)
     kill_at = os.environ.get(KILL_ENV)
 
@@ -452,6 +447,7 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
         "processes": jax.process_count(),
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "stages": method.net.num_stages,
+        "workers": method.workers,
         "steps": config.num_steps,
         "global_batch_size": config.global_batch_size,
         "test_accuracy": final["accuracy"],

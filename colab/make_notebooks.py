@@ -59,7 +59,6 @@ SETUP = _src("""
 """)
 
 CONFIGS = _src(f"""
-    import math
     import urllib.request
 
     import cdpjax
@@ -92,16 +91,16 @@ CONFIGS = _src(f"""
 
 
     def devices_for(config):
-        \"\"\"The first prod(mesh) devices (a pipeline's mesh names K of them), or all for a -1 axis.\"\"\"
-        sizes = dict(config.mesh)
-        if -1 in sizes.values():
-            return jax.devices()
-        return jax.devices()[:math.prod(sizes.values())]
+        \"\"\"The first devices the method's mesh needs (cdpjax.layouts), or all for a -1 axis.\"\"\"
+        from cdpjax.layouts import devices_needed
+
+        return jax.devices()[:devices_needed(config) or jax.device_count()]
 
 
     def fits(config):
-        sizes = dict(config.mesh)
-        return -1 in sizes.values() or math.prod(sizes.values()) <= jax.device_count()
+        from cdpjax.layouts import devices_needed
+
+        return (devices_needed(config) or 1) <= jax.device_count()
 """)
 
 PREPARE_CIFAR = _src("""
@@ -171,7 +170,7 @@ def timing_diagrams():
         new_code_cell(_src("""
             for workers, stages in SIZES:
                 for method in ("dp", "cdp-v1", "cdp-v2"):
-                    table = timetable.cdp_table(method, workers, stages, STEPS)
+                    table = timetable.table(method, workers=workers, stages=stages, steps=STEPS)
                     show(table, f"timing_{method}_N{workers}_L{stages}.png", text=workers == stages)
         """)),
         new_markdown_cell(_src("""
@@ -186,7 +185,7 @@ def timing_diagrams():
             from matplotlib.figure import Figure
 
             N, L = 8, 4
-            table = timetable.cdp_table("cdp-v2", N, L, STEPS)
+            table = timetable.table("cdp-v2", workers=N, stages=L, steps=STEPS)
             reference = np.array([[j < L - 1 - i for j in range(L)] for i in range(N)])
             print(f"delayed (worker, stage) pairs: from the table {table.stale.mean():.0%}, "
                   f"reference code's N = L rule {reference.mean():.0%}")
@@ -207,7 +206,7 @@ def timing_diagrams():
         """)),
         new_code_cell(_src("""
             if "cdp-mp" in methods.REGISTRY:
-                show(timetable.table("cdp-mp", workers=4, stages=4, steps=STEPS), "timing_cdp-mp_N4_L4.png")
+                show(timetable.table("cdp-mp", stages=4, steps=STEPS), "timing_cdp-mp_N4_L4.png")
             else:
                 print("cdp-mp is not registered in this cdpjax: no diagram")
         """)),
@@ -221,9 +220,9 @@ def timing_diagrams():
         """)),
         new_code_cell(_src("""
             K = 4
-            show(timetable.ppll_table(K, 6 if TINY else 10), f"timing_ppll_K{K}.png")
-            show(timetable.gpipe_table(K, 4, STEPS), f"timing_gpipe_K{K}_M4.png")
-            show(timetable.gpipe_table(K, 1, STEPS), f"timing_gpipe_K{K}_M1.png", text=False)
+            show(timetable.table("ppll", stages=K, steps=6 if TINY else 10), f"timing_ppll_K{K}.png")
+            show(timetable.table("gpipe", stages=K, microbatches=4, steps=STEPS), f"timing_gpipe_K{K}_M4.png")
+            show(timetable.table("gpipe", stages=K, microbatches=1, steps=STEPS), f"timing_gpipe_K{K}_M1.png", text=False)
         """)),
     ]
 
@@ -274,7 +273,7 @@ def memory_and_communication():
         """)),
         new_markdown_cell("## Activation memory over time"),
         new_code_cell(_src("""
-            tables = {m: timetable.cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v1", "cdp-v2")}
+            tables = {m: timetable.table(m, workers=N, stages=L, steps=4) for m in ("dp", "cdp-v1", "cdp-v2")}
             for m, t in tables.items():
                 s = t.activation_stats()
                 print(f"{m:>7}: all workers peak {s['total_peak']} mean {s['total_mean']:.1f} stage-activations; "

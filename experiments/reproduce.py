@@ -127,15 +127,16 @@ def devices_for(config) -> list:
     or every device when an axis is -1."""
     import jax
 
-    from cdpjax.config import ConfigError
+    from cdpjax.errors import ConfigError
+
+    from cdpjax.layouts import devices_needed, mesh_for
 
     available = jax.devices()
-    sizes = dict(config.mesh)
-    if not sizes or -1 in sizes.values():
+    needed = devices_needed(config)
+    if needed is None:
         return available
-    needed = math.prod(sizes.values())
     if needed > len(available):
-        raise ConfigError(f"needs {needed} devices (mesh {sizes}), {len(available)} here")
+        raise ConfigError(f"needs {needed} devices (mesh {mesh_for(config)}), {len(available)} here")
     return available[:needed]
 
 
@@ -163,7 +164,7 @@ def run_row(row: Row, out: str, steps: int | None, overrides=(), bandwidth: floa
 
     A record has `status` 'ok', 'not registered' or 'skipped' (with `note`)."""
     from cdpjax import methods
-    from cdpjax.config import ConfigError
+    from cdpjax.errors import ConfigError
 
     record = {"table": row.table, "name": row.name, "group": list(row.group), "method": row.method,
               "config": row.config}
@@ -209,17 +210,18 @@ def run_row(row: Row, out: str, steps: int | None, overrides=(), bandwidth: floa
 
 def _figures(row: Row, config, summary: dict) -> dict:
     """What the row's tables and plots need beyond the summary and the bench record."""
-    from cdpjax import bench, data, models, timetable
+    from cdpjax import bench, data, models
+    from cdpjax.layouts.cdp import cdp_table
 
     dataset = data.build(config)
     out = {"num_train": dataset.num_train}
     if row.table != "cdp":
         return out
-    workers = int(summary["info"].get("workers") or summary["mesh"].get("data", 1))
+    workers = int(summary.get("workers") or summary["mesh"].get("data", 1))
     stages = int(summary["stages"])
     net = models.build(config, dataset.image_shape, dataset.num_classes)
     sizes = bench.stage_sizes(net, max(config.global_batch_size // workers, 1))
-    table = timetable.cdp_table(row.method, workers, stages, steps=4)
+    table = cdp_table(row.method, workers, stages, steps=4)
     per_tick = table.bytes_per_tick(sizes["param_bytes"])
     lo, hi = table.steady
     out.update(workers=workers, stages=stages, stage_param_bytes=sizes["param_bytes"],
@@ -362,7 +364,8 @@ def plot_accuracy(records: list[dict], out: str, path: str) -> str:
 
 
 def cdp_figures(records: list[dict], out: str) -> list[str]:
-    from cdpjax import plotting, timetable
+    from cdpjax import plotting
+    from cdpjax.layouts.cdp import cdp_table
 
     paths = []
     groups = {}
@@ -374,7 +377,7 @@ def cdp_figures(records: list[dict], out: str) -> list[str]:
         paths.append(plot_accuracy(rs, out, stem.format("cdp_accuracy")))
         N, L = rs[0]["workers"], rs[0]["stages"]
         # cdp-v1 and cdp-v2 share one timing (they differ in the versions read): one cdp line.
-        tables = [timetable.cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v2")]
+        tables = [cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v2")]
         paths.append(plotting.plot_activation(tables, stem.format("cdp_activation")))
         paths.append(plotting.plot_comm(tables, rs[0]["stage_param_bytes"], stem.format("cdp_comm")))
     return paths
@@ -473,7 +476,7 @@ def main(argv=None) -> int:
     from cdpjax.mesh import setup_devices
 
     setup_devices(args.cpu_devices)
-    from cdpjax.config import ConfigError
+    from cdpjax.errors import ConfigError
 
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps {args.steps} must be >= 1")

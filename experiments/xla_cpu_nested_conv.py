@@ -7,7 +7,7 @@ stages). On XLA:CPU the nested one is compiled to a much slower convolution
 path (15-30x measured here, JAX 0.10.2); matrix multiplies (MLP, ViT) do not
 suffer it. On GPUs the same programs use cuDNN either way.
 
-cdpjax installs `cdpjax.carrier.use_canonical_cpu_convolutions` when it builds a
+cdpjax installs `cdpjax.xla_cpu.use_canonical_cpu_convolutions` when it builds a
 method: a CPU-only lowering that transposes every convolution into the layout
 XLA:CPU's fast kernels take, which removes the gap (measured 1.0x). The script
 measures both, before and after installing it.
@@ -45,7 +45,7 @@ def steps_in_scan(w, x, n=4):
 
 
 def main():
-    from cdpjax.carrier import use_canonical_cpu_convolutions
+    from cdpjax.xla_cpu import use_canonical_cpu_convolutions
     from cdpjax.speedup import median_seconds
 
     w = jax.random.normal(jax.random.key(0), (3, 3, 32, 32))

@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 
 from cdpjax import bench, speedup, timetable
+from cdpjax.layouts.cdp import cdp_table
+from cdpjax.layouts.gpipe import gpipe_table
+from cdpjax.layouts.ppll import ppll_table
 from cdpjax.cli import main
 
 
@@ -41,7 +44,7 @@ def test_bench_records_e2e_and_dp(tmp_path, capsys):
 
 def test_bench_refuses_unknown_method(capsys):
     assert main(["bench", "--methods", "e2e,warp-drive"]) == 2
-    assert "unknown method(s) warp-drive" in capsys.readouterr().err
+    assert "unknown method 'warp-drive'" in capsys.readouterr().err
 
 
 UNIFORM = speedup.StageCosts((1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
@@ -50,19 +53,19 @@ UNIFORM = speedup.StageCosts((1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
 def test_gpipe_prediction_is_the_bubble_formula(microbatches):
     """With free transfers and balanced stages GPipe's speedup is M*K/(M+K-1)."""
-    r = speedup.simulate(timetable.gpipe_table(4, microbatches, 5), UNIFORM, 1e15)
+    r = speedup.simulate(gpipe_table(4, microbatches, 5), UNIFORM, 1e15)
     assert r["speedup"] == pytest.approx(microbatches * 4 / (microbatches + 3))
 
 
 def test_ppll_and_cdp_predictions():
-    ppll = speedup.simulate(timetable.ppll_table(4, 24), UNIFORM, 1e15)
+    ppll = speedup.simulate(ppll_table(4, 24), UNIFORM, 1e15)
     assert ppll["speedup"] == pytest.approx(4.0)  # no bubble in steady state
     # an imbalanced stage sets the pace of the pipeline
     slow = speedup.StageCosts((1.0, 1.0, 3.0, 1.0), (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
-    assert speedup.simulate(timetable.ppll_table(4, 24), slow, 1e15)["step_seconds"] == pytest.approx(5.0)
+    assert speedup.simulate(ppll_table(4, 24), slow, 1e15)["step_seconds"] == pytest.approx(5.0)
     # dp pays its all-reduce on the critical path; cdp-v1 hides the relay behind the delay
-    dp = speedup.simulate(timetable.cdp_table("dp", 4, 4, 6), UNIFORM, 1.0)
-    v1 = speedup.simulate(timetable.cdp_table("cdp-v1", 4, 4, 6), UNIFORM, 1.0)
+    dp = speedup.simulate(cdp_table("dp", 4, 4, 6), UNIFORM, 1.0)
+    v1 = speedup.simulate(cdp_table("cdp-v1", 4, 4, 6), UNIFORM, 1.0)
     assert dp["step_seconds"] == pytest.approx(12.0 + 2 * 3 / 4 * 4)
     assert v1["step_seconds"] == pytest.approx(12.0)
 
@@ -86,8 +89,8 @@ def test_cdp_figures_for_resnet18_cifar():
     c.model, c.model_kwargs, c.norm, c.stages = "resnet18", {"stem": "cifar"}, "batch", [3, 6, 8]
     net = models.build(c, (32, 32, 3), 10)
     sizes = bench.stage_sizes(net, 8)
-    dp = bench.table_figures(timetable.cdp_table("dp", 4, 4, 6), sizes)
-    cdp = bench.table_figures(timetable.cdp_table("cdp-v2", 4, 4, 6), sizes)
+    dp = bench.table_figures(cdp_table("dp", 4, 4, 6), sizes)
+    cdp = bench.table_figures(cdp_table("cdp-v2", 4, 4, 6), sizes)
     assert cdp["activation_total"]["peak"] <= 0.55 * dp["activation_total"]["peak"]
     assert dp["comm_balance"] == pytest.approx(8.0)
     assert cdp["comm_balance"] <= 2.0
@@ -97,9 +100,7 @@ def test_cdp_figures_for_resnet18_cifar():
 
 def test_pipeline_busy_fractions_from_their_tables():
     """What `cdpjax bench` reports as busy fraction: ppll and cdp-mp 1.0 in steady state, gpipe M/(M+K-1)."""
-    from cdpjax.speedup import table_for
-
     sizes = {"param_bytes": [4] * 4, "activation_bytes": [4] * 4}
-    assert bench.table_figures(table_for("ppll", 4, 4), sizes)["busy_fraction"] == pytest.approx(1.0)
-    assert bench.table_figures(table_for("gpipe", 4, 4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
+    assert bench.table_figures(timetable.table("ppll", stages=4), sizes)["busy_fraction"] == pytest.approx(1.0)
+    assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
     assert bench.table_figures(timetable.table("cdp-mp", stages=4, steps=4), sizes)["busy_fraction"] == pytest.approx(1.0)

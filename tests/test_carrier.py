@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from cdpjax import models
-from cdpjax.carrier import FlatLayout, StageCarrier, init_opt, squeeze, update_row
+from cdpjax.carrier import FlatLayout, StageCarrier, init_opt, squeeze
+from cdpjax.optim import apply as update
 from cdpjax.config import default_config
 from cdpjax.mesh import make_mesh
 
@@ -85,7 +86,7 @@ def test_elementwise_optimizer_on_padded_rows(name, tx):
     @jax.jit
     def step(rows, opt_rows, params, opt_trees, key):
         grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
-        rows, opt_rows = jax.vmap(lambda g, s, r: update_row(tx, g, s, r))(layout.pack(grads), opt_rows, rows)
+        rows, opt_rows = jax.vmap(lambda g, s, r: update(tx, r, s, g))(layout.pack(grads), opt_rows, rows)
         for j in range(len(params)):
             u, opt_trees[j] = tx.update(grads[j], opt_trees[j], params[j])
             params[j] = optax.apply_updates(params[j], u)
@@ -140,7 +141,7 @@ def test_gradient_convolutions_inside_loops_take_the_fast_layout():
     import flax.linen as nn
     from jax import lax
 
-    from cdpjax.carrier import use_canonical_cpu_convolutions
+    from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
     assert use_canonical_cpu_convolutions()
     conv = nn.Conv(8, (3, 3), strides=2, use_bias=False)

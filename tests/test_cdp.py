@@ -14,9 +14,9 @@ from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
-from cdpjax.methods.e2e import apply_updates
+from cdpjax.optim import apply_per_stage as apply_updates
 from cdpjax.models import cross_entropy
-from cdpjax.timetable import cdp_table
+from cdpjax.layouts.cdp import cdp_table
 
 BATCH, STEPS = 32, 3
 
@@ -93,7 +93,7 @@ def test_delay_removed_equals_dp_and_e2e():
     dp = build("dp", workers=4, devices=4)
     assert_close(params(dp, train(dp)), reference)
     sim = build("cdp-v2", "simulate", workers=4, devices=2, delay_free=True)
-    assert not sim.info["stale"].any()
+    assert not sim.stale.any()
     assert_close(params(sim, train(sim)), reference)
     ring = build("cdp-v2", "ring", workers=1, devices=1)
     assert not ring.table.stale.any()
@@ -112,7 +112,7 @@ def test_delay_removed_equals_dp_and_e2e():
 def test_ring_equals_simulate(method, workers, stages, norm):
     sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm)
     ring = build(method, "ring", workers=workers, devices=workers, stages=stages, norm=norm)
-    np.testing.assert_array_equal(ring.info["stale"], sim.info["stale"])
+    np.testing.assert_array_equal(ring.stale, sim.stale)
     expected_params, expected_state = sim.export(train(sim))
     state = train(ring, flush=False)
     unflushed = params(ring, state)
@@ -220,7 +220,7 @@ def test_ring_hlo_has_no_model_sized_all_reduce():
     reduces = collective_sizes(hlo, "all-reduce")
     assert max(reduces, default=0) <= 8, reduces  # the loss/accuracy scalars only
     permutes = collective_sizes(hlo, "collective-permute")
-    assert permutes and max(permutes) == m.info["carrier"].p_max < model  # one stage's gradient per hop
+    assert permutes and max(permutes) == m.carrier.p_max < model  # one stage's gradient per hop
     for other in ("all-gather", "reduce-scatter", "all-to-all"):
         assert not collective_sizes(hlo, other)
     # The parser does see dp's model-sized all-reduce.

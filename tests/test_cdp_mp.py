@@ -15,7 +15,9 @@ from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.cdp_mp import period_program
 from cdpjax.methods.common import Context
-from cdpjax.timetable import cdp_mp_table, cdp_table, table
+from cdpjax.layouts.cdp import cdp_table
+from cdpjax.layouts.cdp_mp import cdp_mp_table
+from cdpjax.timetable import table
 
 STEPS, BATCH = 3, 16
 # Four blocks each, one per stage: a ResNet whose stages differ in shape (stem; a block at
@@ -177,9 +179,9 @@ def test_equals_simulate(model, residuals, rule, norm):
     staleness on one device, to float tolerance."""
     m = build_mp(model, residuals, rule, norm)
     if model == "resnet_tiny":
-        carrier = m.info["carrier"]  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
+        carrier = m.carrier  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
         assert len(set(carrier.params.sizes)) == 4 and len(set(carrier.acts.shapes)) == 3
-    assert m.info["workers"] == 4 and m.info["devices"] == 4 and m.info["dp_mp_devices"] == 16
+    assert m.workers == 4 and m.devices == 4 and m.info["dp_mp_devices"] == 16
     (reference, _), initial = simulated(model, rule, norm)
     assert max_diff(reference, initial) > 1e-3  # it trained
     assert_close(jax.device_get(m.export(train(m))[0]), reference)
@@ -237,7 +239,7 @@ def test_run_steps_is_one_program():
     program is the same whatever the number of steps (compile time does not grow with it)."""
     m = build_mp()
     stacked = {k: np.stack([b[k] for b in batches()[:STEPS]]) for k in ("image", "label")}
-    state, metrics = m.info["run_steps"](m.init(jax.random.key(0)), stacked)
+    state, metrics = m.run_steps(m.init(jax.random.key(0)), stacked)
     assert metrics["loss"].shape == (STEPS,)
     assert_close(jax.device_get(m.export(m.flush(state))[0]), jax.device_get(m.export(train(m))[0]), atol=1e-6)
 
@@ -259,7 +261,7 @@ def test_no_gradient_communication(residuals, rule):
     m = build_mp("mlp", residuals, rule)
     state = m.init(jax.random.key(0))
     coll = bench.collectives(jax.jit(m.train_step).lower(state, batches()[0]).compile().as_text())
-    micro_buffer = BATCH // 4 * m.info["carrier"].acts.width * 4
+    micro_buffer = BATCH // 4 * m.carrier.acts.width * 4
     assert coll["collective-permute"]["count"] == 2
     assert coll["collective-permute"]["max_bytes"] == micro_buffer
     assert coll["all-reduce"]["bytes"] <= 16
@@ -271,7 +273,7 @@ def test_data_axis_runs_a_pipeline_per_group():
     batch and the stage gradients are summed over data at the update: the same parameters as
     one pipeline fed a batch whose micro-batch i is the two groups' micro-batches i."""
     m2 = build_mp(data_axis=2)
-    assert m2.info["devices"] == 8
+    assert m2.devices == 8
     m1 = build_mp()
     half, micro = BATCH // 2, BATCH // 8
     order = np.array([d * half + i * micro + r for i in range(4) for d in range(2) for r in range(micro)])

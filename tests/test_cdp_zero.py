@@ -16,7 +16,9 @@ from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
-from cdpjax.timetable import cdp_table, cdp_zero_table, table, zero_period_arrays
+from cdpjax.layouts.cdp import cdp_table
+from cdpjax.layouts.cdp_zero import cdp_zero_table, zero_period_arrays
+from cdpjax.timetable import table
 
 BATCH, STEPS = 32, 3
 
@@ -158,7 +160,7 @@ def test_relay_program_check_can_fail(monkeypatch):
 @pytest.mark.parametrize("rule,workers", [("cdp-v2", 4), ("cdp-v1", 4), ("cdp-v2", 8)])
 def test_equals_ring(rule, workers):
     zero, ring = build("zero", rule, workers), build("ring", rule, workers)
-    assert zero.info["owners"] == list(zero.table.owners)
+    assert zero.info["owners"] == list(zero.table.meta["owners"])
     state = train(zero)
     unflushed = params(zero, state)
     state = zero.flush(state)
@@ -245,7 +247,7 @@ def test_table_and_schedule(capsys):
     sums = [m for m in t.messages if m.kind == "sum"]
     assert len(sums) < len([m for m in base.messages if m.kind == "sum"])  # only as far as the owner
     assert t.bytes_per_tick([1.0] * 4)[lo:hi].sum() > base.bytes_per_tick([1.0] * 4)[lo:hi].sum()
-    assert table("cdp-zero", 4, 4, rule="cdp-v1").versions == 2
+    assert table("cdp-zero", workers=4, stages=4, rule="cdp-v1").meta["versions_per_hop"] == 2
     assert schedule.main(["--method", "cdp-zero", "--workers", "4", "--stages", "4", "--rule", "cdp-v1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("cdp-zero: N=4 workers") and "stage 0: w2" in out and "2 version(s)" in out

@@ -80,7 +80,7 @@ def test_ppll_equals_local(case):
     local = _build(_config("local", model, norm=norm, head=head, **kw), {"data": 1})
     ppll = _build(_config("ppll", model, norm=norm, head=head, **kw), {"stage": stages, "data": groups})
     if model.startswith("resnet"):  # what the carrier is for: stages of different sizes
-        assert len(set(ppll.info["carrier"].params.sizes)) == stages
+        assert len(set(ppll.carrier.params.sizes)) == stages
     batches = _batches(3)
     s_local, s_ppll = _run(local, batches), _run(ppll, batches)
     _assert_trees_close(ppll.export(s_ppll), local.export(s_local))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from cdpjax import models
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.mesh import make_mesh
 from cdpjax.models import partition
 from cdpjax.models.staging import Chain

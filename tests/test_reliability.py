@@ -327,7 +327,7 @@ def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tm
 
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8})
-    method = SimpleNamespace(info={"state_depends_on_mesh": True} if declared else {})
+    method = SimpleNamespace(state_depends_on_mesh=declared, stale=None, workers=None, info={})
     mesh = SimpleNamespace(shape={"data": 4}, devices=np.zeros(4))
     like = {"w": jax.device_put(np.zeros(shape))}
     if message is None:
@@ -494,10 +494,9 @@ def _fake_dataset(image_shape, read_shape, labels=lambda idx: np.asarray(idx) % 
     ((7, 7, 1), lambda idx: np.asarray(idx) % 10, "gives training images of shape (7, 7, 1)"),
     ((8, 8, 1), lambda idx: np.asarray(idx) % 10 + 5, "labels in [5, 14], outside [0, 10)"),
 ], ids=["image-shape", "label-range"])
-def test_dataset_that_does_not_give_what_it_declares(read_shape, labels, message, tmp_path, capsys, compiles,
-                                                     monkeypatch):
-    monkeypatch.setitem(data_lib.REGISTRY, "fake", _fake_dataset((8, 8, 1), read_shape, labels))
-    _fails(["--config.method=dp", "--config.dataset=fake"], message, capsys, tmp_path, compiles)
+def test_dataset_that_does_not_give_what_it_declares(read_shape, labels, message, tmp_path, capsys, compiles):
+    with data_lib.REGISTRY.temporarily("fake", _fake_dataset((8, 8, 1), read_shape, labels)):
+        _fails(["--config.method=dp", "--config.dataset=fake"], message, capsys, tmp_path, compiles)
 
 
 def test_resume_without_a_checkpoint(tmp_path, capsys, compiles):

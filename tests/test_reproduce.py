@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from cdpjax import methods, timetable
+from cdpjax import methods
+from cdpjax.layouts.cdp import cdp_table
 from cdpjax.config import ConfigError, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ def test_tiny_cdp_table_rows_and_columns(tiny_cdp):
         assert r[:2] == ["digits", "mlp"] and r[col["N x L"]] == "8 x 4" and r[col["steps"]] == "60"
         assert 10.0 < float(r[col["test acc"]].rstrip("%")) <= 100.0  # learnt something in 60 steps
         # Activation and communication columns are the time table's figures for these sizes.
-        stats = timetable.cdp_table(r[2], 8, 4, steps=4).activation_stats()
+        stats = cdp_table(r[2], 8, 4, steps=4).activation_stats()
         assert r[col["act. peak / mean (stage-acts)"]] == f"{stats['total_peak']} / {stats['total_mean']:.1f}"
     acts = {r[2]: int(r[col["act. peak / mean (stage-acts)"]].split(" / ")[0]) for r in rows}
     assert acts == {"dp": 32, "cdp-v1": 16, "cdp-v2": 16}  # N*L against N*L/2

@@ -39,9 +39,9 @@ def test_json(capsys):
 
 @pytest.mark.parametrize("suffix,magic", [(".png", b"\x89PNG"), (".svg", b"<svg")])
 def test_out_writes_figure(tmp_path, capsys, suffix, magic):
-    for method in ("cdp-v2", "dp", "gpipe"):
+    for method, sizes in (("cdp-v2", ["--workers", "8"]), ("dp", ["--workers", "8"]), ("gpipe", [])):
         path = tmp_path / f"{method}{suffix}"
-        rc, out, _ = run(["--method", method, "--workers", "8", "--stages", "4", "--out", str(path)], capsys)
+        rc, out, _ = run(["--method", method, *sizes, "--stages", "4", "--out", str(path)], capsys)
         assert rc == 0 and str(path) in out
         data = path.read_bytes()
         assert len(data) > 1000 and magic in data[:400]
@@ -49,7 +49,7 @@ def test_out_writes_figure(tmp_path, capsys, suffix, magic):
 
 def test_activation_and_comm_figures(tmp_path):
     from cdpjax.plotting import plot_activation, plot_comm
-    from cdpjax.timetable import cdp_table
+    from cdpjax.layouts.cdp import cdp_table
 
     tables = [cdp_table("dp", 4, 4), cdp_table("cdp-v2", 4, 4)]
     for path in (plot_activation(tables, str(tmp_path / "act.png")),

@@ -5,8 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from cdpjax.config import ConfigError
-from cdpjax.timetable import (Op, cdp_table, gpipe_table, period_arrays, ppll_table, table)
+from cdpjax.errors import ConfigError
+from cdpjax.layouts.cdp import cdp_table, period_arrays
+from cdpjax.layouts.gpipe import gpipe_table
+from cdpjax.layouts.ppll import ppll_table
+from cdpjax.timetable import Op, table
 
 
 # ------------------------------------------------------------------ staleness

@@ -4,11 +4,6 @@ from __future__ import annotations
 import json
 import sys
 
-# The mesh each method runs on when benchmarked with all devices: pipeline methods put the
-# devices on `stage`, the others on `data` (single-device methods use the first device only).
-STAGE_AXIS_METHODS = ("ppll", "gpipe", "cdp-mp")
-
-
 def add_parser(subparsers):
     p = subparsers.add_parser("bench", help="compare methods: compile/step time, memory, collectives, tables")
     p.add_argument("--config", help="Python config file (default: the digits default)")
@@ -23,14 +18,14 @@ def add_parser(subparsers):
     return p
 
 
-def mesh_for(method: str, config):
-    from cdpjax import config as cfg_lib
+def _devices_for(config):
+    """The first devices the config's mesh needs (all of them where an axis is -1)."""
+    import jax
 
-    if method in STAGE_AXIS_METHODS:
-        mesh = {"stage": -1}
-    else:
-        mesh = {"data": -1}
-    return cfg_lib.ml_collections.ConfigDict(mesh)
+    from cdpjax.layouts import devices_needed
+
+    n = devices_needed(config)
+    return jax.devices()[:n] if n else None
 
 
 def run(args, overrides=()) -> int:
@@ -42,19 +37,18 @@ def run(args, overrides=()) -> int:
     from cdpjax import bench, config as cfg_lib
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    from cdpjax import methods
+    from cdpjax.layouts import LAYOUTS
 
-    unknown = [m for m in names if m not in methods.REGISTRY]
-    if unknown:
-        raise cfg_lib.ConfigError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(sorted(methods.REGISTRY))}")
+    for name in names:
+        LAYOUTS.lookup(name)  # an unknown name fails here, with the registered ones
     records = []
     for name in names:
         c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
         c.method = name
-        if not args.keep_mesh:
-            c.mesh = mesh_for(name, c)
+        if not args.keep_mesh:  # every device on the axis the method declares (its layout)
+            c.mesh = LAYOUTS[name].default_mesh(c)
         print(f"cdpjax bench: {name} ...", file=sys.stderr, flush=True)
-        records.append(bench.bench_method(c, repeats=args.repeats))
+        records.append(bench.bench_method(c, devices=_devices_for(c), repeats=args.repeats))
     if args.predict:
         from cdpjax import speedup
 

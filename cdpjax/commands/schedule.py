@@ -4,6 +4,11 @@
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --json     # the table as JSON
     cdpjax schedule --method gpipe --stages 4 --microbatches 4 --out gpipe.svg
     cdpjax schedule --method cdp-zero --workers 4 --stages 4 --rule cdp-v1  # owners, relayed versions
+    cdpjax schedule --from-json table.json --out table.png            # a table written by --json
+
+Sizes a method's table does not take (ppll has no workers) are refused, by name; a
+size left out takes the table's own default (ppll lays out enough batches to reach
+its steady state).
 """
 from __future__ import annotations
 
@@ -11,33 +16,60 @@ import argparse
 import json
 import sys
 
-from cdpjax.config import ConfigError
-from cdpjax.timetable import METHODS, table
+from cdpjax.errors import ConfigError
+from cdpjax.layouts import LAYOUTS
+
+
+def _groups(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(g) for g in text.replace("[", "").replace("]", "").split(",") if g.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"module groups {text!r} must be integers, e.g. 8,3,2,2") from None
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    with_tables = [name for name, layout in LAYOUTS.items() if layout.table is not None]
     p = subparsers.add_parser(
         "schedule",
         help="print or draw a method's time table",
-        description="Print (default), dump (--json) or draw (--out) the time table of a method.",
+        description="Print (default), dump (--json) or draw (--out) the time table of a method. "
+                    "Methods: " + "; ".join(f"{n}: {LAYOUTS[n].summary}" for n in with_tables),
     )
-    p.add_argument("--method", choices=METHODS, default="cdp-v2")
-    p.add_argument("--workers", type=int, default=4, help="CDP workers N (2L must be a multiple of N)")
-    p.add_argument("--stages", type=int, default=4, help="stages L")
-    p.add_argument("--steps", type=int, default=3, help="training steps laid out (ppll: batches)")
-    p.add_argument("--microbatches", type=int, default=4, help="gpipe micro-batches M (1: plain model parallelism)")
-    p.add_argument("--rule", choices=("cdp-v2", "cdp-v1"), default="cdp-v2", help="staleness rule of cdp-zero and cdp-mp")
+    p.add_argument("--method", choices=with_tables, default="cdp-v2")
+    p.add_argument("--workers", type=int, default=None, help="CDP workers N (2L must be a multiple of N)")
+    p.add_argument("--stages", type=int, default=None, help="stages L (ppll: local modules K)")
+    p.add_argument("--steps", type=int, default=None, help="training steps laid out (ppll: batches)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches M per step (pipelines)")
+    p.add_argument("--rule", default=None, help="staleness rule (cdp-zero, cdp-mp: cdp-v2 or cdp-v1)")
+    p.add_argument("--chunks", type=int, default=None, help="stages per device V (interleaved pipelines)")
+    p.add_argument("--module-groups", type=_groups, default=None, metavar="G0,G1,...",
+                   help="local modules per device (ppll), e.g. 8,3,2,2")
+    p.add_argument("--from-json", default=None, metavar="FILE", help="read the table from FILE (written by --json)")
     p.add_argument("--out", default=None, help="draw the timing diagram to FILE.png or FILE.svg")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
     return p
 
 
+def _table(args):
+    if args.from_json:
+        from cdpjax.timetable import TimeTable
+
+        try:
+            with open(args.from_json) as f:
+                return TimeTable.from_json(f.read())
+        except OSError as e:
+            raise ConfigError(f"--from-json {args.from_json!r}: {e.strerror}") from None
+    sizes = {"workers": args.workers, "stages": args.stages, "steps": args.steps,
+             "microbatches": args.microbatches, "rule": args.rule, "chunks": args.chunks,
+             "module_groups": args.module_groups}
+    return LAYOUTS.lookup(args.method).make_table(**sizes)
+
+
 def run(args) -> int:
     """Returns 0, or 2 after a one-line message for bad sizes."""
     try:
-        t = table(args.method, workers=args.workers, stages=args.stages, steps=args.steps,
-                  microbatches=args.microbatches, rule=getattr(args, "rule", "cdp-v2"))
+        t = _table(args)
         if args.out:
             from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
 

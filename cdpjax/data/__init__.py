@@ -1,31 +1,27 @@
 """Dataset registry. `digits` and `synthetic` are embedded; the rest go through tensorflow-datasets."""
 from __future__ import annotations
 
-from cdpjax.config import ConfigError
 from cdpjax.data.base import Dataset, stream_indices
 from cdpjax.data.digits import digits
 from cdpjax.data.synthetic import synthetic
+from cdpjax.data.tfds_data import TFDS_DATASETS
+from cdpjax.registry import Registry
 
-REGISTRY = {
-    "digits": digits,
-    "synthetic": synthetic,
-}
-
-try:  # the tensorflow-datasets loaders (cifar10, svhn_cropped, stl10, imagenet2012)
-    from cdpjax.data.tfds_data import TFDS_DATASETS
-
-    REGISTRY.update(TFDS_DATASETS)
-except ImportError:  # pragma: no cover - tfds is a declared dependency
-    pass
+# name -> loader(**dataset_kwargs) -> Dataset
+REGISTRY: Registry = Registry("dataset")
+REGISTRY.add("digits", digits)
+REGISTRY.add("synthetic", synthetic)
+for _name, _loader in TFDS_DATASETS.items():  # cifar10, svhn_cropped, stl10, imagenet2012
+    REGISTRY.add(_name, _loader)
+register = REGISTRY.register
 
 
 def build(config) -> Dataset:
-    if config.dataset not in REGISTRY:
-        raise ConfigError(f"unknown dataset {config.dataset!r}; available: {', '.join(sorted(REGISTRY))}")
+    loader = REGISTRY.lookup(config.dataset)
     kwargs = dict(config.get("dataset_kwargs", {}) or {})
     if config.get("data_dir"):
         kwargs["data_dir"] = config.data_dir
-    return REGISTRY[config.dataset](**kwargs)
+    return loader(**kwargs)
 
 
-__all__ = ["Dataset", "REGISTRY", "build", "stream_indices"]
+__all__ = ["Dataset", "REGISTRY", "build", "register", "stream_indices"]

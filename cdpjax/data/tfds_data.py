@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.data.base import Dataset, random_crop_flip
 
 IMAGENET_CROP = 224

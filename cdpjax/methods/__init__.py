@@ -1,35 +1,26 @@
-"""Method registry: a name maps to a builder `build(ctx) -> Method`.
+"""The methods: one module each, with one builder `build(ctx) -> Method`.
 
-A new layout is one new module with a builder decorated by `@register(name)`
-and one import line below.
+Which builder a method name runs, and everything else the rest of cdpjax reads
+about a method (mesh axes, time table, diagrams), is its `Layout` in
+`cdpjax.layouts`; a new layout is one module there and one here.
 """
 from __future__ import annotations
 
-from cdpjax.methods.common import REGISTRY, Context, Method, register
+from cdpjax.layouts import LAYOUTS
+from cdpjax.methods.common import Context, Method
 
-from cdpjax.methods import e2e as _e2e  # noqa: E402,F401
-from cdpjax.methods import dp as _dp  # noqa: E402,F401
-
-for _name in ("cdp", "local", "ppll", "gpipe", "cdp_mp", "cdp_zero"):
-    try:
-        __import__(f"cdpjax.methods.{_name}")
-    except ModuleNotFoundError as e:  # a method not written yet
-        if e.name != f"cdpjax.methods.{_name}":
-            raise
+REGISTRY = LAYOUTS  # the method names, with their layouts
 
 
 def build(ctx: Context) -> Method:
-    from cdpjax.config import ConfigError
+    """The method `ctx.config.method`, built for `ctx` (its builder checks what needs the mesh
+    or the model, before anything compiles)."""
+    from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
     # Every method of a process compiles with the same convolution lowering, so that side-by-side
-    # timings compare like with like (see carrier.use_canonical_cpu_convolutions; CPU only).
-    from cdpjax.carrier import use_canonical_cpu_convolutions
-
+    # timings compare like with like (see cdpjax.xla_cpu; CPU only).
     use_canonical_cpu_convolutions()
-    name = ctx.config.method
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown method {name!r}; registered: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name](ctx)
+    return LAYOUTS.lookup(ctx.config.method).build(ctx)
 
 
-__all__ = ["REGISTRY", "Context", "Method", "build", "register"]
+__all__ = ["REGISTRY", "Context", "Method", "build"]

@@ -72,22 +72,20 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import models
+from cdpjax import models, optim
 from cdpjax.carrier import FlatLayout
-from cdpjax.config import ConfigError
-from cdpjax.methods.common import Context, Method, register, tree_select, varying
-from cdpjax.methods.e2e import apply_updates
-from cdpjax.timetable import TimeTable, cdp_table
+from cdpjax.errors import ConfigError
+from cdpjax.methods.common import Context, Method, tree_select, varying
+from cdpjax.layouts.cdp import cdp_table, period_arrays
+from cdpjax.timetable import TimeTable
 
 AXIS = "data"
 
 
-@register("cdp-v1")
 def build_v1(ctx: Context) -> Method:
     return make(ctx, "cdp-v1")
 
 
-@register("cdp-v2")
 def build_v2(ctx: Context) -> Method:
     return make(ctx, "cdp-v2")
 
@@ -162,7 +160,7 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
         (_, (losses, (model_state, acc))), (g_cur, g_prev) = jax.value_and_grad(
             total, argnums=(0, 1), has_aux=True)(state["params"], state["previous"])
         grads = jax.tree.map(jnp.add, g_cur, g_prev)
-        params, opt_state = apply_updates(tx, state["params"], state["opt_state"], grads)
+        params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
         model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
         new = {"params": params, "previous": state["params"], "model_state": model_state, "opt_state": opt_state}
         metrics = {"loss": lax.psum(losses.sum(), AXIS) / workers, "accuracy": lax.psum(acc.sum(), AXIS) / workers}
@@ -188,8 +186,9 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     def export(state):
         return state["params"], state["model_state"]
 
-    info = {"impl": "simulate", "workers": workers, "stale": table.stale, "worker_losses": worker_losses}
-    return Method(method, net, init, train_step, export, None, table, info)
+    info = {"impl": "simulate", "worker_losses": worker_losses}
+    return Method(method, net, init, train_step, export, table=table, stale=table.stale, workers=workers,
+                  devices=ctx.axis(AXIS), info=info)
 
 
 # ====================================================================== ring
@@ -310,7 +309,7 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
     micro = batch // N
     carrier = make_carrier(net, micro)
     p_max, a_max, inputs = carrier.p_max, carrier.a_max, carrier.inputs
-    arrays = table.period_arrays()
+    arrays = period_arrays(method, N, L)
     ring = [(i, (i + 1) % N) for i in range(N)]
     per_worker = NamedSharding(mesh, P(AXIS))
 
@@ -328,7 +327,7 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
     def update(j):
         def branch(current, previous, opt, gradient):
             g = layout.unpack_one(j, gradient)
-            new, new_opt = apply_updates(tx, [current[j]], [opt[j]], [g])
+            new, new_opt = optim.apply_per_stage(tx, [current[j]], [opt[j]], [g])
             return _replace(current, j, new[0]), _replace(previous, j, current[j]), _replace(opt, j, new_opt[0])
         return branch
 
@@ -426,6 +425,6 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
         model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
         return params, model_state
 
-    info = {"impl": "ring", "workers": N, "stale": table.stale, "padding": carrier.padding(),
-            "state_depends_on_mesh": True, "carrier": carrier, "period": period}
-    return Method(method, net, init, train_step, export, flush, table, info)
+    info = {"impl": "ring", "padding": carrier.padding(), "period": period}
+    return Method(method, net, init, train_step, export, flush, table, carrier=carrier, stale=table.stale,
+                  workers=N, devices=N, state_depends_on_mesh=True, info=info)

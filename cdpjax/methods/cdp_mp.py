@@ -74,11 +74,11 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
-from cdpjax import models
-from cdpjax.config import ConfigError
-from cdpjax.methods.common import Context, Method, register, tree_select, varying
+from cdpjax import models, optim
+from cdpjax.errors import ConfigError
+from cdpjax.methods.common import Context, Method, tree_select, varying
 from cdpjax.methods.ppll import check_mesh, net_stages
-from cdpjax.timetable import cdp_mp_table
+from cdpjax.layouts.cdp_mp import cdp_mp_table
 
 RULES = ("cdp-v2", "cdp-v1")
 RESIDUALS = ("recompute", "carry")
@@ -138,7 +138,6 @@ def _flat_size(tree) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-@register("cdp-mp")
 def build(ctx: Context) -> Method:
     cfg = ctx.config
     num_stages, groups = check_mesh(ctx, "cdp-mp")
@@ -296,7 +295,7 @@ def build(ctx: Context) -> Method:
     # ------------------------------------------------------------------ one tick
 
     def update_stage(params, previous, opt, gradient):
-        new, opt = carriers.update_row(tx, gradient, opt, params)
+        new, opt = optim.apply(tx, params, opt, gradient)
         return new, params, opt
 
     def keep(params, previous, opt, gradient):
@@ -431,8 +430,8 @@ def build(ctx: Context) -> Method:
     report["stash_sizes"] = list(residual_sizes)
     print(f"cdp-mp: {L} stages = {N} workers on {L} devices x {groups} data groups, rule {rule}, "
           f"residuals {residuals}; {carriers.format_report(report)}")
-    info = {"workers": N, "devices": L * groups, "dp_mp_devices": N * L * groups, "rule": rule,
-            "residuals": residuals, "stale": table.stale, "padding": report, "carrier": carrier,
-            "stash_width": stash_width, "state_depends_on_mesh": True,
-            "run_steps": run_steps, "run": run_jit}
-    return Method("cdp-mp", net, init, train_step, export, flush=flush, table=table, info=info)
+    info = {"dp_mp_devices": N * L * groups, "rule": rule, "residuals": residuals, "padding": report,
+            "stash_width": stash_width, "run": run_jit}
+    return Method("cdp-mp", net, init, train_step, export, flush=flush, table=table, run_steps=run_steps,
+                  carrier=carrier, stale=table.stale, workers=N, devices=L * groups, state_depends_on_mesh=True,
+                  info=info)

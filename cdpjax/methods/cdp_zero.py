@@ -53,16 +53,16 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import models
-from cdpjax.carrier import FlatLayout, init_opt, update_row
-from cdpjax.config import ConfigError
+from cdpjax import optim
+from cdpjax.carrier import FlatLayout, init_opt
+from cdpjax.errors import ConfigError
 from cdpjax.methods.cdp import make_carrier, worker_branches
-from cdpjax.methods.common import Context, Method, register, varying
-from cdpjax.timetable import ZERO_RULES, cdp_zero_table, zero_period_arrays
+from cdpjax.methods.common import Context, Method, varying
+from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table, zero_period_arrays
 
 AXIS = "data"
 
 
-@register("cdp-zero")
 def build(ctx: Context) -> Method:
     cfg = ctx.config
     ctx.require_axes("cdp-zero", (AXIS,))
@@ -139,7 +139,7 @@ def _zero(ctx: Context, net, table, rule: str, N: int) -> Method:
         k = x["update_local"]
         apply = (hops >= 0) & (x["update"] >= 0) & jnp.where(x["update_step"] == 0, feeding, inflight)
         rows = master[k]
-        new, new_opt = update_row(tx, got, jax.tree.map(lambda a: a[k], opt), rows[0])
+        new, new_opt = optim.apply(tx, rows[0], jax.tree.map(lambda a: a[k], opt), got)
         master = master.at[k].set(jnp.where(apply, jnp.concatenate([new[None], rows[:-1]]), rows))
         opt = jax.tree.map(lambda a, b: a.at[k].set(jnp.where(apply, b, a[k])), opt, new_opt)
 
@@ -215,8 +215,8 @@ def _zero(ctx: Context, net, table, rule: str, N: int) -> Method:
         "owned_stages": K, "stored_versions": V, "versions_per_hop": C, "relay_buffers": d * C,
         "partial_sum_buffers": d, "ring": {"stages": L, "stored_versions": 2, "partial_sum_buffers": L},
     }
-    info = {"impl": "zero", "rule": rule, "workers": N, "stale": table.stale, "owners": list(owners),
-            "storage": storage, "padding": {"params": layout.padding(), "activations": carrier.padding()["activations"]},
-            "state_depends_on_mesh": True,
-            "carrier": carrier, "layout": layout, "period": period}
-    return Method("cdp-zero", net, init, train_step, export, flush, table, info)
+    info = {"impl": "zero", "rule": rule, "owners": list(owners), "storage": storage,
+            "padding": {"params": layout.padding(), "activations": carrier.padding()["activations"]},
+            "layout": layout, "period": period}
+    return Method("cdp-zero", net, init, train_step, export, flush, table, carrier=carrier, stale=table.stale,
+                  workers=N, devices=N, state_depends_on_mesh=True, info=info)

@@ -1,7 +1,7 @@
-"""What every method shares: the builder contract, the registry, and small SPMD helpers.
+"""What every method shares: the builder contract and small SPMD helpers.
 
-A method's builder takes a `Context` (config, mesh, input shape, classes) and
-returns a `Method`: pure functions over an explicit train state (a pytree of
+A method's builder (named by its `cdpjax.layouts.Layout`) takes a `Context`
+(config, mesh, input shape, classes) and returns a `Method`: pure functions over an explicit train state (a pytree of
 arrays, checkpointed whole, so in-flight state resumes exactly):
 
 - `init(rng) -> state`, placed on the mesh;
@@ -18,8 +18,8 @@ What the trainer reads besides (`cdpjax.train`, docs/guarantees.md): `train_step
 and `export` must trace inside the trainer's own jit (it adds the finite checks
 there); `metrics['loss']` (required), `metrics['stage_loss']` and an optional
 `metrics['finite']`, one value per stage, name the stage that went non-finite;
-`info['state_depends_on_mesh'] = True` refuses a checkpoint from another mesh even
-when the state's shapes fit; `info['stale']` (CDP) is compared with the checkpoint's.
+`Method.state_depends_on_mesh` refuses a checkpoint from another mesh even when
+the state's shapes fit; `Method.stale` (CDP) is compared with the checkpoint's.
 """
 from __future__ import annotations
 
@@ -32,19 +32,8 @@ import ml_collections
 from jax import lax
 
 from cdpjax import models, optim
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.mesh import axis_size
-
-REGISTRY: dict[str, Callable[["Context"], "Method"]] = {}
-
-
-def register(name: str):
-    def wrap(builder):
-        REGISTRY[name] = builder
-        return builder
-
-    return wrap
-
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -77,6 +66,26 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
+    """A built method: its pure functions and what the trainer and bench read of it.
+
+    Attributes:
+      name, net: the method's name and the staged network it trains.
+      init, train_step, export, flush: see the module docstring.
+      table: its time table (`cdpjax.timetable.TimeTable`), None for one-device methods.
+      run_steps: `(state, batches) -> (state, metrics)` over S stacked batches `[S, B, ...]`
+        in one compiled program, where the method has one.
+      carrier: the layouts its state is stored in (a `StageCarrier`, or the ring's), for
+        padding and memory reports.
+      stale: CDP's `[workers, stages]` matrix of pairs that read the previous version; a
+        checkpoint written under another one is refused.
+      workers: CDP workers (None elsewhere). devices: devices it runs on.
+      state_depends_on_mesh: a checkpoint from another mesh is refused even when the
+        state's shapes fit.
+      input_sharding: where the trainer puts each global batch; None: over `data`
+        (replicated when there is none); one-device methods give their device's.
+      info: reports (padding, storage...) and test hooks, by name.
+    """
+
     name: str
     net: models.StagedNet
     init: Callable[[jax.Array], Any]
@@ -84,10 +93,14 @@ class Method:
     export: Callable[[Any], tuple[list, list]]
     flush: Callable[[Any], Any] | None = None
     table: Any = None
-    info: dict = dataclasses.field(default_factory=dict)
-    # Where the trainer puts each global batch; None: sharded over the mesh's `data` axis
-    # (replicated when there is none). Single-device methods give their device's sharding.
+    run_steps: Callable | None = None
+    carrier: Any = None
+    stale: Any = None
+    workers: int | None = None
+    devices: int | None = None
+    state_depends_on_mesh: bool = False
     input_sharding: Any = None
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 def varying(x, axes):

@@ -12,11 +12,10 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax.methods.common import Context, Method, loss_and_metrics, register
-from cdpjax.methods.e2e import apply_updates
+from cdpjax import optim
+from cdpjax.methods.common import Context, Method, loss_and_metrics
 
 
-@register("dp")
 def build(ctx: Context) -> Method:
     ctx.require_axes("dp", ("data",))
     cfg = ctx.config
@@ -43,7 +42,7 @@ def build(ctx: Context) -> Method:
         (loss, (model_state, acc)), grads = jax.value_and_grad(local_loss, has_aux=True)(state["params"])
         if not cross:  # per-device statistics: average the running estimates like the paper's code
             model_state = lax.pmean(model_state, "data")
-        params, opt_state = apply_updates(tx, state["params"], state["opt_state"], grads)
+        params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
         metrics = {"loss": lax.psum(loss, "data"), "accuracy": lax.pmean(acc, "data")}
         return {"params": params, "model_state": model_state, "opt_state": opt_state}, metrics
 
@@ -57,16 +56,16 @@ def build(ctx: Context) -> Method:
     def export(state):
         return state["params"], state["model_state"]
 
-    return Method("dp", net, init, train_step, export, table=_table(workers, net.num_stages),
-                  info={"workers": workers})
+    return Method("dp", net, init, train_step, export, table=_table(workers, net.num_stages), workers=workers,
+                  devices=workers)
 
 
 def _table(workers: int, stages: int):
     """dp's time table (for the benches and pictures); None where the CDP layout refuses the sizes."""
-    from cdpjax import timetable
-    from cdpjax.config import ConfigError
+    from cdpjax.errors import ConfigError
+    from cdpjax.layouts.cdp import cdp_table
 
     try:
-        return timetable.cdp_table("dp", workers, stages)
+        return cdp_table("dp", workers, stages)
     except ConfigError:
         return None

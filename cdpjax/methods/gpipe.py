@@ -29,13 +29,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
-from cdpjax import models
-from cdpjax.config import ConfigError
-from cdpjax.methods.common import Context, Method, register, varying
+from cdpjax import models, optim
+from cdpjax.errors import ConfigError
+from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.ppll import check_mesh, net_stages
 
 
-@register("gpipe")
 def build(ctx: Context) -> Method:
     cfg = ctx.config
     num_stages, groups = check_mesh(ctx, "gpipe")
@@ -141,7 +140,7 @@ def build(ctx: Context) -> Method:
     def local_step(state, images, labels):
         st = carriers.squeeze(state)
         grads, model_state, metrics = local_grads(st, images, labels)
-        params, opt_state = carriers.update_row(tx, grads, st["opt_state"], st["params"])
+        params, opt_state = optim.apply(tx, st["params"], st["opt_state"], grads)
         new = {"params": params, "model_state": model_state, "opt_state": opt_state}
         return carriers.unsqueeze(new), metrics
 
@@ -166,6 +165,7 @@ def build(ctx: Context) -> Method:
     report = carrier.padding_report()
     print(f"gpipe: {num_stages} stages x {groups} data groups, {micro_count} micro-batches of {micro}; "
           f"{carriers.format_report(report)}")
-    info = {"carrier": carrier, "padding": report, "gradients": jax.jit(gradients), "ticks": 2 * ticks,
+    info = {"padding": report, "gradients": jax.jit(gradients), "ticks": 2 * ticks,
             "bubble": (num_stages - 1) / ticks}
-    return Method("gpipe", net, init, jax.jit(train_step, donate_argnums=0), export, info=info)
+    return Method("gpipe", net, init, jax.jit(train_step, donate_argnums=0), export, carrier=carrier,
+                  devices=num_stages * groups, info=info)

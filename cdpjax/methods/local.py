@@ -27,8 +27,8 @@ from jax import lax
 from jax.sharding import SingleDeviceSharding
 
 from cdpjax import optim
-from cdpjax.config import ConfigError
-from cdpjax.methods.common import Context, Method, register
+from cdpjax.errors import ConfigError
+from cdpjax.methods.common import Context, Method
 from cdpjax.models import aux_heads
 
 HEADS_KEY = 1 << 20  # folded into the run's key for the heads, so the bodies start as in every other method
@@ -62,7 +62,6 @@ def stage_grads(net, heads, j, body, head, model_state, x, labels, images=None):
     return g_body, g_head, y, new_state, loss, acc
 
 
-@register("local")
 def build(ctx: Context) -> Method:
     net, heads, body_tx, head_tx = setup(ctx, "local")
     tx = optax.partition({"body": body_tx, "head": head_tx}, {"body": "body", "head": "head"})
@@ -84,8 +83,7 @@ def build(ctx: Context) -> Method:
             g_body, g_head, y, model_state[j], loss, acc = stage_grads(
                 net, heads, j, body[j], head[j], model_state[j], x, batch["label"], batch["image"])
             theta = {"body": body[j], "head": head[j]}
-            updates, opt_state[j] = tx.update({"body": g_body, "head": g_head}, opt_state[j], theta)
-            theta = optax.apply_updates(theta, updates)
+            theta, opt_state[j] = optim.apply(tx, theta, opt_state[j], {"body": g_body, "head": g_head})
             body[j], head[j] = theta["body"], theta["head"]
             x = y
             losses.append(loss)
@@ -98,7 +96,7 @@ def build(ctx: Context) -> Method:
     def export(state):
         return state["params"]["body"], state["model_state"]
 
-    info = {"devices": 1, "heads": heads, "export_heads": lambda state: state["params"]["head"]}
-    return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, info=info,
+    info = {"heads": heads, "export_heads": lambda state: state["params"]["head"]}
+    return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, devices=1, info=info,
                   input_sharding=SingleDeviceSharding(device))
 

@@ -39,8 +39,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
-from cdpjax.config import ConfigError
-from cdpjax.methods.common import Context, Method, register, tree_select, varying
+from cdpjax import optim
+from cdpjax.errors import ConfigError
+from cdpjax.methods.common import Context, Method, tree_select, varying
 from cdpjax.methods.local import HEADS_KEY, setup, stage_grads
 
 
@@ -67,7 +68,6 @@ def net_stages(ctx: Context, method: str, stages: int) -> None:
                           f"{count} stages but mesh.stage={stages}")
 
 
-@register("ppll")
 def build(ctx: Context) -> Method:
     num_stages, groups = check_mesh(ctx, "ppll")
     net_stages(ctx, "ppll", num_stages)
@@ -128,8 +128,8 @@ def build(ctx: Context) -> Method:
             g_body, g_head = lax.pmean((g_body, g_head), "data")
             model_state = lax.pmean(model_state, "data")
             loss, acc = lax.pmean((loss, acc), "data")
-        body, opt_body = carriers.update_row(body_tx, g_body, state["opt_body"], state["body"])
-        head, opt_head = carriers.update_row(head_tx, g_head, state["opt_head"], state["head"])
+        body, opt_body = optim.apply(body_tx, state["body"], state["opt_body"], g_body)
+        head, opt_head = optim.apply(head_tx, state["head"], state["opt_head"], g_head)
         new = {"body": body, "head": head, "model_state": model_state, "opt_body": opt_body, "opt_head": opt_head}
         new = tree_select(valid, new, {k: state[k] for k in new})
         outbox = {"act": out, "label": labels, "valid": valid}
@@ -190,6 +190,7 @@ def build(ctx: Context) -> Method:
 
     report = carrier.padding_report()
     print(f"ppll: {num_stages} stages x {groups} data groups; {carriers.format_report(report)}")
-    info = {"heads": heads, "carrier": carrier, "padding": report, "run_ticks": run_ticks, "tick": tick_fn,
+    info = {"heads": heads, "padding": report, "run_ticks": run_ticks, "tick": tick_fn,
             "export_heads": lambda state: head_layout.unpack(state["head"])}
-    return Method("ppll", net, init, train_step, export, flush=flush, info=info)
+    return Method("ppll", net, init, train_step, export, flush=flush, run_steps=run_ticks, carrier=carrier,
+                  devices=num_stages * groups, info=info)

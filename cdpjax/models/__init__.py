@@ -3,37 +3,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cdpjax.config import ConfigError
+from cdpjax.checks import MODEL_RESERVED, check_kwargs
 from cdpjax.models import mlp as _mlp
 from cdpjax.models.partition import split_points
 from cdpjax.models.staging import StagedNet, accuracy, cross_entropy
+from cdpjax.registry import Registry
 
-REGISTRY: dict[str, Callable] = {
-    "mlp": _mlp.mlp,
-}
-
-
-def register(name: str):
-    def wrap(fn):
-        REGISTRY[name] = fn
-        return fn
-
-    return wrap
+# name -> factory(num_classes, input_shape, norm, bn_axis_name, **model_kwargs) -> list of blocks
+REGISTRY: Registry[Callable] = Registry("model")
+REGISTRY.add("mlp", _mlp.mlp)
+register = REGISTRY.register
 
 
 def build(config, input_shape, num_classes, bn_axis_name=None, stages=None) -> StagedNet:
     """The model named by `config.model`, cut into `config.stages` stages (or `stages`)."""
-    if config.model not in REGISTRY:
-        raise ConfigError(f"unknown model {config.model!r}; available: {', '.join(sorted(REGISTRY))}")
+    factory = REGISTRY.lookup(config.model)
     kwargs = dict(config.get("model_kwargs", {}) or {})
-    import inspect
-
-    factory = REGISTRY[config.model]
-    accepted = [p for p in inspect.signature(factory).parameters
-                if p not in ("num_classes", "input_shape", "norm", "bn_axis_name")]
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise ConfigError(f"model_kwargs {unknown} are not options of {config.model!r}; it accepts {accepted}")
+    check_kwargs("model_kwargs", kwargs, factory, f"model {config.model!r}", MODEL_RESERVED)
     blocks = factory(
         num_classes=num_classes,
         input_shape=tuple(input_shape),

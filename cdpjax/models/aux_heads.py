@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.models.staging import accuracy, cross_entropy
 from cdpjax.models.vit import EncoderBlock
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 
 STRATEGIES = ("params", "flops", "blocks")
 

@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.models import norms, register
 
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from cdpjax.config import ConfigError
+from cdpjax.errors import ConfigError
 from cdpjax.models import register
 
 dense_init = nn.initializers.xavier_uniform()

@@ -23,7 +23,6 @@ def get_config(arg=None):
     c.stages = list(infopro_points(a["K"]))
     c.aux_head = a["head"]
     c.microbatches = 4
-    c.mesh = {"stage": a["K"]}
     c.optimizer, c.learning_rate, c.momentum, c.nesterov, c.weight_decay = "sgd", 0.1, 0.9, True, 1e-4
     c.num_steps = 10
     return c

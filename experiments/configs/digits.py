@@ -21,8 +21,4 @@ def get_config(arg=None):
     c.model = a["model"]
     c.stages = a["stages"]
     c.num_steps = a["steps"]
-    if c.method in ("ppll", "gpipe", "cdp-mp"):
-        c.mesh = {"stage": a["stages"]}
-    elif c.method in ("e2e", "local"):
-        c.mesh = {"data": -1}
-    return c
+    return c  # the mesh is the method's own (cdpjax.layouts): no per-method lists here

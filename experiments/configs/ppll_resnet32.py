@@ -30,7 +30,6 @@ def get_config(arg=None):
         c.stages = list(infopro_points(a["K"]))
     except ImportError:
         c.stages = a["K"]
-    c.mesh = {"stage": a["K"]} if c.method in ("ppll", "gpipe") else {"data": -1}
     c.aux_head = a["head"]
     c.optimizer, c.learning_rate, c.momentum, c.nesterov, c.weight_decay = "sgd", 0.8, 0.9, True, 1e-4
     c.schedule, c.warmup_steps = "cosine", 10 * steps_per_epoch

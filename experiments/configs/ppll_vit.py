@@ -25,7 +25,6 @@ def get_config(arg=None):
     c.norm = "none"
     c.global_batch_size = 128
     c.stages = a["K"]
-    c.mesh = {"stage": a["K"]} if c.method in ("ppll", "gpipe") else {"data": -1}
     c.aux_head = "vit"
     c.optimizer, c.learning_rate, c.momentum, c.weight_decay = "sgd", 8e-4, 0.9, 0.0
     c.schedule = "cosine"

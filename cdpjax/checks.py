@@ -1,0 +1,49 @@
+"""Validation of a whole config: `config.validate` (types, ranges, combinations) and then
+the names and the options that the registries own (method, model, dataset), all before
+any device is touched or anything compiles. The trainer, `bench` and `reproduce.py` call
+`validate` first, so a misspelt method fails with the other config keys."""
+from __future__ import annotations
+
+import inspect
+
+from cdpjax import config as cfg_lib
+from cdpjax.errors import ConfigError
+
+# Arguments a model receives from other config keys, never from model_kwargs.
+MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name")
+
+
+def options(fn, reserved=()) -> set[str]:
+    """The keyword options `fn` names (less `reserved`); a `**kwargs` catch-all ignores what it
+    takes, so it accepts nothing more."""
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named - set(reserved)
+
+
+def check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
+    """Each key of `kwargs` must be an option of `fn`; `key` names the config entry."""
+    known = options(fn, reserved)
+    for name in dict(kwargs):
+        if name in reserved:
+            raise ConfigError(f"{key}.{name} is set by the config key {name!r}, not by {key}")
+        if name not in known:
+            raise ConfigError(f"{key}.{name} is not an option of {owner}; its options: "
+                              f"{', '.join(sorted(known)) or 'none'}")
+
+
+def validate(config) -> None:
+    """`config.validate`, then the method, model and dataset names and their options."""
+    from cdpjax import data, layouts, models  # the registries (models and data import JAX)
+
+    cfg_lib.validate(config)
+    layouts.LAYOUTS.lookup(config.method)
+    model = models.REGISTRY.lookup(config.model)
+    dataset = data.REGISTRY.lookup(config.dataset)
+    check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",
+                 MODEL_RESERVED)
+    check_kwargs("dataset_kwargs", config.get("dataset_kwargs", {}) or {}, dataset,
+                 f"dataset {config.dataset!r}", ("data_dir",))
+
+
+__all__ = ["MODEL_RESERVED", "check_kwargs", "options", "validate"]

@@ -1,0 +1,43 @@
+"""cdp-mp: cyclic data parallelism with model parallelism (the cyclic pipeline)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cdpjax.errors import ConfigError
+from cdpjax.layouts import Layout, register
+from cdpjax.layouts.cdp import cdp_table
+from cdpjax.timetable import TimeTable
+
+RULES = ("cdp-v2", "cdp-v1")
+
+
+def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2") -> TimeTable:
+    """cdp-mp: CDP with model parallelism. The `rule` table of N = L workers and L stages,
+    with each op moved from its worker to the device of its stage (device j = stage j);
+    `micro` keeps the worker. With N = L every stage is used by exactly one worker at
+    every tick, so every device runs exactly one op per tick in steady state (a forward
+    when tick - j is even, a backward when odd): checked here. Updates, versions and
+    slots are the CDP table's; no gradient crosses devices (each stage's gradient is
+    summed where the stage lives), so there are no messages."""
+    if rule not in RULES:
+        raise ConfigError(f"cdp-mp rule={rule!r} is not one of {', '.join(RULES)}")
+    base = cdp_table(rule, stages, stages, steps)
+    ops = tuple(sorted((dataclasses.replace(op, device=op.stage) for op in base.ops),
+                       key=lambda o: (o.tick, o.device)))
+    per_cell = np.zeros((base.num_ticks, base.stages), np.int64)
+    for op in ops:
+        per_cell[op.tick, op.device] += 1
+    lo, hi = base.steady
+    if per_cell.max() > 1 or (steps >= 2 and not np.all(per_cell[lo:hi] == 1)):
+        raise AssertionError(f"cdp-mp L={stages}: a device does not run exactly one op per steady-state tick")
+    return dataclasses.replace(base, method="cdp-mp", ops=ops, messages=(), devices=base.stages)
+
+
+register(Layout(
+    "cdp-mp", "cdpjax.methods.cdp_mp:build", axes=("stage", "data"), device_axis="stage", table=cdp_mp_table,
+    colour="worker", label="{kind}w{micro}",
+    legend="Fw<i>/Bw<i>: forward/backward of worker i's micro-batch",
+    title="{method}: {workers} workers' micro-batches through {stages} stage devices",
+    summary="cyclic pipeline: stages on devices, every device busy every tick, no gradient communication"))
