@@ -89,7 +89,7 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     """
     if table is None:
         return {}
-    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["overall"])}
+    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["devices"])}
     stats = table.activation_stats(sizes["activation_bytes"]) if sizes else table.activation_stats()
     act = {"peak": float(stats["total_peak"]), "mean": float(stats["total_mean"])}
     if sizes:

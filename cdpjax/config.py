@@ -63,7 +63,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
-    c.microbatches = 4  # gpipe
+    c.microbatches = 4  # micro-batches per step of the backprop pipelines (gpipe, 1f1b, interleaved-1f1b)
+    c.chunks = 2  # interleaved-1f1b: stages per device (V); the stage axis has stages / chunks devices
+    # ppll: local modules per device, e.g. [9, 3, 2, 2] for 16 modules on 4 devices; None: one per device.
+    c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
     # Multi-process runs (see cdpjax.distributed); empty: from the environment, or one process.
@@ -93,6 +96,7 @@ _NUMERIC = {
     "decay_factor": (float, 0.0, 1.0),
     "workers": (int, 0, None),
     "microbatches": (int, 1, None),
+    "chunks": (int, 1, None),
 }
 _CHOICES = {
     "norm": ("batch", "group", "none"),
@@ -245,6 +249,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"stages={list(stages)!r}: split points must be integers (block indices)")
         if any(b <= a for a, b in zip((0, *stages), stages)):
             raise ConfigError(f"stages={list(stages)!r}: split points must be strictly increasing and >= 1")
+    groups = config.get("module_groups", None)
+    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups
+                               or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
+        raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
+                          f"device, adding up to the stages) or None")
     _check_combinations(config)
     _check_distributed(config.get("distributed", {}) or {})
 

@@ -8,8 +8,10 @@ same work sequentially on one device.
 Assumptions (stated, not hidden):
 - An op takes the measured time of its stage on one device, whatever else runs
   (no contention, no kernel overlap between ops on one device); `FB` (PPLL's
-  forward + local backward + update) takes forward + backward of the stage body,
-  auxiliary head excluded unless `head_seconds` is given.
+  forward + local backward + update) takes forward + backward of the stage body
+  plus its auxiliary head's forward and backward (`StageCosts.head`, measured
+  unless `heads=False`: the heads are much of a ViT's local-learning work and the
+  reason for PPLL's uneven module groups).
 - A device runs its ops in the table's tick order, each as soon as its inputs
   are there: a forward needs the previous stage's forward of the same
   micro-batch, a backward the next stage's backward (the last stage: its own
@@ -42,6 +44,11 @@ class StageCosts:
     backward: tuple[float, ...]
     activation_bytes: tuple[float, ...]  # output of each stage, per micro-batch
     gradient_bytes: tuple[float, ...]  # parameters of each stage
+    head: tuple[float, ...] = ()  # auxiliary head forward + backward per micro-batch, per stage (local learning)
+
+    def local(self, j: int) -> float:
+        """An 'FB' op of stage j: body forward and backward, and its head."""
+        return self.forward[j] + self.backward[j] + (self.head[j] if self.head else 0.0)
 
 
 def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
@@ -83,8 +90,7 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
                 ready = max(ready, after(("F", j, *mb), op.device, 0.0))
         if op.kind in ("F", "FB") and op.version >= 1:
             ready = max(ready, update_ready(j, op.version - 1))
-        duration = {"F": costs.forward[j], "B": costs.backward[j],
-                    "FB": costs.forward[j] + costs.backward[j]}[op.kind]
+        duration = {"F": costs.forward[j], "B": costs.backward[j], "FB": costs.local(j)}[op.kind]
         finish = ready + duration
         device_free[op.device] = finish
         done[(op.kind, j, *mb)] = (finish, op.device)
@@ -110,7 +116,7 @@ def _sequential_step(table, costs: StageCosts) -> float:
     per_step = defaultdict(float)
     for op in table.ops:
         per_step[op.step] += {"F": costs.forward[op.stage], "B": costs.backward[op.stage],
-                              "FB": costs.forward[op.stage] + costs.backward[op.stage]}[op.kind]
+                              "FB": costs.local(op.stage)}[op.kind]
     return float(np.median(list(per_step.values())))
 
 
@@ -126,14 +132,21 @@ def median_seconds(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_stage_costs(net, micro_batch: int, repeats: int = 5) -> StageCosts:
-    """Per-stage forward and backward (recomputing the forward inside, as the pipelines do) on one device."""
+def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None) -> StageCosts:
+    """Per-stage forward and backward (recomputing the forward inside, as the pipelines do) on one
+    device; with `heads` (local learning's `AuxHeads`), each head's forward and backward too."""
     import jax
     import jax.numpy as jnp
 
     params, state = net.init(jax.random.key(0))
-    x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
-    fwd, bwd, act, grad = [], [], [], []
+    image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
+    labels = jnp.zeros((micro_batch,), jnp.int32)
+    head_params = head_state = None
+    if heads is not None:
+        from cdpjax.methods.pipeline import _init_heads
+
+        head_params, head_state = _init_heads(heads, jax.random.key(1))
+    fwd, bwd, act, grad, head = [], [], [], [], []
     for j in range(net.num_stages):
         f = jax.jit(lambda p, s, v, j=j: net.apply_stage(j, p, s, v, True)[0])
         y = f(params[j], state[j], x)
@@ -147,8 +160,31 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5) -> StageCosts:
         bwd.append(median_seconds(b, params[j], state[j], x, jnp.ones_like(y), repeats=repeats))
         act.append(float(y.size * y.dtype.itemsize))
         grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
+        if heads is not None:
+            step = jax.jit(jax.grad(lambda p, s, v, j=j: _head_loss(heads, j, p, s, v, labels, image), argnums=(0, 2)))
+            head.append(median_seconds(step, head_params[j], head_state[j], y, repeats=repeats))
         x = y
-    return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad))
+    return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad), tuple(head))
+
+
+def _head_loss(heads, j, params, state, features, labels, images):
+    """Stage j's local loss through its head (heads with or without a state)."""
+    import inspect
+
+    if "state" in inspect.signature(heads.loss).parameters:
+        return heads.loss(j, params, state, features, labels, images)[0]
+    return heads.loss(j, params, features, labels, images)[0]
+
+
+def group_by_time(net, heads, devices: int, batch_size: int, repeats: int = 3) -> tuple[int, ...]:
+    """Contiguous groups of local modules for `devices` devices that minimise the slowest device,
+    by each module's MEASURED forward, backward and head time on this device (PPLL's uneven groups)."""
+    from cdpjax.models.partition import balanced_points
+
+    costs = measure_stage_costs(net, batch_size, repeats, heads)
+    points = balanced_points([costs.local(j) for j in range(net.num_stages)], devices)
+    bounds = (0, *points, net.num_stages)
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def table_for(config, devices: int, stages: int, steps: int | None = None):

@@ -155,7 +155,9 @@ class TimeTable:
     # ----------------------------------------------------------------- busy time
 
     def busy_fraction(self, window: tuple[int, int] | None = None) -> dict:
-        """Busy (stage, tick) slots over all slots, and per stage and per device.
+        """Busy (stage, tick) slots over all slots ('overall'), busy (device, tick) slots over
+        all ('devices': the utilization of the hardware, the figure for layouts that put
+        several stages on a device), and per stage and per device.
 
         Over the steady-state window by default (CDP: one period; gpipe: one step,
         bubble included; ppll: all stages busy); 'whole' is over every tick laid out.
@@ -169,6 +171,7 @@ class TimeTable:
         s, d = stage_busy[lo:hi], device_busy[lo:hi]
         return {
             "overall": float(s.mean()) if s.size else 0.0,
+            "devices": float(d.mean()) if d.size else 0.0,
             "per_stage": [float(x) for x in s.mean(0)] if s.size else [],
             "per_device": [float(x) for x in d.mean(0)] if d.size else [],
             "whole": float(stage_busy.mean()),
@@ -307,6 +310,63 @@ def table(method: str, **sizes) -> TimeTable:
     return LAYOUTS.lookup(method).make_table(**sizes)
 
 
+def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], stages: int, microbatches: int,
+                steps: int = 1, device_of: Sequence[int] | None = None) -> TimeTable:
+    """A flushed pipeline's table from each device's ordered list of actions, as
+    `torch.distributed.pipelining` writes a schedule: `orders[d]` lists device d's
+    (kind, stage, micro-batch) in the order it runs them, 'F' or 'B'.
+
+    Each action takes one tick and starts at the first tick at which its device is
+    free and its input exists: a forward of stage j > 0 after the forward of stage j-1
+    of the same micro-batch, a backward after the backward of stage j+1 (the last
+    stage: after its own forward); a device never reorders its list. Every stage
+    updates at the end of the step's last tick (the flush), and step k repeats step 0
+    shifted by k spans. `device_of[j]` is stage j's device (default: device j).
+    """
+    positive(stages=stages, microbatches=microbatches, steps=steps)
+    device_of = list(range(stages)) if device_of is None else list(device_of)
+    done: dict[tuple[str, int, int], int] = {}  # action -> its tick
+    position = [0] * len(orders)
+    free = [0] * len(orders)
+    total = sum(len(o) for o in orders)
+    while len(done) < total:
+        progressed = False
+        for d, order in enumerate(orders):
+            if position[d] == len(order):
+                continue
+            kind, j, m = order[position[d]]
+            if device_of[j] != d:
+                raise ConfigError(f"{method}: device {d}'s list holds stage {j}, which lives on device {device_of[j]}")
+            need = ("F", j - 1, m) if kind == "F" else (("B", j + 1, m) if j + 1 < stages else ("F", j, m))
+            if kind == "F" and j == 0:
+                ready = 0
+            elif need in done:
+                ready = done[need] + 1
+            else:
+                continue
+            done[(kind, j, m)] = max(free[d], ready)
+            free[d] = done[(kind, j, m)] + 1
+            position[d] += 1
+            progressed = True
+        if not progressed:
+            stuck = {d: order[position[d]] for d, order in enumerate(orders) if position[d] < len(order)}
+            raise ConfigError(f"{method}: the device orders deadlock (next actions {stuck})")
+    expected = {(k, j, m) for k in "FB" for j in range(stages) for m in range(microbatches)}
+    if set(done) != expected:
+        missing = sorted(expected - set(done))[:3]
+        raise ConfigError(f"{method}: the device orders run {len(done)} actions, not each stage's F and B of each "
+                          f"micro-batch once (missing e.g. {missing})")
+    span = max(done.values()) + 1
+    ops, updates = [], []
+    for k in range(steps):
+        for (kind, j, m), tick in done.items():
+            ops.append(Op(span * k + tick, device_of[j], j, kind, k, m, version=k))
+        updates += [Update(span * k + span - 1, j, k) for j in range(stages)]
+    ops.sort(key=lambda o: (o.tick, o.device))
+    return TimeTable(method, 1, stages, steps, span * steps, max(device_of) + 1, span, tuple(ops), tuple(updates),
+                     microbatches=microbatches, steady=(0, span))
+
+
 def positive(**values) -> None:
     """Refuses any of `values` that is not a positive integer (a ConfigError naming it)."""
     for name, v in values.items():
@@ -369,11 +429,12 @@ def format_grid(t: TimeTable) -> str:
     if t.updates and len(t.updates) != len(t.ops):  # every op updating (ppll) would repeat the grid
         lines.append("upd".ljust(6) + "".join(c.rjust(width) for c in upd))
     bf = t.busy_fraction()
-    lines.append(f"busy fraction (steady state): {bf['overall']:.3f}; over all ticks: {bf['whole']:.3f}")
+    lines.append(f"busy fraction (steady state): {bf['overall']:.3f} of stage slots, {bf['devices']:.3f} of device "
+                 f"time; over all ticks: {bf['whole']:.3f}")
     if stale or t.meta.get("rule"):
         lines.append(f"stale (worker, stage) pairs: {int(t.stale.sum())} of {t.stale.size}")
     lines.extend(t.notes)
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "Message", "Op", "TimeTable", "Update", "format_grid", "positive", "table"]
+__all__ = ["KINDS", "Message", "Op", "TimeTable", "Update", "format_grid", "from_orders", "positive", "table"]

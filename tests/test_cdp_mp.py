@@ -13,7 +13,6 @@ from cdpjax.commands import schedule
 from cdpjax.config import ConfigError, default_config, validate
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
-from cdpjax.methods.cdp_mp import period_program
 from cdpjax.methods.common import Context
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.cdp_mp import cdp_mp_table
@@ -59,30 +58,6 @@ def test_device_memory_model():
     act = cdp_mp_table(4, steps=4).activation_per_worker()[8:16]
     assert act.max(0).tolist() == [4, 3, 2, 1]
     assert act.sum(1).tolist() == [8] * 8  # N*L/2 stage-activations in all, flat over the period
-
-
-@pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_period_program_replays_the_table(rule, stages):
-    """S periods of the per-tick arrays, with the ops of unfed steps masked as the SPMD scan
-    masks them, give back exactly the table's ops (worker, kind, step, slot) and updates.
-    (At step 0 both slots hold theta_0, so there the slot is not compared.)"""
-    prog, S, T = period_program(rule, stages), 4, 2 * stages
-    ops, updates = set(), set()
-    for k in range(S + 1):  # S fed periods, then the flush
-        feeding, inflight = k < S, k > 0
-        for t in range(T):
-            for j in range(stages):
-                step = k + prog["step"][t, j]
-                if feeding if prog["step"][t, j] == 0 else inflight:
-                    kind = "FB"[prog["kind"][t, j]]
-                    slot = ("current", "previous")[prog["slot"][t, j]] if step else "theta_0"
-                    ops.add((k * T + t, j, kind, int(prog["worker"][t, j]), int(step), slot))
-                if prog["update"][t, j] and (feeding if prog["update_step"][t, j] == 0 else inflight):
-                    updates.add((k * T + t, j, int(k + prog["update_step"][t, j])))
-    t = cdp_mp_table(stages, steps=S, rule=rule)
-    assert ops == {(o.tick, o.device, o.kind, o.micro, o.step, o.slot if o.step else "theta_0") for o in t.ops}
-    assert updates == {(u.tick, u.stage, u.step) for u in t.updates}
 
 
 def test_schedule_draws_it(tmp_path, capsys):

@@ -87,8 +87,8 @@ def test_pipeline_shape_is_reported():
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"residuals": "carry"}, "residuals='recompute' only"),
-    ({"microbatches": 3}, "microbatches=3"),
+    ({"residuals": "keep"}, "residuals='keep' is not one of"),
+    ({"microbatches": 3}, "micro-batches per step=3"),
     ({"stages": 2}, "mesh.stage=4"),
 ])
 def test_bad_config_fails_early(changes, match, compiles):

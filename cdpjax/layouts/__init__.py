@@ -133,22 +133,23 @@ class Layout:
 
     def default_mesh(self, config) -> dict[str, int]:
         """The mesh when the config gives none: every device on `device_axis`; a stage-axis
-        layout takes as many stage devices as its config needs (`stage_devices`)."""
+        layout takes the devices its table places the config's stages on."""
         if self.device_axis is None:  # runs on the mesh's first device, whatever the mesh
             return {"data": -1}
         if self.device_axis == "stage":
-            return {"stage": stage_devices(config)}
+            return {"stage": table_for_config(config, devices=1, stages=stage_count(config), steps=2).devices}
         return {self.device_axis: -1}
 
 
-def stage_devices(config) -> int:
-    """Devices on the `stage` axis a pipeline config needs: one per group of `module_groups`
-    when given (local modules grouped on devices), else one per stage."""
-    groups = config.get("module_groups", None) if hasattr(config, "get") else None
-    if groups:
-        return len(groups)
+def stage_count(config) -> int:
+    """The stages (local modules) a config cuts its model into: `stages`, or its split points + 1."""
     spec = config.stages
     return len(spec) + 1 if isinstance(spec, (list, tuple)) else int(spec)
+
+
+def stage_devices(config) -> int:
+    """Devices on the `stage` axis the config's method needs (its table's devices)."""
+    return LAYOUTS.lookup(config.method).default_mesh(config)["stage"]
 
 
 LAYOUTS: Registry[Layout] = Registry("method")
@@ -209,5 +210,5 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["COLOURS", "LAYOUTS", "Layout", "TABLE_SIZES", "devices_needed", "mesh_for", "register", "stage_devices",
-           "table_for_config"]
+__all__ = ["COLOURS", "LAYOUTS", "Layout", "TABLE_SIZES", "devices_needed", "mesh_for", "register", "stage_count",
+           "stage_devices", "table_for_config"]

@@ -7,26 +7,19 @@ layout of its own name would only repeat this table, so the tables and benches s
 from __future__ import annotations
 
 from cdpjax.layouts import Layout, register
-from cdpjax.timetable import Op, TimeTable, Update, positive
+from cdpjax.timetable import TimeTable, from_orders, positive
 
 
 def gpipe_table(stages: int = 4, microbatches: int = 4, steps: int = 2) -> TimeTable:
-    """GPipe: every step, forwards of M micro-batches fill the pipeline, backwards drain
-    it (the last stage starts as soon as all forwards are done), then every stage
-    updates (flush). Stage j on device j; M=1 is plain model parallelism."""
-    positive(stages=stages, microbatches=microbatches, steps=steps)
-    K, M, S = int(stages), int(microbatches), int(steps)
-    span = 2 * (M + K - 1)
-    ops, updates = [], []
-    for k in range(S):
-        base = span * k
-        for j in range(K):
-            for m in range(M):
-                ops.append(Op(base + j + m, j, j, "F", k, m, version=k))
-                ops.append(Op(base + (M + K - 1) + (K - 1 - j) + m, j, j, "B", k, m, version=k))
-            updates.append(Update(base + span - 1, j, k))
-    ops.sort(key=lambda o: (o.tick, o.device))
-    return TimeTable("gpipe", 1, K, S, span * S, K, span, tuple(ops), tuple(updates), (), (), M, (0, span))
+    """GPipe: every device runs the forwards of its stage for the M micro-batches, then their
+    backwards. Run as early as their inputs allow, the forwards fill the pipeline (stage j,
+    micro-batch m at tick j + m), the backwards drain it (the last stage starts as soon as
+    its forwards are done), then every stage updates (flush): 2(M + K - 1) ticks a step, of
+    which 2(K - 1) idle on each device. Stage j on device j; M=1 is plain model parallelism."""
+    positive(stages=stages, microbatches=microbatches)
+    K, M = int(stages), int(microbatches)
+    orders = [[("F", j, m) for m in range(M)] + [("B", j, m) for m in range(M)] for j in range(K)]
+    return from_orders("gpipe", orders, K, M, steps)
 
 
 register(Layout(
