@@ -1,8 +1,10 @@
-"""GPipe, the backprop pipeline baseline: the same gradients and updates as `e2e` on one device.
+"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B): the same gradients and updates as
+`e2e` on one device.
 
 Claims: the gradient summed over M micro-batches flowing forward and backward
-through K stages (of different shapes) on K devices is backprop's gradient of the
-mean loss over the batch; with M=1 it is plain model parallelism, equal to e2e
+through K stages (of different shapes) on K devices (interleaved: K / V devices,
+V stages each) is backprop's gradient of the mean loss over the batch, whatever
+the order of the table; with M=1 GPipe is plain model parallelism, equal to e2e
 even with BatchNorm; with a data axis the groups' gradients are averaged.
 """
 import jax
@@ -41,18 +43,24 @@ def _close(a, b, atol=1e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5), a, b)
 
 
-CASES = {  # model, K, data groups, M, check the gradient itself (one more compile)
-    "resnet-K4-M4": ("resnet_tiny", 4, 1, 4, True),
-    "vit-K2-M2-data2": ("vit_tiny", 2, 2, 2, False),
+CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, check the gradient itself
+    "gpipe-resnet-K4-M4": ("gpipe", "resnet_tiny", 4, 4, 1, 4, "recompute", True),
+    "gpipe-vit-K2-M2-data2": ("gpipe", "vit_tiny", 2, 2, 2, 2, "recompute", False),
+    "gpipe-resnet-K2-M2-carry": ("gpipe", "resnet_tiny", 2, 2, 1, 2, "carry", False),
+    "1f1b-resnet-K4-M8": ("1f1b", "resnet_tiny", 4, 4, 1, 8, "recompute", True),
+    "1f1b-mlp-K4-M2-data2": ("1f1b", "mlp", 4, 4, 2, 2, "recompute", False),
+    "interleaved-resnet-K4-on-2-M4": ("interleaved-1f1b", "resnet_tiny", 4, 2, 1, 4, "recompute", True),
+    "interleaved-mlp-K4-on-2-M2-data2": ("interleaved-1f1b", "mlp", 4, 2, 2, 2, "recompute", False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_and_updates_equal_e2e(case):
     """The gradient, then two updates with SGD momentum and weight decay, as e2e's."""
-    model, stages, groups, micro, check_gradient = CASES[case]
+    method, model, stages, devices, groups, micro, residuals, check_gradient = CASES[case]
     e2e = _build(_config("e2e", model, stages, micro), {"data": 1})
-    gpipe = _build(_config("gpipe", model, stages, micro), {"stage": stages, "data": groups})
+    gpipe = _build(_config(method, model, stages, micro, residuals=residuals, chunks=stages // devices),
+                   {"stage": devices, "data": groups})
     batches = _batches(2)
     s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
     if check_gradient:

@@ -1,0 +1,188 @@
+"""The tick runtime reads every stage-axis layout from its table: the program replays the table,
+every buffer slot holds what the op that reads it expects, 1F1B keeps fewer micro-batches than
+GPipe (its point), and a layout added from outside the package (a table and a registration) is
+seen by `schedule`, `bench` and the speedup model with no other edit."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import bench, speedup
+from cdpjax.cli import main
+from cdpjax.config import default_config
+from cdpjax.layouts import LAYOUTS, Layout
+from cdpjax.methods.program import BACKWARD, FORWARD, IDLE, LOCAL, compile_table
+from cdpjax.timetable import from_orders, table
+
+KIND = {FORWARD: "F", BACKWARD: "B", LOCAL: "FB"}
+
+TABLES = {  # name -> (layout, sizes); laid out over enough steps for the program's window
+    "gpipe-K4-M4": ("gpipe", dict(stages=4, microbatches=4)),
+    "gpipe-K3-M1": ("gpipe", dict(stages=3, microbatches=1)),
+    "1f1b-K4-M8": ("1f1b", dict(stages=4, microbatches=8)),
+    "1f1b-K4-M2": ("1f1b", dict(stages=4, microbatches=2)),
+    "interleaved-D2-V2-M4": ("interleaved-1f1b", dict(stages=4, chunks=2, microbatches=4)),
+    "interleaved-D3-V2-M6": ("interleaved-1f1b", dict(stages=6, chunks=2, microbatches=6)),
+    "cdp-mp-v2-L4": ("cdp-mp", dict(stages=4, rule="cdp-v2")),
+    "cdp-mp-v1-L3": ("cdp-mp", dict(stages=3, rule="cdp-v1")),
+    "ppll-K4": ("ppll", dict(stages=4)),
+    "ppll-K8-on-3": ("ppll", dict(stages=8, module_groups=(4, 2, 2))),
+}
+
+
+def laid_out(name, steps):
+    layout, sizes = TABLES[name]
+    return table(layout, steps=steps, **sizes)
+
+
+def replay(prog, calls, fed_calls):
+    """The ops and updates a runtime following `prog` runs over `calls` calls, of which the first
+    `fed_calls` feed a batch (call k feeds step k): an op of step k + rel runs only where that
+    step was fed, as the runtime masks it."""
+    ops, updates = set(), set()
+    fed = lambda step: 0 <= step < fed_calls  # noqa: E731
+    for k in range(calls):
+        for t in range(prog.period):
+            for d in range(prog.placement.devices):
+                step = k + int(prog.rel[t, d])
+                if prog.kind[t, d] != IDLE and fed(step):
+                    u = int(prog.unit[t, d])
+                    for j in prog.placement.units[u]:
+                        ops.add((k * prog.period + t, d, j, KIND[int(prog.kind[t, d])], int(prog.micro[t, d]), step))
+                for v in range(prog.placement.chunks):
+                    if prog.update[t, d, v] and fed(k + int(prog.update_rel[t, d, v])):
+                        u = [w for w in range(len(prog.placement.units))
+                             if prog.placement.device[w] == d and prog.placement.chunk[w] == v][0]
+                        for j in prog.placement.units[u]:
+                            updates.add((k * prog.period + t, j, k + int(prog.update_rel[t, d, v])))
+    return ops, updates
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_program_replays_the_table(name):
+    """S fed calls, then the calls a flush runs, give back exactly the table's ops and updates
+    (the window the program reads is shifted back to tick 0 of step 0)."""
+    prog = compile_table(laid_out(name, 9))
+    S = 3
+    ops, updates = replay(prog, S + prog.lag, S)
+    want = laid_out(name, S)
+    assert ops == {(o.tick, o.device, o.stage, o.kind, o.micro, o.step) for o in want.ops}
+    assert updates == {(u.tick, u.stage, u.step) for u in want.updates}
+
+
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("name", list(TABLES))
+def test_slots_hold_what_each_op_reads(name, carry):
+    """Symbolic run of the program's buffers: each message goes to the slot `recv_*` names, a
+    forward keeps its input (or residuals) where it says, and every op finds in the slots it
+    reads the micro-batch, step and unit it works on (never another one's, never overwritten)."""
+    tbl = laid_out(name, 9)
+    if carry and any(o.kind == "FB" for o in tbl.ops):
+        pytest.skip("local learning has no backward to carry residuals to")
+    prog = compile_table(tbl, carry_residuals=carry)
+    place, D = prog.placement, prog.placement.devices
+    act = [[None] * prog.act_slots for _ in range(D)]
+    cot = [[None] * prog.cot_slots for _ in range(D)]
+    res = [[None] * prog.residual_slots for _ in range(D)]
+    last = len(place.units) - 1
+    S = 4
+    for k in range(S + prog.lag):
+        for t in range(prog.period):
+            arriving = []
+            for d in range(D):
+                kind, u, m = int(prog.kind[t, d]), int(prog.unit[t, d]), int(prog.micro[t, d])
+                step = k + int(prog.rel[t, d])
+                if kind == IDLE or not 0 <= step < S:
+                    continue
+                key = (u, m, step)
+                a, r, c = int(prog.act_slot[t, d]), int(prog.residual_slot[t, d]), int(prog.cot_slot[t, d])
+                if kind in (FORWARD, LOCAL):
+                    if u > 0:
+                        assert act[d][a] == key, (t, d, key, act[d][a])
+                    elif a >= 0:
+                        act[d][a] = key  # the first unit keeps the batch's micro-batch
+                    if kind == FORWARD and carry:
+                        res[d][r] = key
+                    if u < last:
+                        arriving.append((place.device[u + 1], "act", int(prog.recv_act[t, place.device[u + 1]]),
+                                         (u + 1, m, step)))
+                else:
+                    if carry:
+                        assert res[d][r] == key, (t, d, key, res[d][r])
+                    else:
+                        assert act[d][a] == key, (t, d, key, act[d][a])
+                    if u < last:
+                        assert cot[d][c] == key, (t, d, key, cot[d][c])
+                    if u > 0:
+                        arriving.append((place.device[u - 1], "cot", int(prog.recv_cot[t, place.device[u - 1]]),
+                                         (u - 1, m, step)))
+            for d, what, slot, key in arriving:  # at the end of the tick
+                assert slot >= 0
+                (act if what == "act" else cot)[d][slot] = key
+
+
+def test_1f1b_keeps_fewer_micro_batches_than_gpipe():
+    """GPipe keeps every micro-batch's input on stage 0 until the drain (M slots); 1F1B's stage j
+    runs K-1-j warm-up forwards and then retires one micro-batch per forward, so it never holds
+    more than min(M, K) (the rule written out; the program's interval colouring must find it)."""
+    for K, M in [(4, 8), (4, 2), (3, 6), (2, 5)]:
+        g = compile_table(table("gpipe", stages=K, microbatches=M, steps=3))
+        f = compile_table(table("1f1b", stages=K, microbatches=M, steps=3))
+        assert g.act_slots == M, (K, M)
+        assert f.act_slots == min(M, K), (K, M)
+        # the same bubble: 2(K-1) idle ticks of each device's 2(M+K-1)
+        for t in (table("gpipe", stages=K, microbatches=M, steps=1), table("1f1b", stages=K, microbatches=M, steps=1)):
+            assert t.period == 2 * (M + K - 1) and t.busy_fraction()["devices"] == pytest.approx(M / (M + K - 1))
+
+
+def test_interleaved_bubble_shrinks_with_chunks():
+    """Megatron's interleaved schedule: with V chunks the idle time of a step falls from GPipe's
+    2(D-1) ticks of stage-work to about 2(D-1)/V (each tick here is a chunk, 1/V of a device's
+    stages): busy fraction over device time at least GPipe's, and every stage's F and B once."""
+    D, M = 4, 8
+    for V in (2, 4):
+        t = table("interleaved-1f1b", stages=V * D, chunks=V, microbatches=M, steps=1)
+        work = 2 * M * V  # ticks of work per device per step
+        assert t.period - work <= 2 * (D - 1) + (V - 1) * D  # idle ticks of the slowest device
+        assert t.busy_fraction()["devices"] > table("gpipe", stages=D, microbatches=M, steps=1).busy_fraction()["devices"]
+        assert len(t.ops) == 2 * M * V * D
+
+
+# ------------------------------------------------------------------ a layout from outside
+
+
+def toy_table(stages: int = 3, microbatches: int = 2, steps: int = 2):
+    """A toy layout: GPipe whose backwards drain the micro-batches last-in first-out."""
+    orders = [[("F", j, m) for m in range(microbatches)] + [("B", j, m) for m in reversed(range(microbatches))]
+              for j in range(stages)]
+    return from_orders("toy-lifo", orders, stages, microbatches, steps)
+
+
+def toy_build(ctx):
+    from cdpjax.layouts import stage_devices
+    from cdpjax.methods import pipeline
+
+    return pipeline.build(ctx, "toy-lifo", toy_table(stage_devices(ctx.config), int(ctx.config.microbatches), 3))
+
+
+TOY = Layout("toy-lifo", toy_build, axes=("stage", "data"), device_axis="stage", table=toy_table, microbatches=True,
+             colour="micro", label="{kind}{micro}", legend="F<m>/B<m>: micro-batch m, drained last-in first-out",
+             title="{method}: {stages} stages, M={microbatches}", summary="a toy layout defined in a test")
+
+
+def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys):
+    with LAYOUTS.temporarily("toy-lifo", TOY):
+        assert main(["schedule", "--method", "toy-lifo", "--stages", "3", "--microbatches", "2", "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["method"] == "toy-lifo" and [row[0] for row in d["ticks"][:2]] == ["F0", "F1"]  # device 0
+        assert main(["schedule", "--method", "toy-lifo", "--stages", "3", "--out", str(tmp_path / "t.png")]) == 0
+        c = default_config()
+        c.method, c.model, c.model_kwargs, c.stages, c.microbatches, c.norm = "toy-lifo", "mlp", {"width": 16}, 3, 2, "none"
+        c.global_batch_size = 16
+        record = bench.bench_method(c, devices=jax.devices()[:3], warmup=1, repeats=1)
+        assert record["method"] == "toy-lifo" and record["devices"] == 3
+        assert record["busy_fraction"] == pytest.approx(2 / 4)  # M / (M + K - 1)
+        predicted = speedup.predict_for_config(c, 3, 1e15)
+        assert "error" not in predicted and predicted["devices"] == 3
+    assert "toy-lifo" not in LAYOUTS
