@@ -34,8 +34,6 @@ from cdpjax.data.base import Dataset, stream_indices
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
 METHODS = sorted(set(PLANNED) | set(methods.REGISTRY))
-PIPELINES = ("ppll", "gpipe", "cdp-mp")
-SINGLE_DEVICE = ("e2e", "local")
 MESH_FREE = ("e2e", "dp", "local")  # their state is the model itself: it restores on any device count
 STEPS, KILLED_AFTER, RESUMED_FROM = 12, 6, 4
 
@@ -45,19 +43,25 @@ def require(name):
         pytest.skip(f"method {name!r} is not registered yet (no cdpjax/methods module defines it)")
 
 
+def _axis(name):
+    return methods.REGISTRY[name].device_axis
+
+
 def layout(name):
-    """The mesh and devices each method runs on here."""
-    if name in PIPELINES:
-        return {"stage": 4}, jax.devices()[:4]
-    if name in SINGLE_DEVICE:
+    """The mesh and devices each method runs on here: its layout's own mesh for the 4-stage MLP."""
+    if _axis(name) == "stage":
+        stage = methods.REGISTRY[name].default_mesh(small_config(name, mesh={}))["stage"]
+        return {"stage": stage}, jax.devices()[:stage]
+    if _axis(name) is None:
         return {"data": -1}, jax.devices()[:1]
     return {"data": -1}, jax.devices()
 
 
 def other_layout(name):
     """Another device count for the same method (a different device for `local`, which has one)."""
-    if name in PIPELINES:
-        return {"stage": 4, "data": 2}, jax.devices()
+    if _axis(name) == "stage":
+        stage = layout(name)[0]["stage"]
+        return {"stage": stage, "data": 2}, jax.devices()[:2 * stage]
     if name == "e2e":
         return {"data": -1}, jax.devices()
     if name == "local":
@@ -69,8 +73,8 @@ def small_config(name, **overrides):
     """Digits, a 4-stage MLP, 128 images a step: 12 steps are one epoch (1,497 images) and a bit."""
     c = default_config()
     c.method = name
-    c.mesh = layout(name)[0]
     c.stages = 4
+    c.mesh = layout(name)[0] if "mesh" not in overrides else {}
     c.global_batch_size = 128
     c.num_steps = STEPS
     c.checkpoint_every = 4
@@ -457,7 +461,9 @@ BAD_CONFIG = [
     (["--config.distributed.coordinator_address='h:1'", "--config.distributed.num_processes=2",
       "--config.distributed.process_id=2"], "distributed.process_id=2 must be in [0, 2)"),
     (["--config.distributed.timeout_s=0"], "distributed.timeout_s=0 is out of range"),
-    (["--config.method=ppll", "--config.mesh.stage=2", "--config.mesh.data=4"], "stages=4 gives 4 stages but mesh.stage=2"),
+    (["--config.method=gpipe", "--config.mesh.stage=2", "--config.mesh.data=4"],
+     "table runs on 4 stage devices but mesh.stage=2"),
+    (["--config.method=ppll", "--config.mesh.stage=8"], "4 local modules (stages) on one device at most: mesh.stage=8"),
 ]
 
 
