@@ -500,12 +500,14 @@ def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False
     checks.validate(config)
     if require_checkpoint and not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ConfigError(f"nothing to resume: {os.path.join(workdir, 'checkpoints')} does not exist")
+    created = _missing_dirs(workdir)
     lock = take_lock(workdir, force)
     try:
         ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint)
     except BaseException:
         if lock is not None:
             lock.release()
+        _remove_empty(created)
         raise
     p = Prepared(config, workdir, lock, ckpt, latest, t0)
     try:
@@ -514,8 +516,26 @@ def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False
             _build_and_restore(p, devices)
     except BaseException:
         p.close()
+        _remove_empty(created)
         raise
     return p
+
+
+def _missing_dirs(workdir: str) -> list[str]:
+    """WORKDIR/checkpoints, WORKDIR and its parents that do not exist yet, deepest first: what
+    a failed start removes again when still empty, so that bad input leaves no directory behind."""
+    missing, d = [], os.path.abspath(os.path.join(workdir, "checkpoints"))
+    while not os.path.exists(d):
+        missing, d = missing + [d], os.path.dirname(d)
+    return missing
+
+
+def _remove_empty(directories) -> None:
+    for d in directories:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty (or already gone): kept
 
 
 def _build_and_restore(p: Prepared, devices) -> None:

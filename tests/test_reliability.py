@@ -33,7 +33,7 @@ from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.data.base import Dataset, stream_indices
-from metrics_lines import without_timing
+from metrics_lines import events_of, expected_events, without_timing
 
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
@@ -240,7 +240,9 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     """Killed after step 6 (checkpoints every 4), with a checkpoint of step 8 half written
     (orbax's temporary directory): the restart takes checkpoint 4 and ends with the whole train
     state (parameters, previous versions, partial sums, pipeline buffers, every stage's
-    optimizer state) and metrics.jsonl identical to the uninterrupted run's."""
+    optimizer state) and metrics.jsonl identical to the uninterrupted run's (timing fields cut
+    out), and TensorBoard events that equal its metrics.jsonl: the killed run's events are
+    replaced, not added to."""
     require(name)
     ref = reference(name)
     part = tmp_path / "part"
@@ -258,6 +260,7 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     _equal_trees(state, ref["state"])
     assert without_timing((part / "metrics.jsonl").read_text()) == without_timing(
         (ref["full"] / "metrics.jsonl").read_text())
+    assert events_of(part) == expected_events((part / "metrics.jsonl").read_text())  # no step twice
     assert resumed["test_accuracy"] == ref["summary"]["test_accuracy"]
 
 
