@@ -120,9 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", metavar="FILE[:ARG]",
                    help="Python file whose get_config() returns a ConfigDict (FILE:ARG calls get_config(ARG)); "
                         "then --config.KEY=VALUE overrides any key")
-    p.add_argument("--workdir", help="where checkpoints, metrics.jsonl, TensorBoard events and summary.json go "
+    p.add_argument("--workdir", metavar="DIR",
+                   help="where checkpoints, metrics.jsonl, TensorBoard events and summary.json go "
                                      "(resumes if it has a checkpoint; default: a new workdirs/... directory)")
-    p.add_argument("--cpu-devices", type=int, default=None,
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulated CPU devices where no accelerator is present (default: what the config's "
                         "mesh names when all its axis sizes are given, else 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

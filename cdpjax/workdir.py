@@ -203,6 +203,14 @@ class Lock:
         and `force` is not given. `say` receives the one-line notice of a takeover."""
         say = say or (lambda line: print(f"cdpjax: {line}", file=sys.stderr))
         check_directory(workdir)
+        try:
+            return Lock._acquire(workdir, force, say)
+        except OSError as e:
+            raise ConfigError(f"WORKDIR {workdir}: its lock file cannot be written ({e.strerror}): give a "
+                              f"directory you can write to") from None
+
+    @staticmethod
+    def _acquire(workdir: str, force: bool, say: Callable[[str], None]) -> "Lock":
         path = os.path.join(workdir, LOCK_NAME)
         token = secrets.randbelow(2**31 - 1) + 1
         for _ in range(5):

@@ -419,6 +419,31 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
+    """`--force` on a directory whose lock names a live process (this one, as another run would
+    be): the run takes the lock over, says so, resumes and finishes; the temporary checkpoint
+    directory, which the forced-out run may still be writing, is left alone (a dead owner's
+    is removed: test_killed_run_resumes_to_the_same_end)."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    shutil.copytree(ref["killed"], work)
+    record = json.loads((work / "lock.json").read_text())
+    record["pid"] = os.getpid()  # alive, with this process's start time: a live owner
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        record["pid_start"] = f.read().rsplit(")", 1)[1].split()[19]
+    (work / "lock.json").write_text(json.dumps(record))
+    writing = work / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000000"
+    shutil.copytree(work / "checkpoints" / str(RESUMED_FROM), writing)
+    assert main(["train", "--no-progress", "--workdir", str(work), "--cpu-devices", "8", *_overrides("dp")]) == 2
+    assert "is in use by another run" in capsys.readouterr().err
+    code = main(["train", "--no-progress", "--workdir", str(work), "--cpu-devices", "8", "--force", *_overrides("dp")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"took over the lock of {work} from process {os.getpid()} " in err and "forced (--force)" in err
+    assert writing.exists() and not (work / "lock.json").exists()
+    assert json.loads((work / "summary.json").read_text())["resumed_from"] == RESUMED_FROM
+
+
 # 2. Other device counts ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", METHODS)
