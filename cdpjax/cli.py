@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                         "then --config.KEY=VALUE overrides any key")
     p.add_argument("--workdir", metavar="DIR",
                    help="where checkpoints, metrics.jsonl, TensorBoard events and summary.json go "
-                                     "(resumes if it has a checkpoint; default: a new workdirs/... directory)")
+                        "(resumes if it has a checkpoint; default: a new workdirs/... directory)")
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulated CPU devices where no accelerator is present (default: what the config's "
                         "mesh names when all its axis sizes are given, else 8)")
