@@ -2,8 +2,11 @@
 
 Orbax writes each checkpoint to a temporary directory (`<step>.orbax-checkpoint-tmp-*`)
 and renames it when it is complete, so a checkpoint that was being written when
-the process died is never listed, and resume takes the previous complete one;
-such leftovers are removed when the next run opens the directory. Next to the
+the process died is never listed, and resume takes the previous complete one.
+Such leftovers are removed only by the run that owns the directory
+(`cdpjax.workdir`) and only when no live writer can own them: the trainer passes
+`remove_leftovers=True` when it holds WORKDIR's lock and the previous owner is gone
+(not when `--force` took the lock from a live run); readers never remove. Next to the
 state, each checkpoint holds a small JSON `meta` (method, mesh shape, skipped
 steps, the partial logging window), which says whether the state fits a run
 before it is restored.
@@ -23,12 +26,14 @@ TMP_MARK = ".orbax-checkpoint-tmp"  # orbax names a checkpoint being written <st
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, max_to_keep: int = 2):
+    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False):
+        """WORKDIR/checkpoints. `remove_leftovers`: remove temporary checkpoint directories, which
+        only the owner of WORKDIR's lock may ask for, when their writer is known to be dead."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {self.directory!r} exists and is not a directory: "
                               f"move it away or use another --workdir")
-        if jax.process_index() == 0 and os.path.isdir(self.directory):
+        if remove_leftovers and jax.process_index() == 0 and os.path.isdir(self.directory):
             # What a writer that died left behind; orbax never lists it. Removed here, before the
             # manager exists (orbax's own clean-up runs in a thread and races with other readers).
             for name in os.listdir(self.directory):

@@ -1,6 +1,6 @@
-"""`cdpjax`: the command line (train, schedule, bench).
+"""`cdpjax`: the command line (train, schedule, bench, plot).
 
-JAX is imported only after `--cpu-devices` is applied, so that the simulated
+JAX's backends start only after `--cpu-devices` is applied, so that the simulated
 device count takes effect. Bad input exits with status 2 and a one-line message,
 without a traceback.
 """
@@ -38,21 +38,29 @@ def _load(args, overrides):
     return c
 
 
-def _cpu_devices(args, config=None):
-    """Simulated CPU devices: --cpu-devices, else as many as the config's mesh names, else 8."""
+def _cpu_devices(args, config) -> tuple[int, str]:
+    """Simulated CPU devices: --cpu-devices, else as many as the config's mesh names, else 8.
+    Returns (count, why), which the trainer says on CPU."""
+    from cdpjax import layouts
     from cdpjax.mesh import setup_devices
 
-    from cdpjax import layouts
-
-    count = args.cpu_devices
+    count, why = args.cpu_devices, f"--cpu-devices {args.cpu_devices}"
     if count is None:
-        count = (layouts.devices_needed(config) if config is not None else None) or 8
+        mesh = layouts.mesh_for(config)
+        count = layouts.devices_needed(config)
+        why = f"what the mesh {mesh} needs"
+        if count is None:
+            count, why = 8, f"the default; the mesh {mesh} takes every device"
     setup_devices(count)
+    return count, why
 
 
 def cmd_train(args, overrides) -> int:
     config = _load(args, overrides)
-    _cpu_devices(args, config)
+    from cdpjax import checks
+
+    checks.validate(config)  # every key and name, before devices are set up
+    device_note = _cpu_devices(args, config)
     from cdpjax import distributed
 
     # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
@@ -61,20 +69,30 @@ def cmd_train(args, overrides) -> int:
 
     if joined and not args.workdir:
         raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
-    workdir = args.workdir or train.default_workdir(config)
     if args.resume and not args.workdir:
         raise ConfigError("--resume needs --workdir (the directory of the run to resume)")
+    workdir = args.workdir or train.default_workdir(config)
     import jax
 
-    if jax.process_index() == 0:
-        print(f"cdpjax: training {config.method} / {config.model} / {config.dataset} in {workdir}"
-              + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""), file=sys.stderr)
-    summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume)
-    if jax.process_index() == 0:
+    summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
+                          force=args.force, device_note=device_note)
+    if jax.process_index() == 0 and not summary.get("already_finished"):
         print(f"cdpjax: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
               f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
               f"summary in {workdir}/summary.json", file=sys.stderr)
     return 0
+
+
+TRAIN_EPILOG = """\
+Config: --config FILE is a Python file whose get_config() returns an ml_collections
+ConfigDict; --config FILE:ARG calls get_config(ARG) (e.g. experiments/configs/digits.py:method=ppll).
+Any key is then overridden with --config.KEY=VALUE, VALUE a Python literal, nested keys
+dotted: --config.method=dp --config.num_steps=300 --config.mesh.data=4 --config.stages=[2,5,9]
+--config.profile_steps=[10,12]. The keys and their defaults: cdpjax/config.py (default_config).
+
+WORKDIR gets metrics.jsonl, TensorBoard events (tensorboard --logdir WORKDIR), checkpoints/,
+config.json, summary.json and, while the run lives, lock.json (one run per work directory).
+"""
 
 
 def _subcommand(name):
@@ -95,18 +113,28 @@ def main(argv=None) -> int:
     overrides, argv = _split_config_overrides(argv)
     parser = argparse.ArgumentParser(prog="cdpjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)")
-    p.add_argument("--config", help="Python file whose get_config() returns a ConfigDict")
-    p.add_argument("--workdir", help="where checkpoints, metrics.jsonl and summary.json go (resumes if it has a checkpoint)")
-    p.add_argument("--cpu-devices", type=int, default=None,
+    p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)", epilog=TRAIN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="cdpjax train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR] "
+                             "[--cpu-devices N] [--resume] [--force] [--no-progress]")
+    p.add_argument("--config", metavar="FILE[:ARG]",
+                   help="Python file whose get_config() returns a ConfigDict (FILE:ARG calls get_config(ARG)); "
+                        "then --config.KEY=VALUE overrides any key")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="where checkpoints, metrics.jsonl, TensorBoard events and summary.json go "
+                        "(resumes if it has a checkpoint; default: a new workdirs/... directory)")
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulated CPU devices where no accelerator is present (default: what the config's "
                         "mesh names when all its axis sizes are given, else 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", action="store_true",
                    help="fail unless --workdir holds a checkpoint to resume from (without it, a workdir with "
                         "a checkpoint resumes and one without starts afresh)")
+    p.add_argument("--force", action="store_true",
+                   help="take WORKDIR over even while another live run holds its lock (that run stops at its "
+                        "next step); a lock whose run is gone is taken over without it")
     commands = {"train": cmd_train}
-    for name in ("schedule", "bench", "reproduce"):
+    for name in ("schedule", "bench", "plot", "reproduce"):
         try:
             module = _subcommand(name)
         except ModuleNotFoundError as e:
@@ -121,9 +149,15 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"cdpjax: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("cdpjax: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from cdpjax.train import Interrupted
+        from cdpjax.workdir import Terminated
+
+        if isinstance(e, Interrupted):  # during training: where the run stands, on its own line
+            print(f"cdpjax: {e}", file=sys.stderr)
+            return e.exit_status
+        print("cdpjax: interrupted before training began; run the same command to start it", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # noqa: BLE001 - a training failure: one line, not a traceback
         from cdpjax.errors import NonFiniteError
 

@@ -69,6 +69,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
+    c.profile_steps = ()  # [first, last]: a jax.profiler trace of those steps in WORKDIR (steps from 1)
     # Multi-process runs (see cdpjax.distributed); empty: from the environment, or one process.
     c.distributed = ml_collections.ConfigDict({
         "coordinator_address": "",  # HOST:PORT of process 0 (or CDPJAX_COORDINATOR)
@@ -255,6 +256,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
                           f"device, adding up to the stages) or None")
     _check_combinations(config)
+    _check_profile_steps(config)
     _check_distributed(config.get("distributed", {}) or {})
 
 
@@ -267,6 +269,17 @@ def _check_combinations(config) -> None:
     if config.schedule == "step" and config.decay_every > config.num_steps:
         raise ConfigError(f"schedule='step' with decay_every={config.decay_every} > num_steps="
                           f"{config.num_steps} never decays: lower decay_every or use schedule='constant'")
+
+
+def _check_profile_steps(config) -> None:
+    steps = config.get("profile_steps", ())
+    ok = isinstance(steps, (list, tuple)) and (
+        not steps or (len(steps) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                      and 1 <= steps[0] <= steps[1] <= config.num_steps))
+    if not ok:
+        shown = list(steps) if isinstance(steps, (list, tuple)) else steps
+        raise ConfigError(f"profile_steps={shown!r} must be [first, last] with 1 <= first <= last <= "
+                          f"num_steps={config.num_steps} (steps are numbered from 1), or [] for no profile")
 
 
 def _check_distributed(d) -> None:

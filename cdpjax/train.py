@@ -1,16 +1,30 @@
 """The generic training loop: one for every method.
 
-`train(config, workdir)` validates the config, builds the data, the mesh and the
-method, checks a first batch against the model, resumes from the latest complete
-checkpoint in WORKDIR if there is one, runs `num_steps` train steps with a
+`train(config, workdir)` takes WORKDIR's lock (`cdpjax.workdir`: one run per work
+directory), validates the config, builds the data, the mesh and the method,
+checks a first batch against the model and restores the latest complete
+checkpoint in WORKDIR if there is one (`prepare`: everything that can fail, before
+anything compiles); then it says what it will do ("training ... in DIR", or
+"resuming ... from step N"), runs the train steps up to `num_steps` with a
 progress bar, evaluates every `eval_every` steps, appends metrics to
-WORKDIR/metrics.jsonl, checkpoints every `checkpoint_every` steps, flushes
-pipelines at the end, and writes WORKDIR/summary.json.
+WORKDIR/metrics.jsonl and TensorBoard events (`cdpjax.events`), checkpoints every
+`checkpoint_every` steps, flushes pipelines at the end, and writes
+WORKDIR/summary.json. A finished run started again changes no file and says so.
+Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint.
+
+Each metrics line holds `step`, `split`, `loss`, `accuracy`; train lines also
+`lr` (the optax schedule's value for that step's update) and `images_per_second`
+(train steps of the line's window, compilation left out; null when the window
+holds only the process's first step); every line `time`, seconds since the run
+started (set-up and compilation included; a resumed run continues from the time
+its checkpoint recorded). `images_per_second` and `time` are the timing fields
+(`TIMING_FIELDS`); everything else on a line is deterministic.
 
 Runs are deterministic given the config and seed: the data position is the step
 number (see `cdpjax.data.base`), and the in-flight state of every method lives in
 its checkpointed train state, so a run killed at any point and started again
-with the same WORKDIR ends as an uninterrupted one (docs/guarantees.md).
+with the same WORKDIR ends as an uninterrupted one, metrics.jsonl equal once the
+timing fields are removed (docs/guarantees.md).
 
 Step N is the N-th train step, as numbered in metrics.jsonl and in checkpoint
 names. Every step also checks, in the same compiled program, that the loss,
@@ -22,12 +36,19 @@ the step's update is dropped on device (the state stays as it was, so pipelines
 lose only the batch fed at that step) and counted in `summary['skipped_steps']`;
 the step then holds two copies of the train state.
 
+`profile_steps=[a, b]` records a `jax.profiler` trace of steps a to b (the
+process's first step includes compilation) into WORKDIR/plugins/profile/, where
+TensorBoard's profile tab finds it, with a Perfetto trace beside it.
+
 In a multi-process run (`cdpjax.distributed`) every process runs this loop on
-its slice of each batch; process 0 alone writes config.json, metrics.jsonl and
-summary.json, and every process takes part in each checkpoint.
+its slice of each batch; process 0 alone takes the lock, writes config.json,
+metrics.jsonl, the events and summary.json, and every process takes part in each
+checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
 import signal
@@ -40,16 +61,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, layouts, models
+from cdpjax import checks, layouts, models, optim
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
+from cdpjax import workdir as workdir_lib
 from cdpjax.checkpoint import Checkpointer
 from cdpjax.errors import ConfigError, NonFiniteError
+from cdpjax.events import EventLog
 from cdpjax.mesh import make_mesh
 from cdpjax.methods.common import tree_select
 
-# Test hook: the process SIGKILLs itself right after finishing (and checkpointing) this step.
+# Test hooks: the process SIGKILLs itself right after finishing (and checkpointing) this step;
+# or, after this step, it creates WAIT_FILE + ".waiting" and waits until WAIT_FILE exists.
 KILL_ENV = "CDPJAX_TEST_KILL_AT_STEP"
+WAIT_ENV, WAIT_FILE_ENV = "CDPJAX_TEST_WAIT_AT_STEP", "CDPJAX_TEST_WAIT_FILE"
+# Fields of a metrics.jsonl line that differ between two runs of the same config.
+TIMING_FIELDS = ("images_per_second", "time")
 # Methods whose train states are the same pytree with the same meaning, so that a checkpoint
 # of one resumes as the other (dp on N devices -> e2e on one: the same update rule).
 INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
@@ -59,6 +86,22 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while training; the message says where the run stands and what to do."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def say(line: str) -> None:
+    """A status line on stderr, from process 0 only, on its own line above a progress bar."""
+    if jax.process_index() == 0:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"cdpjax: {line}", file=sys.stderr)
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -129,6 +172,18 @@ def check_batches(dataset, config, net, step: int = 0) -> dict:
     return batch
 
 
+def mesh_error(config, mesh, e: ConfigError) -> ConfigError:
+    """A method builder's refusal, worded with the mesh it was built on: the builder sees sizes
+    (workers=3), the user chose a mesh (or got one by default)."""
+    n = int(mesh.devices.size)
+    note = ""
+    if "data" in mesh.shape and not config.get("workers", 0) and "workers" in str(e):
+        note = (f" (workers=0 takes the size of the data axis, {int(mesh.shape['data'])}: change "
+                f"--config.mesh.data or set --config.workers)")
+    return ConfigError(f"{config.method} on the mesh {dict(mesh.shape)} ({n} device{'s' if n > 1 else ''}): "
+                       f"{e}{note}")
+
+
 def setup(config, devices=None):
     """Validated config -> (dataset, mesh, method); everything that can fail before compiling."""
     checks.validate(config)
@@ -138,7 +193,10 @@ def setup(config, devices=None):
                           f"{jax.process_count()} processes")
     mesh = make_mesh(layouts.mesh_for(config), devices)
     ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes)
-    method = methods_lib.build(ctx)
+    try:
+        method = methods_lib.build(ctx)
+    except ConfigError as e:
+        raise mesh_error(config, mesh, e) from None
     if jax.process_count() > 1 and isinstance(method.input_sharding, jax.sharding.SingleDeviceSharding):
         raise ConfigError(f"method {config.method!r} runs on one device, but this run has "
                           f"{jax.process_count()} processes: run it as a single process")
@@ -208,17 +266,18 @@ def describe_nonfinite(metrics, flags) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object per line; on resume, lines past the resumed step are dropped
-    (and, when a finished run is started again, its final test line, which is written again) so
-    that a resumed run's log equals an uninterrupted run's. Written by process 0 only."""
+    """metrics.jsonl and its TensorBoard copy: one JSON object per line; on resume, lines past the
+    resumed step are dropped (and, when a finished run is completed again, its final test line,
+    which is written again) so that a resumed run's log equals an uninterrupted run's, timing
+    fields aside. Written by process 0 only."""
 
-    def __init__(self, path: str, resume_step: int, final_step: int, write: bool = True):
-        self.path, self.enabled = path, write
+    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True):
+        self.path, self.enabled, self.events = os.path.join(workdir, "metrics.jsonl"), write, None
         if not write:
             return
-        lines = []
-        if os.path.exists(path):
-            with open(path) as f:
+        records = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
@@ -227,13 +286,19 @@ class MetricsLog:
                     step = rec.get("step", 0)
                     final_test = step == final_step and rec.get("split") == "test"
                     if step <= resume_step and not final_test:
-                        lines.append(json.dumps(rec))
-        _write_atomic(path, "".join(line + "\n" for line in lines))
+                        records.append(rec)
+        _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
+        self.events = EventLog(workdir, records)
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self.events.write(record)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
 
 def _jsonable(x):
@@ -325,140 +390,451 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     return ckpt.restore(step, state, explain)
 
 
-def train(config, workdir: str, progress: bool = True, devices=None, stop_after: int | None = None,
-          require_checkpoint: bool = False) -> dict[str, Any]:
-    """Trains `config` in `workdir`; returns the summary (also written to summary.json).
+def learning_rates(config) -> np.ndarray:
+    """The optax schedule's value for each update 0 .. num_steps-1 (float32, as the optimizer
+    reads it); step N's update is update N-1."""
+    schedule = optim.schedule(config)
+    return np.asarray(jax.vmap(schedule)(jnp.arange(config.num_steps)), np.float32)
 
-    `stop_after` ends the process's work after that many steps of this call, as if
-    killed (used by the resume tests); the run is then resumed by calling again.
-    `require_checkpoint`: fail unless WORKDIR holds a complete checkpoint to resume from.
-    """
-    dataset, mesh, method = setup(config, devices)
-    check_dataset_against_model(dataset, method.net)
-    primary = jax.process_index() == 0
-    if require_checkpoint and not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise ConfigError(f"nothing to resume: {os.path.join(workdir, 'checkpoints')} does not exist")
-    os.makedirs(workdir, exist_ok=True)
-    ckpt = Checkpointer(workdir)
-    start, skipped, flushed, window = 0, 0, False, []
+
+def _shortest(x) -> float:
+    """A float32 as the shortest decimal that reads back as it (0.05, not 0.05000000074505806)."""
+    return float(str(np.float32(x)))
+
+
+def finished_summary(workdir: str, config, latest: int | None) -> dict | None:
+    """The summary of a finished run in WORKDIR (final checkpoint at num_steps and summary.json
+    written), or None if there is something to do."""
+    path = os.path.join(workdir, "summary.json")
+    if latest != config.num_steps or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None  # written again at the end of the run
+    return summary if summary.get("steps") == config.num_steps else None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A run ready to train: what `prepare` built and restored, and where the loop stands."""
+
+    config: Any
+    workdir: str
+    lock: workdir_lib.Lock | None
+    ckpt: Checkpointer
+    latest: int | None
+    t0: float  # perf_counter() when the run's set-up began
+    finished: dict | None = None
+    dataset: Any = None
+    mesh: Any = None
+    method: Any = None
+    first: dict | None = None  # the first batch this call trains on, already read and checked
+    state: Any = None
+    start: int = 0
+    done: int = 0  # steps trained so far (the resume step, then each step as it ends)
+    skipped: int = 0
+    flushed: bool = False
+    window: list = dataclasses.field(default_factory=list)
+    elapsed: float = 0.0  # run time recorded by the checkpoint resumed from
+
+    def clock(self) -> float:
+        """`time` of a metrics line: seconds since the run started."""
+        return self.elapsed + time.perf_counter() - self.t0
+
+    def close(self) -> None:
+        self.ckpt.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
+    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None)."""
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = workdir_lib.Lock.acquire(workdir, force, say)
+        except ConfigError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = lock.owner.token if lock is not None else 0
+        token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+        if jax.process_index() != 0:
+            if not token:
+                raise ConfigError(f"process 0 could not take the lock of WORKDIR {workdir} (its message says "
+                                  f"why); this process stops too")
+            workdir_lib.check_token(workdir, token)
+    if error is not None:
+        raise error
+    return lock
+
+
+def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tuple[Checkpointer, int | None]:
+    """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed."""
+    ckpt = Checkpointer(workdir, remove_leftovers=lock is not None and lock.may_clean)
     try:
         latest = ckpt.latest_step()
         if latest is None and require_checkpoint:
             raise ConfigError(f"nothing to resume: {ckpt.directory} holds no complete checkpoint")
-        # The first batch this call trains on, checked before anything compiles and then used.
-        first_step = min(latest or 0, config.num_steps - 1)
-        first = check_batches(dataset, config, method.net, first_step)
         if latest is not None:
             check_resume_config(workdir, config)
-        state = method.init(jax.random.key(config.seed))
-        if latest is not None:
-            state, meta = restore_state(ckpt, latest, state, method, mesh, config)
-            start, skipped = latest, int(meta.get("skipped_steps", 0))
-            flushed = bool(meta.get("flushed", False))
-            window = list(meta.get("log_window", []))
+            if latest > config.num_steps:
+                raise ConfigError(f"WORKDIR {workdir} holds checkpoint {latest}, past num_steps="
+                                  f"{config.num_steps}: set --config.num_steps={latest} or more, or use a "
+                                  f"fresh --workdir")
     except BaseException:
         ckpt.close()
         raise
-    if primary:
-        _write_atomic(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
-    log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), start, config.num_steps, write=primary)
-    eval_fn = make_eval_fn(method.net)
-    eval_batch = min(config.global_batch_size, 512)
-    skip = config.get("nonfinite", "stop") == "skip"
-    step_fn = guarded_step(method, skip)
-    here = {"method": config.method, "mesh": {k: int(v) for k, v in mesh.shape.items()},
-            "devices": int(mesh.devices.size), "processes": jax.process_count()}
+    return ckpt, latest
+
+
+def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False, force: bool = False) -> Prepared:
+    """Everything before the first compile of the train step: the lock, the config, the
+    checkpoints (a finished run stops here, with `finished` set and no file changed), the data,
+    the mesh, the method, the first batch and the restored state. Raises ConfigError for bad
+    input; the lock is released on any failure."""
+    t0 = time.perf_counter()
+    checks.validate(config)
+    if require_checkpoint and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ConfigError(f"nothing to resume: {os.path.join(workdir, 'checkpoints')} does not exist")
+    created = _missing_dirs(workdir)
+    lock = take_lock(workdir, force)
+    try:
+        ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        _remove_empty(created)
+        raise
+    p = Prepared(config, workdir, lock, ckpt, latest, t0)
+    try:
+        p.finished = finished_summary(workdir, config, latest)
+        if p.finished is None:
+            _build_and_restore(p, devices)
+    except BaseException:
+        p.close()
+        _remove_empty(created)
+        raise
+    return p
+
+
+def _missing_dirs(workdir: str) -> list[str]:
+    """WORKDIR/checkpoints, WORKDIR and its parents that do not exist yet, deepest first: what
+    a failed start removes again when still empty, so that bad input leaves no directory behind."""
+    missing, d = [], os.path.abspath(os.path.join(workdir, "checkpoints"))
+    while not os.path.exists(d):
+        missing, d = missing + [d], os.path.dirname(d)
+    return missing
+
+
+def _remove_empty(directories) -> None:
+    for d in directories:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty (or already gone): kept
+
+
+def _build_and_restore(p: Prepared, devices) -> None:
+    config = p.config
+    p.dataset, p.mesh, p.method = setup(config, devices)
+    check_dataset_against_model(p.dataset, p.method.net)
+    # The first batch this call trains on, checked before anything compiles and then used.
+    p.first = check_batches(p.dataset, config, p.method.net, min(p.latest or 0, config.num_steps - 1))
+    p.state = p.method.init(jax.random.key(config.seed))
+    if p.latest is not None:
+        p.state, meta = restore_state(p.ckpt, p.latest, p.state, p.method, p.mesh, config)
+        p.start = p.done = p.latest
+        p.skipped, p.flushed = int(meta.get("skipped_steps", 0)), bool(meta.get("flushed", False))
+        p.window, p.elapsed = list(meta.get("log_window", [])), float(meta.get("time", 0.0))
+
+
+def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
+    """What the run will do, once `prepare` has checked everything: the simulated devices (on
+    CPU, with why that many), then training or resuming, where and how far."""
+    c, n = p.config, int(p.mesh.devices.size)
+    if device_note is not None and jax.default_backend() == "cpu":
+        asked, why = device_note
+        have = jax.device_count()
+        reason = why if have == asked else f"JAX was already running with them; {why} asked for {asked}"
+        say(f"{have} simulated CPU devices ({reason}); --cpu-devices sets them")
+    what = f"{c.method} / {c.model} / {c.dataset} in {p.workdir}"
+    where = (f"mesh {dict(p.mesh.shape)}, {n} device{'s' if n > 1 else ''}"
+             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    if p.start:
+        say(f"resuming {what} from step {p.start} (checkpoint {os.path.join(p.ckpt.directory, str(p.start))}); "
+            f"training to step {c.num_steps} ({where})")
+    else:
+        say(f"training {what}: {c.num_steps} steps ({where})")
+
+
+class Progress:
+    """The progress bar of the train steps: started after the process's first step, and with the
+    time of evaluations and checkpoints taken out (`leave_out`), so that its rate and its ETA
+    leave compilation (of the step and of the evaluation) out."""
+
+    def __init__(self, enabled: bool, total: int, desc: str):
+        self.enabled, self.total, self.desc, self.bar, self.postfix = enabled, total, desc, None, {}
+
+    def step(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, initial=done, dynamic_ncols=True, desc=self.desc)
+            self.bar.set_postfix(self.postfix, refresh=False)
+        else:
+            self.bar.update(1)
+
+    def leave_out(self, seconds: float) -> None:
+        """Takes `seconds` (spent outside the train steps) out of the bar's clock."""
+        if self.bar is not None:
+            self.bar.start_t += seconds
+            self.bar.last_print_t += seconds
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = values
+        if self.bar is not None:
+            self.bar.set_postfix(values, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Profile:
+    """`profile_steps=[a, b]`: a jax.profiler trace of steps a to b in WORKDIR/plugins/profile/."""
+
+    def __init__(self, steps, workdir: str):
+        self.first, self.last = (int(steps[0]), int(steps[1])) if steps else (0, -1)
+        self.workdir, self.active, self.started = workdir, False, 0
+
+    def before(self, step: int) -> None:
+        """Before step `step` (numbered from 1) runs."""
+        if not self.active and self.first <= step <= self.last:
+            jax.profiler.start_trace(self.workdir, create_perfetto_trace=True)
+            self.active, self.started = True, step
+
+    def after(self, step: int) -> None:
+        """After step `step` has run (its outputs read back, so the device work is in)."""
+        if self.active and step >= self.last:
+            self.stop(step)
+
+    def stop(self, step: int) -> None:
+        if not self.active:
+            return
+        jax.profiler.stop_trace()
+        self.active = False
+        runs = sorted(glob.glob(os.path.join(self.workdir, "plugins", "profile", "*")), key=os.path.getmtime)
+        where = runs[-1] if runs else os.path.join(self.workdir, "plugins", "profile")
+        say(f"profile of steps {self.started}-{step} in {where} (TensorBoard: tensorboard --logdir "
+            f"{self.workdir}, Profile tab; Perfetto: open perfetto_trace.json.gz there at ui.perfetto.dev)")
+
+
+@dataclasses.dataclass
+class Throughput:
+    """Images and seconds of timed train steps (not a process's first, which compiles)."""
+
+    images: int = 0
+    seconds: float = 0.0
+
+    def add(self, images: int, seconds: float) -> None:
+        self.images, self.seconds = self.images + images, self.seconds + seconds
+
+    def rate(self) -> float | None:
+        return self.images / self.seconds if self.seconds else None
+
+
+def _checkpoint_meta(p: Prepared, method) -> dict:
+    here = {"method": p.config.method, "mesh": {k: int(v) for k, v in p.mesh.shape.items()},
+            "devices": int(p.mesh.devices.size), "processes": jax.process_count()}
     if method.workers is not None:
         here["workers"] = method.workers
     if method.stale is not None:  # CDP: the update rule itself, which the worker count decides
         here["stale"] = _stale(method)
-    kill_at = os.environ.get(KILL_ENV)
+    return here
 
-    from tqdm.auto import tqdm
 
-    bar = tqdm(total=config.num_steps, initial=start, disable=not (progress and primary), dynamic_ncols=True,
-               desc=f"{config.method} {config.model}/{config.dataset}")
-    timed_images, timed_seconds = 0, 0.0
-    t_begin = time.perf_counter()
-    pid, pcount = jax.process_index(), jax.process_count()
-    for step in range(start, config.num_steps):
-        if stop_after is not None and step - start >= stop_after:
-            bar.close()
-            ckpt.close()
-            return {"stopped_at": step}
-        batch = first if step == first_step else dataset.train_batch(
-            step, config.global_batch_size, config.seed, config.augment, pid, pcount)
-        t0 = time.perf_counter()
-        state, metrics, flags = step_fn(state, put_batch(batch, mesh, method.input_sharding))
-        metrics, flags = jax.device_get((metrics, flags))
-        if step > start:  # the first step of a process compiles
-            timed_seconds += time.perf_counter() - t0
-            timed_images += config.global_batch_size
-        done = step + 1
-        if not all_finite(metrics, flags):
-            where = describe_nonfinite(metrics, flags)
-            if skip:
-                skipped += 1
-                if primary:
-                    bar.write(f"cdpjax: skipped step {done} (non-finite, {where}); {skipped} skipped so far",
-                              file=sys.stderr)
-                bar.update(1)
+def _test_hooks(done: int) -> None:
+    if os.environ.get(KILL_ENV) == str(done):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(WAIT_ENV) == str(done):
+        release = os.environ[WAIT_FILE_ENV]
+        open(release + ".waiting", "w").close()
+        while not os.path.exists(release):
+            time.sleep(0.05)
+
+
+def _nonfinite(p: Prepared, metrics, flags, skip: bool, progress: Progress) -> None:
+    """A step with non-finite values: counted and skipped, or NonFiniteError."""
+    where = describe_nonfinite(metrics, flags)
+    if skip:
+        p.skipped += 1
+        if jax.process_index() == 0:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"cdpjax: skipped step {p.done} (non-finite, {where}); {p.skipped} skipped so far",
+                       file=sys.stderr)
+        return
+    progress.close()
+    last = p.ckpt.latest_step()
+    kept = (f"the last good checkpoint (step {last}) in {p.ckpt.directory} is kept" if last is not None
+            else "no checkpoint had been written yet")
+    raise NonFiniteError(f"non-finite values at step {p.done} in {where}; training stopped, {kept} "
+                         f"(--config.nonfinite=skip skips such steps instead)")
+
+
+def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+    """The train steps from `p.start` to num_steps, then the final evaluation and summary.
+
+    Step timing: a step is timed from reading its batch to its metrics being on the host;
+    logging, evaluation and checkpoints are outside it. `stop_after` ends this call after that
+    many steps, as if killed (returns {'stopped_at': step})."""
+    config, method = p.config, p.method
+    primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
+    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
+    if primary:
+        _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
+    eval_fn, eval_batch = make_eval_fn(method.net), min(config.global_batch_size, 512)
+    skip = config.get("nonfinite", "stop") == "skip"
+    step_fn, here, lrs = guarded_step(method, skip), _checkpoint_meta(p, method), learning_rates(config)
+    bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
+    profile = Profile(config.get("profile_steps", ()), p.workdir)
+    window_speed, total_speed = Throughput(), Throughput()
+    try:
+        for step in range(p.start, config.num_steps):
+            if stop_after is not None and step - p.start >= stop_after:
+                return {"stopped_at": step}
+            if p.lock is not None:
+                p.lock.check()
+            profile.before(step + 1)
+            t0 = time.perf_counter()
+            batch = p.first if step == p.start else p.dataset.train_batch(
+                step, config.global_batch_size, config.seed, config.augment, pid, pcount)
+            p.state, metrics, flags = step_fn(p.state, put_batch(batch, p.mesh, method.input_sharding))
+            metrics, flags = jax.device_get((metrics, flags))
+            if step > p.start:  # the first step of a process compiles
+                for speed in (window_speed, total_speed):
+                    speed.add(config.global_batch_size, time.perf_counter() - t0)
+            p.done = done = step + 1
+            profile.after(done)
+            if not all_finite(metrics, flags):
+                _nonfinite(p, metrics, flags, skip, bar)
+                bar.step(done)
                 continue
-            bar.close()
-            last = ckpt.latest_step()
-            ckpt.close()
-            kept = (f"the last good checkpoint (step {last}) in {ckpt.directory} is kept" if last is not None
-                    else "no checkpoint had been written yet")
-            raise NonFiniteError(f"non-finite values at step {done} in {where}; training stopped, {kept} "
-                                 f"(--config.nonfinite=skip skips such steps instead)")
-        window.append({k: float(metrics[k]) for k in ("loss", "accuracy")})
-        if done % config.log_every == 0 or done == config.num_steps:
-            mean = {k: float(np.mean([m[k] for m in window])) for k in ("loss", "accuracy")}
-            ips = timed_images / timed_seconds if timed_seconds else 0.0
-            log.write({"step": done, "split": "train", **mean})
-            bar.set_postfix(loss=f"{mean['loss']:.3f}", acc=f"{mean['accuracy']:.3f}", img_s=f"{ips:.0f}")
-            window = []
-        if config.eval_every and done % config.eval_every == 0 and done < config.num_steps:
-            params, mstate = method.export(state)
-            log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, dataset, eval_batch)})
-        if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.num_steps:
-            # The partial logging window travels with the checkpoint so that a resumed run logs
-            # exactly what an uninterrupted one does.
-            ckpt.save(done, state, {**here, "skipped_steps": skipped, "log_window": window})
-        bar.update(1)
-        if kill_at == str(done):
-            os.kill(os.getpid(), signal.SIGKILL)
-    bar.close()
+            p.window.append({k: float(metrics[k]) for k in ("loss", "accuracy")})
+            if done % config.log_every == 0 or done == config.num_steps:
+                mean = {k: float(np.mean([m[k] for m in p.window])) for k in ("loss", "accuracy")}
+                ips = window_speed.rate()
+                log.write({"step": done, "split": "train", **mean, "lr": _shortest(lrs[done - 1]),
+                           "images_per_second": None if ips is None else round(ips, 1),
+                           "time": round(p.clock(), 3)})
+                bar.set_postfix(loss=f"{mean['loss']:.3f}", acc=f"{mean['accuracy']:.3f}",
+                                img_s=f"{ips or 0:.0f}")
+                p.window, window_speed = [], Throughput()
+            t_aside = time.perf_counter()
+            if config.eval_every and done % config.eval_every == 0 and done < config.num_steps:
+                params, mstate = method.export(p.state)
+                log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch),
+                           "time": round(p.clock(), 3)})
+            if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.num_steps:
+                # The partial logging window travels with the checkpoint so that a resumed run logs
+                # exactly what an uninterrupted one does.
+                p.ckpt.save(done, p.state, {**here, "skipped_steps": p.skipped, "log_window": p.window,
+                                            "time": p.clock()})
+            bar.leave_out(time.perf_counter() - t_aside)
+            bar.step(done)
+            _test_hooks(done)
+        bar.close()
+        profile.stop(p.done)
+        return _finish(p, log, eval_fn, eval_batch, here, total_speed)
+    finally:
+        bar.close()
+        profile.stop(p.done)
+        log.close()
 
-    if method.flush is not None and not flushed:
-        state = method.flush(state)
-    params, mstate = method.export(state)
-    final = evaluate(eval_fn, params, mstate, dataset, eval_batch)
-    log.write({"step": config.num_steps, "split": "test", **final})
-    if latest != config.num_steps:
-        ckpt.save(config.num_steps, state, {**here, "skipped_steps": skipped, "flushed": True})
-    ckpt.close()
-    wall = time.perf_counter() - t_begin
+
+def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput) -> dict:
+    """Flushes a pipeline, evaluates, saves the final checkpoint and writes summary.json."""
+    config, method = p.config, p.method
+    if method.flush is not None and not p.flushed:
+        p.state = method.flush(p.state)
+    params, mstate = method.export(p.state)
+    final = evaluate(eval_fn, params, mstate, p.dataset, eval_batch)
+    log.write({"step": config.num_steps, "split": "test", **final, "time": round(p.clock(), 3)})
+    if p.latest != config.num_steps:
+        p.ckpt.save(config.num_steps, p.state, {**here, "skipped_steps": p.skipped, "flushed": True,
+                                                "time": p.clock()})
     summary = {
         "method": config.method,
         "model": config.model,
         "dataset": config.dataset,
-        "devices": int(mesh.devices.size),
+        "devices": int(p.mesh.devices.size),
         "processes": jax.process_count(),
-        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "mesh": {k: int(v) for k, v in p.mesh.shape.items()},
         "stages": method.net.num_stages,
         "workers": method.workers,
         "steps": config.num_steps,
         "global_batch_size": config.global_batch_size,
         "test_accuracy": final["accuracy"],
         "test_loss": final["loss"],
-        "images_per_second": timed_images / timed_seconds if timed_seconds else 0.0,
-        "wall_seconds": wall,
-        "skipped_steps": skipped,
-        "resumed_from": start,
+        "images_per_second": speed.rate() or 0.0,
+        "wall_seconds": time.perf_counter() - p.t0,
+        "skipped_steps": p.skipped,
+        "resumed_from": p.start,
         "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
     }
-    if primary:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=_jsonable)
+    if jax.process_index() == 0:
+        _write_atomic(os.path.join(p.workdir, "summary.json"), json.dumps(summary, indent=2, default=_jsonable))
     return summary
+
+
+def _interrupted(p: Prepared, e: KeyboardInterrupt) -> Interrupted:
+    how, status = ("terminated (SIGTERM)", 143) if isinstance(e, workdir_lib.Terminated) else ("interrupted", 130)
+    try:
+        last = p.ckpt.latest_step()
+    except Exception:  # noqa: BLE001 - a checkpoint cut short by the interrupt: say what is on disk
+        steps = [int(n) for n in os.listdir(p.ckpt.directory) if n.isdigit()] if os.path.isdir(p.ckpt.directory) else []
+        last = max(steps, default=None)
+    if last is None:
+        return Interrupted(f"{how} at step {p.done}; no complete checkpoint yet: the same command starts "
+                           f"again from step 0", status)
+    return Interrupted(f"{how} at step {p.done}; last complete checkpoint: step {last} in {p.ckpt.directory}; "
+                       f"run the same command to resume", status)
+
+
+def train(config, workdir: str, progress: bool = True, devices=None, stop_after: int | None = None,
+          require_checkpoint: bool = False, force: bool = False,
+          device_note: tuple[int, str] | None = None) -> dict[str, Any]:
+    """Trains `config` in `workdir`; returns the summary (also written to summary.json).
+
+    `stop_after` ends the process's work after that many steps of this call, as if
+    killed (used by the resume tests); the run is then resumed by calling again.
+    `require_checkpoint`: fail unless WORKDIR holds a complete checkpoint to resume from.
+    `force`: take WORKDIR's lock over even from a live run (`cdpjax.workdir`).
+    `device_note`: (simulated CPU devices asked for, why), said on CPU (the command line's).
+    A finished run started again returns its summary.json, with `already_finished` added.
+    Ctrl-C and SIGTERM raise `Interrupted`, whose message names the last complete checkpoint.
+    """
+    with workdir_lib.sigterm_as_interrupt():
+        p = prepare(config, workdir, devices, require_checkpoint, force)
+        try:
+            if p.finished is not None:
+                s = p.finished
+                say(f"WORKDIR {workdir} holds a finished run of {s['steps']} steps (test accuracy "
+                    f"{s.get('test_accuracy', float('nan')):.4f}); nothing to train and no file changed: raise "
+                    f"--config.num_steps to train on from step {s['steps']}, or use a fresh --workdir")
+                return {**s, "already_finished": True}
+            announce(p, device_note)
+            return run(p, progress, stop_after)
+        except KeyboardInterrupt as e:
+            if isinstance(e, Interrupted):
+                raise
+            raise _interrupted(p, e) from None
+        finally:
+            p.close()

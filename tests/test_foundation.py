@@ -13,6 +13,7 @@ from cdpjax import data, methods, train
 from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
+from metrics_lines import without_timing
 
 
 def _run(config, name, steps, mesh_axes):
@@ -71,7 +72,7 @@ def test_resume_equals_uninterrupted(digits_config, tmp_path, method):
     assert resumed["resumed_from"] == 4
     jax.tree.map(np.testing.assert_array_equal, _final_params(c, str(part)), _final_params(c, str(tmp_path / "full")))
     assert resumed["test_accuracy"] == full["test_accuracy"]
-    read = lambda d: (d / "metrics.jsonl").read_text()  # noqa: E731
+    read = lambda d: without_timing((d / "metrics.jsonl").read_text())  # noqa: E731
     assert read(part) == read(tmp_path / "full")
 
 
@@ -105,11 +106,14 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("args,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
 def test_bad_input_fails_before_compiling(args, message, capsys, tmp_path, compiles):
+    """Exit status 2 and one line (no "training ... in DIR" line before it: the checks that need
+    the model or the mesh run before the trainer says what it will do)."""
     code = main(["train", "--no-progress", "--workdir", str(tmp_path), "--config.method=dp", *args])
     err = capsys.readouterr().err
     assert code == 2, err
     assert message in err
     assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not [c for c in compiles if c[0] == "backend"], compiles
     assert not (tmp_path / "summary.json").exists()
 

@@ -14,11 +14,14 @@ on its own copy.
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -30,6 +33,7 @@ from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.data.base import Dataset, stream_indices
+from metrics_lines import events_of, expected_events, without_timing
 
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
@@ -120,6 +124,7 @@ class Recorder:
         def counting_put(batch, mesh, sharding=None):
             if snapshot and self.fed == snapshot[0]:
                 shutil.copytree(snapshot[1], snapshot[2])
+                as_if_dead(snapshot[2])
             self.fed += 1
             return put(batch, mesh, sharding)
 
@@ -144,6 +149,18 @@ class PoisonedDataset:
         if step in self.poison:
             batch = {**batch, "image": np.full_like(batch["image"], np.nan)}
         return batch
+
+
+def as_if_dead(workdir):
+    """WORKDIR's lock.json as a SIGKILLed run leaves it: naming a process that is gone (a
+    child that has exited and been reaped), with the live run's recorded start time."""
+    path = os.path.join(workdir, "lock.json")
+    record = json.loads(open(path).read())
+    child = subprocess.Popen(["true"])
+    child.wait()
+    record["pid"] = child.pid
+    with open(path, "w") as f:
+        json.dump(record, f)
 
 
 def final_state(config, workdir, devices):
@@ -227,7 +244,9 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     """Killed after step 6 (checkpoints every 4), with a checkpoint of step 8 half written
     (orbax's temporary directory): the restart takes checkpoint 4 and ends with the whole train
     state (parameters, previous versions, partial sums, pipeline buffers, every stage's
-    optimizer state) and metrics.jsonl identical to the uninterrupted run's."""
+    optimizer state) and metrics.jsonl identical to the uninterrupted run's (timing fields cut
+    out), and TensorBoard events that equal its metrics.jsonl: the killed run's events are
+    replaced, not added to."""
     require(name)
     ref = reference(name)
     part = tmp_path / "part"
@@ -243,7 +262,9 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     assert not partial.exists()  # the leftover of the dead writer is cleaned up
     state, _, _ = final_state(c, part, layout(name)[1])
     _equal_trees(state, ref["state"])
-    assert (part / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+    assert without_timing((part / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+    assert events_of(part) == expected_events((part / "metrics.jsonl").read_text())  # no step twice
     assert resumed["test_accuracy"] == ref["summary"]["test_accuracy"]
 
 
@@ -261,8 +282,10 @@ def _cli_args(name, workdir):
 
 def test_sigkill_between_checkpoints_then_restart(reference, tmp_path):
     """`cdpjax train` SIGKILLed right after step 10 (checkpoint 8 written, 12 not), then the same
-    command again: the run ends as the uninterrupted one, to the bit; the killed process's
-    metrics lines past step 8 are replaced."""
+    command again: the dead run's lock is recognised as stale (its process is gone from this
+    host) and taken over, saying so in one line; the run ends as the uninterrupted one, to the
+    bit, metrics.jsonl byte for byte once the timing fields are cut out; the killed process's
+    metrics lines past step 8 are replaced and the lock is released at the end."""
     ref = reference("dp")
     work = tmp_path / "run"
     env = {**os.environ, train.KILL_ENV: "10"}
@@ -272,23 +295,157 @@ def test_sigkill_between_checkpoints_then_restart(reference, tmp_path):
     assert not (work / "summary.json").exists()
     assert steps(work) == [4, 8]
     assert json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 9  # logged past 8
+    stale = json.loads((work / "lock.json").read_text())
     again = subprocess.run([sys.executable, *_cli_args("dp", work)], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
+    takeover = [line for line in again.stderr.splitlines() if "took over the lock" in line]
+    assert len(takeover) == 1 and f"process {stale['pid']} " in takeover[0] and "is gone" in takeover[0], again.stderr
+    assert "resuming dp / mlp / digits" in again.stderr and "from step 8" in again.stderr
+    assert not (work / "lock.json").exists()
     assert json.loads((work / "summary.json").read_text())["resumed_from"] == 8
-    assert (work / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
     state, _, _ = final_state(small_config("dp"), work, layout("dp")[1])
     _equal_trees(state, ref["state"])
 
 
-def test_finished_run_started_again_changes_nothing(reference, tmp_path):
-    """Starting a finished run again (a job scheduler's retry) trains nothing more and leaves
-    metrics.jsonl as it was."""
+def _files(workdir):
+    """Every file under WORKDIR: its bytes and modification time."""
+    return {str(p.relative_to(workdir)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+def test_finished_run_started_again_changes_nothing(reference, tmp_path, capsys):
+    """Starting a finished run again (a job scheduler's retry) trains nothing and changes no file
+    (every file's bytes and modification time), summary.json included, and says so in one line."""
     ref = reference("dp")
     work = tmp_path / "run"
-    shutil.copytree(ref["full"], work)
+    shutil.copytree(ref["full"], work)  # copy2: modification times kept
+    before = _files(work)
+    code = main(["train", "--no-progress", "--workdir", str(work), "--cpu-devices", "8", *_overrides("dp")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "holds a finished run of 12 steps" in lines[0] and "no file changed" in lines[0], err
+    after = _files(work)
+    assert sorted(after) == sorted(before)
+    for name in before:
+        assert after[name][0] == before[name][0], f"{name} was rewritten"
+        assert after[name][1] == before[name][1], f"{name} was touched"
     again = train.train(small_config("dp"), str(work), progress=False)
-    assert again["resumed_from"] == STEPS and again["test_accuracy"] == ref["summary"]["test_accuracy"]
-    assert (work / "metrics.jsonl").read_text() == (ref["full"] / "metrics.jsonl").read_text()
+    assert again["already_finished"] and again["test_accuracy"] == ref["summary"]["test_accuracy"]
+    assert again["images_per_second"] == ref["summary"]["images_per_second"] > 0
+
+
+def _cli(name, workdir, *extra, progress=False):
+    """`cdpjax train` as a user runs it, with Ctrl-C's handler set (a shell that starts the tests
+    in the background makes its children ignore SIGINT)."""
+    boot = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from cdpjax.cli import main; sys.exit(main())")
+    args = [a for a in _cli_args(name, workdir)[2:] if progress is False or a != "--no-progress"]
+    return [sys.executable, "-c", boot, *args, *extra]
+
+
+def _wait_env(tmp_path, step):
+    """The test hook that holds a run after `step` until the test lets it go."""
+    release = tmp_path / "release"
+    return {**os.environ, train.WAIT_ENV: str(step), train.WAIT_FILE_ENV: str(release)}, release
+
+
+def _wait_for(path, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_a_second_run_on_a_live_workdir_is_refused(reference, tmp_path):
+    """Two `cdpjax train` on one WORKDIR: the second, started while the first is between its
+    checkpoints (one of them half written: orbax's temporary directory), exits 2 with one line
+    naming the directory and the first run (host, process id, start time) and touches nothing;
+    the first ends as a run alone does (metrics.jsonl without its timing fields, the whole final
+    train state) and releases the lock."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    env, release = _wait_env(tmp_path, 6)
+    first = subprocess.Popen(_cli("dp", work), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(pathlib.Path(f"{release}.waiting"), first)
+        writing = work / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000000"  # as if being written
+        shutil.copytree(work / "checkpoints" / "4", writing)
+        second = subprocess.run(_cli("dp", work), capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert f"WORKDIR {work} is in use" in lines[0] and f"process {first.pid} on host {socket.gethostname()}, " \
+            f"started 20" in lines[0] and "--force" in lines[0], lines[0]
+        assert writing.exists()  # the live run's checkpoint in progress is left alone
+        shutil.rmtree(writing)
+    finally:
+        release.touch()
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+    state, _, _ = final_state(small_config("dp"), work, layout("dp")[1])
+    _equal_trees(state, ref["state"])
+    assert not (work / "lock.json").exists()
+
+
+def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference, tmp_path):
+    """A user's session: `cdpjax train` with mesh {'data': 8} and no --cpu-devices says it simulates
+    8 CPU devices and why, then what it trains; Ctrl-C after step 5 (checkpoints every 4) prints,
+    on its own line below the progress bar, the step, the last complete checkpoint and what to
+    do, exits 130 and releases the lock; the same command then says it resumes from step 4 and
+    ends as the uninterrupted run."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    command = [a for a in _cli("dp", work, "--config.mesh.data=8", progress=True) if a != "--cpu-devices"]
+    command.remove("8")  # --cpu-devices' value
+    env, release = _wait_env(tmp_path, 5)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(pathlib.Path(f"{release}.waiting"), proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.split("\n")
+    devices = lines.index("cdpjax: 8 simulated CPU devices (what the mesh {'data': 8} needs); --cpu-devices sets them")
+    assert lines[devices + 1] == f"cdpjax: training dp / mlp / digits in {work}: 12 steps (mesh {{'data': 8}}, 8 devices)"
+    assert (f"cdpjax: interrupted at step 5; last complete checkpoint: step 4 in {work}/checkpoints; "
+            f"run the same command to resume") in lines, err
+    assert "Traceback" not in err and not (work / "lock.json").exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"cdpjax: resuming dp / mlp / digits in {work} from step 4 (checkpoint {work}/checkpoints/4); "
+            f"training to step 12") in again.stderr
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
+def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
+    """`--force` on a directory whose lock names a live process (this one, as another run would
+    be): the run takes the lock over, says so, resumes and finishes; the temporary checkpoint
+    directory, which the forced-out run may still be writing, is left alone (a dead owner's
+    is removed: test_killed_run_resumes_to_the_same_end)."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    shutil.copytree(ref["killed"], work)
+    record = json.loads((work / "lock.json").read_text())
+    record["pid"] = os.getpid()  # alive, with this process's start time: a live owner
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        record["pid_start"] = f.read().rsplit(")", 1)[1].split()[19]
+    (work / "lock.json").write_text(json.dumps(record))
+    writing = work / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000000"
+    shutil.copytree(work / "checkpoints" / str(RESUMED_FROM), writing)
+    assert main(["train", "--no-progress", "--workdir", str(work), "--cpu-devices", "8", *_overrides("dp")]) == 2
+    assert "is in use by another run" in capsys.readouterr().err
+    code = main(["train", "--no-progress", "--workdir", str(work), "--cpu-devices", "8", "--force", *_overrides("dp")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"took over the lock of {work} from process {os.getpid()} " in err and "forced (--force)" in err
+    assert writing.exists() and not (work / "lock.json").exists()
+    assert json.loads((work / "summary.json").read_text())["resumed_from"] == RESUMED_FROM
 
 
 # 2. Other device counts ------------------------------------------------------------------------
@@ -429,6 +586,9 @@ def _fails(args, message, capsys, workdir, compiles, train_step_only=False):
     assert code == 2, err
     assert message in err, err
     assert "Traceback" not in err
+    # One line; before it, at most the notice that a dead run's lock was taken over.
+    lines = [line for line in err.strip().splitlines() if not line.startswith("cdpjax: took over the lock")]
+    assert len(lines) == 1, err
     assert not any("guarded_train_step" in name for _, name in compiles), compiles
     if not train_step_only:  # nothing at all compiled (checkpoint errors come after the state's init)
         assert not [c for c in compiles if c[0] == "backend"], compiles
@@ -547,10 +707,12 @@ def test_resume_with_another_config(change, message, reference, tmp_path, capsys
 
 @pytest.mark.parametrize("name", ["dp", "cdp-v2"])
 def test_rerun_gives_identical_metrics(name, reference, tmp_path):
-    """The same config and seed, run again: metrics.jsonl identical byte for byte."""
+    """The same config and seed, run again: metrics.jsonl identical byte for byte once the timing
+    fields are cut out of each line."""
     require(name)
     again = train.train(small_config(name), str(tmp_path), progress=False, devices=layout(name)[1])
-    assert (tmp_path / "metrics.jsonl").read_text() == (reference(name)["full"] / "metrics.jsonl").read_text()
+    assert without_timing((tmp_path / "metrics.jsonl").read_text()) == without_timing(
+        (reference(name)["full"] / "metrics.jsonl").read_text())
     assert again["test_accuracy"] == reference(name)["summary"]["test_accuracy"]
 
 

@@ -1,0 +1,215 @@
+"""What a researcher meets at the command line: one line for each bad path, the set-up before the
+"training" line, a progress bar whose ETA leaves compilation out, curves (metrics.jsonl's `lr`,
+`images_per_second`, `time`; TensorBoard events; `cdpjax plot`) and profiler traces.
+
+The interrupt, resume and simulated-devices lines of a real `cdpjax train` session, and the
+finished run that changes no file, are in test_reliability.py (they share its reference runs).
+"""
+import json
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+from cdpjax import train
+from cdpjax.cli import main
+from cdpjax.commands import plot as plot_cmd
+from cdpjax.config import default_config
+from metrics_lines import events_of, expected_events
+
+STEPS = 12
+
+
+def small_config(**overrides):
+    c = default_config()
+    c.method, c.num_steps, c.global_batch_size = "dp", STEPS, 128
+    c.log_every, c.eval_every, c.checkpoint_every = 3, 4, 0
+    for k, v in overrides.items():
+        c[k] = v
+    return c
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """One short dp run on digits (cosine schedule from 0.05 over 12 steps), with a profile of
+    steps 2 to 3; what it printed on stderr."""
+    import contextlib
+    import io
+
+    work = tmp_path_factory.mktemp("digits") / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        summary = train.train(small_config(profile_steps=[2, 3]), str(work), progress=False)
+    return work, summary, err.getvalue()
+
+
+# Item 2: curves and traces ---------------------------------------------------------------------
+
+def test_metrics_lines_carry_lr_throughput_and_time(digits_run):
+    """Train lines: `lr` is the cosine schedule's value for the step's update (update k = step k+1:
+    0.05 * (1 + cos(pi * k / 12)) / 2, written out here), `images_per_second` a positive rate;
+    every line's `time` grows with the file."""
+    work, _, _ = digits_run
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train_lines] == [3, 6, 9, 12]
+    for r in train_lines:
+        k = r["step"] - 1
+        assert r["lr"] == pytest.approx(0.05 * (1 + math.cos(math.pi * k / STEPS)) / 2, rel=1e-6, abs=1e-7)  # float32
+        assert r["images_per_second"] > 0
+        assert list(r) == ["step", "split", "loss", "accuracy", "lr", "images_per_second", "time"]
+    tests = [r for r in records if r["split"] == "test"]
+    assert [r["step"] for r in tests] == [4, 8, 12] and all(list(r) == ["step", "split", "loss", "accuracy", "time"]
+                                                             for r in tests)
+    times = [r["time"] for r in records]
+    assert times == sorted(times) and times[0] > 0
+
+
+def test_tensorboard_events_equal_the_metrics(digits_run):
+    """The events in WORKDIR, read with TensorBoard's own reader, hold every metrics.jsonl value at
+    its step (as float32), and nothing else."""
+    work, _, _ = digits_run
+    events = events_of(work)
+    assert set(events) == {"train/loss", "train/accuracy", "train/lr", "train/images_per_second", "test/loss",
+                           "test/accuracy"}
+    assert events == expected_events((work / "metrics.jsonl").read_text())
+
+
+def test_profile_trace_of_the_asked_steps(digits_run):
+    work, _, err = digits_run
+    (run_dir,) = (work / "plugins" / "profile").iterdir()
+    assert list(run_dir.glob("*.xplane.pb")) and (run_dir / "perfetto_trace.json.gz").stat().st_size > 0
+    lines = [line for line in err.splitlines() if "profile of steps" in line]
+    assert lines == [f"cdpjax: profile of steps 2-3 in {run_dir} (TensorBoard: tensorboard --logdir {work}, "
+                     f"Profile tab; Perfetto: open perfetto_trace.json.gz there at ui.perfetto.dev)"]
+
+
+def test_plot_overlays_the_runs_curves(digits_run, tmp_path, capsys, monkeypatch):
+    """`cdpjax plot` of the digits run and a hand-written one: four panels (train loss, test loss,
+    train accuracy, test accuracy), each with one line per run whose points are the metrics'."""
+    from PIL import Image
+
+    work, _, _ = digits_run
+    other = tmp_path / "other"
+    other.mkdir()
+    hand = [{"step": 5, "split": "train", "loss": 2.0, "accuracy": 0.25}, {"step": 5, "split": "test", "loss": 1.5,
+            "accuracy": 0.5}, {"step": 10, "split": "train", "loss": 1.0, "accuracy": 0.75},
+            {"step": 10, "split": "test", "loss": 0.5, "accuracy": 0.875}]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hand))
+    out = tmp_path / "curves.png"
+    drawn_figures, draw = [], plot_cmd.plot_curves
+    monkeypatch.setattr(plot_cmd, "plot_curves", lambda *a: drawn_figures.append(draw(*a)) or drawn_figures[-1])
+    assert main(["plot", str(work), str(other), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().err
+    mine = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    (fig,) = drawn_figures  # the figure the command wrote to curves.png
+    panels = [("train", "loss"), ("test", "loss"), ("train", "accuracy"), ("test", "accuracy")]
+    for ax, (split, key) in zip(fig.axes, panels):
+        assert ax.get_ylabel() == f"{split} {key}"
+        drawn = [line.get_xydata().tolist() for line in ax.get_lines()]
+        want = [[[r["step"], r[key]] for r in records if r["split"] == split] for records in (mine, hand)]
+        assert drawn == want
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["run (dp)", "other"]
+    image = Image.open(out)
+    assert image.format == "PNG" and 900 < image.size[0] < 1500 and 600 < image.size[1] < 1000
+    rgb = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(np.int64)
+    assert len(np.unique(rgb @ np.array([1 << 16, 1 << 8, 1]))) > 10  # lines and text, not a blank page
+
+
+def test_plot_of_a_directory_without_metrics(tmp_path, capsys):
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds no metrics.jsonl" in err
+
+
+# Item 1: bad paths, set-up before the training line ----------------------------------------------
+
+def test_workdir_that_is_a_file(tmp_path, capsys, compiles):
+    (tmp_path / "w").write_text("a file")
+    code = main(["train", "--no-progress", "--workdir", str(tmp_path / "w"), "--config.method=dp"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"cdpjax: error: --workdir {tmp_path / 'w'} is a file, not a directory: "
+                                        f"give a directory (it is created if missing), or move the file away"]
+    assert not compiles
+
+
+def test_a_method_refusing_its_mesh_names_the_mesh(tmp_path, capsys, compiles):
+    """CDP's builder sees workers=8 for 3 stages; the user chose (or got) the mesh {'data': 8}: the
+    one line names the mesh and what to change, before the training line and before compiling,
+    and the work directory it would have created is not left behind."""
+    code = main(["train", "--no-progress", "--workdir", str(tmp_path / "new" / "run"), "--config.method=cdp-v2",
+                 "--config.stages=3"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("cdpjax: error: cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not "
+                               "divide 2*stages=6")
+    assert "change --config.mesh.data or set --config.workers" in lines[0]
+    assert not [c for c in compiles if c[0] == "backend"]
+    assert not (tmp_path / "new").exists()
+
+
+def test_train_help_names_the_config_overrides(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config.KEY=VALUE" in out and "FILE:ARG" in out and "--force" in out
+
+
+# Item 3: the progress bar ----------------------------------------------------------------------
+
+def test_first_eta_leaves_compilation_out(tmp_path, capsys, monkeypatch):
+    """A first step that takes 4 s (as compiling does) and fast steps after it: no state of the
+    bar shows 3 s or more elapsed, nor an ETA of 3 s or more."""
+    real = train.guarded_step
+
+    def slow_first(method, skip):
+        step, calls = real(method, skip), []
+
+        def wrapped(state, batch):
+            if not calls:
+                calls.append(time.sleep(4.0))
+            return step(state, batch)
+
+        return wrapped
+
+    monkeypatch.setattr(train, "guarded_step", slow_first)
+    train.train(small_config(eval_every=0), str(tmp_path), progress=True)
+    err = capsys.readouterr().err
+    shown = re.findall(r"\[(\d\d):(\d\d)<(?:(\d\d):(\d\d)|\?)", err)
+    assert shown, err
+    for minutes, seconds, eta_min, eta_sec in shown:
+        assert int(minutes) * 60 + int(seconds) < 3, err
+        assert not eta_min or int(eta_min) * 60 + int(eta_sec) < 3, err
+
+
+def test_pyproject_license_is_an_spdx_string():
+    """PEP 639: `license` an SPDX string, which setuptools reads from 77.0 on (a table makes it print
+    a deprecation banner on every install)."""
+    tomllib = pytest.importorskip("tomllib")
+    import pathlib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    (requirement,) = [r for r in project["build-system"]["requires"] if r.startswith("setuptools")]
+    assert int(re.fullmatch(r"setuptools>=(\d+).*", requirement).group(1)) >= 77
+
+
+@pytest.mark.heavy
+def test_editable_install_prints_no_deprecation_warning(tmp_path):
+    """`pip install -e .` (verbose, so the build backend's warnings show) in a fresh virtual
+    environment: no deprecation warning. Needs PyPI for the build requirements."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[1]
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
+    proc = subprocess.run([str(tmp_path / "venv" / "bin" / "pip"), "install", "-v", "--no-deps", "-e", str(root)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deprecat" not in (proc.stdout + proc.stderr).lower()
