@@ -179,12 +179,8 @@ def _head_loss(heads, j, params, state, features, labels, images):
 def group_by_time(net, heads, devices: int, batch_size: int, repeats: int = 3) -> tuple[int, ...]:
     """Contiguous groups of local modules for `devices` devices that minimise the slowest device,
     by each module's MEASURED forward, backward and head time on this device (PPLL's uneven groups)."""
-    from cdpjax.models.partition import balanced_points
-
     costs = measure_stage_costs(net, batch_size, repeats, heads)
-    points = balanced_points([costs.local(j) for j in range(net.num_stages)], devices)
-    bounds = (0, *points, net.num_stages)
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    return _balanced([costs.local(j) for j in range(net.num_stages)], devices)
 
 
 def table_for(config, devices: int, stages: int, steps: int | None = None):
@@ -195,10 +191,15 @@ def table_for(config, devices: int, stages: int, steps: int | None = None):
     return table_for_config(config, devices, stages, steps or max(6, 2 * devices))
 
 
-def predict_for_config(config, devices: int, bandwidth: float) -> dict:
-    """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`."""
+def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True) -> dict:
+    """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`.
+
+    Local learning (a table of 'FB' ops) also times each stage's auxiliary head, forward and
+    backward, unless `heads=False`; its modules are grouped on the devices as the config says,
+    else by measured time (`group_by_time`)."""
     from cdpjax import data, models
     from cdpjax.errors import ConfigError
+    from cdpjax.layouts import LAYOUTS
 
     ds = data.build(config)
     net = models.build(config, ds.image_shape, ds.num_classes)
@@ -210,19 +211,38 @@ def predict_for_config(config, devices: int, bandwidth: float) -> dict:
         return {"method": method, "error": str(e)}
     if tbl is None:
         return {"method": method, "error": "no time table (single-device method)"}
+    per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
+    mb = max(config.global_batch_size // per_step, 1)
+    local = any(op.kind == "FB" for op in tbl.ops)
+    aux = None
+    if local and heads:
+        from cdpjax.models import aux_heads
+
+        aux = aux_heads.build(config.get("aux_head", "greedy"), net, ds.num_classes,
+                              dict(config.get("aux_kwargs", {}) or {}))
+    costs = measure_stage_costs(net, mb, heads=aux)
+    if tbl.devices != devices and local and "module_groups" in LAYOUTS[method].table_sizes() \
+            and not config.get("module_groups", None):
+        points = _balanced([costs.local(j) for j in range(stages)], devices)
+        tbl = LAYOUTS[method].make_table(stages=stages, steps=max(6, 2 * devices), module_groups=points)
     if tbl.devices != devices:
         return {"method": method, "error": f"{method} with {stages} stages runs on {tbl.devices} devices, "
                                            f"not {devices}"}
-    from cdpjax.layouts import LAYOUTS
-
-    per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
-    mb = config.global_batch_size // per_step
-    costs = measure_stage_costs(net, max(mb, 1))
     out = simulate(tbl, costs, bandwidth)
+    per_stage = np.array([costs.local(j) for j in range(stages)])
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
-               imbalance=float(max(np.add(costs.forward, costs.backward)) / np.mean(np.add(costs.forward, costs.backward))),
+               stage_head=costs.head, heads_timed=bool(costs.head),
+               imbalance=float(per_stage.max() / per_stage.mean()),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
     return out
+
+
+def _balanced(costs, devices) -> tuple[int, ...]:
+    """Contiguous group sizes of `costs` over `devices` minimising the largest group."""
+    from cdpjax.models.partition import balanced_points
+
+    bounds = (0, *balanced_points(costs, devices), len(costs))
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int, repeats: int = 5):

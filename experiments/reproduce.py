@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -51,7 +52,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "configs")
 
 CDP_METHODS = ("dp", "cdp-v1", "cdp-v2")
-PPLL_METHODS = ("e2e", "local", "ppll", "gpipe")
+# The PPLL rows of each K: (method, label, config overrides). PPLL's own "conventional pipeline" is
+# plain model parallelism (GPipe with one micro-batch); GPipe with M = 4 is the stronger baseline.
+PPLL_VARIANTS = (
+    ("local", "local", ()),
+    ("ppll", "ppll", ()),
+    ("gpipe", "gpipe M=1 (plain model parallelism)", ("microbatches=1",)),
+    ("gpipe", "gpipe M=4", ("microbatches=4",)),
+)
 PIPELINES = ("ppll", "gpipe")
 TINY_STEPS = 600  # what experiments/configs/digits.py documents its expectations for
 BENCH_REPEATS = {True: 20, False: 10}  # timed steps per bench record (tiny, full): medians of many
@@ -66,6 +74,8 @@ class Row:
     group: tuple  # cdp: (dataset, model); ppll: (model, K), K None for e2e
     method: str
     config: str
+    label: str = ""  # what the table calls it (default: the method)
+    overrides: tuple = ()  # KEY=VALUE applied to the config: what makes the row this variant
 
 
 def cdp_rows(tiny: bool) -> list[Row]:
@@ -90,9 +100,10 @@ def ppll_rows(tiny: bool) -> list[Row]:
         # e2e does not depend on K: one row per model.
         rows.append(Row("ppll", f"ppll-{model}-e2e", (model, None), "e2e", spec.format(method="e2e", K=ks[-1])))
         for K in ks:
-            for method in PPLL_METHODS[1:]:
-                rows.append(Row("ppll", f"ppll-{model}-K{K}-{method}", (model, K), method,
-                                spec.format(method=method, K=K)))
+            for method, label, overrides in PPLL_VARIANTS:
+                suffix = "".join(f"-{o.split('=')[0][:1].upper()}{o.split('=')[1]}" for o in overrides)
+                rows.append(Row("ppll", f"ppll-{model}-K{K}-{method}{suffix}", (model, K), method,
+                                spec.format(method=method, K=K), label, overrides))
     return rows
 
 
@@ -119,6 +130,7 @@ def row_config(row: Row, steps: int | None, overrides=()):
     if steps is not None:
         shorten(config, steps)
     cfg_lib.apply_overrides(config, overrides)
+    cfg_lib.apply_overrides(config, row.overrides)  # last: they make the row what it is
     return config
 
 
@@ -167,7 +179,7 @@ def run_row(row: Row, out: str, steps: int | None, overrides=(), bandwidth: floa
     from cdpjax.errors import ConfigError
 
     record = {"table": row.table, "name": row.name, "group": list(row.group), "method": row.method,
-              "config": row.config}
+              "config": row.config, "label": row.label or row.method, "overrides": list(row.overrides)}
     if row.method not in methods.REGISTRY:
         return {**record, "status": "not registered", "note": "not registered"}
     workdir = os.path.join(out, row.name)
@@ -283,7 +295,7 @@ def cdp_markdown(records: list[dict]) -> str:
 
 
 PPLL_HEAD = ["model", "K", "method", "devices", "steps", "test acc", "time / epoch (here)", "x local (here)",
-             "predicted speedup on K devices", "memory / device"]
+             "predicted speedup on K devices", "memory / device", "x local's memory"]
 
 
 def _local_speed(records: list[dict]) -> dict:
@@ -291,33 +303,46 @@ def _local_speed(records: list[dict]) -> dict:
             if r["status"] == "ok" and r["method"] == "local"}
 
 
+def _device_memory(record: dict) -> int:
+    """Temporaries + arguments of the compiled step on one device (XLA's memory analysis)."""
+    mem = record["bench"]["memory"]
+    return mem.get("temp_bytes", 0) + mem.get("argument_bytes", 0) if mem else 0
+
+
 def ppll_markdown(records: list[dict]) -> str:
     local = _local_speed(records)
+    local_memory = {tuple(r["group"]): _device_memory(r) for r in records
+                    if r["status"] == "ok" and r["method"] == "local"}
     rows = []
     for r in records:
         model, K = r["group"]
         k = "-" if K is None else str(K)
+        label = r.get("label") or r["method"]
         if r["status"] != "ok":
-            rows.append([model, k, r["method"], "-", "-", r["note"]] + ["-"] * (len(PPLL_HEAD) - 6))
+            rows.append([model, k, label, "-", "-", r["note"]] + ["-"] * (len(PPLL_HEAD) - 6))
             continue
         ips = r["bench"]["images_per_second"]
         ref = local.get((model, K))
         pred = r.get("prediction", {})
-        mem = r["bench"]["memory"]
+        memory, ref_memory = _device_memory(r), local_memory.get((model, K))
         rows.append([
-            model, k, r["method"], str(r["bench"]["devices"]), str(r["summary"]["steps"]),
+            model, k, label, str(r["bench"]["devices"]), str(r["summary"]["steps"]),
             f"{100 * r['summary']['test_accuracy']:.1f}%", f"{r['num_train'] / ips:.3f} s",
             f"{ips / ref:.2f}" if ref else "-",
             f"{pred['speedup']:.2f}x" if "speedup" in pred else pred.get("error", "-"),
-            _bytes(mem.get("temp_bytes", 0) + mem.get("argument_bytes", 0)) if mem else "-",
+            _bytes(memory) if memory else "-",
+            f"{memory / ref_memory:.2f}" if memory and ref_memory else "-",
         ])
     notes = [
         "time / epoch and x local: bench's median step time here, side by side in one process; on "
         "simulated CPU devices sharing the same cores these show the framework's overhead, not a speedup.",
         "predicted speedup: `cdpjax.speedup` replays the method's time table on K devices with per-stage "
-        "times measured on one device; against the same work on one device (ppll: local learning; "
-        "gpipe: end-to-end backprop), steady state, auxiliary heads not timed.",
-        "memory / device: temporaries + arguments of the compiled step on one device (XLA memory analysis).",
+        "times measured on one device, auxiliary heads' forward and backward included for ppll; against "
+        "the same work on one device (ppll: local learning; gpipe: end-to-end backprop), steady state.",
+        "baselines: gpipe M=1 is plain model parallelism, the \"conventional pipeline\" PPLL's paper compares "
+        "against; gpipe M=4 cuts each batch into 4 micro-batches (GPipe).",
+        "memory / device: temporaries + arguments of the compiled step on one device (XLA memory analysis); "
+        "x local's memory: over `local` on one device (PPLL's paper: about 0.9).",
     ]
     return _markdown(PPLL_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
@@ -395,15 +420,16 @@ def ppll_figures(records: list[dict], out: str) -> list[str]:
             continue
         ks = sorted({r["group"][1] for r in rs if r["group"][1] is not None})
         fig, (ax,) = _figure(5.5, 3.4)
-        for method in PIPELINES:
+        labels = [label for method, label, _ in PPLL_VARIANTS if method in PIPELINES]
+        for label in labels:
             pred = [(r["group"][1], r["prediction"]["speedup"]) for r in rs
-                    if r["method"] == method and "speedup" in r.get("prediction", {})]
+                    if r.get("label") == label and "speedup" in r.get("prediction", {})]
             here = [(r["group"][1], r["bench"]["images_per_second"] / local[tuple(r["group"])]) for r in rs
-                    if r["method"] == method and tuple(r["group"]) in local]
+                    if r.get("label") == label and tuple(r["group"]) in local]
             if pred:
-                ax.plot(*zip(*pred), marker="o", label=f"{method}, predicted on K devices")
+                ax.plot(*zip(*pred), marker="o", label=f"{label}, predicted on K devices")
             if here:
-                ax.plot(*zip(*here), marker="x", linestyle="--", label=f"{method} / local, measured here")
+                ax.plot(*zip(*here), marker="x", linestyle="--", label=f"{label} / local, measured here")
         if ks:
             ax.plot(ks, ks, color="grey", linewidth=0.8, label="K (no bubble, free transfers)")
         ax.set(xlabel="K (stages = devices)", ylabel="speedup", title=f"{model}: speedup", xticks=ks)
@@ -411,12 +437,12 @@ def ppll_figures(records: list[dict], out: str) -> list[str]:
         paths.append(_save(fig, os.path.join(out, "figures", f"ppll_speedup_{model}.png")))
 
         fig, (ax,) = _figure(5.5, 3.4)
-        methods = [m for m in PPLL_METHODS[1:] if any(r["method"] == m for r in rs)]
-        width = 0.8 / max(len(methods), 1)
-        for n, method in enumerate(methods):
-            acc = {r["group"][1]: r["summary"]["test_accuracy"] for r in rs if r["method"] == method}
-            ax.bar(np.arange(len(ks)) + (n - (len(methods) - 1) / 2) * width,
-                   [acc.get(k, np.nan) for k in ks], width, label=method)
+        labels = [label for _, label, _ in PPLL_VARIANTS if any(r.get("label") == label for r in rs)]
+        width = 0.8 / max(len(labels), 1)
+        for n, label in enumerate(labels):
+            acc = {r["group"][1]: r["summary"]["test_accuracy"] for r in rs if r.get("label") == label}
+            ax.bar(np.arange(len(ks)) + (n - (len(labels) - 1) / 2) * width,
+                   [acc.get(k, np.nan) for k in ks], width, label=label)
         for r in rs:
             if r["method"] == "e2e":
                 ax.axhline(r["summary"]["test_accuracy"], color="black", linestyle="--", label="e2e")
@@ -438,13 +464,14 @@ TABLES = {
 }
 
 
-def reproduce(which: str, tiny: bool, out: str, steps: int | None, overrides=(), bandwidth: float = 100e9) -> dict:
+def reproduce(which: str, tiny: bool, out: str, steps: int | None, overrides=(), bandwidth: float = 100e9,
+              only=None) -> dict:
     """Runs the rows of one table (`cdp-table`, `ppll-table`), writes OUT/<table>_table.md and
     the figures; returns {'markdown': str, 'records': [...], 'figures': [...]}."""
     from tqdm.auto import tqdm
 
     name, rows_fn, markdown_fn, figures_fn = TABLES[which]
-    rows = rows_fn(tiny)
+    rows = [r for r in rows_fn(tiny) if not only or any(fnmatch.fnmatch(r.name, pattern) for pattern in only)]
     records = []
     bar = tqdm(rows, desc=which, unit="row", dynamic_ncols=True)
     for row in bar:
@@ -470,6 +497,8 @@ def main(argv=None) -> int:
                    "configs' own, schedules scaled to the new length)")
     p.add_argument("--bandwidth", type=float, default=100e9, help="bytes/s between devices for the prediction")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices where no accelerator is present")
+    p.add_argument("--only", action="append", metavar="PATTERN",
+                   help="only the rows whose name matches PATTERN (fnmatch, e.g. 'ppll-mlp-K2-*'; repeatable)")
     args = p.parse_args(argv)
 
     # Before anything initialises JAX's backends.
@@ -485,7 +514,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     try:
         for which in (TABLES if args.table == "all" else (args.table,)):
-            result = reproduce(which, args.tiny, out, steps, overrides, args.bandwidth)
+            result = reproduce(which, args.tiny, out, steps, overrides, args.bandwidth, args.only)
             print(f"\n## {which} ({'tiny' if args.tiny else 'paper configs'})\n\n{result['markdown']}")
             print("figures:", *result["figures"], sep="\n  ")
     except ConfigError as e:

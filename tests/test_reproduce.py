@@ -141,3 +141,37 @@ def test_shortened_paper_configs_stay_valid(row):
         pytest.skip(f"{config.method} not registered")
     validate(config)
     assert config.num_steps == 20 and config.warmup_steps < 20 and config.eval_every == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_ppll(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reproduce_ppll")
+    result = _run("ppll-table", "--tiny", "--steps", "20", "--only", "ppll-mlp-e2e", "--only", "ppll-mlp-K2-*",
+                  "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_tiny_ppll_table_has_the_baselines_heads_and_memory(tiny_ppll):
+    """The PPLL table's rows for K = 2: local learning, ppll, and both of the paper's baselines
+    named as what they are; predictions with the heads timed; memory per device against local."""
+    out, result = tiny_ppll
+    head, rows = _table((out / "ppll_table.md").read_text())
+    assert head == reproduce.PPLL_HEAD
+    col = {name: head.index(name) for name in head}
+    assert [r[col["method"]] for r in rows] == ["e2e", "local", "ppll", "gpipe M=1 (plain model parallelism)",
+                                                "gpipe M=4"]
+    by = {r[col["method"]]: r for r in rows}
+    assert by["ppll"][col["test acc"]] == by["local"][col["test acc"]]  # ppll's parameters are local's
+    for name in ("ppll", "gpipe M=1 (plain model parallelism)", "gpipe M=4"):
+        assert by[name][col["predicted speedup on K devices"]].endswith("x")
+        assert float(by[name][col["x local's memory"]]) > 0
+    assert by["local"][col["x local's memory"]] == "1.00"
+    records = {json.loads((out / d / "row.json").read_text())["label"]: json.loads((out / d / "row.json").read_text())
+               for d in os.listdir(out) if (out / d / "row.json").exists()}
+    ppll = records["ppll"]["prediction"]
+    assert ppll["heads_timed"] and ppll["stage_head"][0] > 0 and len(ppll["stage_head"]) == 2
+    # plain model parallelism runs one stage at a time: no faster than one device (rule, not a measurement)
+    plain = records["gpipe M=1 (plain model parallelism)"]["prediction"]["speedup"]
+    assert plain == pytest.approx(1.0, abs=0.02)
+    assert 1.0 < ppll["speedup"] <= 2.0 + 1e-6  # at most K, less by the stage imbalance

@@ -15,6 +15,8 @@ def add_parser(subparsers):
     p.add_argument("--predict", type=int, default=0, metavar="K",
                    help="also predict step time and speedup on K real devices (see cdpjax.speedup)")
     p.add_argument("--bandwidth", type=float, default=100e9, help="bytes/s between devices for --predict")
+    p.add_argument("--no-heads", action="store_true",
+                   help="--predict without the auxiliary heads' time (local learning times them by default)")
     return p
 
 
@@ -55,7 +57,7 @@ def run(args, overrides=()) -> int:
         for r, name in zip(records, names):
             c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
             c.method = name
-            r["prediction"] = speedup.predict_for_config(c, args.predict, args.bandwidth)
+            r["prediction"] = speedup.predict_for_config(c, args.predict, args.bandwidth, heads=not args.no_heads)
     print(bench.format_table(records))
     if args.predict:
         from cdpjax import speedup
