@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                    help="fail unless --workdir holds a checkpoint to resume from (without it, a workdir with "
                         "a checkpoint resumes and one without starts afresh)")
     commands = {"train": cmd_train}
-    for name in ("schedule", "bench", "reproduce"):
+    for name in ("schedule", "bench", "reproduce", "describe"):
         try:
             module = _subcommand(name)
         except ModuleNotFoundError as e:

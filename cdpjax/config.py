@@ -63,6 +63,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
+    # Local modules per device, e.g. [8, 3, 2, 2] (ppll); None: one module per device.
+    c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.microbatches = 4  # gpipe
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
@@ -245,6 +247,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"stages={list(stages)!r}: split points must be integers (block indices)")
         if any(b <= a for a, b in zip((0, *stages), stages)):
             raise ConfigError(f"stages={list(stages)!r}: split points must be strictly increasing and >= 1")
+    groups = config.get("module_groups", None)
+    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups or any(
+            isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
+        raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
+                          f"device, e.g. [8, 3, 2, 2]) or None (one module per device)")
     _check_combinations(config)
     _check_distributed(config.get("distributed", {}) or {})
 

@@ -18,14 +18,14 @@ and model state.
 
 SPMD realisation: one `shard_map` over the mesh, `lax.scan` over ticks,
 `lax.switch(axis_index('stage'))` over the stage carrier (parameters, heads,
-optimizer and model state as zero-padded rows, activations as padded flat
+optimizer, model and head state as zero-padded rows, activations as padded flat
 buffers); the optimizer updates the padded rows outside the switch; the
 `ppermute` follows the switch. The batch is placed like any method's (over
 `data`, replicated over `stage`) and read by stage 0 only.
 With a `data` axis, each data group runs its own pipeline on its slice of the
 batch; gradients are averaged over `data` after the switch, so the update is
 that of the whole batch (BatchNorm statistics are then per data group, and
-their running estimates are averaged).
+their running estimates, of bodies and heads, are averaged).
 
 Entry points: `train_step(state, batch)` is one tick (one new batch into stage
 0); `flush(state)` runs K-1 ticks with no input; `info['run_ticks'](state,
@@ -74,9 +74,9 @@ def build(ctx: Context) -> Method:
     net, heads, body_tx, head_tx = setup(ctx, "ppll")
     mesh = ctx.mesh
     batch = ctx.config.global_batch_size // groups
-    head_shapes = jax.eval_shape(heads.init, jax.random.key(0))
-    carrier = carriers.StageCarrier.from_net(net, batch, extra={"head": head_shapes})
-    head_layout = carrier.extra["head"]
+    head_shapes, head_state_shapes = jax.eval_shape(heads.init, jax.random.key(0))
+    carrier = carriers.StageCarrier.from_net(net, batch, extra={"head": head_shapes, "head_state": head_state_shapes})
+    head_layout, head_state_layout = carrier.extra["head"], carrier.extra["head_state"]
     data = "data" in mesh.axis_names
     axes = ("stage", "data") if data else ("stage",)
     image_shape = tuple(net.input_shape)
@@ -91,25 +91,28 @@ def build(ctx: Context) -> Method:
     def init(rng):
         body, model_state = net.init(rng)
         body = carrier.pack_params(body)
-        head = head_layout.pack(heads.init(jax.random.fold_in(rng, HEADS_KEY)))
+        head, head_state = heads.init(jax.random.fold_in(rng, HEADS_KEY))
+        head, head_state = head_layout.pack(head), head_state_layout.pack(head_state)
         inbox = {"act": jnp.zeros((num_stages, groups * batch, carrier.acts.width)),
                  "label": jnp.zeros((num_stages, groups * batch), jnp.int32),
                  "valid": jnp.zeros((num_stages,), bool)}
         if heads.needs_image:
             inbox["image"] = jnp.zeros((num_stages, groups * batch, *image_shape))
-        state = {"body": body, "head": head, "model_state": carrier.pack_state(model_state),
+        state = {"body": body, "head": head, "model_state": carrier.pack_state(model_state), "head_state": head_state,
                  "opt_body": carriers.init_opt(body_tx, body), "opt_head": carriers.init_opt(head_tx, head),
                  "inbox": inbox}
         specs = state_specs(state)
         return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
-    def branch(j, body, head, model_state, x, labels, images):
-        g_body, g_head, y, new_state, loss, acc = stage_grads(
+    def branch(j, body, head, model_state, head_state, x, labels, images):
+        g_body, g_head, y, new_state, new_head_state, loss, acc = stage_grads(
             net, heads, j, carrier.params.unpack_one(j, body), head_layout.unpack_one(j, head),
-            carrier.model_state.unpack_one(j, model_state), carrier.unpack_act(j, x), labels, images)
+            carrier.model_state.unpack_one(j, model_state), head_state_layout.unpack_one(j, head_state),
+            carrier.unpack_act(j, x), labels, images)
         out = carrier.pack_act(j + 1, y) if j < last else jnp.zeros_like(x)
         return (carrier.params.pack_one(j, g_body), head_layout.pack_one(j, g_head),
-                carrier.model_state.pack_one(j, new_state), out, loss, acc)
+                carrier.model_state.pack_one(j, new_state), head_state_layout.pack_one(j, new_head_state), out,
+                loss, acc)
 
     def tick(state, feed):
         image, label, fed = feed
@@ -121,16 +124,17 @@ def build(ctx: Context) -> Method:
         images = jnp.where(first, image, inbox["image"]) if heads.needs_image else None
         # Replicated rows enter the switch varying over every axis: their gradients are
         # then per data group, and the mean over `data` (a collective) stays outside.
-        g_body, g_head, model_state, out, loss, acc = carrier.switch(
-            branch, *varying((state["body"], state["head"], state["model_state"]), axes),
+        g_body, g_head, model_state, head_state, out, loss, acc = carrier.switch(
+            branch, *varying((state["body"], state["head"], state["model_state"], state["head_state"]), axes),
             x, labels, images, axes=axes)
         if data:
             g_body, g_head = lax.pmean((g_body, g_head), "data")
-            model_state = lax.pmean(model_state, "data")
+            model_state, head_state = lax.pmean((model_state, head_state), "data")
             loss, acc = lax.pmean((loss, acc), "data")
         body, opt_body = optim.apply(body_tx, state["body"], state["opt_body"], g_body)
         head, opt_head = optim.apply(head_tx, state["head"], state["opt_head"], g_head)
-        new = {"body": body, "head": head, "model_state": model_state, "opt_body": opt_body, "opt_head": opt_head}
+        new = {"body": body, "head": head, "model_state": model_state, "head_state": head_state, "opt_body": opt_body,
+               "opt_head": opt_head}
         new = tree_select(valid, new, {k: state[k] for k in new})
         outbox = {"act": out, "label": labels, "valid": valid}
         if heads.needs_image:
