@@ -63,7 +63,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
-    # Local modules per device, e.g. [8, 3, 2, 2] (ppll); None: one module per device.
+    # Local modules per device, e.g. [9, 3, 2, 2] (ppll); None: one module per device.
     c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.microbatches = 4  # gpipe
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
@@ -251,7 +251,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if groups is not None and (not isinstance(groups, (list, tuple)) or not groups or any(
             isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
         raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
-                          f"device, e.g. [8, 3, 2, 2]) or None (one module per device)")
+                          f"device, e.g. [9, 3, 2, 2]) or None (one module per device)")
     _check_combinations(config)
     _check_distributed(config.get("distributed", {}) or {})
 

@@ -358,7 +358,7 @@ class AuxHeads:
     def param_counts(self) -> list[dict]:
         """Per module `{'head_params': int, 'decoder_params': int}` (trainable parameters; the
         decoder is InfoPro's reconstruction, counted apart from the classifier)."""
-        params, _ = jax.eval_shape(self.init, jax.random.key(0))
+        params, _ = jax.eval_shape(lambda: self.init(jax.random.key(0)))  # the key too: nothing runs
         counts = []
         for p in params:
             decoder = _count(p.get("decoder", {})) if isinstance(p, dict) else 0
