@@ -33,7 +33,8 @@ Kinds (config `aux_head`, options in `aux_kwargs`; every kind also takes
   BatchNorm, ReLU, 3x3 conv with bias to the image's channels, sigmoid, binary
   cross-entropy against the raw image in [0, 1] (the network's input mapped
   back with `pixel_mean` and `pixel_std`, [0, 1] units per channel, as
-  InfoPro's `_image_restore`). Module j's loss is `ixx_j * reconstruction +
+  InfoPro's `_image_restore`; `build` defaults to 0 and 1, the input taken as
+  the raw image, and `cdpjax.methods.local.setup` fills in the dataset's own). Module j's loss is `ixx_j * reconstruction +
   ixy_j * cross_entropy`, with InfoPro's interpolation over the K-1 heads:
   r_j = j / (K-2) (0 when K = 2), ixx_j = ixx_1 (1 - r_j) + ixx_2 r_j, ixy_j
   likewise from ixy_1 and ixy_2 (defaults: ixy 1 and 1; ixx 1 and 0 with
@@ -68,14 +69,18 @@ Where we differ from the reference code, and why:
   (k^2 out)) (its model-wide loop), every other weight and bias PyTorch's
   default U(+-1/sqrt(fan_in)); BatchNorm scale 1, bias 0.
 - MAN's head (a learnable copy of the next module's blocks plus their EMA) is
-  not provided: no public code of MAN that runs was found (see the project's
-  docs on heads).
+  not provided: the only public code of it found (`resnetInfoPro_EMAPlus.py`
+  in MLAAN's repository) does not run as published (its EMA update reads an
+  `Update_Net` it never builds, its K=4 table of copied blocks is not a list
+  of blocks), and which blocks are copied differs between it and the paper's
+  description. It would also read the next module's weights, a dependency
+  across modules that `ppll` could only serve a tick late.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
