@@ -85,6 +85,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from cdpjax.errors import ConfigError
@@ -131,15 +132,17 @@ def resize_align_corners(x, height: int, width: int):
     """Bilinear resize of `[B, H, W, C]` with corners aligned (PyTorch's `align_corners=True`):
     output pixel i samples the input at i (H-1) / (height-1)."""
 
-    def weights(n_in, n_out):
-        pos = jnp.arange(n_out) * ((n_in - 1) / (n_out - 1)) if n_out > 1 else jnp.zeros((1,))
-        lo = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, n_in - 1)
-        hi = jnp.clip(lo + 1, 0, n_in - 1)
-        frac = (pos - lo)[:, None]
-        return (1 - frac) * jax.nn.one_hot(lo, n_in) + frac * jax.nn.one_hot(hi, n_in)
+    def weights(n_in, n_out):  # [n_out, n_in], a constant of the shapes
+        pos = np.arange(n_out) * ((n_in - 1) / (n_out - 1)) if n_out > 1 else np.zeros(1)
+        lo = np.minimum(np.floor(pos).astype(int), n_in - 1)
+        hi = np.minimum(lo + 1, n_in - 1)
+        w = np.zeros((n_out, n_in))
+        np.add.at(w, (np.arange(n_out), lo), 1 - (pos - lo))
+        np.add.at(w, (np.arange(n_out), hi), pos - lo)
+        return jnp.asarray(w, x.dtype)
 
-    x = jnp.einsum("oh,bhwc->bowc", weights(x.shape[1], height).astype(x.dtype), x)
-    return jnp.einsum("pw,bowc->bopc", weights(x.shape[2], width).astype(x.dtype), x)
+    x = jnp.einsum("oh,bhwc->bowc", weights(x.shape[1], height), x)
+    return jnp.einsum("pw,bowc->bopc", weights(x.shape[2], width), x)
 
 
 def binary_cross_entropy(logits, targets):
