@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                    help="take WORKDIR over even while another live run holds its lock (that run stops at its "
                         "next step); a lock whose run is gone is taken over without it")
     commands = {"train": cmd_train}
-    for name in ("schedule", "bench", "plot", "reproduce"):
+    for name in ("schedule", "bench", "plot", "describe", "reproduce"):
         try:
             module = _subcommand(name)
         except ModuleNotFoundError as e:

@@ -143,9 +143,7 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None) -> 
     labels = jnp.zeros((micro_batch,), jnp.int32)
     head_params = head_state = None
     if heads is not None:
-        from cdpjax.methods.pipeline import _init_heads
-
-        head_params, head_state = _init_heads(heads, jax.random.key(1))
+        head_params, head_state = heads.init(jax.random.key(1))
     fwd, bwd, act, grad, head = [], [], [], [], []
     for j in range(net.num_stages):
         f = jax.jit(lambda p, s, v, j=j: net.apply_stage(j, p, s, v, True)[0])
@@ -161,19 +159,10 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None) -> 
         act.append(float(y.size * y.dtype.itemsize))
         grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
         if heads is not None:
-            step = jax.jit(jax.grad(lambda p, s, v, j=j: _head_loss(heads, j, p, s, v, labels, image), argnums=(0, 2)))
+            step = jax.jit(jax.grad(lambda p, s, v, j=j: heads.loss(j, p, s, v, labels, image)[0], argnums=(0, 2)))
             head.append(median_seconds(step, head_params[j], head_state[j], y, repeats=repeats))
         x = y
     return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad), tuple(head))
-
-
-def _head_loss(heads, j, params, state, features, labels, images):
-    """Stage j's local loss through its head (heads with or without a state)."""
-    import inspect
-
-    if "state" in inspect.signature(heads.loss).parameters:
-        return heads.loss(j, params, state, features, labels, images)[0]
-    return heads.loss(j, params, features, labels, images)[0]
 
 
 def group_by_time(net, heads, devices: int, batch_size: int, repeats: int = 3) -> tuple[int, ...]:

@@ -63,11 +63,13 @@ def _run(method, batches):
 CASES = {
     # model, K, data groups, norm, head, aux_kwargs
     "resnet-K4-dgl-batchnorm": ("resnet_tiny", 4, 1, "batch", "dgl", {"head_lr_scale": 0.5}),
-    "vit-K4-vit": ("vit_tiny", 4, 1, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
-    "resnet-K2xdata2-infopro-reconstruction": ("resnet_tiny", 2, 2, "none", "infopro", {"reconstruction": True}),
+    # Data groups: heads without BatchNorm (with it, ppll's statistics are per data group, local's not).
+    "vit-K4xdata2-vit": ("vit_tiny", 4, 2, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
+    "resnet-K2-infopro-reconstruction": ("resnet_tiny", 2, 1, "none", "infopro", {"reconstruction": True}),
 }
 HEAVY = {
     "resnet-K2-greedy-batchnorm": ("resnet_tiny", 2, 1, "batch", "greedy", {}),
+    "resnet-K3-infopro-batchnorm": ("resnet_tiny", 3, 1, "batch", "infopro", {"arch": "2c2f"}),
     "vit-K2xdata4-greedy": ("vit_tiny", 2, 4, "none", "greedy", {}),
 }
 
@@ -181,9 +183,11 @@ def test_gradient_stops_at_stage_input():
     assert max(jax.tree.leaves(diff)) > 1e-6  # the test would see a gradient arriving
 
 
-def test_head_learning_rate_scale():
-    """With plain SGD the heads' first update scales with head_lr_scale; the bodies' does not."""
-    kw = dict(stages=2, momentum=0.0, weight_decay=0.0, schedule="constant")
+@pytest.mark.parametrize("head", ["greedy", "dgl"])
+def test_head_learning_rate_scale(head):
+    """With plain SGD the heads' first update scales with head_lr_scale; the bodies' does not (also
+    for heads with BatchNorm state)."""
+    kw = dict(stages=2, momentum=0.0, weight_decay=0.0, schedule="constant", head=head)
     batch = _batches(1)[0]
     deltas = []
     for scale in (1.0, 0.25):
@@ -223,25 +227,31 @@ def test_run_ticks_equals_train_steps():
 
 
 def test_heads_fit_their_stages():
-    """Every head kind builds from its stage's output shape and gives a scalar loss (abstractly
-    evaluated: shapes only); the last stage has no head."""
+    """Every head kind builds from its stage's output shape and gives a scalar loss and a state of
+    the structure it started with (abstractly evaluated: shapes only); the last stage has no head."""
     from cdpjax import models
 
     for model, kind, kwargs in [("resnet_tiny", "greedy", {}), ("resnet_tiny", "dgl", {}),
                                 ("resnet_tiny", "infopro", {"reconstruction": True}), ("vit_tiny", "vit", {}),
-                                ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {})]:
+                                ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {}),
+                                ("vit_tiny", "infopro", {"arch": "2c2f"})]:
         net = models.build(_config("local", model, stages=3), (8, 8, 1), 10)
         heads = aux_heads.build(kind, net, 10, kwargs)
-        params = jax.eval_shape(heads.init, jax.random.key(0))
-        assert heads.modules[-1] is None and params[-1] == {}
+        params, state = jax.eval_shape(heads.init, jax.random.key(0))
+        assert heads.modules[-1] is None and params[-1] == {} and state[-1] == {}
         labels, images = jnp.zeros(2, jnp.int32), jnp.ones((2, 8, 8, 1))
         for j, shape in enumerate(heads.feature_shapes[:-1]):
             y = jnp.ones((2, *shape))
-            logits, recon = jax.eval_shape(lambda p, y: heads.modules[j].apply({"params": p}, y), params[j], y)
+            logits, recon = jax.eval_shape(lambda p, s, y: heads.modules[j].apply({"params": p, **s}, y),
+                                           params[j], state[j], y)
             assert logits.shape == (2, 10)
             assert (recon is not None) == bool(kwargs.get("reconstruction"))
-            loss, _ = jax.eval_shape(lambda p, y: heads.loss(j, p, y, labels, images), params[j], y)
-            assert loss.shape == ()
+            if recon is not None:
+                assert recon.shape == (2, 8, 8, 1)  # the image's logits
+            loss, (acc, new_state) = jax.eval_shape(
+                lambda p, s, y: heads.loss(j, p, s, y, labels, images, True), params[j], state[j], y)
+            assert loss.shape == () and acc.shape == ()
+            assert jax.tree.structure(new_state) == jax.tree.structure(state[j])
         assert heads.needs_image == bool(kwargs.get("reconstruction"))
 
 
@@ -255,11 +265,14 @@ def test_vit_head_depths_follow_ppll():
 
 
 def test_infopro_reconstruction_weights_interpolate():
+    """InfoPro's rule over the K-1 heads: r_j = j / (K-2), w_j = w_1 (1 - r_j) + w_2 r_j; the last
+    module trains on plain cross-entropy."""
     from cdpjax import models
 
     net = models.build(_config("local", "resnet_tiny", stages=4), (8, 8, 1), 10)
-    heads = aux_heads.build("infopro", net, 10, {"reconstruction": True, "recon_start": 2.0, "recon_end": 0.0})
-    np.testing.assert_allclose(heads.recon_weights, [2.0, 1.0, 0.0, 0.0])
+    kwargs = {"reconstruction": True, "ixx_1": 2.0, "ixy_1": 0.5, "ixx_2": 0.0, "ixy_2": 1.5}
+    heads = aux_heads.build("infopro", net, 10, kwargs)
+    assert heads.weights == ((2.0, 0.5), (1.0, 1.0), (0.0, 1.5), (0.0, 1.0))
 
 
 def test_adaptive_pool_is_pytorchs():
@@ -268,6 +281,8 @@ def test_adaptive_pool_is_pytorchs():
     grid = np.arange(25.0).reshape(5, 5)  # windows [0, 3) and [2, 5): they overlap on row / column 2
     expect = [[grid[:3, :3].mean(), grid[:3, 2:].mean()], [grid[2:, :3].mean(), grid[2:, 2:].mean()]]
     np.testing.assert_allclose(out, expect)
+    out = aux_heads.adaptive_avg_pool(x, (1, 3))[0, :, :, 0]  # columns [0, 2), [1, 4), [3, 5)
+    np.testing.assert_allclose(out, [[grid[:, :2].mean(), grid[:, 1:4].mean(), grid[:, 3:].mean()]])
 
 
 @pytest.mark.parametrize("changes,mesh_axes,match", [

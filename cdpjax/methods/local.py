@@ -9,14 +9,18 @@ network's own loss), and updates its body and head at once with its own optax
 state. Its output, computed before that update, is handed to stage j+1.
 
 Update rule: theta_j <- opt_j(theta_j, grad_{theta_j} l_j(theta_j; h_{j-1})),
-where theta_j = (body_j, head_j), l_j is stage j's local loss and h_{j-1} the
-stopped output of stage j-1. Bodies and heads use the config's optimizer; the
-heads' learning rate is scaled by `aux_kwargs.head_lr_scale` (via
-`optax.partition`). No gradient crosses a stage boundary.
+where theta_j = (body_j, head_j), l_j is stage j's local loss
+(`cdpjax.models.aux_heads`: its head's loss, weighted as the head's kind
+says) and h_{j-1} the stopped output of stage j-1. Bodies and heads use the
+config's optimizer; the heads' learning rate is scaled by
+`aux_kwargs.head_lr_scale` (via `optax.partition`). No gradient crosses a
+stage boundary. BatchNorm in bodies and heads normalises with the batch's own
+statistics and updates its running averages (`model_state`, `head_state`).
 
 Train state: `{'params': {'body': [per stage], 'head': [per stage]},
-'model_state': [per stage], 'opt_state': [per stage]}`; `export` gives the
-bodies (the plain network), `info['export_heads']` the heads.
+'model_state': [per stage], 'head_state': [per stage], 'opt_state': [per
+stage]}`; `export` gives the bodies (the plain network),
+`info['export_heads']` the heads' parameters.
 """
 from __future__ import annotations
 
@@ -44,22 +48,43 @@ def setup(ctx: Context, method: str, stages=None):
     net = ctx.net(stages=stages)
     if net.num_stages < 2 and method == "ppll":
         raise ConfigError(f"{method} needs at least 2 stages, got stages={cfg.stages!r}")
+    if kind == "infopro" and kwargs.get("reconstruction") and not {"pixel_mean", "pixel_std"} <= set(kwargs):
+        for key, value in pixel_stats(cfg).items():
+            kwargs.setdefault(key, value)
     heads = aux_heads.build(kind, net, ctx.num_classes, kwargs)
     return net, heads, ctx.optimizer(), optim.make(cfg, learning_rate_scale=scale)
 
 
-def stage_grads(net, heads, j, body, head, model_state, x, labels, images=None):
-    """Stage j's local step on input `x`: gradients of its body and head, output, new state, loss, accuracy."""
+def pixel_stats(cfg) -> dict:
+    """`pixel_mean` and `pixel_std` of the config's dataset ([0, 1] units per channel), which
+    map the network's input back to the raw image that InfoPro's decoder reconstructs."""
+    from cdpjax.data import tfds_data
+
+    if cfg.dataset in tfds_data.SPECS:
+        spec = tfds_data.SPECS[cfg.dataset]
+        return {"pixel_mean": spec.mean, "pixel_std": spec.std}
+    if cfg.dataset == "digits":  # read in [0, 1] already, so its normalisation is in pixel units
+        from cdpjax.data.digits import digits
+
+        data = digits()
+        return {"pixel_mean": data.mean, "pixel_std": data.std}
+    raise ConfigError(f"aux_kwargs.reconstruction=True on dataset {cfg.dataset!r}: give aux_kwargs.pixel_mean "
+                      f"and pixel_std (per channel, in [0, 1] pixel units: raw = input * std + mean)")
+
+
+def stage_grads(net, heads, j, body, head, model_state, head_state, x, labels, images=None):
+    """Stage j's local step on input `x`: `(g_body, g_head, y, new_model_state, new_head_state,
+    loss, accuracy)`, the gradients of its body and head on its local loss and its output `y`."""
     x = lax.stop_gradient(x)
 
     def local_loss(body, head):
-        y, new_state = net.apply_stage(j, body, model_state, x, True)
-        loss, acc = heads.loss(j, head, y, labels, images)
-        return loss, (y, new_state, acc)
+        y, new_model_state = net.apply_stage(j, body, model_state, x, True)
+        loss, (acc, new_head_state) = heads.loss(j, head, head_state, y, labels, images, True)
+        return loss, (y, new_model_state, new_head_state, acc)
 
-    (loss, (y, new_state, acc)), (g_body, g_head) = jax.value_and_grad(
+    (loss, (y, new_model_state, new_head_state, acc)), (g_body, g_head) = jax.value_and_grad(
         local_loss, argnums=(0, 1), has_aux=True)(body, head)
-    return g_body, g_head, y, new_state, loss, acc
+    return g_body, g_head, y, new_model_state, new_head_state, loss, acc
 
 
 def build(ctx: Context) -> Method:
@@ -70,25 +95,28 @@ def build(ctx: Context) -> Method:
 
     def init(rng):
         body, model_state = net.init(rng)
-        head = heads.init(jax.random.fold_in(rng, HEADS_KEY))
+        head, head_state = heads.init(jax.random.fold_in(rng, HEADS_KEY))
         params = {"body": body, "head": head}
         opt_state = [tx.init({"body": b, "head": h}) for b, h in zip(body, head)]
-        return jax.device_put({"params": params, "model_state": model_state, "opt_state": opt_state}, device)
+        return jax.device_put({"params": params, "model_state": model_state, "head_state": head_state,
+                               "opt_state": opt_state}, device)
 
     def train_step(state, batch):
         body, head = list(state["params"]["body"]), list(state["params"]["head"])
-        model_state, opt_state = list(state["model_state"]), list(state["opt_state"])
+        model_state, head_state = list(state["model_state"]), list(state["head_state"])
+        opt_state = list(state["opt_state"])
         x, losses, accs = batch["image"], [], []
         for j in range(num_stages):
-            g_body, g_head, y, model_state[j], loss, acc = stage_grads(
-                net, heads, j, body[j], head[j], model_state[j], x, batch["label"], batch["image"])
+            g_body, g_head, y, model_state[j], head_state[j], loss, acc = stage_grads(
+                net, heads, j, body[j], head[j], model_state[j], head_state[j], x, batch["label"], batch["image"])
             theta = {"body": body[j], "head": head[j]}
             theta, opt_state[j] = optim.apply(tx, theta, opt_state[j], {"body": g_body, "head": g_head})
             body[j], head[j] = theta["body"], theta["head"]
             x = y
             losses.append(loss)
             accs.append(acc)
-        new = {"params": {"body": body, "head": head}, "model_state": model_state, "opt_state": opt_state}
+        new = {"params": {"body": body, "head": head}, "model_state": model_state, "head_state": head_state,
+               "opt_state": opt_state}
         metrics = {"loss": losses[-1], "accuracy": accs[-1], "stage_loss": jnp.stack(losses),
                    "stage_accuracy": jnp.stack(accs)}
         return new, metrics

@@ -59,6 +59,7 @@ from cdpjax import carrier as carriers
 from cdpjax import models, optim
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, varying
+from cdpjax.methods.local import stage_grads
 from cdpjax.methods.program import BACKWARD, FORWARD, LOCAL, Program, compile_table
 from cdpjax.timetable import TimeTable
 
@@ -182,7 +183,7 @@ class _Runtime:
         layouts = dict(params=carriers.FlatLayout.from_trees(per_unit(params)),
                        model_state=carriers.FlatLayout.from_trees(per_unit(state)), acts=acts)
         if self.heads is not None:
-            head_params, head_state = jax.eval_shape(lambda k: _init_heads(self.heads, k), jax.random.key(0))
+            head_params, head_state = jax.eval_shape(self.heads.init, jax.random.key(0))
             layouts.update(head=carriers.FlatLayout.from_trees(per_unit(head_params)),
                            head_state=carriers.FlatLayout.from_trees(per_unit(head_state)))
         if self.rules.residuals == "carry":
@@ -350,7 +351,7 @@ class _Runtime:
             grads_body, grads_head, new_states, new_head_states = [], [], [], []
             stage_loss = out["stage_loss"]
             for k, j in enumerate(stages):
-                g_body, g_head, x, s, hs, loss, acc = _stage_grads(
+                g_body, g_head, x, s, hs, loss, acc = stage_grads(
                     self.net, self.heads, j, bodies[k], heads[k], states[k], head_states[k], x, ops["label"],
                     ops["image"])
                 grads_body.append(g_body)
@@ -490,7 +491,7 @@ class _Runtime:
         if self.heads is not None:
             from cdpjax.methods.local import HEADS_KEY
 
-            head_params, head_state = _init_heads(self.heads, jax.random.fold_in(rng, HEADS_KEY))
+            head_params, head_state = self.heads.init(jax.random.fold_in(rng, HEADS_KEY))
             rows["head"] = self.rows(lay.head, per_unit(head_params))
         state = {"rows": rows,
                  "opt": {name: jax.vmap(jax.vmap(tx.init))(rows[name]) for name, tx in self.optimizers.items()},
@@ -685,24 +686,6 @@ class _Runtime:
                       # in-flight micro-batches are rows of a data group's slice only when a step has one
                       state_depends_on_mesh=bool(self.lag) and self.program.microbatches > 1,
                       info=info)
-
-
-def _init_heads(heads, rng):
-    """(params, state) of the heads, per stage (heads without state: empty states)."""
-    out = heads.init(rng)
-    return out if isinstance(out, tuple) else (out, [{} for _ in out])
-
-
-def _stage_grads(net, heads, j, body, head, model_state, head_state, x, labels, images):
-    """`local.stage_grads` with the heads' state threaded through (heads without state keep it)."""
-    import inspect
-
-    from cdpjax.methods.local import stage_grads
-
-    if "head_state" in inspect.signature(stage_grads).parameters:
-        return stage_grads(net, heads, j, body, head, model_state, head_state, x, labels, images)
-    g_body, g_head, y, new_state, loss, acc = stage_grads(net, heads, j, body, head, model_state, x, labels, images)
-    return g_body, g_head, y, new_state, head_state, loss, acc
 
 
 def _grads_in_flight(program: Program) -> bool:

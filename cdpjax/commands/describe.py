@@ -1,0 +1,179 @@
+"""`cdpjax describe`: the model as a run of the config cuts it, without compiling anything.
+
+    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16 --config.module_groups=[9,3,2,2]
+    cdpjax describe --config experiments/configs/ppll_vit.py --json
+
+Per stage (local module): its blocks, parameter count, output shape, activation
+bytes per example (its output, what it hands on), forward FLOPs at batch 1, the
+device it lands on, and its auxiliary head's parameter count (`head_params`; InfoPro's
+decoder apart, `decoder_params`) and forward FLOPs. Users check a split before
+spending GPU hours on it.
+
+Nothing is computed on a device: shapes and parameter counts come from abstract
+evaluation (`jax.eval_shape`) and FLOPs from XLA's cost analysis of lowered,
+never compiled, programs (`cdpjax.models.partition`). The dataset is not read:
+its image shape and class count come from its tensorflow-datasets spec, or from
+building the embedded ones (digits, synthetic).
+
+The device of stage j: on `stage`-axis layouts, device j, or with
+`config.module_groups` (layouts whose table takes it, ppll) the device of its
+group (`cdpjax.layouts.ppll.module_devices`); 0 on data-axis and one-device layouts
+(every device holds every stage).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+JSON_STAGE_KEYS = ("blocks", "params", "output_shape", "activation_bytes", "flops", "device", "head_params",
+                   "decoder_params", "head_flops")
+
+
+def _input_spec(config) -> tuple[tuple[int, ...], int]:
+    """(image shape, classes) of the config's dataset, without reading it."""
+    from cdpjax import data
+    from cdpjax.data import tfds_data
+
+    spec = tfds_data.SPECS.get(config.dataset)
+    if spec is not None:  # building a tfds dataset would require it to be prepared here
+        return tuple(spec.image_shape), spec.num_classes
+    dataset = data.build(config)
+    return tuple(dataset.image_shape), dataset.num_classes
+
+
+def stage_devices(config, num_stages: int) -> list[int]:
+    """The device of each stage as the config's method places it (module docstring)."""
+    from cdpjax.layouts import LAYOUTS
+    from cdpjax.layouts.ppll import module_devices
+
+    layout = LAYOUTS.lookup(config.method)
+    if layout.device_axis != "stage":
+        return [0] * num_stages
+    groups = config.get("module_groups", None)
+    if groups and "module_groups" in layout.table_sizes():
+        return list(module_devices(num_stages, groups))
+    return list(range(num_stages))
+
+
+def _count(tree) -> int:
+    import jax
+
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def _stages(net, heads) -> list[dict]:
+    """Per stage: blocks, parameters, output, activation bytes, FLOPs, head sizes (no device)."""
+    import jax
+
+    from cdpjax.models import partition
+
+    params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
+    outputs = [jax.ShapeDtypeStruct(s, "float32") for s in net.stage_output_shapes(1)]
+    block_flops = partition.block_costs(net.blocks, net.input_shape, "flops")
+    stages = []
+    for j, ((a, b), out, counts) in enumerate(zip(net.bounds, outputs, heads.param_counts())):
+        module = heads.modules[j]
+        # Cost analysis of the head's lowered forward at batch 1, like the blocks' (no compile).
+        head_flops = partition._flops(module, tuple(out.shape)) if module is not None else 0.0
+        stages.append({
+            "stage": j,
+            "blocks": [a, b],
+            "params": _count(params[j]),
+            "output_shape": list(out.shape[1:]),
+            "activation_bytes": math.prod(out.shape[1:]) * out.dtype.itemsize,
+            "flops": int(sum(block_flops[a:b])),
+            "head_params": counts["head_params"],
+            "decoder_params": counts["decoder_params"],
+            "head_flops": int(head_flops),
+        })
+    return stages
+
+
+def describe(config) -> dict:
+    """The config's model as its run cuts it: `{'model', 'method', ..., 'stages': [...], 'devices':
+    [...], 'totals': {...}}` (module docstring; `blocks` is the half-open range [first, last + 1)
+    of block indices, as `StagedNet.bounds`). Validates the config first (ConfigError)."""
+    from cdpjax import checks, layouts, models
+    from cdpjax.models import aux_heads
+
+    checks.validate(config)
+    input_shape, num_classes = _input_spec(config)
+    net = models.build(config, input_shape, num_classes)
+    heads = aux_heads.build(config.aux_head, net, num_classes, dict(config.get("aux_kwargs", {}) or {}))
+    stages = _stages(net, heads)
+    for stage, device in zip(stages, stage_devices(config, net.num_stages)):
+        stage["device"] = device
+    summed = ("params", "flops", "head_params", "decoder_params", "head_flops")
+    per_device = []
+    for d in sorted({s["device"] for s in stages}):
+        mine = [s for s in stages if s["device"] == d]
+        per_device.append({"device": d, "stages": [s["stage"] for s in mine],
+                           **{k: sum(s[k] for s in mine) for k in summed}})
+    groups = config.get("module_groups", None)
+    return {
+        "model": config.model,
+        "method": config.method,
+        "dataset": config.dataset,
+        "input_shape": list(input_shape),
+        "num_classes": num_classes,
+        "mesh": layouts.mesh_for(config),
+        "devices_needed": layouts.devices_needed(config),
+        "partition": config.get("partition", "params"),
+        "aux_head": config.aux_head,
+        "module_groups": list(groups) if groups else None,
+        "num_blocks": len(net.blocks),
+        "stages": stages,
+        "devices": per_device,
+        "totals": {k: sum(s[k] for s in stages) for k in summed},
+    }
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:g}"
+
+
+def format_text(d: dict) -> str:
+    """The description as a table, one row a stage, then the totals."""
+    shape = "x".join(map(str, d["input_shape"]))
+    lines = [f"{d['model']} on {d['dataset']} ({shape}, {d['num_classes']} classes): {len(d['stages'])} stages "
+             f"of {d['num_blocks']} blocks for method {d['method']}, mesh {d['mesh']}, aux head {d['aux_head']}"
+             + (f", module groups {d['module_groups']}" if d["module_groups"] else ""),
+             f"{'stage':>5} {'blocks':>7} {'device':>6} {'params':>9} {'output':>12} {'act/example':>11} "
+             f"{'FLOPs':>9} {'head':>9} {'decoder':>9} {'head FLOPs':>10}"]
+    for s in d["stages"]:
+        a, b = s["blocks"]
+        lines.append(f"{s['stage']:>5} {f'{a}-{b - 1}':>7} {s['device']:>6} {s['params']:>9,} "
+                     f"{'x'.join(map(str, s['output_shape'])):>12} {_si(s['activation_bytes']) + 'B':>11} "
+                     f"{_si(s['flops']):>9} {s['head_params']:>9,} {s['decoder_params']:>9,} "
+                     f"{_si(s['head_flops']):>10}")
+    t = d["totals"]
+    lines.append(f"{'total':>5} {'':>7} {'':>6} {t['params']:>9,} {'':>12} {'':>11} {_si(t['flops']):>9} "
+                 f"{t['head_params']:>9,} {t['decoder_params']:>9,} {_si(t['head_flops']):>10}")
+    if len(d["devices"]) > 1:
+        lines.append("per device: " + "; ".join(
+            f"{e['device']}: stages {e['stages']}, {_si(e['flops'] + e['head_flops'])} FLOPs with heads"
+            for e in d["devices"]))
+    lines.append("blocks: first-last block index; FLOPs: forward at batch 1 (XLA cost analysis); "
+                 "act/example: the stage's output for one example")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("describe", help="the model as the config's run cuts it (no compile, no device)")
+    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default)")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+    return p
+
+
+def run(args, overrides=()) -> int:
+    from cdpjax.cli import _load
+
+    d = describe(_load(args, overrides))
+    print(json.dumps(d) if args.json else format_text(d))
+    return 0
+
+
+__all__ = ["JSON_STAGE_KEYS", "add_parser", "describe", "format_text", "run", "stage_devices"]

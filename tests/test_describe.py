@@ -1,0 +1,130 @@
+"""`cdpjax describe`: the model as the run cuts it, for every registered model and every paper
+config, without compiling; its figures against ResNet-32's layer list written out here."""
+import glob
+import json
+import os
+
+import pytest
+
+from cdpjax import cli, models
+from cdpjax.commands.describe import JSON_STAGE_KEYS, describe
+from cdpjax.config import default_config, load_file
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+PAPER_CONFIGS = sorted(glob.glob(os.path.join(CONFIGS, "ppll_*.py")) + glob.glob(os.path.join(CONFIGS, "cdp_*.py")))
+
+
+def _cli(argv, capsys):
+    rc = cli.main(["describe", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _check_stages(d):
+    assert d["stages"], d
+    for j, s in enumerate(d["stages"]):
+        assert set(JSON_STAGE_KEYS) <= set(s) and s["stage"] == j
+        a, b = s["blocks"]
+        assert a < b and s["params"] >= 0 and s["flops"] > 0 and s["activation_bytes"] == 4 * _prod(s["output_shape"])
+    assert [s["blocks"][1] for s in d["stages"]][-1] == d["num_blocks"]
+    assert all(x["blocks"][1] == y["blocks"][0] for x, y in zip(d["stages"], d["stages"][1:]))  # contiguous
+    assert d["stages"][-1]["output_shape"] == [d["num_classes"]] and d["stages"][-1]["head_params"] == 0
+
+
+def _prod(shape):
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+@pytest.mark.parametrize("model", sorted(models.REGISTRY))
+def test_every_registered_model(model, compiles):
+    c = default_config()
+    c.method, c.model, c.stages = "local", model, 2
+    d = describe(c)
+    _check_stages(d)
+    assert d["model"] == model and d["input_shape"] == [8, 8, 1] and len(d["stages"]) == 2
+    assert not [e for e in compiles if e[0] == "backend"], compiles  # abstract evaluation and lowering only
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=os.path.basename)
+def test_every_paper_config(path, capsys, compiles):
+    rc, out, err = _cli(["--config", path, "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    _check_stages(d)
+    c = load_file(path)
+    assert (d["model"], d["method"], d["dataset"]) == (c.model, c.method, c.dataset)
+    assert not [e for e in compiles if e[0] == "backend"], compiles
+
+
+def _resnet32_params():
+    """PyTorch's ResNet-32 of InfoPro (projection shortcuts): conv k*k*cin*cout, BN 2c, linear (in+1)*out."""
+    def conv(k, cin, cout):
+        return k * k * cin * cout
+
+    def block(cin, cout):  # conv-BN-ReLU-conv-BN (+ 1x1 conv-BN shortcut where the shape changes)
+        own = conv(3, cin, cout) + 2 * cout + conv(3, cout, cout) + 2 * cout
+        return own + (conv(1, cin, cout) + 2 * cout if cin != cout else 0)
+
+    blocks = [conv(3, 3, 16) + 2 * 16]  # the stem
+    for cin, cout in ((16, 16), (16, 32), (32, 64)):
+        blocks += [block(cin, cout)] + [block(cout, cout)] * 4
+    return blocks + [(64 + 1) * 10]
+
+
+def test_ppll_resnet32_k4_as_infopro_cuts_it(capsys):
+    """K = 4: InfoPro's cuts after [stage 1, block 2], [stage 2, block 1], [stage 3, block 0];
+    module parameters from the layer list; InfoPro's 1c2f heads and decoders (widths 32/64/64,
+    FC 128); one module per device."""
+    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4", "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    per_block = _resnet32_params()
+    assert [s["blocks"] for s in d["stages"]] == [[0, 4], [4, 8], [8, 12], [12, 17]]
+    assert [s["params"] for s in d["stages"]] == [sum(per_block[a:b]) for a, b in ((0, 4), (4, 8), (8, 12), (12, 17))]
+    assert d["totals"]["params"] == 466_906
+    assert [s["output_shape"] for s in d["stages"]] == [[32, 32, 16], [16, 16, 32], [8, 8, 64], [10]]
+    assert [s["activation_bytes"] for s in d["stages"]] == [4 * 32 * 32 * 16, 4 * 16 * 16 * 32, 4 * 8 * 8 * 64, 40]
+    head = [9 * c * w + 2 * w + (w + 1) * 128 + 129 * 10 for c, w in ((16, 32), (32, 64), (64, 64))]
+    decoder = [9 * c * 12 + 12 + 2 * 12 + 9 * 12 * 3 + 3 for c in (16, 32, 64)]
+    assert [s["head_params"] for s in d["stages"]] == head + [0]
+    assert [s["decoder_params"] for s in d["stages"]] == decoder + [0]
+    assert [s["device"] for s in d["stages"]] == [0, 1, 2, 3]
+    rc, out, _ = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4"], capsys)
+    assert rc == 0 and "466,906" in out and "decoder" in out
+
+
+def test_module_groups_place_several_modules_on_a_device(capsys):
+    path = os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=16"
+    rc, out, err = _cli(["--config", path, "--config.module_groups=[9,3,2,2]", "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [s["device"] for s in d["stages"]] == [0] * 9 + [1] * 3 + [2] * 2 + [3] * 2
+    assert d["mesh"] == {"stage": 4} and [e["stages"] for e in d["devices"]][1] == [9, 10, 11]
+    assert d["devices"][0]["params"] == sum(s["params"] for s in d["stages"][:9])
+
+
+def test_data_axis_and_one_device_methods_put_every_stage_on_device_0():
+    for method in ("dp", "cdp-v2", "e2e"):
+        c = default_config()
+        c.method = method
+        assert {s["device"] for s in describe(c)["stages"]} == {0}
+    c.method = "gpipe"
+    assert [s["device"] for s in describe(c)["stages"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--config.module_groups=[2,1]"], "module_groups=\\[2, 1\\] must be positive and add up to the 4"),
+    (["--config.module_groups=[0,4]"], "module_groups=\\[0, 4\\] must be a list of positive integers"),
+    (["--config.model=resnet9"], "resnet9"),
+    (["--config.aux_head=vit", "--config.method=ppll"], "token outputs"),
+])
+def test_bad_input_exits_2_with_one_line(argv, match, capsys, compiles):
+    rc, out, err = _cli(["--config.method=ppll", *argv], capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    import re
+
+    assert re.search(match, err), err
+    assert not [e for e in compiles if e[0] == "backend"], compiles

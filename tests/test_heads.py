@@ -1,0 +1,257 @@
+"""The auxiliary heads of the literature, checked against the reference implementations.
+
+Parameter counts are derived in each test from the reference's own layer list
+(InfoPro-Pytorch `networks/auxiliary_nets.py`, DGL `auxiliary_nets_study/models.py`),
+written out here with PyTorch's counting rules, never read from our modules; loss
+weights from InfoPro's interpolation rule written out here; the losses from cases small
+enough to compute by hand. Then: every head trains on digits under `local`.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from cdpjax import models
+from cdpjax.config import default_config
+from cdpjax.errors import ConfigError
+from cdpjax.models import aux_heads
+from cdpjax.models.partition import infopro_points
+
+CIFAR = (32, 32, 3)
+
+
+# PyTorch's parameter counts of the reference layers.
+def conv(k, cin, cout, bias=False):
+    return k * k * cin * cout + (cout if bias else 0)
+
+
+def bn(c):  # weight and bias (running statistics are buffers, not parameters)
+    return 2 * c
+
+
+def linear(i, o):
+    return (i + 1) * o
+
+
+def infopro_classifier(arch, c, classes=10, feature_dim=128):
+    """InfoPro's AuxClassifier(inplanes=c, net_config=arch, loss_mode='cross_entropy'), widen 1."""
+    width = {16: 32, 32: 64, 64: 64}[c]
+    return {
+        "0c1f": linear(c, classes),
+        "0c2f": linear(c, feature_dim) + linear(feature_dim, classes),
+        "1c1f": conv(3, c, width) + bn(width) + linear(width, classes),
+        "1c2f": conv(3, c, width) + bn(width) + linear(width, feature_dim) + linear(feature_dim, classes),
+        "1c3f": conv(3, c, width) + bn(width) + linear(width, feature_dim) + linear(feature_dim, feature_dim)
+        + linear(feature_dim, classes),
+        "2c2f": conv(3, c, width) + bn(width) + conv(3, width, width) + bn(width) + linear(width, feature_dim)
+        + linear(feature_dim, classes),
+    }[arch]
+
+
+def infopro_decoder(c, image_channels=3):
+    """InfoPro's Decoder(inplanes=c): conv3x3 (bias) to 12, BN, ReLU, conv3x3 (bias) to 3, sigmoid."""
+    return conv(3, c, 12, bias=True) + bn(12) + conv(3, 12, image_channels, bias=True)
+
+
+def dgl_mlp_sr(c, classes=10, n_lin=3, mlp_layers=3):
+    """DGL's auxillary_classifier2(input_features=c, n_lin=3, mlp_layers=3) as its forward uses it:
+    n_lin x (conv1x1 no bias, BN2d), mlp_layers x (Linear 4c -> 4c, BN1d), Linear 4c -> classes.
+    (The module also builds `self.bn = BatchNorm2d(c)`, 2c parameters its forward never uses
+    when mlp_layers > 0; ours leaves it out.)"""
+    return n_lin * (conv(1, c, c) + bn(c)) + mlp_layers * (linear(4 * c, 4 * c) + bn(4 * c)) + linear(4 * c, classes)
+
+
+def resnet32(k, norm="batch"):
+    c = ml_collections.ConfigDict({"model": "resnet32", "model_kwargs": {}, "norm": norm,
+                                   "stages": infopro_points(k), "partition": "params"})
+    return models.build(c, CIFAR, 10)
+
+
+def counts(heads):
+    return ([c["head_params"] for c in heads.param_counts()], [c["decoder_params"] for c in heads.param_counts()])
+
+
+@pytest.mark.parametrize("arch", aux_heads.INFOPRO_ARCHS)
+def test_infopro_heads_have_the_reference_parameters(arch):
+    """ResNet-32 at K = 4 (InfoPro's cuts: module outputs of 16, 32, 64 channels): classifier and
+    decoder sizes of InfoPro's layer lists; the last module has no head."""
+    heads = aux_heads.build("infopro", resnet32(4), 10, {"arch": arch, "reconstruction": True})
+    assert [s[-1] for s in heads.feature_shapes] == [16, 32, 64, 10]
+    head, decoder = counts(heads)
+    assert head == [infopro_classifier(arch, c) for c in (16, 32, 64)] + [0]
+    assert decoder == [infopro_decoder(c) for c in (16, 32, 64)] + [0]
+
+
+def test_dgl_and_greedy_heads_have_the_reference_parameters():
+    net = resnet32(4)
+    assert counts(aux_heads.build("dgl", net, 10))[0] == [dgl_mlp_sr(c) for c in (16, 32, 64)] + [0]
+    assert counts(aux_heads.build("dgl", net, 10, {"n_lin": 1, "mlp_layers": 0}))[0] == [
+        conv(1, c, c) + bn(c) + bn(c) + linear(4 * c, 10) for c in (16, 32, 64)] + [0]  # BN on the 2x2 map
+    assert counts(aux_heads.build("greedy", net, 10))[0] == [linear(c, 10) for c in (16, 32, 64)] + [0]
+
+
+def test_vit_heads_are_fresh_encoder_blocks():
+    """PPLL's ViT head: blocks[j] pre-norm encoder blocks of the network's width, LayerNorm, linear."""
+    c = ml_collections.ConfigDict({"model": "vit_tiny", "model_kwargs": {}, "norm": "none", "stages": 4,
+                                   "partition": "blocks"})
+    net = models.build(c, (8, 8, 1), 10)
+    d, mlp = 32, 64  # vit_tiny: 32 wide, MLP 64
+    block = 2 * bn(d) + 4 * linear(d, d) + linear(d, mlp) + linear(mlp, d)  # 2 LayerNorms, q k v o, MLP
+    expect = [depth * block + bn(d) + linear(d, 10) for depth in aux_heads.PPLL_VIT_BLOCKS[:3]] + [0]
+    assert counts(aux_heads.build("vit", net, 10))[0] == expect
+
+
+def _shapes_of(module, features, name):
+    """Output shape of each submodule call whose name starts with `name` (flax's intermediates)."""
+    variables = jax.eval_shape(module.init, jax.random.key(0), features)
+    _, found = jax.eval_shape(lambda v, y: module.apply(v, y, capture_intermediates=True, mutable=["intermediates"]),
+                              variables, features)
+    inner = found["intermediates"]
+    for part in ("classifier",):
+        inner = inner.get(part, inner)
+    return [v["__call__"][0].shape for k, v in sorted(inner.items()) if k.startswith(name)]
+
+
+def test_head_convolutions_follow_the_references():
+    """InfoPro: the first conv has stride 2 on 16 and 32 channels, 1 on 64 (widths 32, 64, 64).
+    DGL: pool to ceil(H/4), 1x1 convs keep the channels."""
+    heads = aux_heads.build("infopro", resnet32(4), 10, {"arch": "2c2f"})
+    dgl = aux_heads.build("dgl", resnet32(4), 10)
+    expect_infopro = [[(1, 16, 16, 32)] * 2, [(1, 8, 8, 64)] * 2, [(1, 8, 8, 64)] * 2]
+    expect_dgl = [[(1, 8, 8, 16)] * 3, [(1, 4, 4, 32)] * 3, [(1, 2, 2, 64)] * 3]
+    for j, shape in enumerate(heads.feature_shapes[:-1]):
+        y = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
+        assert _shapes_of(heads.modules[j], y, "Conv") == expect_infopro[j]
+        assert _shapes_of(dgl.modules[j], y, "Conv") == expect_dgl[j]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8, 16])
+def test_infopro_loss_weights_interpolate_as_infopro(k):
+    """InfoPro's forward: for local module i = 0..K-2, ratio = i / (K-2) if K > 2 else 0,
+    ixx = ixx_1 (1 - ratio) + ixx_2 ratio, ixy likewise; the last module: cross-entropy alone."""
+    ixx_1, ixy_1, ixx_2, ixy_2 = 5.0, 0.05, 0.2, 0.5  # InfoPro's ResNet-32 K=16 command
+    expect = []
+    for i in range(k - 1):
+        ratio = i / (k - 2) if k > 2 else 0
+        expect.append((ixx_1 * (1 - ratio) + ixx_2 * ratio, ixy_1 * (1 - ratio) + ixy_2 * ratio))
+    kwargs = {"reconstruction": True, "ixx_1": ixx_1, "ixy_1": ixy_1, "ixx_2": ixx_2, "ixy_2": ixy_2}
+    weights = aux_heads.infopro_weights(kwargs, k)
+    np.testing.assert_allclose(weights, expect + [(0.0, 1.0)])
+
+
+def test_a_module_without_loss_weight_is_refused():
+    """PPLL's command (5, 0.5, 0, 0) gives the last head (0, 0) once K > 2: that module never trains."""
+    ppll = {"reconstruction": True, "ixx_1": 5, "ixy_1": 0.5, "ixx_2": 0, "ixy_2": 0}
+    assert aux_heads.infopro_weights(ppll, 2) == [(5.0, 0.5), (0.0, 1.0)]
+    with pytest.raises(ConfigError, match="local module 2 of 4 .* never train"):
+        aux_heads.infopro_weights(ppll, 4)
+    with pytest.raises(ConfigError, match="reconstruction is False"):
+        aux_heads.infopro_weights({"ixx_1": 1.0}, 4)
+
+
+def test_binary_cross_entropy_by_hand():
+    logits = jnp.array([0.0, math.log(3.0), -math.log(3.0)])  # sigmoid: 1/2, 3/4, 1/4
+    targets = jnp.array([0.5, 1.0, 0.25])
+    by_hand = [math.log(2.0), -math.log(0.75), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
+    np.testing.assert_allclose(aux_heads.binary_cross_entropy(logits, targets), np.mean(by_hand), rtol=1e-6)
+
+
+def test_resize_aligns_corners_by_hand():
+    """PyTorch's bilinear `align_corners=True`: 2x2 -> 3x3 keeps the corners, midpoints average."""
+    x = jnp.array([[0.0, 1.0], [2.0, 3.0]]).reshape(1, 2, 2, 1)
+    out = aux_heads.resize_align_corners(x, 3, 3)[0, :, :, 0]
+    np.testing.assert_allclose(out, [[0, 0.5, 1], [1, 1.5, 2], [2, 2.5, 3]], atol=1e-6)
+    row = jnp.array([0.0, 3.0, 6.0]).reshape(1, 1, 3, 1)  # 3 -> 4 columns: samples at 0, 2/3, 4/3, 2
+    np.testing.assert_allclose(aux_heads.resize_align_corners(row, 1, 4)[0, 0, :, 0], [0, 2, 4, 6], atol=1e-5)
+
+
+def test_infopro_loss_adds_weighted_reconstruction_and_cross_entropy():
+    """With the classifier's last layer at zero (uniform over 10 classes: CE = ln 10) and the
+    decoder's last conv at weight 0, bias ln 3 (every pixel 3/4), on images whose raw pixels
+    (input * std + mean) are all 1 (BCE = -ln 3/4): loss = ixx ln(4/3) + ixy ln 10."""
+    c = ml_collections.ConfigDict({"model": "resnet_tiny", "model_kwargs": {}, "norm": "none", "stages": 2,
+                                   "partition": "blocks"})
+    net = models.build(c, (8, 8, 1), 10)
+    heads = aux_heads.build("infopro", net, 10, {"reconstruction": True, "ixx_1": 2.0, "ixy_1": 0.5,
+                                                 "pixel_mean": [0.3], "pixel_std": [0.4]})
+    params, state = jax.jit(heads.init)(jax.random.key(0, impl="rbg"))  # rbg: compiles in seconds on CPU
+    head = jax.tree.map(lambda x: x, params[0])
+    last_dense = sorted(k for k in head["classifier"] if k.startswith("TorchDense"))[-1]
+    head["classifier"][last_dense] = jax.tree.map(jnp.zeros_like, head["classifier"][last_dense])
+    last_conv = sorted(k for k in head["decoder"] if k.startswith("Conv"))[-1]
+    head["decoder"][last_conv] = {"kernel": jnp.zeros_like(head["decoder"][last_conv]["kernel"]),
+                                  "bias": jnp.full_like(head["decoder"][last_conv]["bias"], math.log(3.0))}
+    features = jnp.asarray(np.random.default_rng(0).normal(size=(4, *heads.feature_shapes[0])), jnp.float32)
+    images = jnp.full((4, 8, 8, 1), (1.0 - 0.3) / 0.4)
+    loss, (_, new_state) = jax.jit(lambda *a: heads.loss(0, *a, True))(head, state[0], features, jnp.arange(4), images)
+    np.testing.assert_allclose(loss, 2.0 * math.log(4 / 3) + 0.5 * math.log(10.0), rtol=1e-5)
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new_state, state[0])
+    assert max(jax.tree.leaves(moved)) > 0  # BatchNorm's running averages follow the batch
+
+
+def _digits_local(model, head, kwargs, stages=3):
+    from cdpjax import methods
+    from cdpjax.mesh import make_mesh
+
+    c = default_config()
+    c.method, c.model, c.aux_head, c.norm = "local", model, head, "batch" if model.startswith("resnet") else "none"
+    c.stages, c.aux_kwargs, c.global_batch_size = stages, kwargs, 64
+    c.schedule, c.learning_rate = "constant", 0.1
+    return methods.build(methods.Context(c, make_mesh({"data": 1}, jax.devices()[:1]), (8, 8, 1), 10)), c
+
+
+@pytest.mark.parametrize("model,head,kwargs", [
+    ("resnet_tiny", "greedy", {}),
+    ("resnet_tiny", "dgl", {}),
+    ("resnet_tiny", "infopro", {"reconstruction": True, "ixx_1": 1.0, "ixy_1": 1.0}),
+    ("vit_tiny", "vit", {"blocks": (1, 1)}),
+])
+def test_local_trains_on_digits_with_every_head(model, head, kwargs):
+    """40 steps of `local` on digits: every module's local loss goes down by 10% at least, heads'
+    BatchNorm statistics move."""
+    from cdpjax import data
+
+    method, c = _digits_local(model, head, kwargs)
+    dataset = data.build(c)
+    state = method.init(jax.random.key(0, impl="rbg"))  # compiles faster on CPU; any start will do
+    first_head_state = jax.device_get(state["head_state"])
+    losses = []
+    for step in range(40):
+        state, metrics = method.train_step(state, dataset.train_batch(step, 64, 0, augment=False))
+        losses.append(np.asarray(metrics["stage_loss"]))
+    losses = np.array(losses)
+    assert np.all(np.isfinite(losses))
+    start, end = losses[:5].mean(axis=0), losses[-5:].mean(axis=0)
+    assert np.all(end < 0.9 * start), (start, end)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
+                         jax.device_get(state["head_state"]), first_head_state)
+    assert head in ("greedy", "vit") or max(jax.tree.leaves(moved)) > 1e-3
+
+
+def test_reconstruction_needs_pixel_statistics():
+    """The decoder reconstructs raw pixels: a dataset whose statistics cdpjax does not know needs them given."""
+    from cdpjax import methods
+    from cdpjax.mesh import make_mesh
+
+    c = default_config()
+    c.method, c.model, c.aux_head, c.stages, c.dataset = "local", "resnet_tiny", "infopro", 2, "synthetic"
+    c.aux_kwargs = {"reconstruction": True}
+    ctx = methods.Context(c, make_mesh({"data": 1}, jax.devices()[:1]), (8, 8, 1), 10)
+    with pytest.raises(ConfigError, match="pixel_mean"):
+        methods.build(ctx)
+    c.aux_kwargs = {"reconstruction": True, "pixel_mean": 0.5, "pixel_std": 0.25}
+    assert methods.build(ctx).info["heads"].pixel_std == (0.25,)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"arch": "3c1f"}, "arch"),
+    ({"feature_dim": 0}, "feature_dim"),
+    ({"pixel_std": [0.1, 0.2]}, "pixel_std"),
+    ({"ixx_2": -1}, "ixx_2"),
+])
+def test_bad_head_options_are_named(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        aux_heads.build("infopro", resnet32(2, norm="none"), 10, {"reconstruction": True, **kwargs})
