@@ -35,7 +35,7 @@ ppll_accuracy_<model>.png.
 
 Times measured on simulated CPU devices share the same cores: the measured
 ratios show the framework's overhead, not the speedup of real devices
-(DESIGN.md, Measurement); the predicted column is the one to read for that.
+(docs/design.md, "What is measured"); the predicted column is the one to read for that.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Local learning and PPLL.
 
-The central claim (DESIGN.md, "PPLL timing"): PPLL's pipeline over K devices gives
+The central claim (docs/design.md, the ppll table): PPLL's pipeline over K devices gives
 exactly the parameters of sequential local learning on one device after the same
 batches, for stages of different shapes (a ResNet) and for a ViT. Around it: the
 fill ticks must be masked, the gradient stops at every stage's input, the heads'
@@ -290,7 +290,9 @@ def test_adaptive_pool_is_pytorchs():
     ({"aux_kwargs": {"reconstruction": True}, "aux_head": "infopro"}, {"stage": 2}, "image-like"),
     ({"aux_kwargs": {"depth": 3}}, {"stage": 2}, "aux_kwargs.depth"),
     ({"aux_kwargs": {"head_lr_scale": -1.0}}, {"stage": 2}, "head_lr_scale"),
-    ({"stages": 4}, {"stage": 2}, "mesh.stage=2"),
+    ({"stages": 2}, {"stage": 4}, "on one device at most: mesh.stage=4"),
+    ({"stages": 4, "module_groups": [1, 2]}, {"stage": 2}, "add up to the 4 local modules"),
+    ({"stages": 4, "module_groups": [1, 1, 2]}, {"stage": 2}, "runs on 3 stage devices but mesh.stage=2"),
     ({"norm": "batch", "bn_cross_device": True}, {"stage": 2, "data": 2}, "bn_cross_device"),
     ({"global_batch_size": 9}, {"stage": 2, "data": 2}, "global_batch_size=9"),
     ({}, {"data": 2}, "stage"),

@@ -186,3 +186,48 @@ def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys):
         predicted = speedup.predict_for_config(c, 3, 1e15)
         assert "error" not in predicted and predicted["devices"] == 3
     assert "toy-lifo" not in LAYOUTS
+
+
+def test_pipeline_names_appear_only_where_their_layouts_are_defined():
+    """Layout metadata lives in one place: outside its layout module and its builder's module,
+    nothing in cdpjax/ names a stage-axis layout (schedule, bench, speedup, plots read LAYOUTS)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "cdpjax"
+    for name in ("gpipe", "ppll", "cdp-mp", "1f1b", "interleaved-1f1b"):
+        builder = pathlib.Path(*LAYOUTS[name].builder.split(":")[0].split("."))
+        allowed = {root.parent / builder.with_suffix(".py")}
+        allowed |= {p for p in (root / "layouts").glob("*.py") if f'Layout(\n    "{name}"' in p.read_text()
+                    or f'Layout("{name}"' in p.read_text()}
+        naming = {p for p in root.rglob("*.py") if f'"{name}"' in p.read_text()}
+        assert naming <= allowed, (name, sorted(str(p) for p in naming - allowed))
+        assert len(allowed) == 2, (name, allowed)  # its layout module was found
+
+
+@pytest.mark.parametrize("name", sorted(n for n, layout in LAYOUTS.items() if layout.table is not None))
+def test_a_table_survives_json(name, tmp_path, capsys):
+    """`TimeTable.to_json` / `from_json` give back the same table (ops, updates, messages, sizes,
+    layout facts), and `cdpjax schedule --from-json` prints the grid the table itself prints."""
+    from cdpjax.timetable import TimeTable
+
+    t = LAYOUTS[name].make_table()
+    back = TimeTable.from_json(json.dumps(t.to_json()))
+    assert back == t and back.meta == t.meta and back.notes == t.notes
+    path = tmp_path / "t.json"
+    path.write_text(t.dumps())
+    assert main(["schedule", "--from-json", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == t.format_grid().strip()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
+def test_new_layouts_train_from_the_digits_config(name, tmp_path, capsys):
+    """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
+    config names no mesh, the layout's own is taken."""
+    import pathlib
+
+    config = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs" / "digits.py"
+    assert main(["train", "--no-progress", "--workdir", str(tmp_path), "--config", f"{config}:method={name}",
+                 "--config.num_steps=30", "--config.eval_every=0", "--config.checkpoint_every=0"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["method"] == name and summary["test_accuracy"] > 0.3  # digits: chance is 0.1
+    assert summary["mesh"] == {"stage": 4 if name == "1f1b" else 2}

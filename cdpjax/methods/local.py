@@ -38,7 +38,7 @@ from cdpjax.models import aux_heads
 HEADS_KEY = 1 << 20  # folded into the run's key for the heads, so the bodies start as in every other method
 
 
-def setup(ctx: Context, method: str, stages=None):
+def setup(ctx: Context, stages=None):
     """The net, its heads and the body / head optimizers shared by `local` and `ppll`."""
     cfg = ctx.config
     kwargs = dict(cfg.get("aux_kwargs", {}) or {})
@@ -46,8 +46,6 @@ def setup(ctx: Context, method: str, stages=None):
     aux_heads.check_options(kind, kwargs)
     scale = aux_heads.head_lr_scale(kwargs)
     net = ctx.net(stages=stages)
-    if net.num_stages < 2 and method == "ppll":
-        raise ConfigError(f"{method} needs at least 2 stages, got stages={cfg.stages!r}")
     if kind == "infopro" and kwargs.get("reconstruction") and not {"pixel_mean", "pixel_std"} <= set(kwargs):
         for key, value in pixel_stats(cfg).items():
             kwargs.setdefault(key, value)
@@ -88,7 +86,7 @@ def stage_grads(net, heads, j, body, head, model_state, head_state, x, labels, i
 
 
 def build(ctx: Context) -> Method:
-    net, heads, body_tx, head_tx = setup(ctx, "local")
+    net, heads, body_tx, head_tx = setup(ctx)
     tx = optax.partition({"body": body_tx, "head": head_tx}, {"body": "body", "head": "head"})
     device = ctx.mesh.devices.flat[0]
     num_stages = net.num_stages

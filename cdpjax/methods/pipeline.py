@@ -467,9 +467,16 @@ class _Runtime:
         for v in range(self.V):
             apply = x["update"][me, v] & fed[-x["update_rel"][me, v]]
             for name, tx in self.optimizers.items():
-                new, new_opt = optim.apply(tx, rows[name][v], jax.tree.map(lambda a: a[v], opt[name]), grads[name][v])
-                rows[name] = rows[name].at[v].set(jnp.where(apply, new, rows[name][v]))
-                opt[name] = jax.tree.map(lambda a, b: a.at[v].set(jnp.where(apply, b, a[v])), opt[name], new_opt)
+                def step(row, state, grad, tx=tx):
+                    return optim.apply(tx, row, state, grad)
+
+                def keep(row, state, grad):
+                    return row, state
+
+                chunk_opt = jax.tree.map(lambda a: a[v], opt[name])
+                new, new_opt = lax.cond(apply, step, keep, rows[name][v], chunk_opt, grads[name][v])
+                rows[name] = rows[name].at[v].set(new)
+                opt[name] = jax.tree.map(lambda a, b: a.at[v].set(b), opt[name], new_opt)
                 new_grads[name] = new_grads[name].at[v].set(jnp.where(apply, 0.0, new_grads[name][v]))
             if previous is not None:
                 previous = previous.at[v].set(jnp.where(apply, c["rows"]["body"][v], previous[v]))

@@ -55,7 +55,9 @@ def module_groups(ctx: Context, net, heads) -> tuple[int, ...]:
 
 
 def build(ctx: Context) -> Method:
-    net, heads, body_tx, head_tx = setup(ctx, "ppll")
+    net, heads, body_tx, head_tx = setup(ctx)
+    if net.num_stages < 2:
+        raise ConfigError(f"ppll needs at least 2 stages (local modules), got stages={ctx.config.stages!r}")
     groups = module_groups(ctx, net, heads)
     table = ppll_table(stages=net.num_stages, steps=2 * len(groups) + 5,
                        module_groups=groups if len(groups) != net.num_stages else None)
