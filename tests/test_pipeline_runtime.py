@@ -220,14 +220,19 @@ def test_a_table_survives_json(name, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
-def test_new_layouts_train_from_the_digits_config(name, tmp_path, capsys):
+def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""
     import pathlib
 
+    import subprocess
+    import sys
+
     config = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs" / "digits.py"
-    assert main(["train", "--no-progress", "--workdir", str(tmp_path), "--config", f"{config}:method={name}",
-                 "--config.num_steps=30", "--config.eval_every=0", "--config.checkpoint_every=0"]) == 0
+    done = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--no-progress", "--workdir", str(tmp_path),
+                           "--config", f"{config}:method={name}", "--config.num_steps=30", "--config.eval_every=0",
+                           "--config.checkpoint_every=0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == name and summary["test_accuracy"] > 0.3  # digits: chance is 0.1
     assert summary["mesh"] == {"stage": 4 if name == "1f1b" else 2}
