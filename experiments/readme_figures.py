@@ -167,7 +167,8 @@ def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
     first = records[figure.methods[0]]
     head = ["", *figure.methods]
     rows = [[COLUMNS[col][0], *(COLUMNS[col][1](records[m], first) for m in figure.methods)] for col in figure.columns]
-    lines = [f"**{figure.title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    title = figure.title + (f" -- tiny run ({', '.join(figure.tiny)})" if tiny else "")
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", *(f"- {'holds' if b['holds'] else 'FAILS'}: {b['bound']} ({b['value']:.3g}, bound {b['limit']:g}"
                     f"{', timing on shared cores' if b['timing'] else ''})" for b in bounds)]
