@@ -646,8 +646,9 @@ class _Runtime:
                 out.update(stage_loss=metrics["stage_loss"], stage_valid=metrics["stage_valid"])
             return out
 
+        @functools.partial(jax.jit, donate_argnums=0)
         def train_step(state, batch):
-            state, metrics = run(state, batch["image"][None], batch["label"][None], np.ones((1,), bool))
+            state, metrics = self.run(state, batch["image"][None], batch["label"][None], jnp.ones((1,), bool))
             return state, jax.tree.map(lambda a: a[0], summary(metrics))
 
         @functools.partial(jax.jit, donate_argnums=0)
