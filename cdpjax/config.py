@@ -28,6 +28,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = "mlp"
     c.model_kwargs = ml_collections.ConfigDict()  # options of the model builder (mlp: width 128, depth 3)
     c.norm = "none"  # 'batch' | 'group' | 'none' (models that support it)
+    # Computation dtype of the model's layers ('float32' | 'bfloat16'); parameters, optimizer
+    # states and logits stay float32 (mixed precision): see COMPUTE_DTYPES.
+    c.dtype = "float32"
     c.bn_cross_device = True  # BatchNorm statistics over the whole data axis, not per device
     c.dataset = "digits"
     c.data_dir = ""  # tensorflow-datasets data_dir ('' = tfds default)
@@ -94,7 +97,18 @@ _NUMERIC = {
     "workers": (int, 0, None),
     "microbatches": (int, 1, None),
 }
+# config.dtype: the Flax modules' `dtype` (the dtype they compute in), passed by
+# `cdpjax.models.build` to every model factory that takes a `dtype` argument (mlp, the
+# ResNets and ViTs here; for a factory without one, validation refuses 'bfloat16'). Every
+# method honours it: each stage computes in bfloat16, while parameters, optimizer states,
+# BatchNorm statistics, logits and losses stay float32, and so does what crosses a stage
+# boundary (`cdpjax.models.staging.Chain`): the methods that store, stash and send
+# activations in float32 carriers (the CDP `ring`, cdp-zero, cdp-mp, gpipe, ppll) keep doing
+# so, and every method computes the same function (gpipe = e2e holds in bfloat16 too).
+# Auxiliary heads (local, ppll) compute in float32.
+COMPUTE_DTYPES = ("float32", "bfloat16")
 _CHOICES = {
+    "dtype": COMPUTE_DTYPES,
     "norm": ("batch", "group", "none"),
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
