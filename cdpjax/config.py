@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import sys
 from typing import Any, Iterable
 
 import ml_collections
@@ -126,18 +127,31 @@ def load_file(path: str) -> ml_collections.ConfigDict:
 
     `path` may end in `:ARG` (the big_vision convention): the file's `get_config(ARG)`
     is called with that string, for files that hold several variants.
+
+    The file's folder is importable: first on `sys.path` while the file runs, as a
+    script's own folder is, so that `import my_model` finds the `my_model.py` next to it
+    (and registers its model); afterwards it stays on `sys.path`, moved to the end, so that
+    what the model module imports later (in the trainer's later steps) is still found,
+    without the folder's files shadowing installed packages of the same names.
     """
     arg = None
     if not os.path.isfile(path) and ":" in path:
         path, arg = path.rsplit(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
     spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} defines no get_config()")
-    return module.get_config() if arg is None else module.get_config(arg)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"config file {path!r} defines no get_config()")
+        return module.get_config() if arg is None else module.get_config(arg)
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one inserted above
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 def parse_arg(arg: str | None, **defaults) -> dict:
