@@ -183,7 +183,8 @@ def predict_for_config(config, devices: int, bandwidth: float) -> dict:
     mb = config.global_batch_size // per_step
     costs = measure_stage_costs(net, max(mb, 1))
     out = simulate(tbl, costs, bandwidth)
-    out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
+    out.update(method=method, bandwidth=bandwidth, micro_batch=max(mb, 1), stage_forward=costs.forward,
+               stage_backward=costs.backward, activation_bytes=costs.activation_bytes,
                imbalance=float(max(np.add(costs.forward, costs.backward)) / np.mean(np.add(costs.forward, costs.backward))),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
     return out
