@@ -18,7 +18,8 @@ What a CUDA export refuses, and `cuda_problems` reports:
 - a host callback (`jax.pure_callback`, `jax.debug.callback`, `io_callback`):
   not exportable (on a GPU it stalls the device on the host every step anyway);
 - a custom call outside the targets `jax.export` guarantees stable (a CPU-only
-  LAPACK or hand-written kernel called directly).
+  LAPACK or hand-written kernel called directly). Conservative: a hand-written CUDA
+  kernel would be reported too.
 
 What it cannot catch: a failure inside XLA:GPU's own compiler (StableHLO it
 cannot compile, out of memory), and speed; `experiments/gpu_figures.sh` compiles
@@ -33,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 
 def abstract(tree) -> Any:
     """Each array of `tree` as a `jax.ShapeDtypeStruct` with its shape, dtype and sharding."""
