@@ -2,7 +2,8 @@
 trained with cdp-v2 and ppll from Python and from the command line (experiments/own_model/).
 
 The config's folder must be importable for `import my_model` to work: `cdpjax.config.load_file`
-puts it on `sys.path`. Both runs are a few steps (the example's accuracy is in its docstring).
+puts it on `sys.path`. Both runs are a few steps in a fresh process, from another folder (the
+example's accuracy is in its config's docstring).
 """
 import importlib.util
 import json
@@ -52,30 +53,38 @@ def test_config_folder_is_importable_while_it_runs_and_after(tmp_path, clean_imp
     assert sys.path.count(str(folder)) == 1 and sys.path[-1] == str(folder)
 
 
-def _train_from_python():
-    spec = importlib.util.spec_from_file_location("train_from_python", os.path.join(EXAMPLE, "train_from_python.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_example_config_registers_the_users_model(clean_imports):
+    """Loading experiments/own_model/config.py imports my_model.py next to it, which registers the
+    factory; its blocks are the user's, one stage each; the config names no mesh."""
+    config = cfg_lib.load_file(os.path.join(EXAMPLE, "config.py") + ":method=ppll")
+    assert config.model == "my_cnn" and config.method == "ppll" and not dict(config.mesh)
+    blocks = models.REGISTRY["my_cnn"](10, (8, 8, 1))
+    assert [type(b).__name__ for b in blocks] == ["ConvBlock", "ConvBlock", "ConvBlock", "Classify"]
+    assert config.stages == len(blocks)
 
 
-def test_own_model_trains_with_cdp_v2_from_python(tmp_path, clean_imports):
-    """`train_from_python.run`: every device on `data` (cdp-v2's layout), the model the user's."""
-    summary = _train_from_python().run("cdp-v2", 3, str(tmp_path / "cdp-v2"), progress=False)
+def _run(args, cwd):
+    """A fresh process; XLA without LLVM optimisation (a few steps: compiling is the cost)."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_own_model_trains_with_cdp_v2_from_python(tmp_path):
+    """`train_from_python.py`: every device on `data` (cdp-v2's layout: 8 simulated CPU devices)."""
+    _run([os.path.join(EXAMPLE, "train_from_python.py"), "--steps", "3", "--methods", "cdp-v2", "--out",
+          str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "cdp-v2" / "summary.json").read_text())
     assert summary["model"] == "my_cnn" and summary["mesh"] == {"data": 8} and summary["steps"] == 3
     assert np.isfinite(summary["test_loss"])
-    assert [type(b).__name__ for b in models.REGISTRY["my_cnn"](10, (8, 8, 1))] == \
-        ["ConvBlock", "ConvBlock", "ConvBlock", "Classify"]  # the user's blocks: one stage each
 
 
 def test_own_model_trains_with_ppll_from_the_command_line(tmp_path):
     """`cdpjax train --config experiments/own_model/config.py:method=ppll` from another folder: the
     command line simulates the 4 stage devices ppll's layout declares."""
     work = tmp_path / "ppll"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cdpjax.cli", "train", "--config",
-         os.path.join(EXAMPLE, "config.py") + ":method=ppll,steps=3", "--workdir", str(work), "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _run(["-m", "cdpjax.cli", "train", "--config", os.path.join(EXAMPLE, "config.py") + ":method=ppll,steps=3",
+          "--workdir", str(work), "--no-progress"], tmp_path)
     summary = json.loads((work / "summary.json").read_text())
     assert summary["model"] == "my_cnn" and summary["mesh"] == {"stage": 4} and summary["steps"] == 3
+    assert np.isfinite(summary["test_loss"])
