@@ -52,22 +52,31 @@ def abstract_batch(dataset, mesh, method, global_batch_size: int) -> dict:
     return {"image": images, "label": labels}
 
 
-def programs(config, devices=None) -> dict[str, tuple]:
+def programs(config, devices=None, rng=None) -> dict[str, tuple]:
     """The programs the trainer compiles for `config.method`: name -> (jitted function, abstract
     arguments).
 
     `train_step` is the trainer's own step (`cdpjax.train.guarded_step`: the method's step
-    with its finite checks and `export`), `flush` the pipelines' end-of-run flush. The state is
-    the method's `init` on this machine's mesh, made abstract (concrete first: a small config's
-    state is cheap, and its shardings are then exactly those of the trainer's state). A
-    ConfigError of the method's builder propagates.
+    with its finite checks and `export`, skipping as `config.nonfinite` says), `flush` the
+    pipelines' end-of-run flush. The state is the method's `init(rng)` on this machine's mesh,
+    made abstract (concrete first: a small config's state is cheap, and its shardings are then
+    exactly those of the trainer's state). `rng`: a key for `init` other than the trainer's
+    `jax.random.key(config.seed)`, e.g. an `rbg` key, whose initialisers compile faster on CPU
+    (the tests); it gives the trainer's programs as long as the state holds no PRNG key, and
+    where it does, the trainer's key is used instead. A ConfigError of the method's builder
+    propagates.
     """
     from cdpjax import train
 
     dataset, mesh, method = train.setup(config, devices)
-    state = abstract(method.init(jax.random.key(config.seed)))
+    key = jax.random.key(config.seed)
+    state = method.init(key if rng is None else rng)
+    if rng is not None and any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state)):
+        state = method.init(key)  # the keys' implementation is part of the programs
+    state = abstract(state)
     batch = abstract_batch(dataset, mesh, method, config.global_batch_size)
-    out = {"train_step": (train.guarded_step(method, skip=False), (state, batch))}
+    step = train.guarded_step(method, skip=config.get("nonfinite", "stop") == "skip")
+    out = {"train_step": (step, (state, batch))}
     if method.flush is not None:
         out["flush"] = (method.flush if hasattr(method.flush, "lower") else jax.jit(method.flush), (state,))
     return out
@@ -80,13 +89,13 @@ def export(program: tuple, platform: str = "cuda") -> jax.export.Exported:
     return jax.export.export(fn, platforms=[platform])(*args)
 
 
-def cuda_problems(config, devices=None) -> list[str]:
+def cuda_problems(config, devices=None, rng=None) -> list[str]:
     """Why `config.method`'s programs cannot run on CUDA GPUs, one line per program ([] when
     they all lower): the method, the program and the first line of the export's error."""
     from cdpjax.errors import ConfigError
 
     problems = []
-    for name, program in programs(config, devices).items():
+    for name, program in programs(config, devices, rng).items():
         try:
             export(program, "cuda")
         except ConfigError:

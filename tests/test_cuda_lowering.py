@@ -44,11 +44,34 @@ def devices_for(config):
     return jax.devices()[:n] if n else None
 
 
+def cheap_key():
+    """A key whose initialisers compile several times faster on CPU than threefry's (the programs
+    are the same: `lowering.programs` falls back to the trainer's key where the state holds keys)."""
+    return jax.random.key(0, impl="rbg")
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_every_method_lowers_for_cuda(name):
     """The trainer's step (with its finite checks) and, for pipelines, the flush lower for CUDA."""
     config = small_config(name)
-    assert lowering.cuda_problems(config, devices_for(config)) == []
+    assert lowering.cuda_problems(config, devices_for(config), cheap_key()) == []
+
+
+# Options that take other code paths of a method (the data-parallel BatchNorm's cross-device
+# statistics, bfloat16 compute, the CDP simulation, carried residuals, the trainer's skip select).
+VARIANTS = [("dp", {"norm": "batch"}), ("cdp-v2", {"cdp_impl": "simulate"}), ("cdp-mp", {"residuals": "carry"}),
+            ("cdp-v2", {"dtype": "bfloat16"}), ("ppll", {"dtype": "bfloat16", "nonfinite": "skip"})]
+
+
+@pytest.mark.parametrize("name, options", VARIANTS, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_method_options_lower_for_cuda(name, options):
+    if name not in methods.REGISTRY:
+        pytest.skip(f"method {name!r} is not registered")
+    config = small_config(name)
+    for key, value in options.items():
+        config[key] = value
+    assert lowering.cuda_problems(config, devices_for(config), cheap_key()) == []
 
 
 # Weight gradient of an NHWC / HWIO convolution as JAX's transpose rule writes it: the input
@@ -65,8 +88,8 @@ def test_cpu_convolution_lowering_does_not_leak_into_cuda():
     NHWC / HWIO; the CUDA module of the same step keeps JAX's own layouts. A pipeline on a
     ResNet, whose convolutions sit inside `lax.switch` branches of a scan."""
     config = small_config("gpipe", "resnet_tiny")
-    config.model_kwargs = {"depths": (1, 1), "widths": (4, 8)}  # stem, two residual blocks, head
-    step = lowering.programs(config, devices_for(config))["train_step"]
+    config.model_kwargs = {"depths": (1, 1), "widths": (4, 4)}  # stem, two residual blocks, head
+    step = lowering.programs(config, devices_for(config), cheap_key())["train_step"]
     on_cuda = lowering.convolution_layouts(lowering.export(step, "cuda"))
     on_cpu = lowering.convolution_layouts(lowering.export(step, "cpu"))
     assert on_cpu and set(on_cpu) == {CANONICAL}  # the CPU rule is in force in this process
@@ -125,11 +148,33 @@ def test_a_cpu_only_method_is_reported(kind):
         if runs_here:  # the path is CPU-only, not broken
             dataset, mesh, method = train.setup(config)
             batch = train.put_batch(dataset.train_batch(0, 32, 0, False), mesh)
-            _, metrics = method.train_step(method.init(jax.random.key(0)), batch)
+            _, metrics = method.train_step(method.init(cheap_key()), batch)
             assert np.isfinite(float(metrics["loss"]))
-        problems = lowering.cuda_problems(config)
+        problems = lowering.cuda_problems(config, rng=cheap_key())
     assert len(problems) == 1
     assert "'cpu-only-toy': train_step does not lower for CUDA" in problems[0] and words in problems[0]
+
+
+def test_a_state_holding_keys_keeps_the_trainers_key_implementation():
+    """Where the state holds a PRNG key, the exported programs take the trainer's key, not the
+    cheaper one the tests offer (the keys' implementation is part of the programs)."""
+
+    def build(ctx):
+        method = toy_builder(lambda x: x)(ctx)
+
+        def init(rng):  # zeros of the parameters' shapes (no initialiser to compile) and the key
+            params, model_state = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                                               jax.eval_shape(method.net.init, jax.random.key(0)))
+            state = {"params": params, "model_state": model_state, "rng": rng}
+            return jax.device_put(state, NamedSharding(ctx.mesh, P()))
+
+        return Method("keyed-toy", method.net, init, method.train_step, method.export)
+
+    layout = Layout("keyed-toy", build, axes=("data",), device_axis="data")
+    with LAYOUTS.temporarily("keyed-toy", layout):
+        config = small_config("keyed-toy")
+        state, _ = lowering.programs(config, rng=cheap_key())["train_step"][1]
+    assert state["rng"].dtype == jax.random.key(0).dtype != cheap_key().dtype
 
 
 def test_exported_step_has_the_trainers_shardings():
