@@ -9,9 +9,9 @@ runs (`cdpjax.config.load_file`). No mesh and no method list here: each method r
 the mesh its layout declares (`cdpjax.layouts`): cdp-v2 puts every device on `data`
 (8 simulated CPU devices on a machine without GPUs), ppll one device per stage (4).
 
-Expected after 300 steps (2-core CPU, under a minute each): cdp-v2 about 98-99% test
-accuracy, ppll about 94% (local learning through linear auxiliary heads learns more
-slowly than end-to-end training on this small model).
+Expected after 300 steps (any hardware): cdp-v2 about 98-99% test accuracy, ppll about
+94% (local learning through linear auxiliary heads learns more slowly than end-to-end
+training on this small model).
 """
 import my_model  # noqa: F401 - registers "my_cnn"
 
