@@ -10,7 +10,7 @@ the mesh its layout declares (`cdpjax.layouts`): cdp-v2 puts every device on `da
 (8 simulated CPU devices on a machine without GPUs), ppll one device per stage (4).
 
 Expected after 300 steps (any hardware): cdp-v2 about 98-99% test accuracy, ppll about
-94% (local learning through linear auxiliary heads learns more slowly than end-to-end
+95% (local learning through linear auxiliary heads learns more slowly than end-to-end
 training on this small model).
 """
 import my_model  # noqa: F401 - registers "my_cnn"
