@@ -10,7 +10,12 @@ from cdpjax import config as cfg_lib
 from cdpjax.errors import ConfigError
 
 # Arguments a model receives from other config keys, never from model_kwargs.
-MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name")
+MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name", "dtype")
+
+
+def takes_dtype(factory) -> bool:
+    """Whether a model factory declares a `dtype` argument (the computation dtype, `config.dtype`)."""
+    return "dtype" in options(factory)
 
 
 def options(fn, reserved=()) -> set[str]:
@@ -42,8 +47,13 @@ def validate(config) -> None:
     dataset = data.REGISTRY.lookup(config.dataset)
     check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",
                  MODEL_RESERVED)
+    dtype = config.get("dtype", "float32")
+    if dtype != "float32" and not takes_dtype(model):
+        raise ConfigError(f"dtype={dtype!r}: model {config.model!r} computes in float32 only (its factory takes "
+                          f"no `dtype` argument); set --config.dtype=float32 or give the factory a `dtype` "
+                          f"argument that sets its Flax modules' dtype")
     check_kwargs("dataset_kwargs", config.get("dataset_kwargs", {}) or {}, dataset,
                  f"dataset {config.dataset!r}", ("data_dir",))
 
 
-__all__ = ["MODEL_RESERVED", "check_kwargs", "options", "validate"]
+__all__ = ["MODEL_RESERVED", "check_kwargs", "options", "takes_dtype", "validate"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import sys
 from typing import Any, Iterable
 
 import ml_collections
@@ -28,6 +29,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = "mlp"
     c.model_kwargs = ml_collections.ConfigDict()  # options of the model builder (mlp: width 128, depth 3)
     c.norm = "none"  # 'batch' | 'group' | 'none' (models that support it)
+    # Computation dtype of the model's layers ('float32' | 'bfloat16'); parameters, optimizer
+    # states and logits stay float32 (mixed precision): see COMPUTE_DTYPES.
+    c.dtype = "float32"
     c.bn_cross_device = True  # BatchNorm statistics over the whole data axis, not per device
     c.dataset = "digits"
     c.data_dir = ""  # tensorflow-datasets data_dir ('' = tfds default)
@@ -99,7 +103,18 @@ _NUMERIC = {
     "microbatches": (int, 1, None),
     "chunks": (int, 1, None),
 }
+# config.dtype: the Flax modules' `dtype` (the dtype they compute in), passed by
+# `cdpjax.models.build` to every model factory that takes a `dtype` argument (mlp, the
+# ResNets and ViTs here; for a factory without one, validation refuses 'bfloat16'). Every
+# method honours it: each stage computes in bfloat16, while parameters, optimizer states,
+# BatchNorm statistics, logits and losses stay float32, and so does what crosses a stage
+# boundary (`cdpjax.models.staging.Chain`): the methods that store, stash and send
+# activations in float32 carriers (the CDP `ring`, cdp-zero, cdp-mp, gpipe, ppll) keep doing
+# so, and every method computes the same function (gpipe = e2e holds in bfloat16 too).
+# Auxiliary heads (local, ppll) compute in float32.
+COMPUTE_DTYPES = ("float32", "bfloat16")
 _CHOICES = {
+    "dtype": COMPUTE_DTYPES,
     "norm": ("batch", "group", "none"),
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
@@ -117,18 +132,31 @@ def load_file(path: str) -> ml_collections.ConfigDict:
 
     `path` may end in `:ARG` (the big_vision convention): the file's `get_config(ARG)`
     is called with that string, for files that hold several variants.
+
+    The file's folder is importable: first on `sys.path` while the file runs, as a
+    script's own folder is, so that `import my_model` finds the `my_model.py` next to it
+    (and registers its model); afterwards it stays on `sys.path`, moved to the end, so that
+    what the model module imports later (in the trainer's later steps) is still found,
+    without the folder's files shadowing installed packages of the same names.
     """
     arg = None
     if not os.path.isfile(path) and ":" in path:
         path, arg = path.rsplit(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
     spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} defines no get_config()")
-    return module.get_config() if arg is None else module.get_config(arg)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"config file {path!r} defines no get_config()")
+        return module.get_config() if arg is None else module.get_config(arg)
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one inserted above
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 def parse_arg(arg: str | None, **defaults) -> dict:

@@ -220,7 +220,8 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     out = simulate(tbl, costs, bandwidth)
     per_stage = np.array([costs.local(j) for j in range(stages)])
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
-               stage_head=costs.head, heads_timed=bool(costs.head),
+               stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb,
+               activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
     return out

@@ -85,7 +85,7 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 # rate may change; the method only within INTERCHANGEABLE.)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
-               "aux_head", "aux_kwargs", "microbatches", "residuals")
+               "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups")
 
 
 class Interrupted(KeyboardInterrupt):

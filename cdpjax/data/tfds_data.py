@@ -38,8 +38,6 @@ import math
 import os
 
 import numpy as np
-import tensorflow_datasets as tfds
-from PIL import Image
 
 from cdpjax.errors import ConfigError
 from cdpjax.data.base import Dataset, random_crop_flip
@@ -85,6 +83,12 @@ def _prepare_hint(name: str, root: str) -> str:
 
 def _open(name: str, splits: dict[str, str], data_dir: str | None) -> dict:
     """Random-access sources {'train': ..., 'test': ...}, or ConfigError saying how to prepare them."""
+    # Imported here: cdpjax imports without tensorflow-datasets (a GPU image running synthetic benchmarks).
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ConfigError(f"dataset {name!r} is read through tensorflow-datasets, which is not installed "
+                          f"({e}): pip install tensorflow-datasets") from e
     builder = tfds.builder(name, data_dir=data_dir)
     # The variant folder is <root>/<name>/<version>.
     root = os.path.dirname(os.path.dirname(os.fspath(builder.data_dir)))
@@ -127,6 +131,8 @@ def resize_center_crop(image: np.ndarray, resize: int = IMAGENET_RESIZE, crop: i
     """The ImageNet test transform: shorter side to `resize` (bilinear), then the centre `crop` x `crop`."""
     h, w = image.shape[:2]
     nh, nw = (resize, resize * w // h) if h <= w else (resize * h // w, resize)
+    from PIL import Image
+
     resized = np.asarray(Image.fromarray(image).resize((nw, nh), Image.BILINEAR))
     top, left = int(round((nh - crop) / 2)), int(round((nw - crop) / 2))
     return resized[top:top + crop, left:left + crop]
@@ -159,6 +165,8 @@ def random_resized_crop_box(h: int, w: int, rng: np.random.Generator, scale=RRC_
 def random_resized_crop_flip(image: np.ndarray, rng: np.random.Generator, size: int = IMAGENET_CROP) -> np.ndarray:
     """The ImageNet training transform on one uint8 image of any size: float32 [size, size, C]."""
     top, left, ch, cw = random_resized_crop_box(*image.shape[:2], rng)
+    from PIL import Image
+
     out = np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR,
                                                    box=(left, top, left + cw, top + ch)), np.float32)
     return out[:, ::-1] if rng.random() < 0.5 else out

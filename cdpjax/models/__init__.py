@@ -1,9 +1,19 @@
-"""Model registry: each entry returns the model's blocks; `build` cuts them into stages."""
+"""Model registry: each entry returns the model's blocks; `build` cuts them into stages.
+
+A model factory (the README's "Bring your own model") is called with keyword arguments
+`num_classes`, `input_shape` (one example, e.g. (32, 32, 3)), `norm` ('batch' | 'group' |
+'none', the config's), `bn_axis_name` (the mesh axis BatchNorm reduces its statistics over,
+or None), its own options from `config.model_kwargs`, and `dtype` (the computation dtype of
+`config.dtype`, as a JAX dtype) where it declares a `dtype` argument. It returns the list of
+Flax blocks, each called as `block(x, train)`, the last returning logits.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
-from cdpjax.checks import MODEL_RESERVED, check_kwargs
+import jax.numpy as jnp
+
+from cdpjax.checks import MODEL_RESERVED, check_kwargs, takes_dtype
 from cdpjax.models import mlp as _mlp
 from cdpjax.models.partition import split_points
 from cdpjax.models.staging import StagedNet, accuracy, cross_entropy
@@ -16,10 +26,14 @@ register = REGISTRY.register
 
 
 def build(config, input_shape, num_classes, bn_axis_name=None, stages=None) -> StagedNet:
-    """The model named by `config.model`, cut into `config.stages` stages (or `stages`)."""
+    """The model named by `config.model`, cut into `config.stages` stages (or `stages`), computing
+    in `config.dtype` (passed to a factory that takes `dtype`; `checks.validate` refuses
+    'bfloat16' for one that does not)."""
     factory = REGISTRY.lookup(config.model)
     kwargs = dict(config.get("model_kwargs", {}) or {})
     check_kwargs("model_kwargs", kwargs, factory, f"model {config.model!r}", MODEL_RESERVED)
+    if takes_dtype(factory):
+        kwargs["dtype"] = jnp.dtype(config.get("dtype", "float32"))
     blocks = factory(
         num_classes=num_classes,
         input_shape=tuple(input_shape),

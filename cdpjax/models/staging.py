@@ -21,7 +21,13 @@ State = dict  # {'batch_stats': ...} or {}
 
 
 class Chain(nn.Module):
-    """Consecutive blocks applied in order: one stage."""
+    """Consecutive blocks applied in order: one stage.
+
+    Its output is float32 whatever its blocks compute in (`config.dtype`): a stage boundary is
+    where methods store, stash and send activations (the pipelines and the CDP ring in float32
+    carriers), so every method hands the same values from stage to stage and computes the same
+    function whatever its layout.
+    """
 
     blocks: tuple
 
@@ -29,7 +35,7 @@ class Chain(nn.Module):
     def __call__(self, x, train: bool = False):
         for block in self.blocks:
             x = block(x, train)
-        return x
+        return jax.tree.map(lambda y: y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) else y, x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ so it keeps no state and gives the same result however the batch is split.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -30,16 +32,17 @@ class PatchEmbedding(nn.Module):
 
     patch: int
     dim: int
+    dtype: Any = None  # computation dtype (every block here); parameters stay float32
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         p = self.patch
-        x = nn.Conv(self.dim, (p, p), (p, p), padding="VALID", name="projection")(x)
+        x = nn.Conv(self.dim, (p, p), (p, p), padding="VALID", name="projection", dtype=self.dtype)(x)
         b, h, w, d = x.shape
         x = x.reshape(b, h * w, d)
         cls = self.param("cls", nn.initializers.zeros, (1, 1, d))
         x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, d)).astype(x.dtype), x], axis=1)
-        return x + self.param("pos_embedding", nn.initializers.normal(0.02), (1, h * w + 1, d))
+        return x + self.param("pos_embedding", nn.initializers.normal(0.02), (1, h * w + 1, d)).astype(x.dtype)
 
 
 class EncoderBlock(nn.Module):
@@ -47,31 +50,38 @@ class EncoderBlock(nn.Module):
 
     heads: int
     mlp_dim: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         d = x.shape[-1]
-        y = nn.LayerNorm(epsilon=1e-6)(x)
-        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, kernel_init=dense_init)(y, y, deterministic=True)
+        y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, kernel_init=dense_init, dtype=self.dtype)(
+            y, y, deterministic=True)
         x = x + y
-        y = nn.LayerNorm(epsilon=1e-6)(x)
-        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init)(y))
-        return x + nn.Dense(d, kernel_init=dense_init)(y)
+        y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
+        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype)(y))
+        return x + nn.Dense(d, kernel_init=dense_init, dtype=self.dtype)(y)
 
 
 class Head(nn.Module):
+    """Final LayerNorm of the class token and a linear classifier; float32 logits."""
+
     num_classes: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        x = nn.LayerNorm(epsilon=1e-6)(x[:, 0])
-        return nn.Dense(self.num_classes, kernel_init=nn.initializers.truncated_normal(0.02))(x)
+        x = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x[:, 0])
+        dense = nn.Dense(self.num_classes, kernel_init=nn.initializers.truncated_normal(0.02), dtype=self.dtype)
+        return dense(x).astype(jnp.float32)
 
 
 @register("vit")
 def vit(num_classes: int, input_shape, norm: str = "batch", bn_axis_name=None, *, patch: int | None = None,
-        dim: int = 768, depth: int = 12, heads: int = 12, mlp_dim: int | None = None) -> list[nn.Module]:
-    """`depth + 2` blocks. `patch=None`: 4 for inputs of 32x32 or less, else 16; `mlp_dim=None`: 4 * dim."""
+        dim: int = 768, depth: int = 12, heads: int = 12, mlp_dim: int | None = None, dtype=None) -> list[nn.Module]:
+    """`depth + 2` blocks. `patch=None`: 4 for inputs of 32x32 or less, else 16; `mlp_dim=None`: 4 * dim;
+    `dtype`: what every block computes in (None: float32)."""
     del norm, bn_axis_name  # LayerNorm throughout (see the module docstring)
     h, w = input_shape[:2]
     patch = (4 if max(h, w) <= 32 else 16) if patch is None else int(patch)
@@ -82,20 +92,21 @@ def vit(num_classes: int, input_shape, norm: str = "batch", bn_axis_name=None, *
     if depth < 1:
         raise ConfigError(f"ViT depth={depth} must be >= 1")
     mlp_dim = 4 * dim if mlp_dim is None else int(mlp_dim)
-    return [PatchEmbedding(patch, dim)] + [EncoderBlock(heads, mlp_dim) for _ in range(depth)] + [Head(num_classes)]
+    return ([PatchEmbedding(patch, dim, dtype)] + [EncoderBlock(heads, mlp_dim, dtype) for _ in range(depth)]
+            + [Head(num_classes, dtype)])
 
 
 @register("vit_b")
-def vit_b(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None):
+def vit_b(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dtype=None):
     """ViT-B: 768 wide, 12 heads, 12 blocks, MLP 3072 (85.2M parameters at patch 4 on 32x32, 10 classes)."""
-    return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=768, depth=12, heads=12)
+    return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=768, depth=12, heads=12, dtype=dtype)
 
 
 @register("vit_tiny")
 def vit_tiny(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dim=32, depth=4, heads=2,
-             mlp_dim=64):
+             mlp_dim=64, dtype=None):
     """6 blocks by default; patch 2 for inputs up to 16x16, else 4."""
     if patch is None:
         patch = 2 if max(input_shape[:2]) <= 16 else 4
     return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=dim, depth=depth, heads=heads,
-               mlp_dim=mlp_dim)
+               mlp_dim=mlp_dim, dtype=dtype)
