@@ -56,12 +56,14 @@ def test_step_figures_obey_their_definitions(run):
 def test_predictions_obey_the_schedules(run):
     """The ring (N = L = devices workers): every worker runs each stage forward and backward on its
     micro-batch once a step, so a step takes at least the sum over stages, and the same work on one
-    device is N micro-batches. ppll: one batch a tick, no bubble, so a step is the slowest stage
-    (plus at most one activation hop); on one device, every stage once."""
+    device is N micro-batches. ppll: one batch a tick, no bubble, so a step is the slowest stage,
+    its auxiliary head included (plus at most one activation hop); on one device, every stage once."""
     doc, _, _ = run
     devices, bandwidth = doc["settings"]["devices"], doc["settings"]["bandwidth"]
     for r in measured(doc, "prediction"):
         stage = np.add(r["stage_forward"], r["stage_backward"])
+        if r.get("stage_head"):  # local learning: each stage's auxiliary head too
+            stage = stage + np.asarray(r["stage_head"])
         assert len(stage) == devices and r["devices"] == devices
         assert r["speedup"] == pytest.approx(r["sequential_step_seconds"] / r["step_seconds"])
         if r["method"] == "cdp-v2":
