@@ -400,7 +400,8 @@ class _Runtime:
         operands = {"rows": rows, "ms": ms_rows[v], "hs": hs_rows[v] if hs_rows is not None else jnp.zeros((1,)),
                     "x": read("act", a_slot), "label": label, "image": image,
                     "cot": read("cot", c_slot) if "cot" in buf else jnp.zeros_like(read("act", a_slot)),
-                    "residual": read("residual", r_slot)}
+                    "residual": read("residual", r_slot) if "residual" in buf
+                    else jnp.zeros((self.layouts.residual_width,), jnp.float32)}
         index = jnp.where(valid, jnp.where(kind == BACKWARD, 1 + self.U + u, 1 + u), 0)
         out = lax.switch(index, branches, varying(operands, self.axes))
 
@@ -535,8 +536,8 @@ class _Runtime:
             shapes["image"] = ((prog.act_slots, mb, *self.image_shape), jnp.float32)
         if not self.rules.local:
             shapes["cot"] = ((prog.cot_slots, mb, lay.acts.width), jnp.float32)
-        shapes["residual"] = ((prog.residual_slots if self.rules.residuals == "carry" else 1, lay.residual_width),
-                              jnp.float32)
+        if self.rules.residuals == "carry":
+            shapes["residual"] = ((prog.residual_slots, lay.residual_width), jnp.float32)
         return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
 
     def specs(self, state) -> dict:
