@@ -9,7 +9,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import Layout, register
-from cdpjax.layouts.cdp import check_sizes, cdp_table, period_arrays
+from cdpjax.layouts.cdp import check_sizes, cdp_table
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")

@@ -1,0 +1,370 @@
+"""The ring engine: one CDP worker per device, the table's steady-state period unrolled.
+
+Timing and update rule are the table's (`cdpjax.layouts.cdp`): the engine runs the
+`RingProgram` of a rule, 2L ticks from worker 0's start of a step, in ONE
+`shard_map` over the `data` axis, every tick unrolled in Python (compile time grows
+with N and L, never with the number of steps: a `train_step` is one period,
+`run_steps` scans over periods). At tick t each device knows its own op; every op
+present at t is one `lax.cond` on `axis_index == its worker`, whose branches touch
+only that op's buffers, all in their natural shapes (nothing padded, nothing raveled):
+
+- forward of stage j: reads the stage's parameters (the worker's one stored version:
+  the plan applies each update between the worker's last read of the old version and
+  its first of the new), its input (the image for stage 0, else the previous stage's
+  output), writes the next stage's input; with `residuals='carry'` it also keeps the
+  stage's `jax.vjp` residuals; the last stage's forward computes the loss.
+- backward of stage j: recomputes the stage from its stashed input under `jax.vjp`
+  (`residuals='recompute'`) or rebuilds the pullback from the kept residuals on the
+  structure of a template vjp traced in the same branch ('carry', whose FLOPs are
+  then DP's); adds its gradient to the partial sum it received and writes the
+  input's cotangent for the next tick.
+- messages: each 'partial' and 'sum' of the tick is one static `lax.ppermute` whose
+  `perm` holds exactly the (src, dst) pairs that send that stage at that tick, of
+  that stage's real size; a device in no pair sends nothing. No other collective
+  but the psum of the three metric scalars.
+- applies: `lax.cond` per (stage, tick) with an apply; every worker applies the
+  same optax update (`cdpjax.optim.apply`) to its own copy.
+
+Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
+was fed; those a period reads before writing (`RingProgram.live`) are the in-flight
+part of the train state, renamed lag -> lag + 1 at the end of each period. `flush`
+runs `max_lag` periods with nothing fed (their ops idle, their updates masked), so
+that the parameters account for every batch fed; training on after a flush
+restarts the cycle from the flushed parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cdpjax import models, optim
+from cdpjax.layouts.cdp import RingProgram
+from cdpjax.methods.common import Method, varying
+from cdpjax.xla_cpu import use_canonical_cpu_convolutions
+
+AXIS = "data"
+RESIDUALS = ("recompute", "carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A staged net's ops in natural shapes, for micro-batches of `micro` examples.
+
+    inputs[j]: stage j's input shape (inputs[0] the images'); outputs[j]: its output.
+    residuals: per stage, the ShapeDtypeStructs of the leaves a forward keeps for its
+    backward ('carry'; traced inside the shard_map, where they are device-varying).
+    """
+
+    net: Any
+    workers: int
+    micro: int
+    inputs: tuple
+    outputs: tuple
+    residuals: tuple | None = None
+
+    @property
+    def L(self) -> int:
+        return self.net.num_stages
+
+    def run(self, j, p, ms, x, labels):
+        """Stage j on x: (output or the last stage's loss share, (new model state, loss, accuracy))."""
+        y, new_ms = self.net.apply_stage(j, p, ms, x, True)
+        zero = jnp.zeros((), jnp.float32)
+        if j < self.L - 1:
+            return y, (new_ms, zero, zero)
+        loss = models.cross_entropy(y, labels)
+        return loss / self.workers, (new_ms, loss, models.accuracy(y, labels))  # the ring's sum is then the mean
+
+    def vjp(self, j, p, ms, x, labels):
+        """(out, pullback, aux) of stage j; the image (stage 0's input) gets no cotangent."""
+        if j == 0:
+            return jax.vjp(lambda p_: self.run(j, p_, ms, x, labels), p, has_aux=True)
+        return jax.vjp(lambda p_, x_: self.run(j, p_, ms, x_, labels), p, x, has_aux=True)
+
+
+def kept(pullback, p):
+    """A pullback's leaves, its structure, and the indices of the leaves a forward keeps: all
+    but the stage's own parameters (the backward reads those from its worker's copy)."""
+    own = {id(q) for q in jax.tree.leaves(p)}
+    leaves, structure = jax.tree.flatten(pullback)
+    return leaves, structure, [i for i, leaf in enumerate(leaves) if id(leaf) not in own]
+
+
+def make_stages(net, workers: int, micro: int, mesh, residuals: str) -> Stages:
+    outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
+    inputs = ((micro, *net.input_shape), *outputs[:-1])
+    stages = Stages(net, workers, micro, inputs, outputs)
+    if residuals == "recompute":
+        return stages
+    params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    found = []
+
+    def probe():  # traced inside shard_map, with device-varying inputs as in the tick
+        for j in range(net.num_stages):
+            p, s = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype), AXIS), (params[j], state[j]))
+            x = varying(jnp.zeros(inputs[j], jnp.float32), AXIS)
+            labels = varying(jnp.zeros((micro,), jnp.int32), AXIS)
+            leaves, _, keep = kept(stages.vjp(j, p, s, x, labels)[1], p)
+            found.append(tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep))
+        return varying(jnp.zeros((1,)), AXIS)
+
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(), out_specs=P(AXIS), check_vma=True))
+    return dataclasses.replace(stages, residuals=tuple(found))
+
+
+# ------------------------------------------------------------------- the ops
+
+
+def _pick(pred, new, old):
+    """`new` where pred, else `old` (a cond: the device that does not take it keeps its buffer in place)."""
+    return lax.cond(pred, lambda a, b: varying(a, AXIS), lambda a, b: varying(b, AXIS), new, old)
+
+
+def forward_op(stages: Stages, j: int, carry: bool):
+    """Stage j's forward as cond branches over (p, ms, x, labels, old) -> (new, ms, metrics[3]);
+    `old` holds the buffers it writes (the next stage's input 'next', the kept residuals
+    'kept'), which the branch not taken returns as they are."""
+    last = j == stages.L - 1
+
+    def run(p, ms, x, labels, old):
+        new = dict(old)
+        if carry:
+            out, pullback, (ms, loss, acc) = stages.vjp(j, p, ms, x, labels)
+            leaves, _, idx = kept(pullback, p)
+            new["kept"] = tuple(leaves[i] for i in idx)
+        else:
+            out, (ms, loss, acc) = stages.run(j, p, ms, x, labels)
+        if not last:
+            new["next"] = out
+        counted = jnp.ones((), jnp.float32) if last else jnp.zeros((), jnp.float32)
+        metrics = jnp.stack([loss, acc, counted]) if last else jnp.zeros((3,), jnp.float32)
+        return varying((new, ms, metrics), AXIS)
+
+    def skip(p, ms, x, labels, old):
+        return varying((old, ms, jnp.zeros((3,), jnp.float32)), AXIS)
+
+    return run, skip
+
+
+def backward_op(stages: Stages, j: int, carry: bool, start: bool):
+    """Stage j's backward as cond branches over (p, ms, x, kept, seed, labels, partial, cot) ->
+    (partial + its gradient, the input's cotangent); `start`: it begins the partial sum."""
+    last = j == stages.L - 1
+
+    def pullback_of(p, ms, x, keep, labels):
+        if not carry:  # recomputed; BatchNorm's running averages are the forward's to update
+            return stages.vjp(j, p, ms, x, labels)[1]
+        # A template pullback traced here (x a stand-in) gives the structure; its kept leaves
+        # are replaced by the forward's, so the rest of the template is dead code.
+        leaves, structure, idx = kept(stages.vjp(j, p, ms, x, labels)[1], p)
+        for i, leaf in zip(idx, keep):
+            leaves[i] = leaf
+        return jax.tree.unflatten(structure, leaves)
+
+    def run(p, ms, x, keep, seed, labels, partial, cot):
+        seed = varying(jnp.ones((), jnp.float32), AXIS) if last else seed
+        out = pullback_of(p, ms, x, keep, labels)(seed)
+        total = out[0] if start else jax.tree.map(jnp.add, partial, out[0])
+        return varying((total, out[1] if j > 0 else cot), AXIS)
+
+    def skip(p, ms, x, keep, seed, labels, partial, cot):
+        return varying((jax.tree.map(jnp.zeros_like, p) if start else partial, cot), AXIS)
+
+    return run, skip
+
+
+# ------------------------------------------------------------------ the period
+
+
+def _member(me, workers, n):
+    mask = np.zeros((n,), bool)
+    mask[list(workers)] = True
+    return jnp.asarray(mask)[me]
+
+
+def _replace(items, j, value):
+    return [value if k == j else v for k, v in enumerate(items)]
+
+
+def make_period(stages: Stages, program: RingProgram, tx, carry: bool):
+    """The per-device function of one period: (state, images, labels, feeding) -> (state, [3]
+    metric sums). `state` is one worker's: params, opt_state, model_state (per stage), acts
+    (each stage's input), cots (each stage's output cotangent), kept (carry), labels,
+    grads (the in-flight gradient buffers, in `program.live` order), fed (per lag >= 1)."""
+    N, L = program.workers, program.stages
+    fwd = [forward_op(stages, j, carry) for j in range(L)]
+    bwd = {(j, start): backward_op(stages, j, carry, start) for j in range(L) for start in (False, True)}
+
+    def forward(s, j, pred, images, new_labels):
+        x = images if j == 0 else s["acts"][j]
+        labels = new_labels if j == 0 else s["labels"]
+        old = {"next": s["acts"][j + 1]} if j < L - 1 else {}
+        if carry:
+            old["kept"] = s["kept"][j]
+        new, ms, metrics = lax.cond(pred, *fwd[j], s["params"][j], s["model_state"][j], x, labels, old)
+        if j < L - 1:
+            s["acts"] = _replace(s["acts"], j + 1, new["next"])
+        if carry:
+            s["kept"] = _replace(s["kept"], j, new["kept"])
+        if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
+            s["acts"] = _replace(s["acts"], 0, _pick(pred, images, s["acts"][0]))
+            s["labels"] = _pick(pred, new_labels, s["labels"])
+        s["model_state"] = _replace(s["model_state"], j, ms)
+        s["metrics"] = s["metrics"] + metrics
+        return s
+
+    def backward(s, j, pred, start, partial):
+        keep = s["kept"][j] if carry else ()
+        seed = s["cots"][j] if j < L - 1 else jnp.zeros((), jnp.float32)
+        cot = s["cots"][j - 1] if j > 0 else jnp.zeros((), jnp.float32)
+        partial = jnp.zeros((), jnp.float32) if start else partial
+        total, cot = lax.cond(pred, *bwd[(j, start)], s["params"][j], s["model_state"][j], s["acts"][j], keep,
+                              seed, s["labels"], partial, varying(cot, AXIS))
+        if j > 0:
+            s["cots"] = _replace(s["cots"], j - 1, cot)
+        return s, total
+
+    def applies(s, bufs, tk, valid, me, after):
+        for j, lag, workers, when in tk.applies:
+            if when == after:
+                pred = _member(me, workers, N) & valid[lag]
+                p, opt = lax.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
+                                  lambda p, o, g: varying((p, o), AXIS),
+                                  s["params"][j], s["opt_state"][j], bufs[("sum", j, lag)])
+                s["params"], s["opt_state"] = _replace(s["params"], j, p), _replace(s["opt_state"], j, opt)
+        return s
+
+    def tick(s, bufs, tk, valid, me, images, new_labels):
+        for w, kind, j, lag in tk.ops:
+            pred = (me == w) & valid[lag]
+            if kind == "F":
+                s = forward(s, j, pred, images, new_labels)
+                continue
+            start = (w, j) in tk.chain_start
+            s, total = backward(s, j, pred, start, None if start else bufs.pop(("partial", j, lag)))
+            done = (w, j, lag) in tk.completes
+            bufs[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
+        s = applies(s, bufs, tk, valid, me, after=False)
+        for j, lag, pairs in tk.partials:
+            bufs[("partial", j, lag)] = lax.ppermute(bufs[("partial", j, lag)], AXIS, list(pairs))
+        for j, lag, pairs, merge in tk.sums:
+            key = ("sum", j, lag)
+            sent = lax.ppermute(bufs[key], AXIS, list(pairs))
+            # Where another worker still holds its copy, only the receivers take the new one.
+            bufs[key] = _pick(_member(me, [d for _, d in pairs], N), sent, bufs[key]) if merge else sent
+        return applies(s, bufs, tk, valid, me, after=True)
+
+    def period(state, images, new_labels, feeding):
+        me = lax.axis_index(AXIS)
+        s = dict(state)
+        bufs = dict(zip(program.live, s.pop("grads")))
+        valid = [feeding] + [s["fed"][lag - 1] for lag in range(1, program.max_lag + 1)]
+        s["metrics"] = varying(jnp.zeros((3,), jnp.float32), AXIS)
+        for tk in program.ticks:
+            s = tick(s, bufs, tk, valid, me, images, new_labels)
+        # The in-flight buffers go on, their step one call older.
+        s["grads"] = [bufs[(kind, j, lag - 1)] for kind, j, lag in program.live]
+        s["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), s["fed"][:-1]])
+        return s, s.pop("metrics")
+
+    return period
+
+
+# ------------------------------------------------------------------ the method
+
+
+def init_state(net, stages: Stages, program: RingProgram, tx, rng, carry: bool):
+    """One worker's state: every worker starts from the same parameters."""
+    params, model_state = net.init(rng)
+    zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
+    grads = [jax.tree.map(jnp.zeros_like, params[j]) for _, j, _ in program.live]
+    state = {
+        "params": params,
+        "opt_state": [tx.init(p) for p in params],
+        "model_state": model_state,
+        "acts": [zeros(s) for s in stages.inputs],
+        "cots": [zeros(s) for s in stages.outputs[:-1]],
+        "labels": zeros((stages.micro,), jnp.int32),
+        "grads": grads,
+        "fed": jnp.zeros((max(program.max_lag, 1),), bool),
+    }
+    if carry:
+        state["kept"] = [tuple(zeros(a.shape, a.dtype) for a in r) for r in stages.residuals]
+    return state
+
+
+def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info: dict | None = None) -> Method:
+    """The ring `Method` for `program` (one worker per device of the `data` axis)."""
+    use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
+    mesh, tx, N = ctx.mesh, ctx.optimizer(), program.workers
+    batch = int(ctx.config.global_batch_size)
+    micro = batch // N
+    carry = residuals == "carry"
+    stages = make_stages(net, N, micro, mesh, residuals)
+    period = make_period(stages, program, tx, carry)
+    per_worker = NamedSharding(mesh, P(AXIS))
+
+    def squeeze(tree):
+        return jax.tree.map(lambda a: a[0], tree)
+
+    def local_step(state, images, labels, feeding):
+        s, sums = period(squeeze(state), images, labels, feeding)
+        return jax.tree.map(lambda a: a[None], s), _metrics(sums)
+
+    def local_run(state, images, labels, feeding):
+        def one(s, xs):
+            return period(s, *xs)
+
+        s, sums = lax.scan(one, squeeze(state), (images, labels, feeding))
+        return jax.tree.map(lambda a: a[None], s), jax.vmap(_metrics)(sums)
+
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
+                                 out_specs=(P(AXIS), P()), check_vma=True))
+    run = jax.jit(jax.shard_map(local_run, mesh=mesh, in_specs=(P(AXIS), P(None, AXIS), P(None, AXIS), P()),
+                                out_specs=(P(AXIS), P()), check_vma=True))
+
+    def init(rng):
+        state = init_state(net, stages, program, tx, rng, carry)
+        # Every worker holds its own copy of everything: a leading worker axis on `data`.
+        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), state), per_worker)
+
+    def train_step(state, batch):
+        return step(state, batch["image"], batch["label"], True)
+
+    def run_steps(state, batches):
+        """S steps in one program: {'image': [S, B, ...], 'label': [S, B]} -> (state, metrics [S])."""
+        feeding = jnp.ones((batches["label"].shape[0],), bool)
+        return run(state, batches["image"], batches["label"], feeding)
+
+    def flush(state):
+        images = jnp.zeros((batch, *net.input_shape), jnp.float32, device=per_worker)
+        labels = jnp.zeros((batch,), jnp.int32, device=per_worker)
+        for _ in range(program.max_lag):
+            state = step(state, images, labels, False)[0]
+        return state
+
+    newest = program.newest
+
+    def export(state):
+        # Stage j from a worker that has applied all its complete updates; running averages
+        # (EMA, linear) averaged over workers = averaging them every step.
+        params = [jax.tree.map(lambda a, w=newest[j]: a[w], state["params"][j]) for j in range(net.num_stages)]
+        model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
+        return params, model_state
+
+    info = dict(info or {}, impl="ring", residuals=residuals, program=program, period=step, run=run)
+    return Method(name, net, init, train_step, export, flush, table, run_steps=run_steps, carrier=stages,
+                  stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True, info=info)
+
+
+def _metrics(sums):
+    loss, correct, counted = lax.psum(sums, AXIS)  # three scalars: the only all-reduce
+    counted = jnp.maximum(counted, 1.0)
+    return {"loss": loss / counted, "accuracy": correct / counted}
