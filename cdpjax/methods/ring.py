@@ -189,8 +189,69 @@ def _member(me, workers, n):
     return jnp.asarray(mask)[me]
 
 
-def _replace(items, j, value):
-    return [value if k == j else v for k, v in enumerate(items)]
+def _tie(out, dep):
+    """`out` with `dep` (a zero) added to its first leaf: a data dependency."""
+    leaves, tree = jax.tree.flatten(out)
+    leaves[0] = leaves[0] + dep.astype(leaves[0].dtype)
+    return jax.tree.unflatten(tree, leaves)
+
+
+class Buffers:
+    """One worker's buffers by name, each cond that reads them noted, so that a cond writing a
+    buffer in place runs after every cond that read its old value.
+
+    Why: XLA's copy insertion orders a conditional that updates a buffer in place only after
+    the instructions it depends on; a read of the old value by another conditional with no
+    data path to the writer makes it copy the whole buffer (measured: 2x a stage's parameters
+    and momentum per update, and fragmentation). The writer therefore takes a zero made from
+    each reader's output (`where(isfinite(x), x, 0) * 0`, which no simplifier folds) and adds
+    it to its first output in the branch that computes: exact, and NaN-safe.
+    """
+
+    def __init__(self, values: dict):
+        self.values = dict(values)
+        self.readers: dict = {}
+
+    def __getitem__(self, name):
+        return self.values[name]
+
+    def __setitem__(self, name, value):
+        self.values[name] = value
+        self.readers.pop(name, None)
+
+    def cond(self, pred, run, skip, operands, reads=(), writes=()):
+        """`lax.cond(pred, run, skip, *operands)`, ordered after the readers of `writes`; its
+        outputs are noted as readers of `reads`."""
+        deps = [d for name in writes for d in self.readers.pop(name, [])] if _OPTS.get("deps", True) else []
+        if deps:
+            dep = sum(deps[1:], deps[0])
+            out = lax.cond(pred, lambda d, *ops: _tie(run(*ops), d), lambda d, *ops: skip(*ops), dep, *operands)
+        else:
+            out = lax.cond(pred, run, skip, *operands)
+        self.note(reads, out)
+        return out
+
+    def barrier(self):
+        """Ends a tick: nothing of the next tick is scheduled before everything of this one
+        (XLA would otherwise interleave ticks and stretch the in-flight buffers' lives)."""
+        names = list(self.values)
+        values = lax.optimization_barrier([self.values[n] for n in names])
+        self.values = dict(zip(names, values))
+        self.readers = {}
+
+    def note(self, names, out):
+        if not names:
+            return
+        x = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+        zero = jnp.where(jnp.isfinite(x), x, 0.0) * 0.0
+        for name in names:
+            self.readers.setdefault(name, []).append(zero)
+
+
+def _pick(bufs: Buffers, pred, name, new):
+    """Buffer `name` becomes `new` where pred; elsewhere it stays, in place."""
+    bufs[name] = bufs.cond(pred, lambda a, b: varying(a, AXIS), lambda a, b: varying(b, AXIS), (new, bufs[name]),
+                           writes=(name,))
 
 
 def make_period(stages: Stages, program: RingProgram, tx, carry: bool):
@@ -201,80 +262,145 @@ def make_period(stages: Stages, program: RingProgram, tx, carry: bool):
     N, L = program.workers, program.stages
     fwd = [forward_op(stages, j, carry) for j in range(L)]
     bwd = {(j, start): backward_op(stages, j, carry, start) for j in range(L) for start in (False, True)}
+    zero = lambda: varying(jnp.zeros((), jnp.float32), AXIS)  # noqa: E731
 
-    def forward(s, j, pred, images, new_labels):
-        x = images if j == 0 else s["acts"][j]
-        labels = new_labels if j == 0 else s["labels"]
-        old = {"next": s["acts"][j + 1]} if j < L - 1 else {}
+    def forward(b, j, pred, images, new_labels):
+        x = images if j == 0 else b[("acts", j)]
+        labels = new_labels if j == 0 else b[("labels",)]
+        writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
+        old = {"next": b[("acts", j + 1)]} if j < L - 1 else {}
         if carry:
-            old["kept"] = s["kept"][j]
-        new, ms, metrics = lax.cond(pred, *fwd[j], s["params"][j], s["model_state"][j], x, labels, old)
+            old["kept"] = b[("kept", j)]
+        reads = [("params", j), ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
+        new, ms, metrics = b.cond(pred, *fwd[j], (b[("params", j)], b[("ms", j)], x, labels, old), reads, writes)
         if j < L - 1:
-            s["acts"] = _replace(s["acts"], j + 1, new["next"])
+            b[("acts", j + 1)] = new["next"]
         if carry:
-            s["kept"] = _replace(s["kept"], j, new["kept"])
+            b[("kept", j)] = new["kept"]
+        b[("ms", j)] = ms
+        b[("metrics",)] = b[("metrics",)] + metrics
         if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
-            s["acts"] = _replace(s["acts"], 0, _pick(pred, images, s["acts"][0]))
-            s["labels"] = _pick(pred, new_labels, s["labels"])
-        s["model_state"] = _replace(s["model_state"], j, ms)
-        s["metrics"] = s["metrics"] + metrics
-        return s
+            _pick(b, pred, ("acts", 0), images)
+            _pick(b, pred, ("labels",), new_labels)
 
-    def backward(s, j, pred, start, partial):
-        keep = s["kept"][j] if carry else ()
-        seed = s["cots"][j] if j < L - 1 else jnp.zeros((), jnp.float32)
-        cot = s["cots"][j - 1] if j > 0 else jnp.zeros((), jnp.float32)
-        partial = jnp.zeros((), jnp.float32) if start else partial
-        total, cot = lax.cond(pred, *bwd[(j, start)], s["params"][j], s["model_state"][j], s["acts"][j], keep,
-                              seed, s["labels"], partial, varying(cot, AXIS))
+    def backward(b, j, pred, start, lag):
+        name = ("partial", j, lag)
+        partial = zero() if start else b[name]
+        keep = b[("kept", j)] if carry else ()
+        seed = b[("cots", j)] if j < L - 1 else zero()
+        cot = b[("cots", j - 1)] if j > 0 else zero()
+        reads = [("params", j), ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
+            + ([("cots", j)] if j < L - 1 else [])
+        writes = ([("cots", j - 1)] if j > 0 else []) + ([] if start else [name])
+        total, cot = b.cond(pred, *bwd[(j, start)],
+                            (b[("params", j)], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)], partial, cot),
+                            reads, writes)
         if j > 0:
-            s["cots"] = _replace(s["cots"], j - 1, cot)
-        return s, total
+            b[("cots", j - 1)] = cot
+        return total
 
-    def applies(s, bufs, tk, valid, me, after):
+    def update(p, o, g, j):
+        return varying(optim.apply(tx, p, o, g), AXIS)
+
+    def applies(b, tk, valid, me, after):
         for j, lag, workers, when in tk.applies:
             if when == after:
                 pred = _member(me, workers, N) & valid[lag]
-                p, opt = lax.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                                  lambda p, o, g: varying((p, o), AXIS),
-                                  s["params"][j], s["opt_state"][j], bufs[("sum", j, lag)])
-                s["params"], s["opt_state"] = _replace(s["params"], j, p), _replace(s["opt_state"], j, opt)
-        return s
+                p, o = b.cond(pred, lambda p, o, g, j=j: update(p, o, g, j), lambda p, o, g: varying((p, o), AXIS),
+                              (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
+                              reads=[("sum", j, lag)], writes=[("params", j), ("opt", j)])
+                b[("params", j)], b[("opt", j)] = p, o
 
-    def tick(s, bufs, tk, valid, me, images, new_labels):
-        for w, kind, j, lag in tk.ops:
+    def tick(b, tk, valid, me, images, new_labels):
+        for w, kind, j, lag in _op_order(tk):
             pred = (me == w) & valid[lag]
             if kind == "F":
-                s = forward(s, j, pred, images, new_labels)
+                forward(b, j, pred, images, new_labels)
                 continue
-            start = (w, j) in tk.chain_start
-            s, total = backward(s, j, pred, start, None if start else bufs.pop(("partial", j, lag)))
+            total = backward(b, j, pred, (w, j) in tk.chain_start, lag)
             done = (w, j, lag) in tk.completes
-            bufs[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
-        s = applies(s, bufs, tk, valid, me, after=False)
+            b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
+        applies(b, tk, valid, me, after=False)
         for j, lag, pairs in tk.partials:
-            bufs[("partial", j, lag)] = lax.ppermute(bufs[("partial", j, lag)], AXIS, list(pairs))
+            b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
         for j, lag, pairs, merge in tk.sums:
             key = ("sum", j, lag)
-            sent = lax.ppermute(bufs[key], AXIS, list(pairs))
-            # Where another worker still holds its copy, only the receivers take the new one.
-            bufs[key] = _pick(_member(me, [d for _, d in pairs], N), sent, bufs[key]) if merge else sent
-        return applies(s, bufs, tk, valid, me, after=True)
+            sent = lax.ppermute(b[key], AXIS, list(pairs))
+            if merge:  # another worker still holds its copy: only the receivers take the new one
+                _pick(b, _member(me, [d for _, d in pairs], N), key, sent)
+            else:
+                b[key] = sent
+        applies(b, tk, valid, me, after=True)
+
+    dead = _dead_after(program)
 
     def period(state, images, new_labels, feeding):
         me = lax.axis_index(AXIS)
-        s = dict(state)
-        bufs = dict(zip(program.live, s.pop("grads")))
-        valid = [feeding] + [s["fed"][lag - 1] for lag in range(1, program.max_lag + 1)]
-        s["metrics"] = varying(jnp.zeros((3,), jnp.float32), AXIS)
-        for tk in program.ticks:
-            s = tick(s, bufs, tk, valid, me, images, new_labels)
-        # The in-flight buffers go on, their step one call older.
-        s["grads"] = [bufs[(kind, j, lag - 1)] for kind, j, lag in program.live]
-        s["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), s["fed"][:-1]])
-        return s, s.pop("metrics")
+        b = Buffers(_named(state, program, L, carry))
+        b[("metrics",)] = varying(jnp.zeros((3,), jnp.float32), AXIS)
+        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, program.max_lag + 1)]
+        for t, tk in enumerate(program.ticks):
+            tick(b, tk, valid, me, images, new_labels)
+            for name in dead[t]:  # a gradient buffer no later tick reads: not carried on
+                b.values.pop(name, None)
+            if _OPTS.get("barrier"):
+                b.barrier()
+        new = _unnamed(b, state, program, L, carry)
+        new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
+        return new, b[("metrics",)]
 
     return period
+
+
+def _dead_after(program: RingProgram) -> list[list]:
+    """Per tick, the gradient buffers whose last read in the period is in that tick (and that
+    the next period does not take)."""
+    from cdpjax.layouts.cdp import _accesses
+
+    carried = {(kind, j, lag - 1) for kind, j, lag in program.live}
+    last = {}
+    for t, tk in enumerate(program.ticks):
+        for name, _, _ in _accesses(tk):
+            last[name] = t
+    dead = [[] for _ in program.ticks]
+    for name, t in last.items():
+        if name not in carried:
+            dead[t].append(name)
+    return dead
+
+
+import os as _os
+_OPTS = {k: _os.environ.get("RING_" + k.upper(), "1") == "1" for k in ("barrier", "deps", "order")}
+
+
+def _op_order(tk):
+    """The tick's ops in the order the device program runs them: forwards, then backwards by
+    stage (earlier stages first: the larger activations), those that start a new partial sum
+    last (their new gradient buffer then never meets another op's workspace)."""
+    if not _OPTS.get("order"):
+        return tk.ops
+    return sorted(tk.ops, key=lambda o: (o[1] == "B", (o[0], o[2]) in tk.chain_start, o[2]))
+
+
+def _named(state, program, L, carry):
+    named = {}
+    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
+                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
+        named.update({(key, j): v for j, v in enumerate(state[plural])})
+    named[("labels",)] = state["labels"]
+    named.update(zip(program.live, state["grads"]))
+    return named
+
+
+def _unnamed(b, state, program, L, carry):
+    new = {}
+    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
+                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
+        new[plural] = [b[(key, j)] for j in range(len(state[plural]))]
+    new["labels"] = b[("labels",)]
+    # The in-flight buffers go on, their step one call older.
+    new["grads"] = [b[(kind, j, lag - 1)] for kind, j, lag in program.live]
+    return new
 
 
 # ------------------------------------------------------------------ the method
