@@ -41,14 +41,16 @@ def run(args, overrides=()) -> int:
 
     for name in names:
         LAYOUTS.lookup(name)  # an unknown name fails here, with the registered ones
-    records = []
+    configs = []
     for name in names:
         c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
         c.method = name
         if not args.keep_mesh:  # every device on the axis the method declares (its layout)
             c.mesh = LAYOUTS[name].default_mesh(c)
-        print(f"cdpjax bench: {name} ...", file=sys.stderr, flush=True)
-        records.append(bench.bench_method(c, devices=_devices_for(c), repeats=args.repeats))
+        configs.append(c)
+    print(f"cdpjax bench: {', '.join(names)} (compiled first, then timed in interleaved rounds) ...",
+          file=sys.stderr, flush=True)
+    records = bench.bench_methods(configs, [_devices_for(c) for c in configs], repeats=args.repeats)
     if args.predict:
         from cdpjax import speedup
 

@@ -419,6 +419,23 @@ class RingProgram:
     live: tuple
     newest: tuple
 
+    def held_bytes(self, stage_bytes) -> np.ndarray:
+        """[ticks + 1] gradient bytes held (partial and completed sums, over all workers' buffers:
+        what each device of the SPMD program allocates) at the period's start and after each
+        tick, for stage gradients of `stage_bytes`."""
+        carried = {(kind, j, lag - 1) for kind, j, lag in self.live}
+        last = {}
+        for t, tk in enumerate(self.ticks):
+            for name, _, _ in _accesses(tk):
+                last[name] = t
+        held = set(self.live)
+        out = [sum(stage_bytes[j] for _, j, _ in held)]
+        for t, tk in enumerate(self.ticks):
+            held |= {name for name, _, how in _accesses(tk) if how == "write"}
+            held -= {name for name, lt in last.items() if lt == t and name not in carried}
+            out.append(sum(stage_bytes[j] for _, j, _ in held))
+        return np.asarray(out, float)
+
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
         out = np.zeros((len(self.ticks), self.workers), np.int64)

@@ -194,7 +194,7 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     def export(state):
         return state["params"], state["model_state"]
 
-    info = {"impl": "simulate", "worker_losses": worker_losses}
+    info = {"impl": "simulate", "versions": 2, "worker_losses": worker_losses}
     return Method(method, net, init, train_step, export, table=table, stale=table.stale, workers=workers,
                   devices=ctx.axis(AXIS), info=info)
 

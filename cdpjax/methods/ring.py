@@ -222,7 +222,7 @@ class Buffers:
     def cond(self, pred, run, skip, operands, reads=(), writes=()):
         """`lax.cond(pred, run, skip, *operands)`, ordered after the readers of `writes`; its
         outputs are noted as readers of `reads`."""
-        deps = [d for name in writes for d in self.readers.pop(name, [])] if _OPTS.get("deps", True) else []
+        deps = [d for name in writes for d in self.readers.pop(name, [])]
         if deps:
             dep = sum(deps[1:], deps[0])
             out = lax.cond(pred, lambda d, *ops: _tie(run(*ops), d), lambda d, *ops: skip(*ops), dep, *operands)
@@ -343,8 +343,7 @@ def make_period(stages: Stages, program: RingProgram, tx, carry: bool):
             tick(b, tk, valid, me, images, new_labels)
             for name in dead[t]:  # a gradient buffer no later tick reads: not carried on
                 b.values.pop(name, None)
-            if _OPTS.get("barrier"):
-                b.barrier()
+            b.barrier()
         new = _unnamed(b, state, program, L, carry)
         new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
         return new, b[("metrics",)]
@@ -369,16 +368,10 @@ def _dead_after(program: RingProgram) -> list[list]:
     return dead
 
 
-import os as _os
-_OPTS = {k: _os.environ.get("RING_" + k.upper(), "1") == "1" for k in ("barrier", "deps", "order")}
-
-
 def _op_order(tk):
     """The tick's ops in the order the device program runs them: forwards, then backwards by
     stage (earlier stages first: the larger activations), those that start a new partial sum
     last (their new gradient buffer then never meets another op's workspace)."""
-    if not _OPTS.get("order"):
-        return tk.ops
     return sorted(tk.ops, key=lambda o: (o[1] == "B", (o[0], o[2]) in tk.chain_start, o[2]))
 
 
@@ -485,7 +478,7 @@ def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info
         model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
         return params, model_state
 
-    info = dict(info or {}, impl="ring", residuals=residuals, program=program, period=step, run=run)
+    info = dict(info or {}, impl="ring", residuals=residuals, versions=1, program=program, period=step, run=run)
     return Method(name, net, init, train_step, export, flush, table, run_steps=run_steps, carrier=stages,
                   stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True, info=info)
 
