@@ -1,24 +1,25 @@
 """`cdp-v1`, `cdp-v2`: cyclic data parallelism (Fournier and Oyallon, 2024).
 
-Timing (`cdpjax.timetable.cdp_table`, the only place the rules live): N workers,
+Timing (`cdpjax.layouts.cdp.cdp_table`, the only place the rules live): N workers,
 L stages, one tick = one stage-forward or one stage-backward of one micro-batch.
 Worker i starts its micro-batch of step k at tick 2L*i/N + 2L*k, so the workers'
 phases are spread evenly over the step instead of all peaking together. Stage
-j's update for step k is applied at the end of the tick in which the last worker
+j's update for step k is complete at the end of the tick in which the last worker
 finishes its backward of stage j.
 
-Update rule, one optax state per stage, two stored versions per stage (current,
-previous); g_i^j is worker i's gradient of its micro-batch mean loss w.r.t. stage j:
+Update rule, one optax state per stage; g_i^j is worker i's gradient of its
+micro-batch mean loss w.r.t. stage j:
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(read_i(k)))
-    previous^j <- current^j,  current^j <- theta^j_{k+1}
 
-where worker i reads, for every stage j, theta_k (current) or theta_{k-1}
-(previous, the stale pairs of the table; at step 0 both are theta_0):
-- cdp-v2: the version the table names: the new one iff worker i's forward of
-  stage j comes after the update (N = L: stale iff j < L-1-i; N = 8, L = 4: half
-  of the pairs, where the paper's code, which hard-codes the N = L rule, delays
-  about 19%).
+where worker i reads, for every stage j, theta_k or theta_{k-1} (the stale pairs of
+the table; at step 0 both are theta_0):
+- cdp-v2 (`cdp_rule='cdp-v2'`, the default): the version the table names: the new
+  one iff worker i's forward of stage j comes after the update (N = L: stale iff
+  j < L-1-i; N = 8, L = 4: half of the pairs).
+- cdp-v2 with `cdp_rule='paper-code'`: the authors' released rule, for any N and L:
+  current iff j >= L-1-i (N = 8, L = 4: 6 of 32 pairs stale; some of its reads
+  precede their update, which only `simulate` can run).
 - cdp-v1: theta_{k-1} everywhere. This read-version form equals the paper code's
   delayed-gradient form (compute g(theta_k) at step k, apply it at step k+1,
   no update at step 0) shifted by one step: our parameters after S steps are the
@@ -30,36 +31,30 @@ ignored: a cyclic worker's micro-batch is alone in its tick.
 
 Two realisations, `config.cdp_impl`:
 - `simulate`: all workers compute at once each step, each (worker, stage) reading
-  the version of `table.stale` (a select per stage); workers are vmapped inside
-  `shard_map` over the `data` axis (N a multiple of the data axis, down to one
-  device); gradients summed by the all-reduce of shard_map's transpose.
-- `ring`: the real schedule, one worker per device (N = the data axis), in ONE
-  `shard_map`: `lax.scan` over the ticks of the table's steady-state period
-  (`timetable.period_arrays`, each device reads its own column with
-  `lax.axis_index('data')`), one `lax.switch` per tick over [idle, forward of
-  stage j, backward of stage j] on a uniform carrier (raveled zero-padded
-  gradients, padded activation buffers), backward by recomputation from the
-  stashed stage input. Each stage's running partial sum hops one worker along
-  the ring (`ppermute`) as workers finish that stage; the last worker completes
-  it and relays it on within the update tick, and every worker applies the same
-  optax update to its own copy. No model-sized all-reduce: only the loss and
-  accuracy scalars are summed. Layout: steady state, one call = one period of
-  2L ticks that feeds one new micro-batch per worker and finishes the previous
-  one, so in-flight state (stashed stage inputs, cotangent, partial sums, both
-  versions) lives in the train state and steady state has no fill or drain.
-  `flush(state)` runs one period without a new micro-batch (masked updates), so
-  that after S `train_step` calls and `flush` the parameters equal `simulate`
-  after S steps; training on after a flush restarts the cycle from the flushed
-  parameters (both slots hold them, as at step 0). A call's metrics are those
-  of the micro-batches whose forward pass ended in that call (worker i's, of
-  this step if 2L*i/N + L <= 2L, else of the previous step).
-  At tick level a stale forward reads the `current` slot (the update it misses
-  is not applied yet) and its backward the `previous` one (it has been since):
-  the table's slots, not the step-level stale matrix, drive the ring.
-  Costs: every worker stores both versions and the optimizer state of every
-  stage; each tick sends one collective-permute of the largest stage's
-  gradient (`info['padding']` gives the carrier's padding), plus N-2 relay hops
-  in the L update ticks of a period.
+  the version of `table.stale` (current and previous stored, a select per stage);
+  workers are vmapped inside `shard_map` over the `data` axis (N a multiple of the
+  data axis, down to one device); gradients summed by the all-reduce of
+  shard_map's transpose.
+- `ring`: the real schedule, one worker per device (N = the data axis), by the ring
+  engine (`cdpjax.methods.ring`, read its docstring): the table's steady-state
+  period unrolled, every op a `lax.cond` on natural-shape buffers, every message
+  one static partial `ppermute` of the stage's real size (the running partial sum
+  hopping worker to worker, the completed sum chained on to every other worker
+  by the table's delivery plan, at most one 'sum' and one 'partial' send per
+  worker per tick whatever N), each worker applying every update between its last
+  read of the old version and its first of the new, so that ONE stored version
+  per stage suffices. Backward by recomputation from the stashed stage input
+  (`config.residuals='recompute'`, default) or from the forward's kept `jax.vjp`
+  residuals ('carry': DP's FLOPs, more memory between steps). No model-sized
+  all-reduce: only the loss and accuracy scalars are summed. One call = one
+  period of 2L ticks that feeds one new micro-batch per worker and finishes older
+  ones, so in-flight state (stashed inputs, cotangents, partial and completed
+  sums of up to `max_lag` steps) lives in the train state; `flush(state)` runs
+  `max_lag` periods with nothing fed, after which the parameters equal
+  `simulate`'s after the same steps; training on after a flush restarts the
+  cycle from the flushed parameters. A call's metrics are those of the
+  micro-batches whose forward pass ended in that call. `run_steps` scans over
+  periods (compile time does not grow with the steps).
 """
 from __future__ import annotations
 
