@@ -59,7 +59,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
     c.cdp_impl = "ring"  # 'simulate' | 'ring'
-    c.cdp_rule = "cdp-v2"  # cdp-mp's staleness: the 'cdp-v2' | 'cdp-v1' table of N = L workers
+    # The staleness rule: for cdp-v2, 'cdp-v2' (the version each forward finds, from the ticks) or
+    # 'paper-code' (the authors' released rule: current iff stage >= L-1-worker, for any N and L);
+    # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
+    c.cdp_rule = "cdp-v2"
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
@@ -100,7 +103,7 @@ _CHOICES = {
     "schedule": ("constant", "cosine", "step"),
     "partition": ("params", "flops", "blocks"),
     "cdp_impl": ("simulate", "ring"),
-    "cdp_rule": ("cdp-v2", "cdp-v1"),
+    "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),

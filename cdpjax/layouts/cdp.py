@@ -363,11 +363,13 @@ def _notes(rule, N, L, ops, plans):
 
 
 def acausal_reads(table: TimeTable) -> list[str]:
-    """The reads that come before their update is complete, in words (empty if none)."""
-    out = []
+    """The reads that come before their update is complete, in words, the first of each
+    (worker, stage) pair (empty if none)."""
+    out, seen = [], set()
     u_tick = {(u.stage, u.step): u.tick for u in table.updates}
-    for o in table.ops:
-        if o.slot == "future" and o.kind == "F":
+    for o in sorted(table.ops, key=lambda o: o.tick):
+        if o.slot == "future" and o.kind == "F" and (o.device, o.stage) not in seen:
+            seen.add((o.device, o.stage))
             u = u_tick.get((o.stage, o.version - 1))
             out.append(f"worker {o.device}'s forward of stage {o.stage} at step {o.step} (tick {o.tick}) reads "
                        f"version {o.version}, whose update is complete at the end of tick {u}, "
@@ -463,7 +465,8 @@ def ring_program(rule: str, workers: int, stages: int) -> RingProgram:
                                        for r, j in table.meta["late"]]
     if problems:
         raise ConfigError(f"cdp_impl='ring' cannot run rule {rule} with workers={N}, stages={L}: "
-                          f"{problems[0]} ({len(problems)} such reads); use cdp_impl='simulate'")
+                          f"{problems[0]} ({len(problems)} worker/stage pairs read that early); "
+                          f"use cdp_impl='simulate'")
     periods = [_ring_window(table, m) for m in (4, 5)]
     if periods[0] != periods[1]:
         raise AssertionError(f"{rule} N={N} L={L}: the ring's period is not periodic")
