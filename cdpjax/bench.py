@@ -207,7 +207,9 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     if sizes and table.messages:
         out["comm_balance"] = float(table.comm_balance(sizes["param_bytes"]))
         per_tick = np.asarray(table.bytes_per_tick(sizes["param_bytes"]), float)
-        out["bytes_sent_per_worker_per_step"] = float(per_tick.sum() / max(table.workers, 1) / max(table.steps, 1))
+        lo, hi = table.steady  # steady state: a step's late traffic and the previous steps' all counted once
+        steps = max((hi - lo) / max(table.period, 1), 1e-9)
+        out["bytes_sent_per_worker_per_step"] = float(per_tick[lo:hi].sum() / max(table.workers, 1) / steps)
     return out
 
 
