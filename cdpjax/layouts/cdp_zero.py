@@ -216,7 +216,9 @@ def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str 
     owned = "; ".join(f"stage {j}: w{o}" for j, o in enumerate(owners))
     note = (f"rule {rule}; owners (parameters and optimizer state): {owned}; each tick every worker sends one "
             f"'param' hop of {plan['versions']} version(s)")
-    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages),
+    T = 2 * L  # its traffic all lands within the step's own period: one period from step 1 is steady
+    steady = (T, 2 * T) if steps >= 2 else base.steady
+    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady,
                                meta={"rule": rule, "owners": list(owners), "versions_per_hop": plan["versions"]},
                                notes=(note,))
 
