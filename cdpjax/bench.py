@@ -213,6 +213,16 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     return out
 
 
+def _one_device_figures(method, sizes, per_step: int) -> dict[str, Any]:
+    """A method without a time table (one device, plain backprop or local learning over the
+    whole batch): every stage's output is held at once at the end of the forward pass."""
+    whole = float(sum(sizes["activation_bytes"])) * max(per_step, 1)
+    L = float(method.net.num_stages)
+    return {"activation_total": {"peak": L, "mean": L / 2, "peak_bytes": whole, "mean_bytes": whole / 2,
+                                 "device_peak_bytes": whole, "device_peak_bytes_mean": whole,
+                                 "device_mean_bytes": whole / 2}}
+
+
 def _padded_figures(method, sizes) -> dict[str, Any]:
     """What the uniform carrier really sends: every relayed gradient is one padded stage row."""
     carrier = method.carrier
@@ -290,7 +300,7 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         "stage_param_bytes": sizes["param_bytes"],
         "stage_activation_bytes": sizes["activation_bytes"],
         "largest_stage_param_bytes": int(max(sizes["param_bytes"])),
-        **table_figures(table, sizes),
+        **(table_figures(table, sizes) if table is not None else _one_device_figures(method, sizes, per_step)),
         **_padded_figures(method, sizes),
         "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
     }
@@ -349,10 +359,12 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
     if program is not None:
         held = program.held_bytes(sizes["param_bytes"])
         grads_between, grads_within = float(held[0]), float(held.max())
-    elif table is not None and any(m.kind == "allreduce" for m in table.messages):
+    elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
         grads_within = float(sum(sizes["param_bytes"]))
     acts_between = acts_peak = 0.0
-    if table is not None and table.ops:
+    if table is None:
+        acts_peak = float(sum(sizes["activation_bytes"]))
+    elif table.ops:
         held = table.activation_bytes(sizes["activation_bytes"])
         lo, hi = table.steady
         acts_between = float(held[lo].max()) if lo < len(held) else 0.0
