@@ -55,7 +55,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     # Stages: a number of stages, or explicit split points (block indices where a stage starts).
     c.stages = ml_collections.FieldReference(4, field_type=object)  # an int or a list of split points
-    c.partition = "params"  # 'params' | 'flops' | 'blocks' (how `stages: int` is balanced)
+    c.partition = "params"  # 'params' | 'flops' | 'blocks' | 'memory' (how `stages: int` is cut; models.partition)
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
     c.cdp_impl = "ring"  # 'simulate' | 'ring'
@@ -101,7 +101,7 @@ _CHOICES = {
     "norm": ("batch", "group", "none"),
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
-    "partition": ("params", "flops", "blocks"),
+    "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),

@@ -141,3 +141,34 @@ def test_pipeline_busy_fractions_from_their_tables():
     assert bench.table_figures(timetable.table("ppll", stages=4), sizes)["busy_fraction"] == pytest.approx(1.0)
     assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
     assert bench.table_figures(timetable.table("cdp-mp", stages=4, steps=4), sizes)["busy_fraction"] == pytest.approx(1.0)
+
+
+def test_memory_partition_holds_the_fewest_bytes():
+    """partition='memory' on blocks whose outputs are 6, 2 and 1 floats: with two stages, cut 1
+    gives stage outputs (24, 4) bytes and cut 2 (8, 4); the two-stage CDP table holds max(2 o0,
+    o0 + o1) at its busiest tick (tests/test_timetable.py's example): 48 against 16, so cut 2.
+    The README's ResNet-18 cut [3, 6, 8] holds 0.86 of DP's bytes where the unit model says 0.5."""
+    import flax.linen as nn
+
+    from cdpjax.models import partition
+
+    class Block(nn.Module):
+        width: int
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(self.width)(x.reshape(x.shape[0], -1))
+
+    blocks = [Block(6), Block(2), Block(1)]
+    assert partition.split_points(blocks, 2, "memory", (3,)) == (2,)
+    report = partition.memory_report(blocks, (1,), (3,))
+    assert report["stage_output_bytes"] == [24.0, 4.0] and report["cdp_peak_bytes"] == 48.0
+    assert report["dp_peak_bytes"] == 2 * 24 + 2 * 4
+
+    from cdpjax import models
+    from cdpjax.config import default_config
+
+    c = default_config()
+    c.model, c.model_kwargs, c.norm, c.stages = "resnet18", {"stem": "cifar"}, "batch", [3, 6, 8]
+    net = models.build(c, (32, 32, 3), 10)
+    assert partition.memory_report(net.blocks, [3, 6, 8], (32, 32, 3))["ratio"] == pytest.approx(0.864, abs=1e-3)

@@ -22,6 +22,7 @@ def get_config(arg=None):
     c.dataset_kwargs = {"image_shape": (32, 32, 3), "num_classes": 10}
     c.model_kwargs = {"stem": "cifar", "width": 1.0}
     c.norm = "batch"
+    c.bn_cross_device = False  # DP with per-worker BatchNorm, as CDP's (the paper's code)
     c.global_batch_size = a["batch"]
     c.stages = a["stages"]
     c.mesh = {"data": -1}
