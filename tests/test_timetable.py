@@ -222,6 +222,24 @@ def test_delivery_plan_meets_every_deadline(rule):
             assert held == o.version, (rule, n, l, o)
 
 
+def test_paper_code_rule_from_the_command_line(capsys, tmp_path):
+    """`cdpjax schedule --method cdp-v2 --rule paper-code`: the text grid with its notes, --json
+    with the same `stale` field as the rule written out, --out draws it; --stage-bytes adds bytes."""
+    from cdpjax.commands import schedule
+
+    args = ["--method", "cdp-v2", "--workers", "8", "--stages", "4", "--rule", "paper-code"]
+    assert schedule.main(args) == 0
+    text = capsys.readouterr().out
+    assert "stale (worker, stage) pairs: 6 of 32" in text and "reads that precede their update" in text
+    assert schedule.main(args + ["--json", "--stage-bytes", "4,3,2,1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stale"] == [[not (j >= 3 - i) for j in range(4)] for i in range(8)] and d["rule"] == "paper-code"
+    assert d["activation"]["total_peak_bytes"] > 0 and len(d["bytes_per_tick"]) == d["num_ticks"]
+    assert schedule.main(args + ["--out", str(tmp_path / "paper.png")]) == 0 and (tmp_path / "paper.png").exists()
+    assert schedule.main(["--method", "cdp-v2", "--rule", "cdp-v1"]) == 2
+    assert "cdp-v2 rule" in capsys.readouterr().err
+
+
 def test_paper_code_rule():
     """The authors' released rule, written out here: worker i reads the current version of stage
     j iff j >= L-1-i. N = L: the table's own rule; N = 8, L = 4: 6 of 32 pairs stale, and some
