@@ -347,7 +347,7 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
     counts each stage's output; XLA also keeps each op's internal residuals and copies."""
     from cdpjax import optim
 
-    per_device_params = _params_per_device(method, table, sizes)
+    per_device_params = _params_per_device(method, config, table, sizes)
     tx = optim.make(config)
     shapes = jax.eval_shape(lambda: method.net.init(jax.random.key(0)))[0]
     opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
@@ -355,10 +355,18 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
     # Stored parameter versions: the method says, or its state has a 'previous' copy (cdp-mp).
     versions = int(method.info.get("versions", 2 if isinstance(state, dict) and "previous" in state else 1))
     program = method.info.get("program")
-    grads_between = grads_within = 0.0
-    if program is not None:
+    storage = method.info.get("storage") if isinstance(method.info.get("storage"), dict) else {}
+    grads_between = grads_within = relayed = 0.0
+    if program is not None:  # the ring: its partial and completed sums, by its program
         held = program.held_bytes(sizes["param_bytes"])
         grads_between, grads_within = float(held[0]), float(held.max())
+    elif "relay_buffers" in storage:  # cdp-zero: partial-sum and relayed-parameter buffers of a stage each
+        largest = float(max(sizes["param_bytes"]))
+        grads_between = grads_within = storage["partial_sum_buffers"] * largest
+        relayed = storage["relay_buffers"] * largest
+        versions = int(storage.get("stored_versions", versions))
+    elif isinstance(state, dict) and "sums" in state:  # cdp-mp: a stage sums its gradient where it lives
+        grads_between = grads_within = per_device_params
     elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
         grads_within = float(sum(sizes["param_bytes"]))
     acts_between = acts_peak = 0.0
@@ -374,17 +382,23 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
         devices if method.input_sharding is None else 1, 1)
     between = {"parameters": per_device_params * versions, "versions": versions,
                "optimizer_state": per_device_params * opt_ratio, "gradients_in_flight": grads_between,
-               "activations_in_flight": acts_between, "batch": batch}
+               "relayed_parameters": relayed, "activations_in_flight": acts_between, "batch": batch}
     between["total"] = sum(v for k, v in between.items() if k != "versions")
     within = {"gradients_in_flight": grads_within, "activations": acts_peak}
     within["total"] = grads_within + acts_peak
     return {"arguments": between, "temporaries": within}
 
 
-def _params_per_device(method, table, sizes) -> float:
-    """Parameter bytes a device holds: all of them for data-parallel layouts, its stages' for
-    pipelines (the stages whose ops the table puts on the busiest device)."""
-    if table is None or table.devices <= 1 or table.workers == table.devices:
+def _params_per_device(method, config, table, sizes) -> float:
+    """Parameter bytes a device holds: all of them on a data-axis layout, its stages' on a stage
+    axis (the stages the table puts on the busiest device), the stages it owns for cdp-zero."""
+    from cdpjax.layouts import LAYOUTS
+
+    storage = method.info.get("storage")
+    if isinstance(storage, dict) and "owned_stages" in storage:  # cdp-zero: owners keep their stages
+        owners = method.info.get("owners", [])
+        return float(max(sum(b for b, o in zip(sizes["param_bytes"], owners) if o == w) for w in set(owners)))
+    if table is None or LAYOUTS[config.method].device_axis != "stage":
         return float(sum(sizes["param_bytes"]))
     per = {}
     for op in table.ops:
@@ -407,7 +421,7 @@ def format_table(records: list[dict]) -> str:
         act = r.get("activation_total", {})
         model = r.get("memory_model", {})
         rows.append([
-            r["method"], str(r["devices"]), f"{r['compile_seconds']:.1f}", f"{r['step_seconds']:.4f}",
+            r.get("label", r["method"]), str(r["devices"]), f"{r['compile_seconds']:.1f}", f"{r['step_seconds']:.4f}",
             f"{r['step_seconds'] / base['step_seconds']:.2f}", f"{r['images_per_second']:.0f}",
             f"{mem.get('temp_bytes', 0) / 2**20:.2f}", f"{mem.get('argument_bytes', 0) / 2**20:.2f}",
             _mib(model.get("temporaries", {}).get("total")), _mib(model.get("arguments", {}).get("total")),
