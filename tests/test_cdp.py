@@ -140,6 +140,20 @@ def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals):
     assert_close(params(ring, ring.flush(state)), params(ring, state), atol=0)
 
 
+def test_ring_run_steps_is_train_steps():
+    """`run_steps` scans the period over S batches in one program: the same state and metrics as S
+    `train_step` calls (the in-flight buffers handed on between periods as between calls)."""
+    ring = build("cdp-v2", "ring", workers=2, devices=2, stages=4)
+    stepped, metrics = ring.init(jax.random.key(0)), []
+    for b in batches()[:STEPS]:
+        stepped, m = ring.train_step(stepped, b)
+        metrics.append(float(m["loss"]))
+    stacked = {k: np.stack([b[k] for b in batches()[:STEPS]]) for k in ("image", "label")}
+    scanned, m = ring.run_steps(ring.init(jax.random.key(0)), stacked)
+    assert_close(scanned, stepped)
+    np.testing.assert_allclose(np.asarray(m["loss"]), metrics, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ poisoning
 
 
