@@ -7,12 +7,9 @@ epochs, 91 epochs, 4 stages balanced by FLOPs, random resized crop 224 and flip.
 
     cdpjax train --config experiments/configs/cdp_imagenet.py:model=resnet50,method=cdp-v1
 
-BatchNorm: statistics per worker for DP as for CDP (the paper's code; the cross-device
-variant: `--config.bn_cross_device=True`). Rule: `cdp-v2`'s table rule (`rule=cdp-v2`,
-the version each forward finds: 16 of the 32 (worker, stage) pairs stale at N = 8,
-L = 4), which the ring runs; `rule=paper-code` is the authors' released rule (6 of 32
-stale), some of whose reads at N = 8 > L precede their update: it runs with
-`impl=simulate` only (`cdpjax schedule --method cdp-v2 --rule paper-code --workers 8`).
+BatchNorm per worker for DP as for CDP, and the staleness rule (`rule=cdp-v2` on the
+ring; `rule=paper-code,impl=simulate` for the authors' released rule): as in
+`cdp_cifar10.py`, whose docstring says why.
 
 Hardware: 8 GPUs. Expected top-1: about 70% (ResNet-18), 76% (ResNet-50), CDP
 within noise of DP. Needs imagenet2012 prepared for tensorflow-datasets (manual download).
