@@ -138,7 +138,7 @@ def forward_op(stages: Stages, j: int, carry: bool):
         if carry:
             out, pullback, (ms, loss, acc) = stages.vjp(j, p, ms, x, labels)
             leaves, _, idx = kept(pullback, p)
-            new["kept"] = tuple(leaves[i] for i in idx)
+            new["kept"] = [leaves[i] for i in idx]
         else:
             out, (ms, loss, acc) = stages.run(j, p, ms, x, labels)
         if not last:
@@ -415,7 +415,7 @@ def init_state(net, stages: Stages, program: RingProgram, tx, rng, carry: bool):
         "fed": jnp.zeros((max(program.max_lag, 1),), bool),
     }
     if carry:
-        state["kept"] = [tuple(zeros(a.shape, a.dtype) for a in r) for r in stages.residuals]
+        state["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
     return state
 
 
