@@ -428,12 +428,12 @@ class RingProgram:
         carried = {(kind, j, lag - 1) for kind, j, lag in self.live}
         last = {}
         for t, tk in enumerate(self.ticks):
-            for name, _, _ in _accesses(tk):
+            for name, _, _ in accesses(tk):
                 last[name] = t
         held = set(self.live)
         out = [sum(stage_bytes[j] for _, j, _ in held)]
         for t, tk in enumerate(self.ticks):
-            held |= {name for name, _, how in _accesses(tk) if how == "write"}
+            held |= {name for name, _, how in accesses(tk) if how == "write"}
             held -= {name for name, lt in last.items() if lt == t and name not in carried}
             out.append(sum(stage_bytes[j] for _, j, _ in held))
         return np.asarray(out, float)
@@ -544,7 +544,7 @@ def _ring_window(table, m):
     return tuple(out)
 
 
-def _accesses(tk):
+def accesses(tk):
     """(buffer, worker, 'read' | 'write') of one tick, in the order the tick runs them."""
     for w, kind, j, lag in tk.ops:
         if kind == "B" and (w, j) not in tk.chain_start:
@@ -576,7 +576,7 @@ def _live(ticks, N):
     writes but must hand on (its step is idle in between) is live at every lag it spans."""
     first, written = {}, set()
     for tk in ticks:
-        for buf, w, how in _accesses(tk):
+        for buf, w, how in accesses(tk):
             first.setdefault((buf, w), how)
             if how == "write":
                 written.add((buf, w))
