@@ -114,8 +114,7 @@ def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3) ->
     meta, notes = {}, []
     if method != "dp":
         meta = {"rule": method, "applies": sorted(list(a) for a in applies if keep(a[0], a[3])),
-                "late": sorted([r, j] for j, d in plans.items() for r in d.late),
-                "hold": {str(j): [d.hold_until.get(w, -1) for w in range(N)] for j, d in plans.items()}}
+                "late": sorted([r, j] for j, d in plans.items() for r in d.late)}
         notes = _notes(method, N, L, ops, plans)
     name = "cdp-v2" if method == "paper-code" else method
     return TimeTable(name, N, L, S, num_ticks, N, T, ops, updates, messages, offsets, 1, steady,
@@ -264,8 +263,7 @@ def _delivery(ops, updates, completer, N, L, steps):
             for r in pending[j]:
                 acausal = hi_of[j][r] < 0
                 cands.append((acausal, hi_of[j][r], lo_of[j][r], j, r))
-        sent = set()
-        for acausal, hi, lo, j, r in sorted(cands):
+        for *_, j, r in sorted(cands):
             if r not in pending[j] or (r, tick % T) in busy_recv:
                 continue
             u = u_tick[(j, ref)]
