@@ -341,7 +341,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
     which `bench` prints XLA's figures. Between steps (XLA: arguments): parameters x stored
     versions, optimizer state, gradient buffers in flight (the ring's partial and completed
     sums at a period boundary), activations in flight (the table's stage outputs held at the
-    steady window's start, most-loaded device) and the device's slice of the batch. Within a
+    steady window's start, most-loaded device; plus every stage's kept vjp residuals for the
+    ring with `residuals='carry'`) and the device's slice of the batch. Within a
     step (XLA: temporaries): the most gradient bytes in flight at once (the ring: over its
     ticks; dp: the model's gradient) and the table's activation peak of a device. The table
     counts each stage's output; XLA also keeps each op's internal residuals and copies."""
@@ -377,6 +378,9 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
         lo, hi = table.steady
         acts_between = float(held[lo].max()) if lo < len(held) else 0.0
         acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
+    kept = getattr(method.carrier, "residuals", None)  # the ring's kept vjp residuals ('carry')
+    if kept:
+        acts_between += float(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for r in kept for a in r))
     image = int(np.prod(method.net.input_shape)) * 4
     batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
         devices if method.input_sharding is None else 1, 1)
