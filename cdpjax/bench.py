@@ -5,10 +5,17 @@ are meaningful on any machine; on simulated CPU devices (which share the same
 cores) absolute times are not results, but the ratio of a parallel method to the
 same work on one device is the framework's own overhead.
 
-- memory: `jax.jit(step).lower(...).compile().memory_analysis()` per device.
+- memory: `jax.jit(step).lower(...).compile().memory_analysis()` per device, beside
+  the per-device model of what the method must hold (`memory_model`).
 - collectives: the compiled HLO text, per kind: static count of the ops (an op
-  inside a loop body is counted once), bytes of their results, largest one.
-- activation, busy fraction, comm balance: from the method's time table.
+  inside a loop body is counted once), bytes of their results, largest one; and
+  the bytes they really send (`traffic`: each transfer counted as often as it
+  runs, i.e. times the trip counts of the loops around it, padding and idle
+  zeros included): `sent_bytes_per_worker_per_step`.
+- activation, busy fraction, comm balance: from the method's time table (in
+  stage-activations, the unit model, and in bytes of each stage's real output).
+- step time: every method compiled first, then timed in interleaved rounds, so
+  that a change of load on a shared machine falls on all of them alike.
 """
 from __future__ import annotations
 
@@ -56,6 +63,105 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """HLO computations by name (their instruction lines) and the entry's name."""
+    comps, entry, name = {}, "", None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            name = m.group(2)
+            comps[name] = []
+            if m.group(1):
+                entry = name
+        elif name is not None and line.startswith("  "):
+            comps[name].append(line)
+    return comps, entry
+
+
+def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry: a while body its
+    loop's known trip count times (1 where XLA does not know it), a branch of a conditional
+    or a called computation once (an upper bound for branches)."""
+    runs = {entry: 1}
+    order = [entry]
+    for comp in order:
+        for line in comps.get(comp, ()):
+            callees = []
+            if " while(" in line:
+                trip = _TRIP.search(line)
+                n = int(trip.group(1)) if trip else 1
+                for key in ("body", "condition"):
+                    m = re.search(rf"{key}=%?([\w.\-]+)", line)
+                    if m:
+                        callees.append((m.group(1), n if key == "body" else n + 1))
+            else:
+                m = re.search(r"branch_computations=\{([^}]*)\}", line)
+                if m:
+                    callees += [(c.strip().lstrip("%"), 1) for c in m.group(1).split(",")]
+                for key in ("true_computation", "false_computation", "to_apply", "calls"):
+                    m = re.search(rf"{key}=%?([\w.\-]+)", line)
+                    if m and " all-reduce" not in line and " reduce" not in line.split("=", 1)[1][:40]:
+                        callees.append((m.group(1), 1))
+            for callee, n in callees:
+                if callee in comps:
+                    if callee not in runs:
+                        order.append(callee)
+                    runs[callee] = runs.get(callee, 0) + runs[comp] * n
+    return runs
+
+
+def _group_size(line: str, devices: int) -> int:
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return max(len([x for x in m.group(1).split(",") if x]), 1)
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return int(m.group(2)) if m else devices
+
+
+def traffic(hlo_text: str, devices: int) -> dict[str, Any]:
+    """Bytes the compiled program's collectives send, per execution, summed over devices
+    (`total_bytes`) and per device (`per_device_bytes`), by kind; and the largest single
+    collective-permute. A collective-permute sends its buffer once per (source, target)
+    pair; an all-reduce over n devices 2(n-1)/n of its buffer per device (ring algorithm),
+    an all-gather or all-to-all (n-1)/n, a reduce-scatter (n-1) x its result. Each runs as
+    often as its computation (`_runs`)."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    by_kind = {k: 0.0 for k in COLLECTIVES}
+    largest_permute = 0
+    for comp, lines in comps.items():
+        n_runs = runs.get(comp, 0)
+        for line in lines:
+            if "=" not in line:
+                continue
+            rhs = line.split("=", 1)[1]
+            for kind in COLLECTIVES:
+                m = re.match(rf"\s*(\(.*?\)|\S+)\s+{kind}(-start)?\(", rhs)
+                if not m:
+                    continue
+                shapes = _SHAPE.findall(m.group(1))
+                payload = _shape_bytes("{}[{}]".format(*shapes[0])) if m.group(2) and shapes else _shape_bytes(m.group(1))
+                if kind == "collective-permute":
+                    pairs = len(re.findall(r"\{\d+,\d+\}", line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0] + "}"))
+                    sent = payload * pairs
+                    largest_permute = max(largest_permute, payload)
+                else:
+                    n = _group_size(line, devices)
+                    groups = max(devices // n, 1)
+                    share = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+                             "reduce-scatter": float(n - 1)}[kind]
+                    sent = payload * share * n * groups
+                by_kind[kind] += sent * n_runs
+                break
+    total = sum(by_kind.values())
+    return {"total_bytes": total, "per_device_bytes": total / max(devices, 1), "by_kind": by_kind,
+            "largest_permute_bytes": largest_permute}
+
+
 def memory(compiled) -> dict[str, int]:
     m = compiled.memory_analysis()
     if m is None:
@@ -101,8 +207,20 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     if sizes and table.messages:
         out["comm_balance"] = float(table.comm_balance(sizes["param_bytes"]))
         per_tick = np.asarray(table.bytes_per_tick(sizes["param_bytes"]), float)
-        out["bytes_sent_per_worker_per_step"] = float(per_tick.sum() / max(table.workers, 1) / max(table.steps, 1))
+        lo, hi = table.steady  # steady state: a step's late traffic and the previous steps' all counted once
+        steps = max((hi - lo) / max(table.period, 1), 1e-9)
+        out["bytes_sent_per_worker_per_step"] = float(per_tick[lo:hi].sum() / max(table.workers, 1) / steps)
     return out
+
+
+def _one_device_figures(method, sizes, per_step: int) -> dict[str, Any]:
+    """A method without a time table (one device, plain backprop or local learning over the
+    whole batch): every stage's output is held at once at the end of the forward pass."""
+    whole = float(sum(sizes["activation_bytes"])) * max(per_step, 1)
+    L = float(method.net.num_stages)
+    return {"activation_total": {"peak": L, "mean": L / 2, "peak_bytes": whole, "mean_bytes": whole / 2,
+                                 "device_peak_bytes": whole, "device_peak_bytes_mean": whole,
+                                 "device_mean_bytes": whole / 2}}
 
 
 def _padded_figures(method, sizes) -> dict[str, Any]:
@@ -131,8 +249,8 @@ def time_steps(step_fn, state, batch, warmup: int = 2, repeats: int = 5):
     return statistics.median(times), state
 
 
-def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:
-    """One record: compile, time, memory, collectives and table figures of `config.method`."""
+def _prepare(config, devices=None) -> dict:
+    """Builds and compiles `config.method`'s train step; everything but its timing."""
     from cdpjax import train
 
     dataset, mesh, method = train.setup(config, devices)
@@ -142,10 +260,13 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
     t0 = time.perf_counter()
     # A step that is a Python wrapper around jitted pieces (not a jit itself) is jitted whole here.
     step = method.train_step if hasattr(method.train_step, "lower") else jax.jit(method.train_step)
-    lowered = step.lower(state, batch)
-    compiled = lowered.compile()
-    compile_seconds = time.perf_counter() - t0
-    step_seconds, _ = time_steps(compiled, state, batch, warmup, repeats)
+    compiled = step.lower(state, batch).compile()
+    return {"config": config, "mesh": mesh, "method": method, "compiled": compiled, "state": state,
+            "batch": batch, "compile_seconds": time.perf_counter() - t0}
+
+
+def _record(run: dict, step_seconds: float) -> dict[str, Any]:
+    config, mesh, method, compiled = run["config"], run["mesh"], run["method"], run["compiled"]
     workers = method.workers or 1
     table = method.table
     if table is None:  # a method that does not keep its table: laid out from its layout
@@ -156,25 +277,137 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
 
     per_step = config.microbatches if LAYOUTS[config.method].microbatches else workers
     sizes = stage_sizes(method.net, max(config.global_batch_size // max(per_step, 1), 1))
+    devices = int(mesh.devices.size)
+    hlo = compiled.as_text()
+    sent = traffic(hlo, devices)
     record = {
         "method": config.method,
-        "devices": int(method.devices or mesh.devices.size),
+        "devices": int(method.devices or devices),
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "stages": method.net.num_stages,
         "workers": method.workers,
         "global_batch_size": config.global_batch_size,
-        "compile_seconds": compile_seconds,
+        "compile_seconds": run["compile_seconds"],
         "step_seconds": step_seconds,
         "images_per_second": config.global_batch_size / step_seconds,
         "memory": memory(compiled),
-        "collectives": collectives(compiled.as_text()),
+        "collectives": collectives(hlo),
+        # What the compiled step really sends: each transfer as often as it runs (one call = one step).
+        "sent_bytes_per_worker_per_step": sent["per_device_bytes"],
+        "sent_bytes_by_kind": sent["by_kind"],
+        "largest_permute_bytes": sent["largest_permute_bytes"],
         "param_bytes": int(sum(sizes["param_bytes"])),
         "stage_param_bytes": sizes["param_bytes"],
-        **table_figures(table, sizes),
+        "stage_activation_bytes": sizes["activation_bytes"],
+        "largest_stage_param_bytes": int(max(sizes["param_bytes"])),
+        **(table_figures(table, sizes) if table is not None else _one_device_figures(method, sizes, per_step)),
         **_padded_figures(method, sizes),
         "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
     }
+    record["memory_model"] = memory_model(method, config, table, sizes, devices, run["state"])
     return record
+
+
+def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> list[dict[str, Any]]:
+    """One record per config (its `method`): every step compiled first, then timed in `repeats`
+    interleaved rounds (one step of each method per round; median per method), so that load
+    on the machine falls on all methods alike. `devices`: one device list (or None) per config."""
+    devices = devices or [None] * len(configs)
+    runs = [_prepare(c, d) for c, d in zip(configs, devices)]
+    for run in runs:
+        for _ in range(warmup):
+            run["state"], _ = run["compiled"](run["state"], run["batch"])
+        jax.block_until_ready(run["state"])
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            run["state"], out = run["compiled"](run["state"], run["batch"])
+            jax.block_until_ready((run["state"], out))
+            ts.append(time.perf_counter() - t0)
+    return [_record(run, statistics.median(ts)) for run, ts in zip(runs, times)]
+
+
+def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:
+    """One record: compile, time, memory, collectives and table figures of `config.method`."""
+    return bench_methods([config], [devices], warmup, repeats)[0]
+
+
+# ------------------------------------------------------------ the memory model
+
+
+def memory_model(method, config, table, sizes: dict, devices: int, state=None) -> dict[str, Any]:
+    """What one device must hold, in bytes, by the method's structure and its table, beside
+    which `bench` prints XLA's figures. Between steps (XLA: arguments): parameters x stored
+    versions, optimizer state, gradient buffers in flight (the ring's partial and completed
+    sums at a period boundary), activations in flight (the table's stage outputs held at the
+    steady window's start, most-loaded device; plus every stage's kept vjp residuals for the
+    ring with `residuals='carry'`) and the device's slice of the batch. Within a
+    step (XLA: temporaries): the most gradient bytes in flight at once (the ring: over its
+    ticks; dp: the model's gradient) and the table's activation peak of a device. The table
+    counts each stage's output; XLA also keeps each op's internal residuals and copies."""
+    from cdpjax import optim
+
+    per_device_params = _params_per_device(method, config, table, sizes)
+    tx = optim.make(config)
+    shapes = jax.eval_shape(lambda: method.net.init(jax.random.key(0)))[0]
+    opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
+    opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
+    # Stored parameter versions: the method says, or its state has a 'previous' copy (cdp-mp).
+    versions = int(method.info.get("versions", 2 if isinstance(state, dict) and "previous" in state else 1))
+    program = method.info.get("program")
+    storage = method.info.get("storage") if isinstance(method.info.get("storage"), dict) else {}
+    grads_between = grads_within = relayed = 0.0
+    if program is not None:  # the ring: its partial and completed sums, by its program
+        held = program.held_bytes(sizes["param_bytes"])
+        grads_between, grads_within = float(held[0]), float(held.max())
+    elif "relay_buffers" in storage:  # cdp-zero: partial-sum and relayed-parameter buffers of a stage each
+        largest = float(max(sizes["param_bytes"]))
+        grads_between = grads_within = storage["partial_sum_buffers"] * largest
+        relayed = storage["relay_buffers"] * largest
+        versions = int(storage.get("stored_versions", versions))
+    elif isinstance(state, dict) and "sums" in state:  # cdp-mp: a stage sums its gradient where it lives
+        grads_between = grads_within = per_device_params
+    elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
+        grads_within = float(sum(sizes["param_bytes"]))
+    acts_between = acts_peak = 0.0
+    if table is None:
+        acts_peak = float(sum(sizes["activation_bytes"]))
+    elif table.ops:
+        held = table.activation_bytes(sizes["activation_bytes"])
+        lo, hi = table.steady
+        acts_between = float(held[lo].max()) if lo < len(held) else 0.0
+        acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
+    kept = getattr(method.carrier, "residuals", None)  # the ring's kept vjp residuals ('carry')
+    if kept:
+        acts_between += float(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for r in kept for a in r))
+    image = int(np.prod(method.net.input_shape)) * 4
+    batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
+        devices if method.input_sharding is None else 1, 1)
+    between = {"parameters": per_device_params * versions, "versions": versions,
+               "optimizer_state": per_device_params * opt_ratio, "gradients_in_flight": grads_between,
+               "relayed_parameters": relayed, "activations_in_flight": acts_between, "batch": batch}
+    between["total"] = sum(v for k, v in between.items() if k != "versions")
+    within = {"gradients_in_flight": grads_within, "activations": acts_peak}
+    within["total"] = grads_within + acts_peak
+    return {"arguments": between, "temporaries": within}
+
+
+def _params_per_device(method, config, table, sizes) -> float:
+    """Parameter bytes a device holds: all of them on a data-axis layout, its stages' on a stage
+    axis (the stages the table puts on the busiest device), the stages it owns for cdp-zero."""
+    from cdpjax.layouts import LAYOUTS
+
+    storage = method.info.get("storage")
+    if isinstance(storage, dict) and "owned_stages" in storage:  # cdp-zero: owners keep their stages
+        owners = method.info.get("owners", [])
+        return float(max(sum(b for b, o in zip(sizes["param_bytes"], owners) if o == w) for w in set(owners)))
+    if table is None or LAYOUTS[config.method].device_axis != "stage":
+        return float(sum(sizes["param_bytes"]))
+    per = {}
+    for op in table.ops:
+        per.setdefault(op.device, set()).add(op.stage)
+    return float(max(sum(sizes["param_bytes"][j] for j in stages) for stages in per.values()))
 
 
 def format_table(records: list[dict]) -> str:
@@ -183,26 +416,35 @@ def format_table(records: list[dict]) -> str:
         return ""
     base = records[0]
     head = ["method", "devices", "compile s", "step s", "x first", "img/s", "temp MiB", "args MiB",
-            "busy", "act peak", "comm bal", "all-reduce MiB", "permute MiB"]
+            "model temp", "model args", "busy", "act peak", "act peak MiB", "comm bal", "sent MiB/w/step",
+            "all-reduce MiB", "largest permute MiB"]
     rows = []
     for r in records:
         mem = r.get("memory", {})
         coll = r.get("collectives", {})
         act = r.get("activation_total", {})
+        model = r.get("memory_model", {})
         rows.append([
-            r["method"], str(r["devices"]), f"{r['compile_seconds']:.1f}", f"{r['step_seconds']:.4f}",
+            r.get("label", r["method"]), str(r["devices"]), f"{r['compile_seconds']:.1f}", f"{r['step_seconds']:.4f}",
             f"{r['step_seconds'] / base['step_seconds']:.2f}", f"{r['images_per_second']:.0f}",
             f"{mem.get('temp_bytes', 0) / 2**20:.2f}", f"{mem.get('argument_bytes', 0) / 2**20:.2f}",
+            _mib(model.get("temporaries", {}).get("total")), _mib(model.get("arguments", {}).get("total")),
             f"{r['busy_fraction']:.2f}" if "busy_fraction" in r else "-",
             f"{act['peak']:.1f}" if act else "-",
+            _mib(act.get("device_peak_bytes")) if act else "-",
             f"{r['comm_balance']:.2f}" if "comm_balance" in r else "-",
-            f"{coll.get('all-reduce', {}).get('bytes', 0) / 2**20:.3f}",
-            f"{coll.get('collective-permute', {}).get('bytes', 0) / 2**20:.3f}",
+            _mib(r.get("sent_bytes_per_worker_per_step")),
+            f"{coll.get('all-reduce', {}).get('max_bytes', 0) / 2**20:.3f}",
+            f"{r.get('largest_permute_bytes', 0) / 2**20:.3f}",
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     notes = [_layout_note(r) for r in records]
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows), *filter(None, notes)])
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.2f}"
 
 
 def _layout_note(record: dict) -> str:

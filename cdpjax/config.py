@@ -59,11 +59,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     # Stages: a number of stages, or explicit split points (block indices where a stage starts).
     c.stages = ml_collections.FieldReference(4, field_type=object)  # an int or a list of split points
-    c.partition = "params"  # 'params' | 'flops' | 'blocks' (how `stages: int` is balanced)
+    c.partition = "params"  # 'params' | 'flops' | 'blocks' | 'memory' (how `stages: int` is cut; models.partition)
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
     c.cdp_impl = "ring"  # 'simulate' | 'ring'
-    c.cdp_rule = "cdp-v2"  # cdp-mp's staleness: the 'cdp-v2' | 'cdp-v1' table of N = L workers
+    # The staleness rule: for cdp-v2, 'cdp-v2' (the version each forward finds, from the ticks) or
+    # 'paper-code' (the authors' released rule: current iff stage >= L-1-worker, for any N and L);
+    # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
+    c.cdp_rule = "cdp-v2"
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
@@ -118,9 +121,9 @@ _CHOICES = {
     "norm": ("batch", "group", "none"),
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
-    "partition": ("params", "flops", "blocks"),
+    "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
-    "cdp_rule": ("cdp-v2", "cdp-v1"),
+    "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),

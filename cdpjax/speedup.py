@@ -21,9 +21,10 @@ Assumptions (stated, not hidden):
   v-1, which is ready when the last backward of that stage's step is done plus
   its gradient synchronisation: `dp` one ring all-reduce of the whole model,
   2(N-1)/N x model bytes / bandwidth, after the last backward of the step; CDP
-  the relay of the completed stage sum, (N-1) hops of the stage's gradient
-  (partial-sum hops overlap compute and are not on the critical path);
-  pipelines none (the stage owns its parameters).
+  the arrival of the completed stage sum at the op's device along the table's
+  delivery plan (its 'sum' messages: one hop of the stage's gradient each, from
+  the worker that completed it; partial-sum hops overlap compute and are not on
+  the critical path); pipelines none (the stage owns its parameters).
 - Steady state: the step time is the slope of step completion times over the
   laid-out steps, so fill and drain at the ends of a run are excluded.
 """
@@ -63,16 +64,23 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
     ops = sorted(table.ops, key=lambda o: (o.tick, o.device))
 
     allreduce = {(m.stage, m.step) for m in table.messages if m.kind == "allreduce"}
-    sum_hops = defaultdict(int)  # (stage, step) -> hops the completed sum takes
-    for m in table.messages:
+    sum_hops = defaultdict(list)  # (stage, step) -> the completed sum's hops, in tick order
+    for m in sorted(table.messages, key=lambda m: m.tick):
         if m.kind == "sum":
-            sum_hops[(m.stage, m.step)] += 1
+            sum_hops[(m.stage, m.step)].append(m)
 
-    def update_ready(stage: int, step: int) -> float:
+    def update_ready(stage: int, step: int, device: int) -> float:
         if (stage, step) in allreduce:  # one all-reduce of the whole model after the step's last backward
             model = float(sum(costs.gradient_bytes))
             return max(last_backward[(j, step)] for j in range(L)) + 2 * (n_workers - 1) / n_workers * model / bw
-        return last_backward[(stage, step)] + sum_hops[(stage, step)] * costs.gradient_bytes[stage] / bw
+        done = last_backward[(stage, step)]
+        hops = sum_hops[(stage, step)]
+        if not hops:  # one worker, or a table that applies everywhere at completion
+            return done
+        arrive = {hops[0].src: done}  # the worker that completed it holds it first
+        for m in hops:
+            arrive[m.dst] = arrive.get(m.src, done) + costs.gradient_bytes[stage] / bw
+        return arrive.get(device, done)
 
     def after(key, device, nbytes):
         finish, dev = done[key]
@@ -89,7 +97,7 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
             else:
                 ready = max(ready, after(("F", j, *mb), op.device, 0.0))
         if op.kind in ("F", "FB") and op.version >= 1:
-            ready = max(ready, update_ready(j, op.version - 1))
+            ready = max(ready, update_ready(j, op.version - 1, op.device))
         duration = {"F": costs.forward[j], "B": costs.backward[j], "FB": costs.local(j)}[op.kind]
         finish = ready + duration
         device_free[op.device] = finish

@@ -285,31 +285,25 @@ def memory_and_communication():
         """)),
         new_markdown_cell(_src("""
             The same in bytes: each stage's output is held from its forward until its backward, and
-            weighs what that stage's output weighs for one micro-batch.
+            weighs what that stage's output weighs for one micro-batch (`TimeTable.activation_bytes`).
+            The unit model says CDP holds half of DP's peak whatever the cut; in bytes the cut decides
+            (`partition='memory'` picks the cut that holds the fewest).
         """)),
         new_code_cell(_src("""
             import numpy as np
             from matplotlib.figure import Figure
 
-
-            def held_bytes(table, stage_bytes):
-                \"\"\"[ticks] bytes of activations held by all workers: each forward's output is held
-                from its tick until its backward's tick.\"\"\"
-                out = np.zeros(table.num_ticks)
-                forward = {}
-                for op in table.ops:
-                    key = (op.device, op.stage, op.step)
-                    if op.kind == "F":
-                        forward[key] = op.tick
-                    else:
-                        out[forward.pop(key):op.tick] += stage_bytes[op.stage]
-                return out
-
+            stats = {m: tables[m].activation_stats(sizes["activation_bytes"]) for m in ("dp", "cdp-v2")}
+            for m, st in stats.items():
+                print(f"{m:>7}: all workers peak {st['total_peak_bytes'] / 2**20:.2f} MiB, mean "
+                      f"{st['total_mean_bytes'] / 2**20:.2f} MiB; busiest device {st['device_peak_bytes'] / 2**20:.2f} MiB")
+            print(f"cdp-v2 / dp peak, in bytes: {stats['cdp-v2']['total_peak_bytes'] / stats['dp']['total_peak_bytes']:.2f} "
+                  f"(unit model: {stats['cdp-v2']['total_peak'] / stats['dp']['total_peak']:.2f})")
 
             fig = Figure(figsize=(7, 3.2))
             ax = fig.add_subplot()
             for m in ("dp", "cdp-v2"):
-                b = held_bytes(tables[m], sizes["activation_bytes"]) / 2**20
+                b = tables[m].activation_bytes(sizes["activation_bytes"]).sum(1) / 2**20
                 ax.step(np.arange(len(b)), b, where="post", label=f"{m} (peak {b.max():.2f} MiB)")
             ax.set(xlabel="time step (tick)", ylabel="activations held, all workers (MiB)")
             ax.legend(fontsize=8)
@@ -328,10 +322,11 @@ def memory_and_communication():
         new_markdown_cell(_src("""
             ## Measured: the compiled steps
 
-            Per device: temporaries of the compiled train step (XLA memory analysis), and the bytes of
-            each kind of collective in its HLO (an op inside a loop body is counted once). DP's
-            gradients travel as one all-reduce; CDP's as collective-permutes (point-to-point) inside
-            the scan over ticks.
+            Per device: temporaries and arguments of the compiled train step (XLA memory analysis)
+            beside the memory model (what the method must hold), and the bytes each worker really
+            sends per step (each transfer as often as it runs). DP's gradients travel as one
+            all-reduce; CDP's as collective-permutes of one stage each (point-to-point), DP's bytes
+            in small messages spread over the step.
         """)),
         new_code_cell(_src("""
             import ml_collections
@@ -344,14 +339,20 @@ def memory_and_communication():
                     c.mesh = {"data": -1}
                 records[m] = bench.bench_method(c, devices_for(c), repeats=2)
             print(bench.format_table(list(records.values())))
+            for m, r in records.items():
+                model = r["memory_model"]
+                print(f"{m:>7}: sent {r['sent_bytes_per_worker_per_step'] / 2**20:.2f} MiB per worker per step; "
+                      f"arguments {r['memory']['argument_bytes'] / 2**20:.1f} MiB (model "
+                      f"{model['arguments']['total'] / 2**20:.1f})")
 
             kinds = ("all-reduce", "collective-permute")
             fig = Figure(figsize=(9, 3.2))
             ax, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
             x = np.arange(len(kinds))
             for n, (m, r) in enumerate(records.items()):
-                ax.bar(x + (n - 0.5) * 0.4, [r["collectives"][k]["bytes"] / 2**20 for k in kinds], 0.4, label=m)
-            ax.set(xticks=x, xticklabels=kinds, ylabel="MiB in the compiled step", title="collectives (HLO)")
+                ax.bar(x + (n - 0.5) * 0.4, [r["sent_bytes_by_kind"][k] / 2**20 / r["devices"] for k in kinds], 0.4,
+                       label=m)
+            ax.set(xticks=x, xticklabels=kinds, ylabel="MiB per worker per step", title="bytes sent (HLO)")
             ax.legend(fontsize=8)
             mem.bar(list(records), [r["memory"].get("temp_bytes", 0) / 2**20 for r in records.values()])
             mem.set(ylabel="MiB", title="temporaries per device (XLA)")

@@ -237,7 +237,7 @@ def _figures(row: Row, config, summary: dict) -> dict:
     per_tick = table.bytes_per_tick(sizes["param_bytes"])
     lo, hi = table.steady
     out.update(workers=workers, stages=stages, stage_param_bytes=sizes["param_bytes"],
-               stage_activation_bytes=sizes["activation_bytes"], activation=table.activation_stats(),
+               stage_activation_bytes=sizes["activation_bytes"], activation=table.activation_stats(sizes["activation_bytes"]),
                comm_balance=table.comm_balance(sizes["param_bytes"]),
                comm_peak_tick_bytes=float(per_tick[lo:hi].max()) if hi > lo else 0.0)
     return out
@@ -263,8 +263,8 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 
 CDP_HEAD = ["dataset", "model", "method", "N x L", "steps", "test acc", "act. peak / mean (stage-acts)",
-            "act. peak", "comm busiest / mean tick", "busiest tick", "HLO all-reduce", "HLO permute",
-            "temp / device"]
+            "act. peak bytes, all / device", "comm busiest / mean tick", "busiest tick", "sent / worker / step",
+            "HLO all-reduce", "HLO permute", "temp / args per device"]
 
 
 def cdp_markdown(records: list[dict]) -> str:
@@ -274,22 +274,26 @@ def cdp_markdown(records: list[dict]) -> str:
         if r["status"] != "ok":
             rows.append([dataset, model, r["method"], "-", "-", r["note"]] + ["-"] * (len(CDP_HEAD) - 6))
             continue
-        act, coll = r["activation"], r["bench"]["collectives"]
-        mean_act = sum(r["stage_activation_bytes"]) / len(r["stage_activation_bytes"])
+        act, coll, mem = r["activation"], r["bench"]["collectives"], r["bench"]["memory"]
+        sent = r["bench"].get("sent_bytes_per_worker_per_step")
         rows.append([
             dataset, model, r["method"], f"{r['workers']} x {r['stages']}", str(r["summary"]["steps"]),
             f"{100 * r['summary']['test_accuracy']:.1f}%",
-            f"{act['total_peak']} / {act['total_mean']:.1f}", _bytes(act["total_peak"] * mean_act),
-            f"{r['comm_balance']:.2f}", _bytes(r["comm_peak_tick_bytes"]),
+            f"{act['total_peak']} / {act['total_mean']:.1f}",
+            f"{_bytes(act.get('total_peak_bytes'))} / {_bytes(act.get('device_peak_bytes'))}",
+            f"{r['comm_balance']:.2f}", _bytes(r["comm_peak_tick_bytes"]), _bytes(sent) if sent is not None else "-",
             _bytes(coll["all-reduce"]["bytes"]), _bytes(coll["collective-permute"]["bytes"]),
-            _bytes(r["bench"]["memory"].get("temp_bytes")),
+            f"{_bytes(mem.get('temp_bytes'))} / {_bytes(mem.get('argument_bytes'))}",
         ])
     notes = [
         "act.: stage-activations (one stage's output for one micro-batch) held by all workers together, "
-        "steady state of the time table; bytes: the peak times the mean stage output of this model.",
+        "steady state of the time table (the unit model); bytes: the same with each stage's real output "
+        "bytes, over all workers and on the busiest device.",
         "comm: gradient bytes sent per tick from the time table (1.00 = flat; dp sends one all-reduce "
-        "burst per step); HLO: result bytes of the compiled step's collectives, each op counted once.",
-        "temp / device: temporaries of the compiled step on one device (XLA memory analysis).",
+        "burst per step); sent: bytes the compiled step really sends per worker per step (each transfer "
+        "as often as it runs); HLO: result bytes of the compiled step's collectives, each op counted once.",
+        "temp / args per device: temporaries and arguments of the compiled step on one device (XLA "
+        "memory analysis).",
     ]
     return _markdown(CDP_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
@@ -388,6 +392,19 @@ def plot_accuracy(records: list[dict], out: str, path: str) -> str:
     return _save(fig, path)
 
 
+def plot_activation_bytes(tables, stage_bytes, path: str) -> str:
+    """Activation bytes held by all workers over ticks (each stage's real output bytes), one line per table."""
+    import numpy as np
+
+    fig, (ax,) = _figure(5.5, 3.2)
+    for t in tables:
+        held = t.activation_bytes(stage_bytes).sum(1) / 2**20
+        ax.step(np.arange(len(held)), held, where="post", label=f"{t.method} (peak {held.max():.2f} MiB)")
+    ax.set(xlabel="time step (tick)", ylabel="activations held, all workers (MiB)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def cdp_figures(records: list[dict], out: str) -> list[str]:
     from cdpjax import plotting
     from cdpjax.layouts.cdp import cdp_table
@@ -404,6 +421,7 @@ def cdp_figures(records: list[dict], out: str) -> list[str]:
         # cdp-v1 and cdp-v2 share one timing (they differ in the versions read): one cdp line.
         tables = [cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v2")]
         paths.append(plotting.plot_activation(tables, stem.format("cdp_activation")))
+        paths.append(plot_activation_bytes(tables, rs[0]["stage_activation_bytes"], stem.format("cdp_activation_bytes")))
         paths.append(plotting.plot_comm(tables, rs[0]["stage_param_bytes"], stem.format("cdp_comm")))
     return paths
 

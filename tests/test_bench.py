@@ -24,6 +24,32 @@ def test_collective_parser_reads_shapes_and_tuples():
     assert out["all-gather"]["count"] == 0
 
 
+def test_traffic_counts_each_transfer_as_often_as_it_runs():
+    """Bytes really sent: a permute once per source-target pair, times the trip counts of the
+    loops around it (nested: multiplied); an all-reduce 2(n-1)/n of its buffer per device."""
+    hlo = """
+%inner_body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %x = f32[16]{0} get-tuple-element(%p), index=1
+  %cp.1 = f32[16]{0} collective-permute(f32[16]{0} %x), channel_id=1, source_target_pairs={{2,3}}
+}
+%outer_body (p.1: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %y = f32[16]{0} get-tuple-element(%p.1), index=1
+  %cp.2 = f32[16]{0} collective-permute(f32[16]{0} %y), channel_id=2, source_target_pairs={{0,1},{1,2}}
+  %w.1 = (s32[], f32[16]{0}) while(%t), condition=%c1, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+ENTRY %main (a: f32[16]) -> f32[16] {
+  %w.2 = (s32[], f32[16]{0}) while(%t2), condition=%c2, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  %ar = f32[16]{0} all-reduce(f32[16]{0} %z), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%sum
+  %cp.3 = f32[4]{0} collective-permute(f32[4]{0} %z2), channel_id=4, source_target_pairs={{3,0}}
+}
+"""
+    out = bench.traffic(hlo, devices=4)
+    permute = 64 * 2 * 5 + 64 * 1 * 5 * 3 + 16 * 1  # outer body 5 times, inner 15 times, entry once
+    allreduce = 64 * 2 * 3 / 4 * 4  # every device sends 2(n-1)/n of it
+    assert out["by_kind"]["collective-permute"] == permute and out["by_kind"]["all-reduce"] == allreduce
+    assert out["per_device_bytes"] == (permute + allreduce) / 4 and out["largest_permute_bytes"] == 64
+
+
 def test_bench_records_e2e_and_dp(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--methods", "e2e,dp", "--repeats", "2", "--json", str(out),
@@ -40,6 +66,17 @@ def test_bench_records_e2e_and_dp(tmp_path, capsys):
     # dp all-reduces the whole model (plus two scalars) once per step.
     assert dp["collectives"]["all-reduce"]["bytes"] >= dp["param_bytes"]
     assert dp["collectives"]["all-reduce"]["max_bytes"] >= 0.9 * dp["param_bytes"]
+    # Real-byte activation figures beside the unit ones, what is really sent, the memory model.
+    for r in (e2e, dp):
+        assert {"peak", "mean", "peak_bytes", "mean_bytes", "device_peak_bytes"} <= set(r["activation_total"])
+        model = r["memory_model"]
+        assert {"parameters", "optimizer_state", "gradients_in_flight", "activations_in_flight", "batch",
+                "total"} <= set(model["arguments"])
+        assert model["arguments"]["parameters"] == r["param_bytes"]
+        # the model's arguments are XLA's within 10% (parameters, momentum, batch, BatchNorm state)
+        assert abs(model["arguments"]["total"] - r["memory"]["argument_bytes"]) <= 0.1 * r["memory"]["argument_bytes"]
+    assert e2e["sent_bytes_per_worker_per_step"] == 0
+    assert dp["sent_bytes_per_worker_per_step"] == pytest.approx(2 * 7 / 8 * dp["param_bytes"], rel=0.05)
 
 
 def test_bench_refuses_unknown_method(capsys):
@@ -104,3 +141,34 @@ def test_pipeline_busy_fractions_from_their_tables():
     assert bench.table_figures(timetable.table("ppll", stages=4), sizes)["busy_fraction"] == pytest.approx(1.0)
     assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
     assert bench.table_figures(timetable.table("cdp-mp", stages=4, steps=4), sizes)["busy_fraction"] == pytest.approx(1.0)
+
+
+def test_memory_partition_holds_the_fewest_bytes():
+    """partition='memory' on blocks whose outputs are 6, 2 and 1 floats: with two stages, cut 1
+    gives stage outputs (24, 4) bytes and cut 2 (8, 4); the two-stage CDP table holds max(2 o0,
+    o0 + o1) at its busiest tick (tests/test_timetable.py's example): 48 against 16, so cut 2.
+    The README's ResNet-18 cut [3, 6, 8] holds 0.86 of DP's bytes where the unit model says 0.5."""
+    import flax.linen as nn
+
+    from cdpjax.models import partition
+
+    class Block(nn.Module):
+        width: int
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(self.width)(x.reshape(x.shape[0], -1))
+
+    blocks = [Block(6), Block(2), Block(1)]
+    assert partition.split_points(blocks, 2, "memory", (3,)) == (2,)
+    report = partition.memory_report(blocks, (1,), (3,))
+    assert report["stage_output_bytes"] == [24.0, 4.0] and report["cdp_peak_bytes"] == 48.0
+    assert report["dp_peak_bytes"] == 2 * 24 + 2 * 4
+
+    from cdpjax import models
+    from cdpjax.config import default_config
+
+    c = default_config()
+    c.model, c.model_kwargs, c.norm, c.stages = "resnet18", {"stem": "cifar"}, "batch", [3, 6, 8]
+    net = models.build(c, (32, 32, 3), 10)
+    assert partition.memory_report(net.blocks, [3, 6, 8], (32, 32, 3))["ratio"] == pytest.approx(0.864, abs=1e-3)

@@ -1,12 +1,14 @@
-"""The time table: CDP's staleness rules, busy time, activation memory and gradient traffic
-as the paper states them, and the ring's per-tick arrays replayed without JAX."""
+"""The time table: CDP's staleness rules (the table's and the paper code's), busy time,
+activation memory (in stage-activations and in bytes) and gradient traffic as the paper
+states them; the delivery plan's deadlines and sends per tick for every size; the ring's
+period replayed without JAX."""
 import json
 
 import numpy as np
 import pytest
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import cdp_table, period_arrays
+from cdpjax.layouts.cdp import applies_of, cdp_table, ring_program
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
 from cdpjax.timetable import Op, table
@@ -166,11 +168,7 @@ def test_comm_balance_and_messages():
             for j in range(l):
                 msgs = [m for m in t.messages if m.stage == j and m.step == k]
                 partial = [m for m in msgs if m.kind == "partial"]
-                relay = [m for m in msgs if m.kind == "sum"]
                 assert [(m.src, m.dst) for m in partial] == [(i, i + 1) for i in range(n - 1)]
-                assert [(m.src, m.dst) for m in relay] == [((n - 1 + h) % n, h % n) for h in range(n - 1)]
-                u = next(u.tick for u in t.updates if u.stage == j and u.step == k)
-                assert all(m.tick == u for m in relay)
                 # A partial sum leaves a worker the tick it finishes the stage's backward.
                 for m in partial:
                     assert any(o.tick == m.tick and o.device == m.src and o.kind == "B" and o.stage == j
@@ -180,82 +178,186 @@ def test_comm_balance_and_messages():
         dp.bytes_per_tick([1.0, 2.0])
 
 
-# --------------------------------------------------------- the ring's arrays
+# ---------------------------------------------------- the delivery plan, the ring
+
+PLAN_SIZES = sorted({(n, l) for l in range(2, 9) for n in (2, 4, 8) if (2 * l) % n == 0} | {(6, 3), (3, 6)})
 
 
-@pytest.mark.parametrize("method", ["cdp-v1", "cdp-v2"])
-@pytest.mark.parametrize("n,l", [(1, 2), (2, 4), (4, 2), (4, 4), (8, 4), (6, 3)])
-def test_period_arrays_replayed(method, n, l):
-    """Runs the period arrays for a few calls with version numbers instead of tensors and
-    sets of contributions instead of gradient sums, exactly as the ring does: every op
-    reads the version the table names, and every update sums each worker's gradient once."""
-    a = period_arrays(method, n, l)
-    ref = cdp_table(method, n, l, steps=6)
-    want = {(o.device, o.stage, o.step, o.kind): o.version for o in ref.ops}
-    T = 2 * l
-    current, previous = [0] * l, [0] * l
-    inbox = [[frozenset() for _ in range(l)] for _ in range(n)]
-    applied = {}
-    calls = 5
-    for call in range(calls + 1):  # the last call is a flush
-        feeding = call < calls
-        for tau in range(T):
-            outgoing = [frozenset()] * n
-            completed = [None] * n
-            for i in range(n):
-                op, step = int(a["op"][tau, i]), call + int(a["step"][tau, i])
-                valid = 0 <= step < calls
-                if op == 0 or not valid:
-                    grad = frozenset()
-                else:
-                    j, kind = (op - 1, "F") if op <= l else (op - 1 - l, "B")
-                    version = previous[j] if a["slot"][tau, i] else current[j]
-                    assert version == want[(i, j, step, kind)], (tau, i, op, step)
-                    grad = frozenset({(i, step)}) if kind == "B" else frozenset()
-                if op > l:
-                    j = op - 1 - l
-                    total = inbox[i][j] | grad
-                    inbox[i][j] = frozenset()
-                    if a["send"][tau, i] >= 0:
-                        assert a["send"][tau, i] == j
-                        outgoing[i] = total
-                    if a["sum_hop"][tau, i] == 0:
-                        completed[i] = total
-            received = [outgoing[(i - 1) % n] for i in range(n)]
-            for i in range(n):
-                if a["recv"][tau, i] >= 0:
-                    inbox[i][a["recv"][tau, i]] = received[i]
-            u = int(a["update"][tau])
-            if u >= 0:
-                source = [i for i in range(n) if a["sum_hop"][tau, i] == 0]
-                assert len(source) == 1 and sorted(a["sum_hop"][tau]) == list(range(n))
-                step = call + int(a["update_step"][tau])
-                if 0 <= step < calls:
-                    assert completed[source[0]] == {(i, step) for i in range(n)}
-                    previous[u], current[u] = current[u], current[u] + 1
-                    applied[(u, step)] = current[u]
-    assert applied == {(j, k): k + 1 for j in range(l) for k in range(calls)}
+def _completer(t, j, k):
+    return max((o for o in t.ops if o.kind == "B" and o.stage == j and o.step == k), key=lambda o: o.tick).device
 
 
-def test_period_arrays_are_periodic():
-    """The steady-state period does not depend on which period of the table it is taken from."""
-    for method, n, l in [("cdp-v2", 8, 4), ("cdp-v1", 4, 4), ("cdp-v2", 2, 4)]:
-        t = cdp_table(method, n, l, steps=6)
-        rows = []
-        for m in (2, 3, 4):
-            grid = np.zeros((2 * l, n), int)
-            for o in t.ops:
-                if 2 * l * m <= o.tick < 2 * l * (m + 1):
-                    grid[o.tick - 2 * l * m, o.device] = (1 + o.stage + l * (o.kind == "B")) * (
-                        1 if o.slot == "current" else -1)
-            rows.append(grid)
-        np.testing.assert_array_equal(rows[0], rows[1])
-        np.testing.assert_array_equal(rows[1], rows[2])
-        a = period_arrays(method, n, l)
-        np.testing.assert_array_equal(a["op"] * np.where(a["slot"] == 1, -1, 1), rows[0])
-    with pytest.raises(ConfigError):
-        period_arrays("dp", 4, 4)
+@pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
+def test_delivery_plan_meets_every_deadline(rule):
+    """For every size: each completed sum reaches every other worker once, from a worker that
+    holds it, at most one 'sum' send and one receive plus one 'partial' send per worker per
+    tick (whatever N); each worker applies each update once, after it has the sum, and every
+    op reads exactly the updates its worker applied before the op's tick (one stored version)."""
+    for n, l in PLAN_SIZES:
+        t = cdp_table(rule, n, l, steps=4)
+        sends, recvs = {}, {}
+        for m in t.messages:
+            sends[(m.tick, m.src, m.kind)] = sends.get((m.tick, m.src, m.kind), 0) + 1
+            if m.kind == "sum":
+                recvs[(m.tick, m.dst)] = recvs.get((m.tick, m.dst), 0) + 1
+        assert max(sends.values()) == 1 and max(recvs.values()) == 1, (rule, n, l)
+        assert t.sends_per_tick().max() <= 2
+        applies = applies_of(t)
+        u_tick = {(u.stage, u.step): u.tick for u in t.updates}
+        for (j, k), u in u_tick.items():
+            c = _completer(t, j, k)
+            have = {c: u}  # who holds the sum, from the end of which tick
+            for m in sorted((m for m in t.messages if m.kind == "sum" and (m.stage, m.step) == (j, k)),
+                            key=lambda m: m.tick):
+                assert m.src in have and (have[m.src] < m.tick or (m.src == c and m.tick >= u)), (rule, n, l, m)
+                assert m.dst not in have
+                have[m.dst] = m.tick
+            if max(have.values()) < t.num_ticks - 2 * l:  # every delivery of this update laid out
+                assert set(have) == set(range(n)), (rule, n, l, j, k)
+            for w, got in have.items():
+                if (w, j, k) in applies:
+                    assert applies[(w, j, k)] >= got
+        for o in t.ops:
+            held = sum(1 for (w, j, k), a in applies.items() if w == o.device and j == o.stage and a < o.tick)
+            assert held == o.version, (rule, n, l, o)
 
+
+def test_paper_code_rule_from_the_command_line(capsys, tmp_path):
+    """`cdpjax schedule --method cdp-v2 --rule paper-code`: the text grid with its notes, --json
+    with the same `stale` field as the rule written out, --out draws it; --stage-bytes adds bytes."""
+    from cdpjax.commands import schedule
+
+    args = ["--method", "cdp-v2", "--workers", "8", "--stages", "4", "--rule", "paper-code"]
+    assert schedule.main(args) == 0
+    text = capsys.readouterr().out
+    assert "stale (worker, stage) pairs: 6 of 32" in text and "reads that precede their update" in text
+    assert schedule.main(args + ["--json", "--stage-bytes", "4,3,2,1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stale"] == [[not (j >= 3 - i) for j in range(4)] for i in range(8)] and d["rule"] == "paper-code"
+    assert d["activation"]["total_peak_bytes"] > 0 and len(d["bytes_per_tick"]) == d["num_ticks"]
+    assert schedule.main(args + ["--out", str(tmp_path / "paper.png")]) == 0 and (tmp_path / "paper.png").exists()
+    assert schedule.main(["--method", "cdp-v2", "--rule", "cdp-v1"]) == 2
+    assert "cdp-v2 rule" in capsys.readouterr().err
+
+
+def test_paper_code_rule():
+    """The authors' released rule, written out here: worker i reads the current version of stage
+    j iff j >= L-1-i. N = L: the table's own rule; N = 8, L = 4: 6 of 32 pairs stale, and some
+    reads come before their update (worker 4's forward of stage 0 two ticks before stage 0's
+    update), which the ring refuses; N < L: more stale than the timing needs, and realisable."""
+    def paper(n, l):
+        return np.array([[not (j >= l - 1 - i) for j in range(l)] for i in range(n)])
+
+    for n, l in [(8, 4), (4, 4), (2, 4)]:
+        t = table("cdp-v2", workers=n, stages=l, rule="paper-code")
+        assert t.method == "cdp-v2" and t.meta["rule"] == "paper-code"
+        np.testing.assert_array_equal(t.stale, paper(n, l))
+    assert paper(8, 4).sum() == 6
+    np.testing.assert_array_equal(table("cdp-v2", workers=4, stages=4, rule="paper-code").stale,
+                                  cdp_table("cdp-v2", 4, 4).stale)
+    assert (paper(2, 4) >= cdp_table("cdp-v2", 2, 4).stale).all() and paper(2, 4).sum() > cdp_table("cdp-v2", 2, 4).stale.sum()
+    ring_program("paper-code", 2, 4)  # realisable: every read served from one stored version
+
+    t = cdp_table("paper-code", 8, 4, steps=4)
+    f = next(o for o in t.ops if o.device == 4 and o.stage == 0 and o.kind == "F" and o.step == 2)
+    u = next(u.tick for u in t.updates if u.stage == 0 and u.step == 1)
+    assert u - f.tick == 2 and f.slot == "future" and f.version == 2
+    assert any("reads that precede their update" in note and "w4 F0" in note for note in t.notes)
+    with pytest.raises(ConfigError, match=r"cannot run rule paper-code with workers=8, stages=4: worker \d+'s forward"):
+        ring_program("paper-code", 8, 4)
+    with pytest.raises(ConfigError, match="cdp-v2 rule"):
+        table("cdp-v2", workers=4, stages=4, rule="cdp-v1")
+
+
+def test_activation_bytes_of_a_two_stage_example():
+    """N = 2 workers, L = 2 stages, stage outputs a = 3 and b = 1 bytes per micro-batch. A worker
+    holds stage 0's output from its forward (phase 0) until before its backward (phase 3), stage
+    1's at phase 1 only: a, a + b, a, 0 over its four phases. DP: both workers in phase: totals
+    2a, 2a+2b, 2a, 0. CDP (worker 1 two ticks later): a+a, (a+b)+0, a+a, 0+(a+b)."""
+    a, b = 3.0, 1.0
+    cdp = cdp_table("cdp-v2", 2, 2).activation_stats([a, b])
+    dp = cdp_table("dp", 2, 2).activation_stats([a, b])
+    assert cdp["total_peak_bytes"] == 2 * a and cdp["total_mean_bytes"] == (4 * a + 2 * (a + b)) / 4
+    assert cdp["device_peak_bytes"] == a + b and cdp["device_mean_bytes"] == (3 * a + b) / 4
+    assert dp["total_peak_bytes"] == 2 * a + 2 * b and dp["total_mean_bytes"] == (6 * a + 2 * b) / 4
+    # the real-byte ratio (0.75) is not the unit model's (0.5)
+    assert cdp["total_peak_bytes"] / dp["total_peak_bytes"] == 0.75
+    assert cdp["total_peak"] / dp["total_peak"] == 0.5
+
+
+def _replay(rule, n, l, calls=4):
+    """Plays `ring_program` as the SPMD period does, on version numbers and sets of gradient
+    contributions: a device's buffer a send does not reach is clobbered (None) unless the send
+    merges; in-flight buffers go on, one lag older, only where the program says they are live."""
+    p = ring_program(rule, n, l)
+    want = {(o.device, o.stage, o.step, o.kind): o.version for o in cdp_table(rule, n, l, steps=calls + 3).ops}
+    version = [[0] * l for _ in range(n)]
+    bufs = [{key: frozenset() for key in p.live} for _ in range(n)]  # the zeros of `init`
+    for call in range(calls + p.max_lag):
+        def valid(lag):
+            return 0 <= call - lag < calls
+
+        for tk in p.ticks:
+            out = [{} for _ in range(n)]
+            for w, kind, j, lag in tk.ops:
+                step = call - lag
+                if valid(lag):
+                    assert version[w][j] == want[(w, j, step, kind)], (rule, n, l, call, w, kind, j)
+                if kind == "B":
+                    mine = frozenset({(w, step)}) if valid(lag) else frozenset()
+                    total = mine if (w, j) in tk.chain_start else bufs[w].pop(("partial", j, lag)) | mine
+                    if any(c == (w, j, lag) for c in tk.completes):
+                        bufs[w][("sum", j, lag)] = total
+                    else:
+                        out[w][("partial", j, lag)] = total
+
+            def apply(after):
+                for j, lag, ws, when in tk.applies:
+                    if when == after and valid(lag):
+                        for w in ws:
+                            assert bufs[w][("sum", j, lag)] == {(i, call - lag) for i in range(n)}
+                            version[w][j] += 1
+
+            apply(False)
+            for j, lag, pairs in tk.partials:
+                got = {dst: out[src][("partial", j, lag)] for src, dst in pairs}
+                for w in range(n):
+                    bufs[w][("partial", j, lag)] = got.get(w)
+            for j, lag, pairs, merge in tk.sums:
+                got = {dst: bufs[src][("sum", j, lag)] for src, dst in pairs}
+                for w in range(n):
+                    if w in got or not merge:
+                        bufs[w][("sum", j, lag)] = got.get(w)
+            apply(True)
+        for w in range(n):
+            bufs[w] = {(kind, j, lag): bufs[w].get((kind, j, lag - 1)) for kind, j, lag in p.live}
+    assert version == [[calls] * l for _ in range(n)]  # every update applied once everywhere
+    return p
+
+
+@pytest.mark.parametrize("rule,n,l", [("cdp-v2", 4, 4), ("cdp-v2", 8, 4), ("cdp-v2", 2, 4), ("cdp-v2", 4, 2),
+                                      ("cdp-v1", 4, 4), ("cdp-v1", 2, 3), ("paper-code", 2, 4),
+                                      ("cdp-v2", 1, 3), ("cdp-v2", 6, 3)])
+def test_ring_program_replayed(rule, n, l):
+    p = _replay(rule, n, l)
+    assert p.sends_per_tick().max() <= 2  # one partial and one sum at most, whatever N
+
+
+def test_ring_program_replay_can_fail(monkeypatch):
+    """A program whose sum send does not merge where a worker still holds its copy, or that
+    drops a live buffer, is caught by the same replay."""
+    import dataclasses
+    import cdpjax.layouts.cdp as layout
+
+    good = ring_program("cdp-v2", 4, 4)
+    ticks = list(good.ticks)
+    t = next(i for i, tk in enumerate(ticks) if any(merge for *_, merge in tk.sums))
+    ticks[t] = dataclasses.replace(ticks[t], sums=tuple((j, lag, pairs, False) for j, lag, pairs, _ in ticks[t].sums))
+    for bad in (dataclasses.replace(good, ticks=tuple(ticks)), dataclasses.replace(good, live=good.live[1:])):
+        monkeypatch.setitem(globals(), "ring_program", lambda *a, bad=bad: bad)
+        with pytest.raises((AssertionError, KeyError, TypeError)):
+            _replay("cdp-v2", 4, 4)
+    del layout
 
 def test_json():
     t = cdp_table("cdp-v2", 4, 4)

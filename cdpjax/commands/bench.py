@@ -7,7 +7,9 @@ import sys
 def add_parser(subparsers):
     p = subparsers.add_parser("bench", help="compare methods: compile/step time, memory, collectives, tables")
     p.add_argument("--config", help="Python config file (default: the digits default)")
-    p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2", help="comma-separated method names")
+    p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
+                   help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "
+                        "(e.g. cdp-v2@residuals=carry) beside the others")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices where no accelerator is present")
     p.add_argument("--json", dest="json_out", help="write the records to this JSON file")
     p.add_argument("--keep-mesh", action="store_true", help="use the config's mesh for every method")
@@ -38,19 +40,26 @@ def run(args, overrides=()) -> int:
     setup_devices(args.cpu_devices)
     from cdpjax import bench, config as cfg_lib
 
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    specs = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = [spec.split("@")[0] for spec in specs]
     from cdpjax.layouts import LAYOUTS
 
     for name in names:
         LAYOUTS.lookup(name)  # an unknown name fails here, with the registered ones
-    records = []
-    for name in names:
+    configs = []
+    for spec, name in zip(specs, names):
         c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
         c.method = name
+        cfg_lib.apply_overrides(c, spec.split("@")[1:])  # a variant: its own keys
+        cfg_lib.validate(c)
         if not args.keep_mesh:  # every device on the axis the method declares (its layout)
             c.mesh = LAYOUTS[name].default_mesh(c)
-        print(f"cdpjax bench: {name} ...", file=sys.stderr, flush=True)
-        records.append(bench.bench_method(c, devices=_devices_for(c), repeats=args.repeats))
+        configs.append(c)
+    print(f"cdpjax bench: {', '.join(names)} (compiled first, then timed in interleaved rounds) ...",
+          file=sys.stderr, flush=True)
+    records = bench.bench_methods(configs, [_devices_for(c) for c in configs], repeats=args.repeats)
+    for spec, r in zip(specs, records):
+        r["label"] = spec
     if args.predict:
         from cdpjax import speedup
 

@@ -4,6 +4,8 @@
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --json     # the table as JSON
     cdpjax schedule --method gpipe --stages 4 --microbatches 4 --out gpipe.svg
     cdpjax schedule --method cdp-zero --workers 4 --stages 4 --rule cdp-v1  # owners, relayed versions
+    cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --rule paper-code  # the authors' released rule
+    cdpjax schedule --method cdp-v2 --stages 2 --json --stage-bytes 3e6,1e6  # activation and comm in bytes
     cdpjax schedule --from-json table.json --out table.png            # a table written by --json
 
 Sizes a method's table does not take (ppll has no workers) are refused, by name; a
@@ -27,6 +29,13 @@ def _groups(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"module groups {text!r} must be integers, e.g. 8,3,2,2") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(b) for b in text.replace("[", "").replace("]", "").split(",") if b.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stage bytes {text!r} must be numbers, e.g. 3e6,1e6") from None
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     with_tables = [name for name, layout in LAYOUTS.items() if layout.table is not None]
     p = subparsers.add_parser(
@@ -40,7 +49,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=None, help="stages L (ppll: local modules K)")
     p.add_argument("--steps", type=int, default=None, help="training steps laid out (ppll: batches)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches M per step (pipelines)")
-    p.add_argument("--rule", default=None, help="staleness rule (cdp-zero, cdp-mp: cdp-v2 or cdp-v1)")
+    p.add_argument("--rule", default=None, help="staleness rule (cdp-v2: cdp-v2 or paper-code; cdp-zero, cdp-mp: "
+                                                "cdp-v2 or cdp-v1)")
+    p.add_argument("--stage-bytes", type=_floats, default=None, metavar="B0,B1,...",
+                   help="each stage's output bytes (one micro-batch): --json adds the activation figures in bytes "
+                        "and the bytes per tick")
     p.add_argument("--chunks", type=int, default=None, help="stages per device V (interleaved pipelines)")
     p.add_argument("--module-groups", type=_groups, default=None, metavar="G0,G1,...",
                    help="local modules per device (ppll), e.g. 8,3,2,2")
@@ -78,7 +91,11 @@ def run(args) -> int:
         print(f"cdpjax schedule: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(t.to_json()))
+        try:
+            print(json.dumps(t.to_json(args.stage_bytes)))
+        except ConfigError as e:  # stage bytes that do not fit the table
+            print(f"cdpjax schedule: error: {e}", file=sys.stderr)
+            return 2
     elif args.out:
         print(f"wrote {args.out}")
     else:

@@ -9,7 +9,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import Layout, register
-from cdpjax.layouts.cdp import check_sizes, cdp_table, period_arrays
+from cdpjax.layouts.cdp import check_sizes, cdp_table
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")
@@ -38,7 +38,7 @@ def _zero_plan(rule: str, N: int, L: int) -> dict:
     """
     _check_zero(rule, N, L)
     T, d, m = 2 * L, 2 * L // N, 2
-    lo = m * T  # the window of `_period_arrays`
+    lo = m * T  # the window of `_cdp_period`
     base = cdp_table(rule, N, L, steps=m + 4)
     at = {(o.tick, o.device): o for o in base.ops}
     upd = [sorted(u.tick for u in base.updates if u.stage == j) for j in range(L)]
@@ -149,6 +149,28 @@ def _assign(L, N, per_worker, candidates):
     return owner
 
 
+@functools.lru_cache(maxsize=64)
+def _cdp_period(rule: str, N: int, L: int) -> dict:
+    """One steady-state period of the `rule` table as arrays [tick, worker]: op (0 idle, 1+j
+    forward of stage j, 1+L+j backward), slot (1: the previous version), step (0 the step
+    fed in the period, -1 the previous one); update / update_step [tick] (-1: none)."""
+    T, m = 2 * L, 2
+    table = cdp_table(rule, N, L, steps=4)
+    lo = m * T  # steps 1 and 2 only, so no step-0 special case leaks in
+    op, slot, step = (np.zeros((T, N), np.int32) for _ in range(3))
+    update, update_step = np.full((T,), -1, np.int32), np.zeros((T,), np.int32)
+    for o in table.ops:
+        if lo <= o.tick < lo + T:
+            t = o.tick - lo
+            op[t, o.device] = 1 + o.stage + (L if o.kind == "B" else 0)
+            slot[t, o.device] = int(o.slot == "previous")
+            step[t, o.device] = o.step - m
+    for u in table.updates:
+        if lo <= u.tick < lo + T:
+            update[u.tick - lo], update_step[u.tick - lo] = u.stage, u.step - m
+    return {"op": op, "slot": slot, "step": step, "update": update, "update_step": update_step}
+
+
 def zero_period_arrays(workers: int, stages: int, rule: str = "cdp-v2") -> dict[str, np.ndarray]:
     """cdp-zero's steady-state period: `period_arrays(rule, ...)` (op, step, update, ...) plus
     the relay program, indexed [tick_in_period, worker] unless noted:
@@ -166,8 +188,7 @@ def zero_period_arrays(workers: int, stages: int, rule: str = "cdp-v2") -> dict[
     """
     _check_zero(rule, workers, stages)
     plan = _zero_plan(rule, int(workers), int(stages))
-    out = period_arrays(rule, workers, stages)
-    out.pop("send"), out.pop("recv"), out.pop("sum_hop")  # the ring's relay-to-all: not used
+    out = {k: v.copy() for k, v in _cdp_period(rule, int(workers), int(stages)).items()}
     for k, v in plan.items():
         out[k] = np.array(v) if isinstance(v, (tuple, np.ndarray)) else v
     return out
@@ -195,7 +216,9 @@ def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str 
     owned = "; ".join(f"stage {j}: w{o}" for j, o in enumerate(owners))
     note = (f"rule {rule}; owners (parameters and optimizer state): {owned}; each tick every worker sends one "
             f"'param' hop of {plan['versions']} version(s)")
-    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages),
+    T = 2 * L  # its traffic all lands within the step's own period: one period from step 1 is steady
+    steady = (T, 2 * T) if steps >= 2 else base.steady
+    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady,
                                meta={"rule": rule, "owners": list(owners), "versions_per_hop": plan["versions"]},
                                notes=(note,))
 

@@ -1,24 +1,25 @@
 """`cdp-v1`, `cdp-v2`: cyclic data parallelism (Fournier and Oyallon, 2024).
 
-Timing (`cdpjax.timetable.cdp_table`, the only place the rules live): N workers,
+Timing (`cdpjax.layouts.cdp.cdp_table`, the only place the rules live): N workers,
 L stages, one tick = one stage-forward or one stage-backward of one micro-batch.
 Worker i starts its micro-batch of step k at tick 2L*i/N + 2L*k, so the workers'
 phases are spread evenly over the step instead of all peaking together. Stage
-j's update for step k is applied at the end of the tick in which the last worker
+j's update for step k is complete at the end of the tick in which the last worker
 finishes its backward of stage j.
 
-Update rule, one optax state per stage, two stored versions per stage (current,
-previous); g_i^j is worker i's gradient of its micro-batch mean loss w.r.t. stage j:
+Update rule, one optax state per stage; g_i^j is worker i's gradient of its
+micro-batch mean loss w.r.t. stage j:
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(read_i(k)))
-    previous^j <- current^j,  current^j <- theta^j_{k+1}
 
-where worker i reads, for every stage j, theta_k (current) or theta_{k-1}
-(previous, the stale pairs of the table; at step 0 both are theta_0):
-- cdp-v2: the version the table names: the new one iff worker i's forward of
-  stage j comes after the update (N = L: stale iff j < L-1-i; N = 8, L = 4: half
-  of the pairs, where the paper's code, which hard-codes the N = L rule, delays
-  about 19%).
+where worker i reads, for every stage j, theta_k or theta_{k-1} (the stale pairs of
+the table; at step 0 both are theta_0):
+- cdp-v2 (`cdp_rule='cdp-v2'`, the default): the version the table names: the new
+  one iff worker i's forward of stage j comes after the update (N = L: stale iff
+  j < L-1-i; N = 8, L = 4: half of the pairs).
+- cdp-v2 with `cdp_rule='paper-code'`: the authors' released rule, for any N and L:
+  current iff j >= L-1-i (N = 8, L = 4: 6 of 32 pairs stale; some of its reads
+  precede their update, which only `simulate` can run).
 - cdp-v1: theta_{k-1} everywhere. This read-version form equals the paper code's
   delayed-gradient form (compute g(theta_k) at step k, apply it at step k+1,
   no update at step 0) shifted by one step: our parameters after S steps are the
@@ -30,41 +31,32 @@ ignored: a cyclic worker's micro-batch is alone in its tick.
 
 Two realisations, `config.cdp_impl`:
 - `simulate`: all workers compute at once each step, each (worker, stage) reading
-  the version of `table.stale` (a select per stage); workers are vmapped inside
-  `shard_map` over the `data` axis (N a multiple of the data axis, down to one
-  device); gradients summed by the all-reduce of shard_map's transpose.
-- `ring`: the real schedule, one worker per device (N = the data axis), in ONE
-  `shard_map`: `lax.scan` over the ticks of the table's steady-state period
-  (`timetable.period_arrays`, each device reads its own column with
-  `lax.axis_index('data')`), one `lax.switch` per tick over [idle, forward of
-  stage j, backward of stage j] on a uniform carrier (raveled zero-padded
-  gradients, padded activation buffers), backward by recomputation from the
-  stashed stage input. Each stage's running partial sum hops one worker along
-  the ring (`ppermute`) as workers finish that stage; the last worker completes
-  it and relays it on within the update tick, and every worker applies the same
-  optax update to its own copy. No model-sized all-reduce: only the loss and
-  accuracy scalars are summed. Layout: steady state, one call = one period of
-  2L ticks that feeds one new micro-batch per worker and finishes the previous
-  one, so in-flight state (stashed stage inputs, cotangent, partial sums, both
-  versions) lives in the train state and steady state has no fill or drain.
-  `flush(state)` runs one period without a new micro-batch (masked updates), so
-  that after S `train_step` calls and `flush` the parameters equal `simulate`
-  after S steps; training on after a flush restarts the cycle from the flushed
-  parameters (both slots hold them, as at step 0). A call's metrics are those
-  of the micro-batches whose forward pass ended in that call (worker i's, of
-  this step if 2L*i/N + L <= 2L, else of the previous step).
-  At tick level a stale forward reads the `current` slot (the update it misses
-  is not applied yet) and its backward the `previous` one (it has been since):
-  the table's slots, not the step-level stale matrix, drive the ring.
-  Costs: every worker stores both versions and the optimizer state of every
-  stage; each tick sends one collective-permute of the largest stage's
-  gradient (`info['padding']` gives the carrier's padding), plus N-2 relay hops
-  in the L update ticks of a period.
+  the version of `table.stale` (current and previous stored, a select per stage);
+  workers are vmapped inside `shard_map` over the `data` axis (N a multiple of the
+  data axis, down to one device); gradients summed by the all-reduce of
+  shard_map's transpose.
+- `ring`: the real schedule, one worker per device (N = the data axis), by the ring
+  engine (`cdpjax.methods.ring`, read its docstring): the table's steady-state
+  period unrolled, every op a `lax.cond` on natural-shape buffers, every message
+  one static partial `ppermute` of the stage's real size (the running partial sum
+  hopping worker to worker, the completed sum chained on to every other worker
+  by the table's delivery plan, at most one 'sum' and one 'partial' send per
+  worker per tick whatever N), each worker applying every update between its last
+  read of the old version and its first of the new, so that ONE stored version
+  per stage suffices. Backward by recomputation from the stashed stage input
+  (`config.residuals='recompute'`, default) or from the forward's kept `jax.vjp`
+  residuals ('carry': DP's FLOPs, more memory between steps). No model-sized
+  all-reduce: only the loss and accuracy scalars are summed. One call = one
+  period of 2L ticks that feeds one new micro-batch per worker and finishes older
+  ones, so in-flight state (stashed inputs, cotangents, partial and completed
+  sums of up to `max_lag` steps) lives in the train state; `flush(state)` runs
+  `max_lag` periods with nothing fed, after which the parameters equal
+  `simulate`'s after the same steps; training on after a flush restarts the
+  cycle from the flushed parameters. A call's metrics are those of the
+  micro-batches whose forward pass ended in that call. `run_steps` scans over
+  periods (compile time does not grow with the steps).
 """
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -73,10 +65,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import models, optim
-from cdpjax.carrier import FlatLayout
 from cdpjax.errors import ConfigError
-from cdpjax.methods.common import Context, Method, tree_select, varying
-from cdpjax.layouts.cdp import cdp_table, period_arrays
+from cdpjax.layouts.cdp import V2_RULES, cdp_table, ring_program
+from cdpjax.methods import ring
+from cdpjax.methods.common import Context, Method, tree_select
 from cdpjax.timetable import TimeTable
 
 AXIS = "data"
@@ -102,7 +94,7 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
     workers = int(cfg.get("workers", 0)) or devices
     net = ctx.net(bn_axis_name=None)
     if table is None:
-        table = cdp_table(method, workers, net.num_stages)
+        table = cdp_table(_rule(method, cfg), workers, net.num_stages)
     elif (table.workers, table.stages) != (workers, net.num_stages):
         raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
                           f"workers={workers}, stages={net.num_stages}")
@@ -116,6 +108,17 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
         raise ConfigError(f"cdp_impl='ring' runs one worker per device: workers={workers} must equal "
                           f"mesh.data={devices} (or be 0); use cdp_impl='simulate' for fewer devices")
     return _ring(ctx, method, net, table, workers)
+
+
+def _rule(method: str, cfg) -> str:
+    """The table rule of `method`: cdp-v1's own, or cdp-v2's `cdp_rule` ('cdp-v2' or 'paper-code')."""
+    if method == "cdp-v1":
+        return method
+    rule = cfg.get("cdp_rule", "cdp-v2")
+    if rule not in V2_RULES:
+        raise ConfigError(f"cdp_rule={rule!r} is not a rule of cdp-v2 (one of {', '.join(V2_RULES)}); "
+                          f"for cdp-v1's rule set method=cdp-v1")
+    return rule
 
 
 def _init_state(net, tx, rng):
@@ -186,245 +189,21 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     def export(state):
         return state["params"], state["model_state"]
 
-    info = {"impl": "simulate", "worker_losses": worker_losses}
+    info = {"impl": "simulate", "versions": 2, "worker_losses": worker_losses}
     return Method(method, net, init, train_step, export, table=table, stale=table.stale, workers=workers,
                   devices=ctx.axis(AXIS), info=info)
 
 
 # ====================================================================== ring
-# --- stage inputs and gradient sizes of the ring (parameter rows use carrier.FlatLayout;
-# --- this activation stash is still apart from carrier.ActLayout).
-
-
-@dataclasses.dataclass(frozen=True)
-class Carrier:
-    """Flat zero-padded buffers: per-stage gradients [P_max], stage inputs [A_max].
-
-    param_sizes[j]: stage j's parameter count; inputs[j]: stage j's input shape for
-    one micro-batch (inputs[L] = the logits' shape)."""
-
-    param_sizes: tuple[int, ...]
-    inputs: tuple[tuple[int, ...], ...]
-
-    @property
-    def p_max(self) -> int:
-        return max(self.param_sizes)
-
-    @property
-    def a_max(self) -> int:
-        return max(math.prod(s) for s in self.inputs[:-1])
-
-    def padding(self) -> dict:
-        """Storage reserved over storage needed: gradient buffers and stage-input stash."""
-        L = len(self.param_sizes)
-        return {"gradients": L * self.p_max / max(sum(self.param_sizes), 1),
-                "activations": L * self.a_max / sum(math.prod(s) for s in self.inputs[:-1])}
-
-
-def make_carrier(net, micro_batch: int) -> Carrier:
-    params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
-    sizes = tuple(int(sum(math.prod(x.shape) for x in jax.tree.leaves(p))) for p in params)
-    outputs = net.stage_output_shapes(micro_batch)
-    return Carrier(sizes, ((micro_batch, *net.input_shape), *(tuple(s) for s in outputs)))
-
-
-def pad(x, size: int):
-    flat = x.reshape(-1)
-    return jnp.pad(flat, (0, size - flat.shape[0]))
-
-
-def unpad(buf, shape):
-    return buf[: math.prod(shape)].reshape(shape)
-
-
-def _replace(items, j, value):
-    return [value if k == j else v for k, v in enumerate(items)]
-
-
-def worker_branches(net, workers: int, layout, inputs, a_max: int, row_of):
-    """A CDP worker's ops for the per-tick `lax.switch`: [idle, forward of stage j..., backward of stage j...].
-
-    Each maps (params, model_state, stash, cotangent, labels, images, new_labels) to
-    (stash, cotangent, labels, model_state, gradient row, loss, correct, counted).
-    `row_of(j, params)` is stage j's parameters as one padded row of `layout`, from
-    whatever the realisation holds (`ring`: the slot the table names; `cdp-zero`: the
-    row just relayed); the gradient comes back as such a row. A backward recomputes
-    its stage from the stashed input.
-    """
-    L, p_max = net.num_stages, layout.width
-
-    def idle(params, ms, stash, cot, labels, images, new_labels):
-        zero = jnp.zeros((), jnp.float32)
-        return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), zero, zero, zero), AXIS)
-
-    def forward(j):
-        def branch(params, ms, stash, cot, labels, images, new_labels):
-            if j == 0:  # a new micro-batch: stash its input and labels for the backward
-                x, labels = images, new_labels
-                stash = stash.at[0].set(pad(images, a_max))
-            else:
-                x = unpad(stash[j], inputs[j])
-            y, ms_j = net.apply_stage(j, layout.unpack_one(j, row_of(j, params)), ms[j], x, True)
-            ms = _replace(ms, j, ms_j)
-            zero = jnp.zeros((), jnp.float32)
-            if j < L - 1:
-                stash = stash.at[j + 1].set(pad(y, a_max))
-                loss = correct = counted = zero
-            else:
-                loss, correct, counted = models.cross_entropy(y, labels), models.accuracy(y, labels), zero + 1
-            return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), loss, correct, counted), AXIS)
-        return branch
-
-    def backward(j):
-        def branch(params, ms, stash, cot, labels, images, new_labels):
-            x = unpad(stash[j], inputs[j])
-
-            def stage(row, x):  # recomputed from the stashed input; BN state updates are the forward's
-                y, _ = net.apply_stage(j, layout.unpack_one(j, row), ms[j], x, True)
-                # the 1/N makes the ring's sum of worker gradients their mean
-                return models.cross_entropy(y, labels) / workers if j == L - 1 else y
-
-            seed = varying(jnp.ones((), jnp.float32), AXIS) if j == L - 1 else unpad(cot, inputs[j + 1])
-            row = row_of(j, params)
-            if j == 0:  # the input needs no gradient
-                _, vjp = jax.vjp(lambda r: stage(r, x), row)
-                (g,) = vjp(seed)
-            else:
-                _, vjp = jax.vjp(stage, row, x)
-                g, gx = vjp(seed)
-                cot = pad(gx, a_max)
-            zero = jnp.zeros((), jnp.float32)
-            return varying((stash, cot, labels, ms, g, zero, zero, zero), AXIS)
-        return branch
-
-    return [idle] + [forward(j) for j in range(L)] + [backward(j) for j in range(L)]
-
-
-# --- the ring itself
 
 
 def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Method:
-    mesh, tx, L, N = ctx.mesh, ctx.optimizer(), net.num_stages, workers
-    batch = int(ctx.config.global_batch_size)
-    micro = batch // N
-    carrier = make_carrier(net, micro)
-    p_max, a_max, inputs = carrier.p_max, carrier.a_max, carrier.inputs
-    arrays = period_arrays(method, N, L)
-    ring = [(i, (i + 1) % N) for i in range(N)]
-    per_worker = NamedSharding(mesh, P(AXIS))
-
-    layout = FlatLayout.from_trees(jax.eval_shape(lambda: net.init(jax.random.key(0)))[0])
-
-    def read(j, versions):  # stage j's row from the slot the table names for this op
-        current, previous, slot = versions
-        return layout.pack_one(j, tree_select(slot == 1, previous[j], current[j]))
-
-    branches = worker_branches(net, N, layout, inputs, a_max, read)
-
-    def keep(current, previous, opt, gradient):
-        return current, previous, opt
-
-    def update(j):
-        def branch(current, previous, opt, gradient):
-            g = layout.unpack_one(j, gradient)
-            new, new_opt = optim.apply_per_stage(tx, [current[j]], [opt[j]], [g])
-            return _replace(current, j, new[0]), _replace(previous, j, current[j]), _replace(opt, j, new_opt[0])
-        return branch
-
-    updates = [keep] + [update(j) for j in range(L)]
-
-    def tick(carry, x, feeding, inflight, images, new_labels):
-        me = lax.axis_index(AXIS)
-        current, previous, opt, ms, stash, cot, labels, inbox, metrics = carry
-        planned = x["op"][me]
-        # Ops of a step that was never fed (before the first call, or the step a flush
-        # would start) run as idle; their zero gradients keep the partial sums exact.
-        valid = jnp.where(x["step"][me] == 0, feeding, inflight)
-        op = jnp.where(valid, planned, 0)
-        stash, cot, labels, ms, grad, loss, correct, counted = lax.switch(
-            op, branches, (current, previous, x["slot"][me]), ms, stash, cot, labels, images, new_labels)
-        metrics = metrics + jnp.stack([loss, correct, counted])
-
-        # The running partial sum of the stage just finished goes on one hop.
-        finished = planned > L
-        stage = jnp.where(finished, planned - 1 - L, 0)
-        total = inbox[stage] + grad
-        inbox = jnp.where(finished, inbox.at[stage].set(0.0), inbox)
-        got = total  # the completed sum, where this worker is the last to finish
-        if N > 1:
-            hop = x["sum_hop"][me]
-            out = jnp.where(x["send"][me] >= 0, total, 0.0)
-            buf = lax.ppermute(out, AXIS, ring)
-            recv = x["recv"][me]
-            inbox = jnp.where(recv >= 0, inbox.at[jnp.maximum(recv, 0)].set(buf), inbox)
-            got = jnp.where(hop == 1, buf, got)
-
-            def relay(h, c):  # the completed sum goes on, one hop at a time, within the tick
-                buf, got = c
-                buf = lax.ppermute(buf, AXIS, ring)
-                return buf, jnp.where(hop == h, buf, got)
-
-            # The hop count is the tick's (the same on every device): a loop, not a switch,
-            # so no collective sits in a branch, and ticks without an update send nothing more.
-            _, got = lax.fori_loop(2, x["relay_hops"] + 1, relay, (buf, got))
-
-        u = x["update"]
-        apply = (u >= 0) & jnp.where(x["update_step"] == 0, feeding, inflight)
-        current, previous, opt = lax.switch(jnp.where(apply, u + 1, 0), updates, current, previous, opt, got)
-        return (current, previous, opt, ms, stash, cot, labels, inbox, metrics), None
-
-    xs = {k: np.asarray(v) for k, v in arrays.items()}
-    xs["relay_hops"] = xs["sum_hop"].max(axis=1)
-
-    def local_period(state, images, new_labels, feeding):
-        s = jax.tree.map(lambda a: a[0], state)
-        inflight = s["inflight"]
-        carry = (s["params"], s["previous"], s["opt_state"], s["model_state"], s["stash"], s["cotangent"],
-                 s["labels"], s["inbox"], varying(jnp.zeros((3,), jnp.float32), AXIS))
-        carry, _ = lax.scan(lambda c, x: tick(c, x, feeding, inflight, images, new_labels), carry,
-                            jax.tree.map(jnp.asarray, xs))
-        current, previous, opt, ms, stash, cot, labels, inbox, metrics = carry
-        # After a flush both slots hold the newest version, as at step 0: training on from
-        # a flushed state restarts the cycle from it (its first stale reads read it too).
-        previous = tree_select(feeding, previous, current)
-        new = {"params": current, "previous": previous, "opt_state": opt, "model_state": ms, "stash": stash,
-               "cotangent": cot, "labels": labels, "inbox": inbox,
-               "inflight": jnp.logical_and(jnp.ones_like(inflight), feeding)}
-        loss, correct, counted = lax.psum(metrics, AXIS)  # three scalars: the only all-reduce
-        counted = jnp.maximum(counted, 1.0)
-        return jax.tree.map(lambda a: a[None], new), {"loss": loss / counted, "accuracy": correct / counted}
-
-    sharded = jax.shard_map(local_period, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
-                            out_specs=(P(AXIS), P()), check_vma=True)
-    period = jax.jit(sharded)  # not donated: the trainer keeps the old state when it skips a non-finite step
-
-    def init(rng):
-        state = _init_state(net, tx, rng)
-        state.update(
-            stash=jnp.zeros((L, a_max), jnp.float32),
-            cotangent=jnp.zeros((a_max,), jnp.float32),
-            labels=jnp.zeros((micro,), jnp.int32),
-            inbox=jnp.zeros((L, p_max), jnp.float32),
-            inflight=jnp.zeros((), bool),
-        )
-        # Every worker holds its own copy of everything: a leading worker axis on `data`.
-        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), state), per_worker)
-
-    def train_step(state, batch):
-        return period(state, batch["image"], batch["label"], True)
-
-    def flush(state):
-        images = jnp.zeros((batch, *net.input_shape), jnp.float32, device=per_worker)
-        labels = jnp.zeros((batch,), jnp.int32, device=per_worker)
-        return period(state, images, labels, False)[0]
-
-    def export(state):
-        # Every worker applied the same updates: worker 0's copy is the model. Running
-        # averages (EMA, linear) averaged over workers = averaging them every step.
-        params = jax.tree.map(lambda a: a[0], state["params"])
-        model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
-        return params, model_state
-
-    info = {"impl": "ring", "padding": carrier.padding(), "period": period}
-    return Method(method, net, init, train_step, export, flush, table, carrier=carrier, stale=table.stale,
-                  workers=N, devices=N, state_depends_on_mesh=True, info=info)
+    rule = table.meta.get("rule", method)
+    if rule not in ("cdp-v1", "cdp-v2", "paper-code"):
+        raise ConfigError(f"cdp_impl='ring' runs a cyclic table (cdp-v1, cdp-v2, paper-code), not {rule!r}; "
+                          f"use cdp_impl='simulate'")
+    residuals = ctx.config.get("residuals", "recompute")
+    if residuals not in ring.RESIDUALS:
+        raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(ring.RESIDUALS)}")
+    program = ring_program(rule, workers, net.num_stages)  # refuses reads the ring cannot serve
+    return ring.build(ctx, method, net, table, program, residuals)

@@ -46,6 +46,9 @@ ring does, and training on restarts the cycle from the flushed parameters.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,11 +59,120 @@ from cdpjax import models
 from cdpjax import optim
 from cdpjax.carrier import FlatLayout, init_opt
 from cdpjax.errors import ConfigError
-from cdpjax.methods.cdp import make_carrier, worker_branches
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table, zero_period_arrays
 
 AXIS = "data"
+
+
+# ------------------------------------------------ the padded rows cdp-zero runs on
+# (its stage owners need them: see the module docstring, "Why padded rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Carrier:
+    """Flat zero-padded buffers: per-stage gradients [P_max], stage inputs [A_max].
+
+    param_sizes[j]: stage j's parameter count; inputs[j]: stage j's input shape for
+    one micro-batch (inputs[L] = the logits' shape)."""
+
+    param_sizes: tuple[int, ...]
+    inputs: tuple[tuple[int, ...], ...]
+
+    @property
+    def p_max(self) -> int:
+        return max(self.param_sizes)
+
+    @property
+    def a_max(self) -> int:
+        return max(math.prod(s) for s in self.inputs[:-1])
+
+    def padding(self) -> dict:
+        """Storage reserved over storage needed: gradient buffers and stage-input stash."""
+        L = len(self.param_sizes)
+        return {"gradients": L * self.p_max / max(sum(self.param_sizes), 1),
+                "activations": L * self.a_max / sum(math.prod(s) for s in self.inputs[:-1])}
+
+
+def make_carrier(net, micro_batch: int) -> Carrier:
+    params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    sizes = tuple(int(sum(math.prod(x.shape) for x in jax.tree.leaves(p))) for p in params)
+    outputs = net.stage_output_shapes(micro_batch)
+    return Carrier(sizes, ((micro_batch, *net.input_shape), *(tuple(s) for s in outputs)))
+
+
+def pad(x, size: int):
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+def unpad(buf, shape):
+    return buf[: math.prod(shape)].reshape(shape)
+
+
+def _replace(items, j, value):
+    return [value if k == j else v for k, v in enumerate(items)]
+
+
+def worker_branches(net, workers: int, layout, inputs, a_max: int, row_of):
+    """A CDP worker's ops for the per-tick `lax.switch`: [idle, forward of stage j..., backward of stage j...].
+
+    Each maps (params, model_state, stash, cotangent, labels, images, new_labels) to
+    (stash, cotangent, labels, model_state, gradient row, loss, correct, counted).
+    `row_of(j, params)` is stage j's parameters as one padded row of `layout`, from
+    whatever the realisation holds (`ring`: the slot the table names; `cdp-zero`: the
+    row just relayed); the gradient comes back as such a row. A backward recomputes
+    its stage from the stashed input.
+    """
+    L, p_max = net.num_stages, layout.width
+
+    def idle(params, ms, stash, cot, labels, images, new_labels):
+        zero = jnp.zeros((), jnp.float32)
+        return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), zero, zero, zero), AXIS)
+
+    def forward(j):
+        def branch(params, ms, stash, cot, labels, images, new_labels):
+            if j == 0:  # a new micro-batch: stash its input and labels for the backward
+                x, labels = images, new_labels
+                stash = stash.at[0].set(pad(images, a_max))
+            else:
+                x = unpad(stash[j], inputs[j])
+            y, ms_j = net.apply_stage(j, layout.unpack_one(j, row_of(j, params)), ms[j], x, True)
+            ms = _replace(ms, j, ms_j)
+            zero = jnp.zeros((), jnp.float32)
+            if j < L - 1:
+                stash = stash.at[j + 1].set(pad(y, a_max))
+                loss = correct = counted = zero
+            else:
+                loss, correct, counted = models.cross_entropy(y, labels), models.accuracy(y, labels), zero + 1
+            return varying((stash, cot, labels, ms, jnp.zeros((p_max,), jnp.float32), loss, correct, counted), AXIS)
+        return branch
+
+    def backward(j):
+        def branch(params, ms, stash, cot, labels, images, new_labels):
+            x = unpad(stash[j], inputs[j])
+
+            def stage(row, x):  # recomputed from the stashed input; BN state updates are the forward's
+                y, _ = net.apply_stage(j, layout.unpack_one(j, row), ms[j], x, True)
+                # the 1/N makes the ring's sum of worker gradients their mean
+                return models.cross_entropy(y, labels) / workers if j == L - 1 else y
+
+            seed = varying(jnp.ones((), jnp.float32), AXIS) if j == L - 1 else unpad(cot, inputs[j + 1])
+            row = row_of(j, params)
+            if j == 0:  # the input needs no gradient
+                _, vjp = jax.vjp(lambda r: stage(r, x), row)
+                (g,) = vjp(seed)
+            else:
+                _, vjp = jax.vjp(stage, row, x)
+                g, gx = vjp(seed)
+                cot = pad(gx, a_max)
+            zero = jnp.zeros((), jnp.float32)
+            return varying((stash, cot, labels, ms, g, zero, zero, zero), AXIS)
+        return branch
+
+    return [idle] + [forward(j) for j in range(L)] + [backward(j) for j in range(L)]
+
+
 
 
 def build(ctx: Context) -> Method:

@@ -8,7 +8,14 @@ strategy:
 - `params`: balance parameter counts (each block's `init` evaluated abstractly),
   which sets the padding of a uniform parameter carrier;
 - `flops`: balance XLA's cost-analysis FLOPs of each block's forward at batch 1,
-  which sets the pace of a pipeline (the slowest stage).
+  which sets the pace of a pipeline (the slowest stage);
+- `memory`: the cut whose cyclic schedule (`cdp-v2`, N = L workers; `cdp-mp` runs the
+  same ops on stage devices) holds the fewest activation bytes at its busiest tick,
+  counting each stage's real output bytes from its forward to its backward, the
+  table's model (`TimeTable.activation_stats`); ties go to the most even outputs.
+  Searched over every cut. The unit model (every stage's output one "stage-
+  activation") gives CDP half of DP's peak whatever the cut; in bytes the cut
+  decides (`memory_report`).
 
 The balanced strategies return the contiguous partition that minimises the
 largest stage cost (exactly, by dynamic programming), and among those the one
@@ -27,7 +34,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 
-STRATEGIES = ("params", "flops", "blocks")
+STRATEGIES = ("params", "flops", "blocks", "memory")
 
 
 def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name: str = "model") -> tuple[int, ...]:
@@ -53,7 +60,44 @@ def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name:
         raise ConfigError(f"partition={strategy!r} is not one of {', '.join(STRATEGIES)}")
     if strategy == "blocks" or stages in (1, n):  # nothing to balance
         return even_points(n, stages)
+    if strategy == "memory":
+        return memory_points(blocks, input_shape, stages)
     return balanced_points(block_costs(blocks, input_shape, strategy), stages)
+
+
+def _held_peaks(outputs: Sequence[float], stages: int) -> tuple[float, float]:
+    """(CDP's, DP's) activation bytes held at the busiest tick over all N = L workers, each
+    stage holding its output from its forward to its backward."""
+    from cdpjax.layouts.cdp import cdp_table  # pure Python; late: the layouts import the registry
+
+    cdp, dp = (cdp_table(rule, stages, stages, steps=3) for rule in ("cdp-v2", "dp"))
+    return cdp.activation_stats(outputs)["total_peak_bytes"], dp.activation_stats(outputs)["total_peak_bytes"]
+
+
+def memory_points(blocks: Sequence, input_shape, stages: int) -> tuple[int, ...]:
+    """The cut of `blocks` into `stages` stages whose cyclic schedule holds the fewest activation
+    bytes at its busiest tick (ties: the most even stage outputs); every cut is tried."""
+    import itertools
+
+    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape)[1:]]
+    n = len(blocks)
+    best = None
+    for points in itertools.combinations(range(1, n), stages - 1):
+        stage_out = [outputs[b - 1] for b in (*points, n)]
+        key = (_held_peaks(stage_out, stages)[0], float(np.square(stage_out).sum()))
+        if best is None or key < best[0]:
+            best = (key, points)
+    return tuple(best[1])
+
+
+def memory_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+    """Activation bytes (per example) a cut holds at the busiest tick over N = L workers, CDP's and
+    DP's, their ratio (the unit model says 0.5 for every cut), and each stage's output bytes."""
+    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape)[1:]]
+    stage_out = [outputs[b - 1] for b in (*tuple(points), len(blocks))]
+    cdp, dp = _held_peaks(stage_out, len(stage_out))
+    return {"points": list(points), "stage_output_bytes": stage_out, "cdp_peak_bytes": cdp, "dp_peak_bytes": dp,
+            "ratio": cdp / dp if dp else 0.0}
 
 
 def even_points(n: int, stages: int) -> tuple[int, ...]:

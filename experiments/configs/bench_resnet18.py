@@ -2,15 +2,18 @@
 
 The CDP bench of the README: N = L = 4 workers and stages on 4 devices,
 global batch 32 (8 images per worker), split points [3, 6, 8]: the gradient
-sizes of the stages set CDP's comm balance (FLOPs-balanced cut (3, 5, 7): 3.07,
-params-balanced (7, 8, 9): 2.02, this cut: 1.87, at FLOPs imbalance 1.46).
+sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
+1.46), BatchNorm statistics per worker for dp as for CDP (the paper's code).
 
-    cdpjax bench --config experiments/configs/bench_resnet18.py --methods dp,cdp-v1,cdp-v2 --cpu-devices 4
+    cdpjax bench --config experiments/configs/bench_resnet18.py --methods dp,cdp-v2,cdp-v2@residuals=carry,cdp-v1,cdp-zero,cdp-mp --cpu-devices 4 --repeats 10
 
-Expected (from the time table, any hardware): CDP's total activation peak at
-most 0.55 of DP's (0.50), comm balance of CDP at most 2 (DP: 8), no model-sized
-all-reduce in the ring's HLO. `--config.model_kwargs.width=0.25` shrinks it for
-quick runs.
+Expected (README, "Measured figures"): the cdp-v2 ring sends dp's bytes per worker
+per step (1.00x), its largest collective-permute is one leaf of a stage (9 MiB
+against 18.5 MiB for the largest stage), its arguments are 1.64x dp's, its step
+about 1.3x dp's on a quiet machine, its temporaries 1.7x dp's (lower bound 1.6x
+for this program on this bench); the table's activation peak in bytes is 0.86
+of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25` shrinks it
+for quick runs.
 """
 from cdpjax.config import default_config, parse_arg
 
@@ -22,6 +25,7 @@ def get_config(arg=None):
     c.dataset_kwargs = {"image_shape": (32, 32, 3), "num_classes": 10}
     c.model_kwargs = {"stem": "cifar", "width": 1.0}
     c.norm = "batch"
+    c.bn_cross_device = False  # DP with per-worker BatchNorm, as CDP's (the paper's code)
     c.global_batch_size = a["batch"]
     c.stages = a["stages"]
     c.mesh = {"data": -1}

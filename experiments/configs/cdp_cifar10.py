@@ -8,6 +8,13 @@ random crop (pad 4) and flip.
 
     cdpjax train --config experiments/configs/cdp_cifar10.py:model=resnet18,method=cdp-v2
 
+BatchNorm: statistics per worker for DP as for CDP (the paper's code; the cross-device
+variant: `--config.bn_cross_device=True`). Rule: `cdp-v2`'s table rule (`rule=cdp-v2`,
+the version each forward finds: 16 of the 32 (worker, stage) pairs stale at N = 8,
+L = 4), which the ring runs; `rule=paper-code` is the authors' released rule (6 of 32
+stale), some of whose reads at N = 8 > L precede their update: it runs with
+`impl=simulate` only (`cdpjax schedule --method cdp-v2 --rule paper-code --workers 8`).
+
 Hardware: 8 GPUs (mesh data=8); any number of devices with cdp_impl='simulate'.
 Expected: about 95% test accuracy for ResNet-18 (and ResNet-50), CDP-v1 and
 CDP-v2 within noise of DP. Needs CIFAR-10 prepared for tensorflow-datasets.
@@ -18,15 +25,17 @@ STEPS_PER_EPOCH = 50_000 // 512 + 1
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", epochs=101)
+    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", rule="cdp-v2", epochs=101)
     c = default_config()
     c.method, c.model, c.dataset = a["method"], a["model"], "cifar10"
     c.model_kwargs = {"stem": "cifar"}
     c.norm = "batch"
+    c.bn_cross_device = False  # DP as the paper's code runs it: BatchNorm statistics per worker, as CDP's
     c.global_batch_size = 512
     c.workers = 8
     c.mesh = {"data": 8}
     c.cdp_impl = a["impl"]
+    c.cdp_rule = a["rule"]
     c.stages = 4
     c.partition = "flops"
     c.optimizer, c.learning_rate, c.momentum, c.weight_decay = "sgd", 0.05, 0.9, 5e-4
