@@ -30,14 +30,14 @@ def test_cdp_matches_dp_on_digits(tmp_path):
 
 
 def test_cdp_v1_delay_is_real_on_the_ring():
-    """With the accuracy runs' sizes (the default config: 8 workers, 4 stages, batch 128), 3 steps
+    """With the accuracy runs' sizes (the default config: 8 workers, 4 stages, batch 128), 5 steps
     of CDP-v1 on the ring (then its flush) leave parameters that differ from DP's far beyond float
-    noise, while the same CDP-v1 with the delay-free table (dp's timing: every pair reads the
-    current version; `simulate`, the ring realising only point-to-point tables) gives DP's. The
-    noise floor is that second difference."""
+    noise, by a few percent of how far DP's moved, while the same CDP-v1 with the delay-free table
+    (dp's timing: every pair reads the current version; `simulate`, the ring realising only
+    point-to-point tables) gives DP's. The noise floor is that second difference."""
     c = default_config()
     c.eval_every = c.checkpoint_every = 0
-    batches = digits_batches(3, c.global_batch_size)
+    batches = digits_batches(5, c.global_batch_size)
 
     def configured(method, **kw):
         out = c.copy_and_resolve_references()
@@ -57,7 +57,10 @@ def test_cdp_v1_delay_is_real_on_the_ring():
     assert_trees_close(delay_free, reference)
     noise = max_diff(delay_free, reference)
     delayed = max_diff(params(ring, run(ring, batches)), reference)
-    assert delayed > 1e-3 and delayed > 100 * noise, (delayed, noise)
+    moved = max_diff(reference, params(dp, dp.init(jax.random.key(0))))
+    print(f"after 5 steps, dp moved {moved:.2e}; cdp-v1 on the ring differs from dp by {delayed:.2e}, "
+          f"the delay-free table by {noise:.2e}")
+    assert delayed > 0.01 * moved and delayed > 1e-3 and delayed > 100 * noise, (delayed, moved, noise)
 
 
 def test_local_and_ppll_match_each_other_and_come_close_to_e2e(tmp_path):
