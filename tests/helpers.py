@@ -4,8 +4,6 @@ runner that trains S steps and flushes, and tree comparisons (chex).
 Every helper takes what it needs as arguments (no module state but the cached digits batches),
 so that a test reads as its claim: build two methods, run both on the same batches, compare.
 """
-from __future__ import annotations
-
 import functools
 import math
 

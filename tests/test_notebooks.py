@@ -154,7 +154,8 @@ def _lines(axes: dict) -> dict:
 
 def _metrics(workdir, split, key):
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [float(r["step"]) for r in lines if r["split"] == split], [float(r[key]) for r in lines if r["split"] == split]
+    lines = [r for r in lines if r["split"] == split]
+    return [float(r["step"]) for r in lines], [float(r[key]) for r in lines]
 
 
 def _timing_content(drawn, _):
@@ -205,7 +206,8 @@ def _memory_content(drawn, _):
     assert max(dp_held[8:16]) == 32 and cdp_held[8:16] == [16.0] * 8  # steady state: step 1 of worker 0
     for (_, _, y), t in zip(held["lines"], tables):
         np.testing.assert_allclose(y, t.activation_bytes(sizes["activation_bytes"]).sum(1) / 2**20, rtol=1e-6)
-    assert [y for _, _, y in comm["lines"]] == [list(map(float, t.bytes_per_tick(sizes["param_bytes"]))) for t in tables]
+    assert [y for _, _, y in comm["lines"]] == [[float(b) for b in t.bytes_per_tick(sizes["param_bytes"])]
+                                                for t in tables]
     assert [b > 0 for b in comm["lines"][0][2][8:16]] == [False] * 7 + [True]
     collectives, memory = drawn["measured_memory_and_collectives.png"]
     assert collectives["ticklabels"] == ["all-reduce", "collective-permute"]

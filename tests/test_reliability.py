@@ -492,8 +492,9 @@ def test_every_registered_method_is_placed_on_another_mesh():
                          f"each resumes onto another mesh or is refused, and with what message")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BREAKS_ON_ANOTHER_MESH[n]))
-                                  if n in BREAKS_ON_ANOTHER_MESH else n for n in METHODS])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BREAKS_ON_ANOTHER_MESH[n]))
+    if n in BREAKS_ON_ANOTHER_MESH else n for n in METHODS])
 def test_restore_on_another_device_count(name, reference, tmp_path):
     """Checkpoint 4 written on the method's mesh, the run continued on another (`other_layout`):
     each method does what ON_ANOTHER_MESH says, resuming to where the uninterrupted run ends (to

@@ -227,7 +227,8 @@ def test_tiny_ppll_figures(tiny_ppll, tmp_path, monkeypatch):
     reproduce.ppll_figures(records, str(out))
     (speed_path, speed), (acc_path, acc) = figures
     assert [os.path.basename(p) for p in (speed_path, acc_path)] == ["ppll_speedup_mlp.png", "ppll_accuracy_mlp.png"]
-    predicted = {label: r["prediction"]["speedup"] for label, r in by_label.items() if "speedup" in r.get("prediction", {})}
+    predicted = {label: r["prediction"]["speedup"] for label, r in by_label.items()
+                 if "speedup" in r.get("prediction", {})}
     assert set(predicted) == {"ppll", "gpipe M=1 (plain model parallelism)", "gpipe M=4"}
     lines = {line.get_label(): line.get_xydata().tolist() for line in speed.axes[0].get_lines()}
     for label, value in predicted.items():
