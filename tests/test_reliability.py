@@ -478,23 +478,13 @@ ON_ANOTHER_MESH = {
 }
 
 
-# Entries of ON_ANOTHER_MESH the library breaks today, and why: the test is expected to fail (strict:
-# once it passes, the entry must leave this list).
-BREAKS_ON_ANOTHER_MESH = {
-    "ppll": "cdpjax/methods/pipeline.py keeps ppll's unused residual buffer per data group, shape (D, 1, groups, 1), "
-            "so its {stage: 4} checkpoint does not restore onto {stage: 4, data: 2} (docs/guarantees.md item 2)",
-}
-
-
 def test_every_registered_method_is_placed_on_another_mesh():
     missing = sorted(set(methods.REGISTRY) - set(ON_ANOTHER_MESH))
     assert not missing, (f"registered methods {missing} are not in ON_ANOTHER_MESH: say whether a checkpoint of "
                          f"each resumes onto another mesh or is refused, and with what message")
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BREAKS_ON_ANOTHER_MESH[n]))
-    if n in BREAKS_ON_ANOTHER_MESH else n for n in METHODS])
+@pytest.mark.parametrize("name", METHODS)
 def test_restore_on_another_device_count(name, reference, tmp_path):
     """Checkpoint 4 written on the method's mesh, the run continued on another (`other_layout`):
     each method does what ON_ANOTHER_MESH says, resuming to where the uninterrupted run ends (to
