@@ -60,12 +60,19 @@ def test_activation_round_trip_and_padding(tiny):
 
 
 def test_padding_report(tiny):
-    carrier = tiny[3]
+    """Padded over real storage, L rows of the largest stage against the stages' sum, from sizes
+    counted here: each stage's parameters (its leaves) and each stage's input (the image, then the
+    outputs of running the stages one after another)."""
+    net, params, state, carrier = tiny
     report = carrier.padding_report()
-    sizes = carrier.params.sizes
+    sizes = [sum(int(np.size(x)) for x in jax.tree.leaves(p)) for p in params]
+    x, inputs = jnp.zeros((1, 8, 8, 1)), []
+    for j in range(net.num_stages):
+        inputs.append(x[0].size)
+        x, _ = net.apply_stage(j, params[j], state[j], x, False)
+    assert report["param_sizes"] == sizes and report["activation_sizes"] == inputs
     np.testing.assert_allclose(report["params"], len(sizes) * max(sizes) / sum(sizes))
-    acts = report["activation_sizes"]
-    np.testing.assert_allclose(report["activations"], len(acts) * max(acts) / sum(acts))
+    np.testing.assert_allclose(report["activations"], len(inputs) * max(inputs) / sum(inputs))
     assert report["params"] > 1.0 and report["activations"] > 1.0
     one = StageCarrier.from_net(_net(stages=1), 4).padding_report()
     assert one["params"] == 1.0 and one["activations"] == 1.0  # one stage: nothing to pad

@@ -8,15 +8,16 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import bench, data, methods
+from cdpjax import bench, methods, plotting
 from cdpjax.commands import schedule
-from cdpjax.config import ConfigError, default_config, validate
+from cdpjax.config import ConfigError, validate
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
-from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.cdp_mp import cdp_mp_table
 from cdpjax.timetable import table
+from helpers import (assert_trees_close, capture_figures, cdp_rule, digits_batches, max_diff, params, png_matches,
+                     run, schedule_boxes, small_config, update_marks)
 
 STEPS, BATCH = 3, 16
 # Four blocks each, one per stage: a ResNet whose stages differ in shape (stem; a block at
@@ -30,10 +31,11 @@ MODEL_KWARGS = {"mlp": {"width": 16}, "resnet_tiny": {"depths": (1, 1)}, "vit_ti
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 def test_one_op_per_device_per_tick(rule, stages):
-    """The CDP table of N = L workers with ops moved to their stage's device: every device
-    busy at every steady-state tick with exactly one op, a forward when tick - stage is even,
-    a backward when odd; staleness and updates are the CDP table's, and no gradient is sent."""
-    t, base = cdp_mp_table(stages, steps=4, rule=rule), cdp_table(rule, stages, stages, steps=4)
+    """N = L workers' ops on their stage's device: every device busy at every steady-state tick with
+    exactly one op, a forward when tick - stage is even, a backward when odd; every op, version,
+    slot and update as CDP's timing written out (`helpers.cdp_rule`, with device = stage), and no
+    gradient sent."""
+    t = cdp_mp_table(stages, steps=4, rule=rule)
     assert t.devices == t.workers == stages and t.messages == ()
     assert t.busy_fraction()["overall"] == 1.0 and t.busy_fraction()["per_device"] == [1.0] * stages
     lo, hi = t.steady
@@ -44,12 +46,12 @@ def test_one_op_per_device_per_tick(rule, stages):
         cells[(op.tick, op.device)] = op
         if lo <= op.tick < hi:
             assert op.kind == ("F" if (op.tick - op.stage) % 2 == 0 else "B")
-    assert all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
-    moved = sorted((o.tick, o.micro, o.stage, o.kind, o.step, o.version, o.slot) for o in t.ops)
-    assert moved == sorted((o.tick, o.device, o.stage, o.kind, o.step, o.version, o.slot) for o in base.ops)
-    np.testing.assert_array_equal(t.stale, base.stale)
-    assert t.updates == base.updates
-    assert table("cdp-mp", stages=stages, steps=4) == cdp_mp_table(stages, 4)
+    assert hi - lo == 2 * stages and all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
+    ops, updates, stale = cdp_rule(rule, stages, stages, 4)
+    assert {(o.tick, o.micro, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
+    assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
+    np.testing.assert_array_equal(t.stale, stale)
+    assert table("cdp-mp", stages=stages, steps=4, rule=rule) == t  # the registry's name gives this table
 
 
 def test_device_memory_model():
@@ -60,13 +62,23 @@ def test_device_memory_model():
     assert act.sum(1).tolist() == [8] * 8  # N*L/2 stage-activations in all, flat over the period
 
 
-def test_schedule_draws_it(tmp_path, capsys):
+def test_schedule_draws_it(tmp_path, capsys, monkeypatch):
+    """`cdpjax schedule --method cdp-mp`: the grid's counts, and a diagram whose cells are the
+    ops of CDP's timing with device = stage (one box per op at (tick, stage), labelled with the
+    worker, hatched where the op reads the previous version), one update mark per update."""
     assert schedule.main(["--method", "cdp-mp", "--stages", "4"]) == 0
     text = capsys.readouterr().out
     assert "busy fraction (steady state): 1.000" in text and "stale (worker, stage) pairs: 6 of 16" in text
+    figures = capture_figures(monkeypatch, plotting)
     out = tmp_path / "cdp_mp.png"
     assert schedule.main(["--method", "cdp-mp", "--stages", "4", "--out", str(out)]) == 0
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    ((path, fig),) = figures
+    ops, updates, _ = cdp_rule("cdp-v2", 4, 4, 3)  # the table's default: 3 steps
+    boxes = schedule_boxes(fig)
+    assert sorted((tick, stage, label, hatched) for tick, stage, label, hatched in boxes) == sorted(
+        (tick, stage, f"{kind}w{worker}", stale) for tick, worker, stage, kind, _, _, _, stale in ops)
+    assert sorted(update_marks(fig)) == sorted((tick + 1, stage) for tick, stage, _ in updates)
+    assert path == str(out) and png_matches(out, fig)
     assert schedule.main(["--method", "cdp-mp", "--stages", "4", "--rule", "cdp-v1"]) == 0
     assert "stale (worker, stage) pairs: 16 of 16" in capsys.readouterr().out
 
@@ -75,27 +87,16 @@ def test_schedule_draws_it(tmp_path, capsys):
 
 
 def config(**kw):
-    c = default_config()
-    c.model, c.model_kwargs, c.norm, c.stages = "mlp", {"width": 16}, "none", 4
-    c.global_batch_size, c.schedule = BATCH, "constant"
-    for k, v in kw.items():
-        c[k] = v
-    return c
+    return small_config(kw.pop("method", "e2e"), kw.pop("model", "mlp"),
+                        **{"stages": 4, "global_batch_size": BATCH, "schedule": "constant", **kw})
 
 
-@functools.lru_cache(maxsize=None)
-def dataset():
-    return data.build(config())
-
-
-@functools.lru_cache(maxsize=None)
-def batches(n=STEPS + 2):
-    return [dataset().train_batch(k, BATCH, 0, augment=False) for k in range(n)]
+def batches():
+    return digits_batches(STEPS + 2, BATCH)
 
 
 def context(mesh, devices, **kw):
-    ds = dataset()
-    return Context(config(**kw), make_mesh(mesh, jax.devices()[:devices]), ds.image_shape, ds.num_classes)
+    return Context(config(**kw), make_mesh(mesh, jax.devices()[:devices]), (8, 8, 1), 10)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,33 +110,14 @@ def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", dat
 def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS):
     """CDP simulate with N = 4 workers on one device: parameters and model state after `steps`."""
     ctx = context({"data": 1}, 1, method=rule, cdp_impl="simulate", workers=4, model=model,
-                  model_kwargs=MODEL_KWARGS[model],
-                  norm=norm)
+                  model_kwargs=MODEL_KWARGS[model], norm=norm)
     m = cdp.make(ctx, rule)
-    state = m.init(jax.random.key(0))
-    for b in batches()[:steps]:
-        state, _ = m.train_step(state, b)
-    return jax.device_get(m.export(state)), jax.device_get(m.export(m.init(jax.random.key(0)))[0])
+    state = run(m, batches()[:steps])
+    return jax.device_get(m.export(state)), params(m, m.init(jax.random.key(0)))
 
 
 def train(m, steps=STEPS, state=None, start=0):
-    state = m.init(jax.random.key(0)) if state is None else state
-    for b in batches()[start:start + steps]:
-        state, metrics = m.train_step(state, b)
-        assert np.isfinite(float(metrics["loss"]))
-    return m.flush(state)
-
-
-def assert_close(a, b, atol=1e-5):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b) and la
-    for x, y in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
-
-
-def max_diff(a, b):
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs)
+    return run(m, batches()[start:start + steps], state)
 
 
 CASES = [
@@ -159,7 +141,7 @@ def test_equals_simulate(model, residuals, rule, norm):
     assert m.workers == 4 and m.devices == 4 and m.info["dp_mp_devices"] == 16
     (reference, _), initial = simulated(model, rule, norm)
     assert max_diff(reference, initial) > 1e-3  # it trained
-    assert_close(jax.device_get(m.export(train(m))[0]), reference)
+    assert_trees_close(jax.device_get(m.export(train(m))[0]), reference)
 
 
 def test_tick_convolutions_use_the_fast_cpu_layout():
@@ -167,7 +149,7 @@ def test_tick_convolutions_use_the_fast_cpu_layout():
     gradients' included, is in the layout of XLA:CPU's fast kernels (`carrier.use_canonical_cpu_
     convolutions`); the naive fallback made a ResNet step several times slower."""
     m = build_mp("resnet_tiny", "recompute", "cdp-v2", "group")
-    images = np.zeros((1, BATCH, *dataset().image_shape), np.float32)
+    images = np.zeros((1, BATCH, 8, 8, 1), np.float32)
     lowered = m.info["run"].lower(m.init(jax.random.key(0)), images, np.zeros((1, BATCH), np.int32),
                                   np.ones((1,), bool))
     hlo = lowered.compile().as_text()
@@ -187,9 +169,9 @@ def test_batchnorm_parameters_equal_simulate():
     micro-batches, as in simulate: parameters and running averages agree."""
     m = build_mp("mlp", "carry", "cdp-v2", "batch")
     (reference, reference_state), _ = simulated("mlp", "cdp-v2", "batch")
-    params, model_state = jax.device_get(m.export(train(m)))
-    assert_close(params, reference)
-    assert_close(model_state, reference_state)
+    got, model_state = jax.device_get(m.export(train(m)))
+    assert_trees_close(got, reference)
+    assert_trees_close(model_state, reference_state)
     initial_state = jax.device_get(m.export(m.init(jax.random.key(0)))[1])
     assert max_diff(model_state, initial_state) > 1e-3
 
@@ -206,7 +188,7 @@ def test_flush_then_train_on():
         if k == 2:
             s = {**s, "previous": s["params"]}
         s, _ = ref.train_step(s, b)
-    assert_close(jax.device_get(m.export(state)[0]), jax.device_get(ref.export(s)[0]))
+    assert_trees_close(jax.device_get(m.export(state)[0]), jax.device_get(ref.export(s)[0]))
 
 
 def test_run_steps_is_one_program():
@@ -216,7 +198,7 @@ def test_run_steps_is_one_program():
     stacked = {k: np.stack([b[k] for b in batches()[:STEPS]]) for k in ("image", "label")}
     state, metrics = m.run_steps(m.init(jax.random.key(0)), stacked)
     assert metrics["loss"].shape == (STEPS,)
-    assert_close(jax.device_get(m.export(m.flush(state))[0]), jax.device_get(m.export(train(m))[0]), atol=1e-6)
+    assert_trees_close(jax.device_get(m.export(m.flush(state))[0]), jax.device_get(m.export(train(m))[0]), atol=1e-6)
 
     def program(steps):
         images, labels = (np.zeros((steps, *stacked[k].shape[1:]), stacked[k].dtype) for k in ("image", "label"))
@@ -236,7 +218,9 @@ def test_no_gradient_communication(residuals, rule):
     m = build_mp("mlp", residuals, rule)
     state = m.init(jax.random.key(0))
     coll = bench.collectives(jax.jit(m.train_step).lower(state, batches()[0]).compile().as_text())
-    micro_buffer = BATCH // 4 * m.carrier.acts.width * 4
+    # The padded buffer holds the largest stage input: the 8x8x1 image (64 floats; the MLP's later
+    # inputs are 16 wide), for a micro-batch of BATCH / 4 examples, float32.
+    micro_buffer = BATCH // 4 * 64 * 4
     assert coll["collective-permute"]["count"] == 2
     assert coll["collective-permute"]["max_bytes"] == micro_buffer
     assert coll["all-reduce"]["bytes"] <= 16
@@ -256,13 +240,13 @@ def test_data_axis_runs_a_pipeline_per_group():
     for b in batches()[:STEPS]:
         s1, _ = m1.train_step(s1, {k: v[order] for k, v in b.items()})
         s2, _ = m2.train_step(s2, b)
-    assert_close(jax.device_get(m2.export(m2.flush(s2))[0]), jax.device_get(m1.export(m1.flush(s1))[0]))
+    assert_trees_close(jax.device_get(m2.export(m2.flush(s2))[0]), jax.device_get(m1.export(m1.flush(s1))[0]))
 
 
 @pytest.mark.parametrize("overrides,mesh,message", [
     ({"cdp_rule": "cdp-v3"}, {"stage": 4}, "cdp_rule='cdp-v3' is not one of cdp-v2, cdp-v1"),
     ({"workers": 2}, {"stage": 4}, "cdp-mp runs N = L workers"),
-    ({"stages": 2}, {"stage": 4}, "stages=2 gives 2 stages but mesh.stage=4"),
+    ({"stages": 2}, {"stage": 4}, "cdp-mp's table runs on 2 stage devices but mesh.stage=4 (mesh {'stage': 4})"),
     ({"global_batch_size": 18}, {"stage": 4}, "global_batch_size / mesh.data=18 is not divisible"),
     ({}, {"data": 4}, "needs a 'stage' mesh axis"),
 ])
@@ -270,27 +254,26 @@ def test_bad_config_refused_before_compiling(overrides, mesh, message):
     c = config(method="cdp-mp", mesh=mesh, **overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(c)
-        ds = dataset()
-        methods.build(Context(c, make_mesh(mesh, jax.devices()[:4]), ds.image_shape, ds.num_classes))
+        methods.build(Context(c, make_mesh(mesh, jax.devices()[:4]), (8, 8, 1), 10))
 
 
-@pytest.mark.heavy
 def test_step_time_against_one_device():
-    """Framework overhead: a cdp-mp step on 4 simulated devices takes at most 1.15 of the same
-    step (N = 4 workers, same staleness) simulated on one device (vit_tiny, global batch 256).
-    Timed side by side, interleaved, median of 7."""
+    """The README's framework-overhead figure for cdp-mp: a step on 4 simulated devices against the
+    same step (N = 4 workers, the same staleness) simulated on one device. Measured 1.06x at most
+    (vit_tiny, global batch 256, idle machine); CI holds it on a cheaper case with room for shared,
+    loaded cores: vit_tiny of 2 blocks at global batch 64, at most 1.5x, the ratio of the medians
+    of 15 steps of each, timed interleaved after two warm-up steps."""
     import statistics
     import time
 
-    ds = dataset()
-    batch = ds.train_batch(0, 256, 0, augment=False)
-    kw = dict(model="vit_tiny", model_kwargs={}, global_batch_size=256)
+    batch = digits_batches(1, 64)[0]
+    kw = dict(model="vit_tiny", model_kwargs=MODEL_KWARGS["vit_tiny"], global_batch_size=64)
     mp = methods.build(context({"stage": 4}, 4, method="cdp-mp", **kw))
     sim = cdp.make(context({"data": 1}, 1, method="cdp-v2", cdp_impl="simulate", workers=4, **kw), "cdp-v2")
     steps = {"mp": jax.jit(mp.train_step), "sim": sim.train_step}
     states = {"mp": mp.init(jax.random.key(0)), "sim": sim.init(jax.random.key(0))}
     times = {k: [] for k in steps}
-    for r in range(9):
+    for r in range(17):
         for k, step in steps.items():
             t0 = time.perf_counter()
             states[k] = jax.block_until_ready(step(states[k], batch)[0])
@@ -298,4 +281,4 @@ def test_step_time_against_one_device():
                 times[k].append(time.perf_counter() - t0)
     ratio = statistics.median(times["mp"]) / statistics.median(times["sim"])
     print(f"cdp-mp / simulate on one device: {ratio:.2f}")
-    assert ratio <= 1.15
+    assert ratio <= 1.5, times

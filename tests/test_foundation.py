@@ -77,17 +77,23 @@ def test_resume_equals_uninterrupted(digits_config, tmp_path, method):
 
 
 def test_summary_and_metrics_files(digits_config, tmp_path):
+    """10 steps of dp, logging every 10 and evaluating every 5: summary.json says what ran, and
+    metrics.jsonl has a train line at step 10 and test lines at steps 5 and 10, in that order (the
+    test line of a step after its train line), each with a loss and an accuracy in [0, 1]; the
+    summary's test accuracy is the last test line's."""
     c = digits_config
     c.method, c.num_steps, c.eval_every = "dp", 10, 5
     s = train.train(c, str(tmp_path), progress=False)
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("method", "model", "dataset", "devices", "steps", "test_accuracy", "images_per_second", "wall_seconds"):
         assert key in summary
-    assert summary["devices"] == 8 and s["steps"] == 10
+    assert (summary["method"], summary["model"], summary["dataset"]) == ("dp", "mlp", "digits")
+    assert summary["devices"] == 8 and summary["steps"] == s["steps"] == 10
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"train", "test"} <= {r["split"] for r in records}
+    assert [(r["step"], r["split"]) for r in records] == [(5, "test"), (10, "train"), (10, "test")]
     for r in records:
-        assert {"step", "split", "loss", "accuracy"} <= set(r)
+        assert r["loss"] > 0 and 0 <= r["accuracy"] <= 1
+    assert summary["test_accuracy"] == records[-1]["accuracy"]
 
 
 BAD_INPUT = [

@@ -11,36 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import methods
-from cdpjax.config import ConfigError, default_config
-from cdpjax.mesh import make_mesh
+from cdpjax.config import ConfigError
 from cdpjax.methods.common import loss_and_metrics
+from helpers import assert_trees_close, build, max_diff, random_batches, small_config
 
 BATCH = 16
 
 
 def _config(method, model="resnet_tiny", stages=4, microbatches=4, norm="none", **kw):
-    c = default_config()
-    c.method, c.model, c.stages, c.microbatches, c.norm = method, model, stages, microbatches, norm
-    c.model_kwargs, c.global_batch_size, c.num_steps = {}, BATCH, 10
-    for k, v in kw.items():
-        c[k] = v
-    return c
-
-
-def _build(config, mesh_axes):
-    n = int(np.prod(list(mesh_axes.values())))
-    return methods.build(methods.Context(config, make_mesh(mesh_axes, jax.devices()[:n]), (8, 8, 1), 10))
-
-
-def _batches(count, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"image": rng.normal(size=(BATCH, 8, 8, 1)).astype(np.float32),
-             "label": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(count)]
-
-
-def _close(a, b, atol=1e-5):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5), a, b)
+    return small_config(method, model, stages=stages, microbatches=microbatches, norm=norm, global_batch_size=BATCH,
+                        **kw)
 
 
 CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, check the gradient itself
@@ -58,37 +38,38 @@ CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, 
 def test_gradients_and_updates_equal_e2e(case):
     """The gradient, then two updates with SGD momentum and weight decay, as e2e's."""
     method, model, stages, devices, groups, micro, residuals, check_gradient = CASES[case]
-    e2e = _build(_config("e2e", model, stages, micro), {"data": 1})
-    gpipe = _build(_config(method, model, stages, micro, residuals=residuals, chunks=stages // devices),
-                   {"stage": devices, "data": groups})
-    batches = _batches(2)
+    e2e = build(_config("e2e", model, stages, micro), {"data": 1})
+    gpipe = build(_config(method, model, stages, micro, residuals=residuals, chunks=stages // devices),
+                  {"stage": devices, "data": groups})
+    batches = random_batches(2, BATCH)
     s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
     if check_gradient:
         b = batches[0]
         reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
                                                         b["label"])[0])(s_e2e["params"])
-        _close(gpipe.info["gradients"](s_gp, b), reference)
+        assert_trees_close(gpipe.info["gradients"](s_gp, b), reference)
     for b in batches:
         s_e2e, m_e2e = e2e.train_step(s_e2e, b)
         s_gp, m_gp = gpipe.train_step(s_gp, b)
         np.testing.assert_allclose(m_gp["loss"], m_e2e["loss"], rtol=1e-5)
         np.testing.assert_allclose(m_gp["accuracy"], m_e2e["accuracy"], atol=1e-6)
-    _close(gpipe.export(s_gp), e2e.export(s_e2e))
+    assert_trees_close(gpipe.export(s_gp), e2e.export(s_e2e))
+    assert max_diff(e2e.export(s_e2e)[0], e2e.export(e2e.init(jax.random.key(0)))[0]) > 1e-3  # it trained
 
 
 def test_one_microbatch_is_model_parallel_e2e_with_batchnorm():
     """M=1: PPLL's "conventional pipeline"; BatchNorm statistics are the whole batch's, as in e2e."""
-    e2e = _build(_config("e2e", stages=2, microbatches=1, norm="batch"), {"data": 1})
-    gpipe = _build(_config("gpipe", stages=2, microbatches=1, norm="batch"), {"stage": 2})
+    e2e = build(_config("e2e", stages=2, microbatches=1, norm="batch"), {"data": 1})
+    gpipe = build(_config("gpipe", stages=2, microbatches=1, norm="batch"), {"stage": 2})
     s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
-    for b in _batches(2):
+    for b in random_batches(2, BATCH):
         s_e2e, _ = e2e.train_step(s_e2e, b)
         s_gp, _ = gpipe.train_step(s_gp, b)
-    _close(gpipe.export(s_gp), e2e.export(s_e2e))
+    assert_trees_close(gpipe.export(s_gp), e2e.export(s_e2e))
 
 
 def test_pipeline_shape_is_reported():
-    gpipe = _build(_config("gpipe", stages=4, microbatches=4), {"stage": 4})
+    gpipe = build(_config("gpipe", stages=4, microbatches=4), {"stage": 4})
     assert gpipe.info["ticks"] == 2 * (4 + 4 - 1)
     np.testing.assert_allclose(gpipe.info["bubble"], 3 / 7)
     assert gpipe.info["padding"]["params"] > 1.0
@@ -101,7 +82,7 @@ def test_pipeline_shape_is_reported():
 ])
 def test_bad_config_fails_early(changes, match, compiles):
     with pytest.raises(ConfigError, match=match):
-        _build(_config("gpipe", **changes), {"stage": 4})
+        build(_config("gpipe", **changes), {"stage": 4})
     assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 

@@ -14,50 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cdpjax import methods
-from cdpjax.config import ConfigError, default_config
-from cdpjax.mesh import make_mesh
+from cdpjax.config import ConfigError
 from cdpjax.models import aux_heads
+from helpers import assert_trees_close, assert_trees_equal, build, random_batches, run, small_config
 
 BATCH = 8
 
 
 def _config(method, model="mlp", stages=2, norm="none", head="greedy", **kw):
-    c = default_config()
-    c.method, c.model, c.norm, c.aux_head = method, model, norm, head
-    with c.ignore_type():
-        c.stages = stages
-    c.model_kwargs = {"width": 16} if model == "mlp" else {}
-    c.global_batch_size, c.num_steps, c.bn_cross_device = BATCH, 10, False
-    with c.ignore_type():
-        for k, v in kw.items():
-            c[k] = v
-    return c
-
-
-def _build(config, mesh_axes):
-    n = int(np.prod(list(mesh_axes.values())))
-    mesh = make_mesh(mesh_axes, jax.devices()[:n])
-    return methods.build(methods.Context(config, mesh, (8, 8, 1), 10))
-
-
-def _batches(count, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"image": rng.normal(size=(BATCH, 8, 8, 1)).astype(np.float32),
-             "label": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(count)]
-
-
-def _assert_trees_close(a, b, atol=1e-5):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5), a, b)
-
-
-def _run(method, batches):
-    state = method.init(jax.random.key(0))
-    for b in batches:
-        state, _ = method.train_step(state, b)
-    if method.flush is not None:
-        state = method.flush(state)
-    return state
+    return small_config(method, model, **{"norm": norm, "aux_head": head, "stages": stages, "global_batch_size": BATCH,
+                                          "bn_cross_device": False, **kw})
 
 
 CASES = {
@@ -79,14 +45,14 @@ def test_ppll_equals_local(case):
     """After T batches and a flush, ppll on K devices has local's bodies, heads and model state."""
     model, stages, groups, norm, head, kwargs = {**CASES, **HEAVY}[case]
     kw = {"aux_kwargs": kwargs, "stages": stages}
-    local = _build(_config("local", model, norm=norm, head=head, **kw), {"data": 1})
-    ppll = _build(_config("ppll", model, norm=norm, head=head, **kw), {"stage": stages, "data": groups})
+    local = build(_config("local", model, norm=norm, head=head, **kw), {"data": 1})
+    ppll = build(_config("ppll", model, norm=norm, head=head, **kw), {"stage": stages, "data": groups})
     if model.startswith("resnet"):  # what the carrier is for: stages of different sizes
         assert len(set(ppll.carrier.params.sizes)) == stages
-    batches = _batches(3)
-    s_local, s_ppll = _run(local, batches), _run(ppll, batches)
-    _assert_trees_close(ppll.export(s_ppll), local.export(s_local))
-    _assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    batches = random_batches(3, BATCH)
+    s_local, s_ppll = run(local, batches), run(ppll, batches)
+    assert_trees_close(ppll.export(s_ppll), local.export(s_local))
+    assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                          local.export(s_local)[0], local.export(local.init(jax.random.key(0)))[0])
     assert min(max(jax.tree.leaves(m)) for m in moved) > 1e-4  # every stage trained
@@ -107,23 +73,23 @@ def test_ppll_with_modules_grouped_on_devices_equals_local(case):
     output on. After T batches and a flush: local's bodies and heads with the same K."""
     model, options, K, groups, devices = GROUPED[case]
     kw = {"model_kwargs": options, "stages": K, "module_groups": groups}
-    local = _build(_config("local", model, head="greedy", **kw), {"data": 1})
-    ppll = _build(_config("ppll", model, head="greedy", **kw), {"stage": devices})
+    local = build(_config("local", model, head="greedy", **kw), {"data": 1})
+    ppll = build(_config("ppll", model, head="greedy", **kw), {"stage": devices})
     assert len(ppll.info["module_groups"]) == devices and sum(ppll.info["module_groups"]) == K
     if groups is not None:
         assert ppll.info["module_groups"] == groups
-    batches = _batches(devices + 1)
-    s_local, s_ppll = _run(local, batches), _run(ppll, batches)
-    _assert_trees_close(ppll.export(s_ppll), local.export(s_local))
-    _assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    batches = random_batches(devices + 1, BATCH)
+    s_local, s_ppll = run(local, batches), run(ppll, batches)
+    assert_trees_close(ppll.export(s_ppll), local.export(s_local))
+    assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
 
 
 def test_ppll_losses_are_locals_delayed_by_the_pipeline():
     """Stage j's loss at tick t is local's stage-j loss on batch t-j; fill ticks report nothing."""
     stages = 4
-    local = _build(_config("local", stages=stages), {"data": 1})
-    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
-    batches = _batches(5)
+    local = build(_config("local", stages=stages), {"data": 1})
+    ppll = build(_config("ppll", stages=stages), {"stage": stages})
+    batches = random_batches(5, BATCH)
     s_local, s_ppll = local.init(jax.random.key(0)), ppll.init(jax.random.key(0))
     local_losses, ppll_losses, valid = [], [], []
     for b in batches:
@@ -143,9 +109,9 @@ def test_fill_ticks_are_masked():
     """After the first tick only stage 0 has trained: the later stages ran on no batch and kept
     their parameters, heads and optimizer states bit for bit (unmasked, they would move)."""
     stages = 4
-    ppll = _build(_config("ppll", stages=stages, momentum=0.9), {"stage": stages})
+    ppll = build(_config("ppll", stages=stages, momentum=0.9), {"stage": stages})
     init = jax.device_get(ppll.init(jax.random.key(0)))
-    state, _ = ppll.train_step(ppll.init(jax.random.key(0)), _batches(1)[0])
+    state, _ = ppll.train_step(ppll.init(jax.random.key(0)), random_batches(1, BATCH)[0])
     state = jax.device_get(state)
     for key in ("rows", "opt"):
         for a, b in zip(jax.tree.leaves(state[key]), jax.tree.leaves(init[key])):
@@ -155,16 +121,16 @@ def test_fill_ticks_are_masked():
 
 def test_local_with_one_stage_is_e2e():
     """One stage has no auxiliary head: local learning is then plain backprop."""
-    e2e = _build(_config("e2e", stages=1), {"data": 1})
-    local = _build(_config("local", stages=1), {"data": 1})
-    batches = _batches(3)
-    _assert_trees_close(local.export(_run(local, batches)), e2e.export(_run(e2e, batches)), atol=1e-6)
+    e2e = build(_config("e2e", stages=1), {"data": 1})
+    local = build(_config("local", stages=1), {"data": 1})
+    batches = random_batches(3, BATCH)
+    assert_trees_close(local.export(run(local, batches)), e2e.export(run(e2e, batches)), atol=1e-6)
 
 
 def test_gradient_stops_at_stage_input():
     """Stage 0's update depends on its own head but on nothing after it."""
-    local = _build(_config("local", stages=2), {"data": 1})
-    batch = _batches(1)[0]
+    local = build(_config("local", stages=2), {"data": 1})
+    batch = random_batches(1, BATCH)[0]
 
     def stage0_after_step(change):
         state = local.init(jax.random.key(0))
@@ -178,7 +144,7 @@ def test_gradient_stops_at_stage_input():
     base = stage0_after_step(lambda p: p)
     later_changed = stage0_after_step(lambda p: {**p, "body": [p["body"][0], shift(p["body"][1])]})
     own_head_changed = stage0_after_step(lambda p: {**p, "head": [shift(p["head"][0]), p["head"][1]]})
-    _assert_trees_close(later_changed, base, atol=0)
+    assert_trees_equal(later_changed, base)
     diff = jax.tree.map(lambda x, y: float(np.abs(x - y).max()), own_head_changed[0], base[0])
     assert max(jax.tree.leaves(diff)) > 1e-6  # the test would see a gradient arriving
 
@@ -188,42 +154,46 @@ def test_head_learning_rate_scale(head):
     """With plain SGD the heads' first update scales with head_lr_scale; the bodies' does not (also
     for heads with BatchNorm state)."""
     kw = dict(stages=2, momentum=0.0, weight_decay=0.0, schedule="constant", head=head)
-    batch = _batches(1)[0]
+    batch = random_batches(1, BATCH)[0]
     deltas = []
     for scale in (1.0, 0.25):
-        local = _build(_config("local", aux_kwargs={"head_lr_scale": scale}, **kw), {"data": 1})
+        local = build(_config("local", aux_kwargs={"head_lr_scale": scale}, **kw), {"data": 1})
         start = jax.device_get(local.init(jax.random.key(0))["params"])
         end, _ = local.train_step(local.init(jax.random.key(0)), batch)
         deltas.append(jax.tree.map(lambda x, y: np.asarray(x) - y, jax.device_get(end["params"]), start))
-    _assert_trees_close(deltas[1]["body"], deltas[0]["body"], atol=1e-7)
-    _assert_trees_close(deltas[1]["head"], jax.tree.map(lambda d: 0.25 * d, deltas[0]["head"]), atol=1e-7)
+    assert_trees_close(deltas[1]["body"], deltas[0]["body"], atol=1e-7)
+    assert_trees_close(deltas[1]["head"], jax.tree.map(lambda d: 0.25 * d, deltas[0]["head"]), atol=1e-7)
 
 
 def test_compile_time_does_not_grow_with_ticks():
-    """Ticks are a `lax.scan`: compiling 64 ticks takes about as long as 8."""
+    """Ticks are a `lax.scan`: the compiled program of 64 ticks has as many instructions as that
+    of 8 (only the trip count and the stacked shapes differ), and compiling it takes about as
+    long (a generous bound: timings on shared cores are noisy)."""
     stages = 4
-    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
+    ppll = build(_config("ppll", stages=stages), {"stage": stages})
     state = ppll.init(jax.random.key(0))
-    seconds = {}
+    seconds, instructions = {}, {}
     for ticks in (9, 8, 64):  # 9: a first compile that warms up tracing (each length compiles anew)
         batches = {"image": jnp.zeros((ticks, BATCH, 8, 8, 1)), "label": jnp.zeros((ticks, BATCH), jnp.int32)}
         t0 = time.perf_counter()
-        ppll.info["run_ticks"].lower(state, batches).compile()
+        text = ppll.info["run_ticks"].lower(state, batches).compile().as_text()
         seconds[ticks] = time.perf_counter() - t0
+        instructions[ticks] = sum(1 for line in text.splitlines() if " = " in line and "constant(" not in line)
+    assert instructions[64] == instructions[8], instructions
     assert seconds[64] < 2 * seconds[8], seconds
 
 
 def test_run_ticks_equals_train_steps():
     stages = 2
-    ppll = _build(_config("ppll", stages=stages), {"stage": stages})
-    batches = _batches(3)
+    ppll = build(_config("ppll", stages=stages), {"stage": stages})
+    batches = random_batches(3, BATCH)
     stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
     scanned, metrics = ppll.info["run_ticks"](ppll.init(jax.random.key(0)), stacked)
     assert metrics["stage_loss"].shape == (3, stages)
     stepped = ppll.init(jax.random.key(0))
     for b in batches:
         stepped, _ = ppll.train_step(stepped, b)
-    _assert_trees_close(ppll.export(scanned), ppll.export(stepped), atol=1e-6)
+    assert_trees_close(ppll.export(scanned), ppll.export(stepped), atol=1e-6)
 
 
 def test_heads_fit_their_stages():
@@ -300,7 +270,7 @@ def test_adaptive_pool_is_pytorchs():
 def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     c = _config("ppll", **changes)
     with pytest.raises(ConfigError, match=match):
-        _build(c, mesh_axes)
+        build(c, mesh_axes)
     assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 

@@ -1,9 +1,15 @@
 """Every notebook in colab/ runs top to bottom on its tiny config in a real Jupyter kernel,
-without touching the network, and writes and shows the figures it reproduces."""
+without touching the network, and writes and shows the figures it reproduces; what each figure
+draws (read back from its artists in the kernel) is checked against rules written out here and
+the runs' own files."""
 import importlib.util
+import json
 import pathlib
 
+import numpy as np
 import pytest
+
+from helpers import cdp_rule
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -65,6 +71,9 @@ def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(COLAB / name, as_version=4)
+    setup = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"][1]
+    artists = tmp_path / "artists.json"
+    nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(RECORDER.replace("ARTISTS_PATH", repr(str(artists)))))
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the cell that failed
@@ -80,8 +89,164 @@ def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
 
     if name == "cdp_timing_diagrams.ipynb" and "cdp-mp" in methods.REGISTRY:
         expected.append("timing_cdp-mp_N4_L4.png")
+    drawn = json.loads(artists.read_text())
     for f in expected:
         path = figures / f
-        assert path.is_file() and path.stat().st_size > 1000, f"{name} did not write {f}"
+        assert path.is_file() and f in drawn, f"{name} did not write {f}"
+        assert _png_with_content(path), f"{f} is not a PNG with lines and text on it"
     shown = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
     assert shown >= len(expected), f"{name} showed {shown} figures"
+    CONTENT[name](drawn, tmp_path)
+
+
+# Put after the notebook's set-up cell (in the executed copy only): every figure saved records what
+# its axes draw, by file name, into ARTISTS_PATH.
+RECORDER = """
+import json as _json, os as _os
+import matplotlib.figure as _mf
+from matplotlib.patches import Rectangle as _Rectangle
+
+_drawn, _savefig = {}, _mf.Figure.savefig
+
+
+def _floats(values):
+    return [float(v) for v in values]
+
+
+def _recording_savefig(self, fname, *args, **kwargs):
+    out = _savefig(self, fname, *args, **kwargs)
+    _drawn[_os.path.basename(str(fname))] = [{
+        "title": ax.get_title(),
+        "lines": [[line.get_label(), _floats(line.get_xdata()), _floats(line.get_ydata())] for line in ax.get_lines()],
+        "boxes": [[*_floats((r.get_x(), r.get_y(), r.get_width(), r.get_height())), bool(r.get_hatch())]
+                  for r in ax.patches if isinstance(r, _Rectangle)],
+        "texts": [[*_floats(t.get_position()), t.get_text()] for t in ax.texts],
+        "ticklabels": [t.get_text() for t in ax.get_xticklabels()],
+        "images": [im.get_array().astype(float).tolist() for im in ax.get_images()],
+    } for ax in self.axes]
+    with open(ARTISTS_PATH, "w") as f:
+        _json.dump(_drawn, f)
+    return out
+
+
+_mf.Figure.savefig = _recording_savefig
+"""
+
+
+def _png_with_content(path) -> bool:
+    from PIL import Image
+
+    image = Image.open(path)
+    rgb = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(np.int64)
+    return image.format == "PNG" and min(image.size) > 100 and len(np.unique(rgb @ [1 << 16, 1 << 8, 1])) > 10
+
+
+def _boxes(axes: dict) -> list:
+    """(tick, stage, label, hatched) of each box of a timing diagram (a rectangle and the text at its centre)."""
+    texts = {(round(x, 6), round(y, 6)): t for x, y, t in axes["texts"]}
+    return sorted((int(round(x)), int(round(y + h / 2)), texts[(round(x + w / 2, 6), round(y + h / 2, 6))], hatched)
+                  for x, y, w, h, hatched in axes["boxes"])
+
+
+def _lines(axes: dict) -> dict:
+    return {label: (x, y) for label, x, y in axes["lines"]}
+
+
+def _metrics(workdir, split, key):
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in lines if r["split"] == split]
+    return [float(r["step"]) for r in lines], [float(r[key]) for r in lines]
+
+
+def _timing_content(drawn, _):
+    """The tiny config draws 2 steps of each table. CDP's boxes and hatching as the paper's timing
+    (`helpers.cdp_rule`), labelled with the worker; the staleness images as the rules (i + 2j < 7 for
+    N = 8, L = 4; the reference code's j < L-1-i); ppll's batch t-j on stage j at tick t; GPipe's fill
+    (tick j + m) and drain (tick 2(K-1) + M + m - j)."""
+    for method in ("dp", "cdp-v1", "cdp-v2"):
+        for n in (4, 8):
+            ops, _, _ = cdp_rule(method, n, 4, 2)
+            (axes,) = drawn[f"timing_{method}_N{n}_L4.png"]
+            assert _boxes(axes) == sorted((tick, stage, f"{kind}w{worker}", stale)
+                                          for tick, worker, stage, kind, _, _, _, stale in ops), (method, n)
+    table_image, reference_image = (axes["images"][0] for axes in drawn["staleness_cdp-v2_N8_L4.png"])
+    assert np.array_equal(np.asarray(table_image) > 0, [[i + 2 * j < 7 for j in range(4)] for i in range(8)])
+    assert np.array_equal(np.asarray(reference_image) > 0, [[j < 3 - i for j in range(4)] for i in range(8)])
+    (axes,) = drawn["timing_ppll_K4.png"]
+    assert _boxes(axes) == sorted((t, j, f"FB{t - j}", False) for t in range(9) for j in range(4) if 0 <= t - j < 6)
+    (axes,) = drawn["timing_gpipe_K4_M4.png"]
+    gpipe = [(14 * k + j + m, j, f"F{m}", False) for k in range(2) for j in range(4) for m in range(4)]
+    gpipe += [(14 * k + 6 + 4 + m - j, j, f"B{m}", False) for k in range(2) for j in range(4) for m in range(4)]
+    assert _boxes(axes) == sorted(gpipe)
+    if "timing_cdp-mp_N4_L4.png" in drawn:
+        ops, _, _ = cdp_rule("cdp-v2", 4, 4, 2)
+        (axes,) = drawn["timing_cdp-mp_N4_L4.png"]
+        assert _boxes(axes) == sorted((tick, stage, f"{kind}w{worker}", stale)
+                                      for tick, worker, stage, kind, _, _, _, stale in ops)
+
+
+def _memory_content(drawn, _):
+    """The digits MLP, N = 8 workers, L = 4 stages, 16 images a worker: stage-activations held and
+    gradient bytes per tick are the tables' (dp's all workers at their peak of L together, N*L = 32;
+    cdp-v2's flat at N*L/2 = 16 in steady state; dp's traffic a burst in the step's last tick); the
+    bytes held, which the notebook adds up with its own loop, are the table's activation model at the
+    stages' output bytes; dp's gradients are an all-reduce, cdp-v2's collective-permutes."""
+    from cdpjax import bench, data, models
+    from cdpjax.config import load_file
+    from cdpjax.layouts.cdp import cdp_table
+
+    base = load_file(str(ROOT / "experiments" / "configs" / "digits.py") + ":method=cdp-v2")
+    dataset = data.build(base)
+    sizes = bench.stage_sizes(models.build(base, dataset.image_shape, dataset.num_classes), base.global_batch_size // 8)
+    tables = [cdp_table(m, 8, 4, steps=4) for m in ("dp", "cdp-v2")]
+    (act,), (held,), (comm,) = (drawn[f] for f in ("activation_over_time.png", "activation_bytes_over_time.png",
+                                                   "comm_per_tick.png"))
+    assert [y for _, _, y in act["lines"]] == [list(map(float, t.activation_total())) for t in tables]
+    dp_held, cdp_held = (y for _, _, y in act["lines"])
+    assert max(dp_held[8:16]) == 32 and cdp_held[8:16] == [16.0] * 8  # steady state: step 1 of worker 0
+    for (_, _, y), t in zip(held["lines"], tables):
+        np.testing.assert_allclose(y, t.activation_bytes(sizes["activation_bytes"]).sum(1) / 2**20, rtol=1e-6)
+    assert [y for _, _, y in comm["lines"]] == [[float(b) for b in t.bytes_per_tick(sizes["param_bytes"])]
+                                                for t in tables]
+    assert [b > 0 for b in comm["lines"][0][2][8:16]] == [False] * 7 + [True]
+    collectives, memory = drawn["measured_memory_and_collectives.png"]
+    assert collectives["ticklabels"] == ["all-reduce", "collective-permute"]
+    heights = [h for _, _, _, h, _ in collectives["boxes"]]  # dp's two bars, then cdp-v2's
+    (dp_reduce, dp_permute), (cdp_reduce, cdp_permute) = heights[:2], heights[2:4]
+    assert dp_reduce > 100 * cdp_reduce and dp_permute == 0 and cdp_permute > 0
+    assert len(memory["boxes"]) == 2 and all(h > 0 for *_, h, _ in memory["boxes"])
+
+
+def _accuracy_content(drawn, tmp_path):
+    """Each method's test accuracy and train loss at their steps, as its metrics.jsonl has them."""
+    test, loss = drawn["cdp_accuracy.png"]
+    for method in ("dp", "cdp-v1", "cdp-v2"):
+        assert _lines(test)[method] == _metrics(tmp_path / "runs" / method, "test", "accuracy")
+        assert _lines(loss)[method] == _metrics(tmp_path / "runs" / method, "train", "loss")
+
+
+def _ppll_content(drawn, tmp_path):
+    """Predicted speedups on K = 4 devices: ppll at most K and above plain model parallelism, which is
+    at most 1 (one stage at a time), K drawn as a line; each method's accuracy bar is its run's
+    summary and its curve its metrics; ppll's bar is local's (the same parameters)."""
+    predicted, measured = drawn["ppll_speedup.png"]
+    bars = dict(zip(predicted["ticklabels"], (h for *_, h, _ in predicted["boxes"])))
+    assert set(bars) == {"ppll", "gpipe M=4", "model parallel"}
+    assert bars["model parallel"] <= 1.02 and bars["model parallel"] < bars["ppll"] <= 4 + 1e-6
+    assert [y for label, _, y in predicted["lines"] if label == "K = 4"] == [[4.0, 4.0]]
+    bars, curves = drawn["ppll_accuracy.png"]
+    heights = dict(zip(bars["ticklabels"], (h for *_, h, _ in bars["boxes"])))
+    summaries = {m: json.loads((tmp_path / "runs" / m / "summary.json").read_text()) for m in heights}
+    assert heights == {m: s["test_accuracy"] for m, s in summaries.items()} and {"local", "ppll"} <= set(heights)
+    assert heights["ppll"] == heights["local"]
+    for method in heights:
+        assert _lines(curves)[method] == _metrics(tmp_path / "runs" / method, "test", "accuracy")
+    assert sorted(measured["ticklabels"]) == sorted(heights)  # measured here: every method that ran
+
+
+CONTENT = {
+    "cdp_timing_diagrams.ipynb": _timing_content,
+    "cdp_memory_and_communication.ipynb": _memory_content,
+    "cdp_accuracy.ipynb": _accuracy_content,
+    "ppll_vs_local_gpipe.ipynb": _ppll_content,
+}

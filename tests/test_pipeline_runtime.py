@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import bench, speedup
+from cdpjax import bench, plotting, speedup
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
 from cdpjax.methods.program import BACKWARD, FORWARD, IDLE, LOCAL, compile_table
 from cdpjax.timetable import from_orders, table
+from helpers import capture_figures, png_matches, schedule_boxes
 
 KIND = {FORWARD: "F", BACKWARD: "B", LOCAL: "FB"}
 
@@ -171,12 +172,24 @@ TOY = Layout("toy-lifo", toy_build, axes=("stage", "data"), device_axis="stage",
              title="{method}: {stages} stages, M={microbatches}", summary="a toy layout defined in a test")
 
 
-def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys):
+def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys, monkeypatch):
+    """The toy's diagram, drawn by `schedule --out`, has its boxes where its rule puts them: K = 3
+    stages, M = 2 micro-batches, 2 steps of 2(M+K-1) = 8 ticks; forward of micro-batch m on stage
+    j at tick j + m; the last stage's backwards after its forwards, micro-batch M-1 first, each
+    earlier stage's one tick after the stage above: B(j, m) at K-1+M + (M-1-m) + (K-1-j)."""
+    K, M, period = 3, 2, 8
+    lifo = [(period * k + j + m, j, f"F{m}", False) for k in range(2) for j in range(K) for m in range(M)]
+    lifo += [(period * k + K - 1 + M + (M - 1 - m) + (K - 1 - j), j, f"B{m}", False)
+             for k in range(2) for j in range(K) for m in range(M)]
     with LAYOUTS.temporarily("toy-lifo", TOY):
         assert main(["schedule", "--method", "toy-lifo", "--stages", "3", "--microbatches", "2", "--json"]) == 0
         d = json.loads(capsys.readouterr().out)
         assert d["method"] == "toy-lifo" and [row[0] for row in d["ticks"][:2]] == ["F0", "F1"]  # device 0
+        figures = capture_figures(monkeypatch, plotting)
         assert main(["schedule", "--method", "toy-lifo", "--stages", "3", "--out", str(tmp_path / "t.png")]) == 0
+        ((_, fig),) = figures
+        assert sorted(schedule_boxes(fig)) == sorted(lifo)
+        assert png_matches(tmp_path / "t.png", fig)
         c = default_config()
         c.method, c.model, c.model_kwargs, c.stages, c.microbatches, c.norm = "toy-lifo", "mlp", {"width": 16}, 3, 2, "none"
         c.global_batch_size = 16

@@ -1,8 +1,8 @@
 """Reliability claims (docs/guarantees.md), each method of the registry in turn.
 
 A killed run resumes to the same end as an uninterrupted one (in-flight state
-included), e2e / dp / local checkpoints restore onto other device counts and
-the others say why not, non-finite values stop training naming the step and
+included), a checkpoint continues on another mesh or is refused as a table here
+says for each method (ON_ANOTHER_MESH), non-finite values stop training naming the step and
 the stage (or are skipped and counted), bad input fails before anything
 compiles with a message naming it, reruns are identical, and every training
 example is used exactly once per epoch.
@@ -38,7 +38,6 @@ from metrics_lines import events_of, expected_events, without_timing
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
 METHODS = sorted(set(PLANNED) | set(methods.REGISTRY))
-MESH_FREE = ("e2e", "dp", "local")  # their state is the model itself: it restores on any device count
 STEPS, KILLED_AFTER, RESUMED_FROM = 12, 6, 4
 
 
@@ -216,6 +215,13 @@ def reference(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def dp_reference(reference):
+    """dp's reference runs, made before a test that watches compilation starts watching (a test
+    that calls `reference('dp')` itself would compile inside its window when run alone)."""
+    return reference("dp")
 
 
 def steps(workdir):
@@ -450,27 +456,58 @@ def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(
 
 # 2. Other device counts ------------------------------------------------------------------------
 
+RESUMES = "resumes"
+# What each registered method does with a checkpoint written on its own mesh (`layout`) when the run
+# goes on on `other_layout`'s: resume and end where the uninterrupted run ends, or refuse with a
+# ConfigError holding these phrases (both meshes or both worker counts, and what to do). A method
+# registered later must be placed here (docs/guarantees.md, item 2).
+ON_ANOTHER_MESH = {
+    # the state is the model and its optimizer: any device count (dp 8 -> 4, e2e 1 -> 8, local
+    # onto another device)
+    "e2e": RESUMES, "dp": RESUMES, "local": RESUMES,
+    # stage-axis layouts whose state holds no data group's micro-batch between steps (flushed every
+    # step, or one micro-batch per step): {stage: D} -> {stage: D, data: 2}
+    "gpipe": RESUMES, "1f1b": RESUMES, "interleaved-1f1b": RESUMES, "ppll": RESUMES,
+    # the worker count sets which (worker, stage) reads a stale version: 8 workers -> 4
+    "cdp-v1": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
+    "cdp-v2": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
+    "cdp-zero": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
+    # N = L workers' micro-batches in flight on every stage: the mesh, both named
+    "cdp-mp": ("on mesh {'stage': 4} (4 devices); this run has mesh {'stage': 4, 'data': 2} (8 devices)",
+               "train state depends on the mesh", "fresh --workdir"),
+}
+
+
+def test_every_registered_method_is_placed_on_another_mesh():
+    missing = sorted(set(methods.REGISTRY) - set(ON_ANOTHER_MESH))
+    assert not missing, (f"registered methods {missing} are not in ON_ANOTHER_MESH: say whether a checkpoint of "
+                         f"each resumes onto another mesh or is refused, and with what message")
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_restore_on_another_device_count(name, reference, tmp_path):
-    """Checkpoint 4 written on one device count, the run continued on another: e2e, dp and local
-    end where the uninterrupted run ends (to float tolerance: reductions change order); a method
-    whose state follows the mesh either does too or refuses with a ConfigError saying why and
-    what to do."""
+    """Checkpoint 4 written on the method's mesh, the run continued on another (`other_layout`):
+    each method does what ON_ANOTHER_MESH says, resuming to where the uninterrupted run ends (to
+    float tolerance: reductions change order) or refusing with a ConfigError that names both
+    meshes (or worker counts) and what to do, before anything is trained."""
     require(name)
+    if name not in ON_ANOTHER_MESH:
+        pytest.fail(f"{name} is registered but not in ON_ANOTHER_MESH: place it there (resumes, or the refusal)")
     ref = reference(name)
     work = tmp_path / "moved"
     shutil.copytree(ref["killed"], work)
     mesh, devices = other_layout(name)
     c = small_config(name, mesh=mesh)
-    try:
-        out = train.train(c, str(work), progress=False, devices=devices)
-    except ConfigError as e:
-        assert name not in MESH_FREE, f"{name} must restore onto another device count: {e}"
-        message = str(e)
-        assert "this run has" in message and "fresh --workdir" in message, message
-        assert "mesh" in message or "workers" in message, message
+    expected = ON_ANOTHER_MESH[name]
+    if expected != RESUMES:
+        with pytest.raises(ConfigError) as err:
+            train.train(c, str(work), progress=False, devices=devices)
+        for phrase in expected:
+            assert phrase in str(err.value), str(err.value)
+        assert steps(work) == [RESUMED_FROM] and not (work / "summary.json").exists()
         return
-    assert out["resumed_from"] == RESUMED_FROM
+    out = train.train(c, str(work), progress=False, devices=devices)
+    assert out["resumed_from"] == RESUMED_FROM and out["devices"] == len(devices)
     _, params, _ = final_state(c, work, devices)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), params, ref["params"])
 
@@ -677,11 +714,11 @@ def test_checkpoint_path_that_is_a_file(tmp_path, capsys, compiles):
     _fails(["--config.method=dp"], "exists and is not a directory", capsys, tmp_path, compiles)
 
 
-def test_corrupt_checkpoint(reference, tmp_path, capsys, compiles):
+def test_corrupt_checkpoint(dp_reference, tmp_path, capsys, compiles):
     """The latest checkpoint damaged on disk: a clear error before the train step compiles, naming
     it and the previous complete checkpoint to fall back on."""
     work = tmp_path / "run"
-    shutil.copytree(reference("dp")["full"], work)
+    shutil.copytree(dp_reference["full"], work)
     (work / "summary.json").unlink()
     _damage(work / "checkpoints" / str(STEPS) / "state")
     err = _fails(_overrides("dp"), f"checkpoint {STEPS} in", capsys, work, compiles, train_step_only=True)
@@ -693,12 +730,12 @@ def test_corrupt_checkpoint(reference, tmp_path, capsys, compiles):
     (["--config.global_batch_size=64"], "global_batch_size=128 there, 64 here"),
     (["--config.method=cdp-v2"], "method='dp' there, 'cdp-v2' here"),
 ])
-def test_resume_with_another_config(change, message, reference, tmp_path, capsys, compiles):
+def test_resume_with_another_config(change, message, dp_reference, tmp_path, capsys, compiles):
     """Resuming a WORKDIR with a config that changes the data stream or the state is refused."""
     if "cdp-v2" in change[0]:
         require("cdp-v2")
     work = tmp_path / "run"
-    shutil.copytree(reference("dp")["killed"], work)
+    shutil.copytree(dp_reference["killed"], work)
     err = _fails([*_overrides("dp"), *change], message, capsys, work, compiles, train_step_only=True)
     assert "fresh --workdir" in err
 

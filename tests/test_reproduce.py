@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from cdpjax import methods
+from cdpjax import methods, plotting
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.config import ConfigError, validate
+from helpers import capture_figures, line_data, png_matches, same_pixels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "reproduce.py"
@@ -59,11 +60,11 @@ def test_tiny_cdp_table_rows_and_columns(tiny_cdp):
         assert len(r) == len(head)
         assert r[:2] == ["digits", "mlp"] and r[col["N x L"]] == "8 x 4" and r[col["steps"]] == "60"
         assert 10.0 < float(r[col["test acc"]].rstrip("%")) <= 100.0  # learnt something in 60 steps
-        # Activation and communication columns are the time table's figures for these sizes.
-        stats = cdp_table(r[2], 8, 4, steps=4).activation_stats()
-        assert r[col["act. peak / mean (stage-acts)"]] == f"{stats['total_peak']} / {stats['total_mean']:.1f}"
-    acts = {r[2]: int(r[col["act. peak / mean (stage-acts)"]].split(" / ")[0]) for r in rows}
-    assert acts == {"dp": 32, "cdp-v1": 16, "cdp-v2": 16}  # N*L against N*L/2
+    # Stage-activations held by all workers in steady state, N = 8, L = 4: dp's workers all reach
+    # their peak of L together (N*L = 32), CDP's offsets keep the total flat; both hold N*L/2 = 16
+    # on average (each of the 2L ticks of a step holds 1, 2, ..., L, L, ..., 1 stage-activations).
+    acts = {r[2]: r[col["act. peak / mean (stage-acts)"]] for r in rows}
+    assert acts == {"dp": "32 / 16.0", "cdp-v1": "16 / 16.0", "cdp-v2": "16 / 16.0"}
     balance = {r[2]: float(r[col["comm busiest / mean tick"]]) for r in rows}
     assert balance["dp"] == pytest.approx(8.0) and balance["cdp-v2"] < balance["dp"]
     # dp's gradients travel as an all-reduce; cdp's as collective-permutes.
@@ -83,11 +84,45 @@ def test_tiny_cdp_rows_keep_their_runs(tiny_cdp):
         assert sum(m["split"] == "test" for m in tests) >= 5  # points of the accuracy curve
 
 
-def test_tiny_cdp_figures(tiny_cdp):
+def _records(out, names):
+    """The rows' records (row.json) in the order of `names`, as the script drew them."""
+    return [json.loads((out / name / "row.json").read_text()) for name in names if (out / name / "row.json").exists()]
+
+
+def _metrics(workdir, split, key):
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in lines if r["split"] == split], [r[key] for r in lines if r["split"] == split]
+
+
+def test_tiny_cdp_figures(tiny_cdp, tmp_path, monkeypatch):
+    """The CDP figures by content: drawn again here from the rows' records (figures recorded), the
+    accuracy figure plots each run's test accuracy and train loss at their steps as its
+    metrics.jsonl has them; the activation and comm figures plot dp's and cdp-v2's tables for the
+    run's 8 workers and 4 stages (stage-activations held, gradient bytes per tick at the stages'
+    parameter bytes), cdp's line flat at N*L/2 = 16 in steady state where dp's reaches N*L = 32;
+    and the files the script wrote have exactly these figures' pixels."""
     out, _ = tiny_cdp
-    for kind in ("accuracy", "activation", "comm"):
-        path = out / "figures" / f"cdp_{kind}_digits_mlp.png"
-        assert path.is_file() and path.stat().st_size > 1000
+    names = [f"cdp-digits-mlp-{m}" for m in ("dp", "cdp-v1", "cdp-v2")]
+    records = _records(out, names)
+    figures = capture_figures(monkeypatch, reproduce, plotting, into=str(tmp_path))
+    reproduce.cdp_figures(records, str(out))
+    (acc_path, acc), (act_path, act), (comm_path, comm) = figures
+    assert [os.path.basename(p) for p in (acc_path, act_path, comm_path)] == [
+        f"cdp_{kind}_digits_mlp.png" for kind in ("accuracy", "activation", "comm")]
+    test_panel, loss_panel = acc.axes
+    assert line_data(test_panel) == [_metrics(out / name, "test", "accuracy") for name in names]
+    assert line_data(loss_panel) == [_metrics(out / name, "train", "loss") for name in names]
+    assert [t.get_text() for t in test_panel.get_legend().get_texts()] == ["dp", "cdp-v1", "cdp-v2"]
+    tables = [cdp_table(m, 8, 4, steps=4) for m in ("dp", "cdp-v2")]
+    sizes = records[0]["stage_param_bytes"]
+    assert len(sizes) == 4 and min(sizes) > 0
+    assert [y for _, y in line_data(act.axes[0])] == [list(t.activation_total()) for t in tables]
+    assert [y for _, y in line_data(comm.axes[0])] == [list(t.bytes_per_tick(sizes)) for t in tables]
+    dp_held, cdp_held = (y for _, y in line_data(act.axes[0]))
+    assert max(dp_held[8:16]) == 32 and cdp_held[8:16] == [16] * 8
+    for path, fig in figures:
+        written = out / "figures" / os.path.basename(path)
+        assert png_matches(written, fig) and same_pixels(written, tmp_path / os.path.basename(path)), path
 
 
 def test_rerun_reuses_finished_rows(tiny_cdp):
@@ -175,3 +210,35 @@ def test_tiny_ppll_table_has_the_baselines_heads_and_memory(tiny_ppll):
     plain = records["gpipe M=1 (plain model parallelism)"]["prediction"]["speedup"]
     assert plain == pytest.approx(1.0, abs=0.02)
     assert 1.0 < ppll["speedup"] <= 2.0 + 1e-6  # at most K, less by the stage imbalance
+
+
+def test_tiny_ppll_figures(tiny_ppll, tmp_path, monkeypatch):
+    """The PPLL figures by content: drawn again from the rows' records (figures recorded), the
+    speedup figure plots each pipeline's predicted speedup at K = 2 and the line y = K; the
+    accuracy figure has one bar per variant at its run's test accuracy and e2e's as a line; the
+    files the script wrote have exactly these figures' pixels."""
+    out, _ = tiny_ppll
+    names = [r.name for r in reproduce.ppll_rows(True)]
+    records = _records(out, names)
+    assert [r["label"] or r["method"] for r in records] == [
+        "e2e", "local", "ppll", "gpipe M=1 (plain model parallelism)", "gpipe M=4"]
+    by_label = {r["label"] or r["method"]: r for r in records}
+    figures = capture_figures(monkeypatch, reproduce, into=str(tmp_path))
+    reproduce.ppll_figures(records, str(out))
+    (speed_path, speed), (acc_path, acc) = figures
+    assert [os.path.basename(p) for p in (speed_path, acc_path)] == ["ppll_speedup_mlp.png", "ppll_accuracy_mlp.png"]
+    predicted = {label: r["prediction"]["speedup"] for label, r in by_label.items()
+                 if "speedup" in r.get("prediction", {})}
+    assert set(predicted) == {"ppll", "gpipe M=1 (plain model parallelism)", "gpipe M=4"}
+    lines = {line.get_label(): line.get_xydata().tolist() for line in speed.axes[0].get_lines()}
+    for label, value in predicted.items():
+        assert lines[f"{label}, predicted on K devices"] == [[2.0, value]]
+    assert lines["K (no bubble, free transfers)"] == [[2.0, 2.0]]
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in acc.axes[0].containers}
+    for label in ("local", "ppll", "gpipe M=1 (plain model parallelism)", "gpipe M=4"):
+        assert bars[label] == [by_label[label]["summary"]["test_accuracy"]]
+    (e2e_line,) = [line for line in acc.axes[0].get_lines() if line.get_label() == "e2e"]
+    assert set(e2e_line.get_ydata()) == {by_label["e2e"]["summary"]["test_accuracy"]}
+    for path, fig in figures:
+        written = out / "figures" / os.path.basename(path)
+        assert png_matches(written, fig) and same_pixels(written, tmp_path / os.path.basename(path)), path
