@@ -355,7 +355,7 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
     opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
     # Stored parameter versions: the method says, or its state has a 'previous' copy (cdp-mp).
     versions = int(method.info.get("versions", 2 if isinstance(state, dict) and "previous" in state else 1))
-    program = method.info.get("program")
+    program = method.info.get("ring_program")
     storage = method.info.get("storage") if isinstance(method.info.get("storage"), dict) else {}
     grads_between = grads_within = relayed = 0.0
     if program is not None:  # the ring: its partial and completed sums, by its program

@@ -240,7 +240,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     device touched and no registry read; raises ConfigError naming the value and what is
     accepted. Names and their options are `cdpjax.checks.validate`'s; checks that need the
     model or the mesh follow in the method builders, still before anything compiles.
-    docs/guarantees.md lists them all."""
+    the README's "What is guaranteed" lists them all."""
     unknown = sorted(set(config.keys()) - set(default_config().keys()))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(default_config().keys()))}")

@@ -24,7 +24,7 @@ Runs are deterministic given the config and seed: the data position is the step
 number (see `cdpjax.data.base`), and the in-flight state of every method lives in
 its checkpointed train state, so a run killed at any point and started again
 with the same WORKDIR ends as an uninterrupted one, metrics.jsonl equal once the
-timing fields are removed (docs/guarantees.md).
+timing fields are removed (the README's "What is guaranteed").
 
 Step N is the N-th train step, as numbered in metrics.jsonl and in checkpoint
 names. Every step also checks, in the same compiled program, that the loss,

@@ -62,6 +62,9 @@ def test_bench_records_e2e_and_dp(tmp_path, capsys):
             assert key in r
         assert {"temp_bytes", "argument_bytes", "output_bytes"} <= set(r["memory"])
     assert e2e["devices"] == 1 and dp["devices"] == 8
+    # the default MLP counted by hand: 64 -> 128 -> 128 -> 128 -> 10, weights and biases, float32
+    mlp_bytes = 4 * ((64 * 128 + 128) + 2 * (128 * 128 + 128) + (128 * 10 + 10))
+    assert mlp_bytes == 170_536 and e2e["param_bytes"] == dp["param_bytes"] == mlp_bytes
     assert e2e["collectives"]["all-reduce"]["count"] == 0
     # dp all-reduces the whole model (plus two scalars) once per step.
     assert dp["collectives"]["all-reduce"]["bytes"] >= dp["param_bytes"]
@@ -76,7 +79,7 @@ def test_bench_records_e2e_and_dp(tmp_path, capsys):
         # the model's arguments are XLA's within 10% (parameters, momentum, batch, BatchNorm state)
         assert abs(model["arguments"]["total"] - r["memory"]["argument_bytes"]) <= 0.1 * r["memory"]["argument_bytes"]
     assert e2e["sent_bytes_per_worker_per_step"] == 0
-    assert dp["sent_bytes_per_worker_per_step"] == pytest.approx(2 * 7 / 8 * dp["param_bytes"], rel=0.05)
+    assert dp["sent_bytes_per_worker_per_step"] == pytest.approx(2 * 7 / 8 * mlp_bytes, rel=0.05)
 
 
 def test_bench_refuses_unknown_method(capsys):
@@ -107,6 +110,22 @@ def test_ppll_and_cdp_predictions():
     assert v1["step_seconds"] == pytest.approx(12.0)
 
 
+def test_local_learning_predictions_time_the_heads():
+    """An 'FB' op is the stage's body forward and backward plus its head (PPLL's heads are much of
+    its work): the pipeline's step is its slowest device, now with heads; modules grouped on a
+    device (K = 8 on 4, two each) add up there. Rules written out, not the model's output."""
+    f, b, h = (1.0,) * 4, (2.0,) * 4, (0.0, 4.0, 0.5, 0.0)
+    costs = speedup.StageCosts(f, b, (1.0,) * 4, (1.0,) * 4, h)
+    r = speedup.simulate(ppll_table(4, 24), costs, 1e15)
+    assert r["step_seconds"] == pytest.approx(max(fi + bi + hi for fi, bi, hi in zip(f, b, h)))  # 7
+    assert r["sequential_step_seconds"] == pytest.approx(sum(f) + sum(b) + sum(h))  # 16.5
+    eight = speedup.StageCosts((1.0,) * 8, (2.0,) * 8, (1.0,) * 8, (1.0,) * 8, (1.0,) * 8)
+    grouped = speedup.simulate(ppll_table(8, 24, module_groups=(2, 2, 2, 2)), eight, 1e15)
+    assert grouped["step_seconds"] == pytest.approx(2 * (1 + 2 + 1)) and grouped["speedup"] == pytest.approx(4.0)
+    assert speedup.simulate(ppll_table(4, 24), speedup.StageCosts(f, b, (1.0,) * 4, (1.0,) * 4), 1e15)[
+        "step_seconds"] == pytest.approx(3.0)  # without heads: the bodies only
+
+
 def test_balance_by_time_beats_even_split():
     from cdpjax.models.mlp import mlp
 
@@ -131,8 +150,13 @@ def test_cdp_figures_for_resnet18_cifar():
     assert cdp["activation_total"]["peak"] <= 0.55 * dp["activation_total"]["peak"]
     assert dp["comm_balance"] == pytest.approx(8.0)
     assert cdp["comm_balance"] <= 2.0
-    # the same gradients, in small messages: CDP sends what DP's ring all-reduce sends, per worker and step
-    assert cdp["bytes_sent_per_worker_per_step"] == pytest.approx(dp["bytes_sent_per_worker_per_step"], rel=0.05)
+    # the same gradients, in small messages: each worker receives every stage's partial sum or its
+    # completed sum once a step, 2(N-1)/N of the model as DP's ring all-reduce sends; the model counted
+    # from ResNet-18's layers (CIFAR stem, 10 classes: 11,173,962 parameters, torchvision's count)
+    model_bytes = 4 * 11_173_962
+    assert sum(sizes["param_bytes"]) == model_bytes
+    for figures in (dp, cdp):
+        assert figures["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 3 / 4 * model_bytes, rel=1e-6)
 
 
 def test_pipeline_busy_fractions_from_their_tables():

@@ -157,8 +157,8 @@ def test_bad_model_arguments_are_config_errors(name, kwargs, match):
 
 
 def test_unknown_partition_strategy_is_a_config_error():
-    with pytest.raises(ConfigError, match="partition='memory'"):
-        partition.split_points(blocks_of("resnet_tiny", DIGITS), 3, "memory", DIGITS)
+    with pytest.raises(ConfigError, match="partition='memroy' is not one of"):
+        partition.split_points(blocks_of("resnet_tiny", DIGITS), 3, "memroy", DIGITS)
 
 
 def test_balanced_points_is_the_optimal_contiguous_partition():

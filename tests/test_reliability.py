@@ -1,4 +1,4 @@
-"""Reliability claims (docs/guarantees.md), each method of the registry in turn.
+"""Reliability claims (the README's "What is guaranteed"), each method of the registry in turn.
 
 A killed run resumes to the same end as an uninterrupted one (in-flight state
 included), a checkpoint continues on another mesh or is refused as a table here
@@ -460,7 +460,7 @@ RESUMES = "resumes"
 # What each registered method does with a checkpoint written on its own mesh (`layout`) when the run
 # goes on on `other_layout`'s: resume and end where the uninterrupted run ends, or refuse with a
 # ConfigError holding these phrases (both meshes or both worker counts, and what to do). A method
-# registered later must be placed here (docs/guarantees.md, item 2).
+# registered later must be placed here (the README's "What is guaranteed", item 2).
 ON_ANOTHER_MESH = {
     # the state is the model and its optimizer: any device count (dp 8 -> 4, e2e 1 -> 8, local
     # onto another device)

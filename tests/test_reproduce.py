@@ -106,9 +106,9 @@ def test_tiny_cdp_figures(tiny_cdp, tmp_path, monkeypatch):
     records = _records(out, names)
     figures = capture_figures(monkeypatch, reproduce, plotting, into=str(tmp_path))
     reproduce.cdp_figures(records, str(out))
-    (acc_path, acc), (act_path, act), (comm_path, comm) = figures
-    assert [os.path.basename(p) for p in (acc_path, act_path, comm_path)] == [
-        f"cdp_{kind}_digits_mlp.png" for kind in ("accuracy", "activation", "comm")]
+    (acc_path, acc), (act_path, act), (bytes_path, act_bytes), (comm_path, comm) = figures
+    assert [os.path.basename(p) for p in (acc_path, act_path, bytes_path, comm_path)] == [
+        f"cdp_{kind}_digits_mlp.png" for kind in ("accuracy", "activation", "activation_bytes", "comm")]
     test_panel, loss_panel = acc.axes
     assert line_data(test_panel) == [_metrics(out / name, "test", "accuracy") for name in names]
     assert line_data(loss_panel) == [_metrics(out / name, "train", "loss") for name in names]
@@ -120,6 +120,10 @@ def test_tiny_cdp_figures(tiny_cdp, tmp_path, monkeypatch):
     assert [y for _, y in line_data(comm.axes[0])] == [list(t.bytes_per_tick(sizes)) for t in tables]
     dp_held, cdp_held = (y for _, y in line_data(act.axes[0]))
     assert max(dp_held[8:16]) == 32 and cdp_held[8:16] == [16] * 8
+    # in bytes: dp's peak is every worker holding every stage's output, N x (the stages' bytes)
+    dp_bytes, cdp_bytes = (y for _, y in line_data(act_bytes.axes[0]))
+    per_worker = sum(records[0]["stage_activation_bytes"]) / 2**20
+    assert max(dp_bytes) == pytest.approx(8 * per_worker) and max(cdp_bytes) < max(dp_bytes)
     for path, fig in figures:
         written = out / "figures" / os.path.basename(path)
         assert png_matches(written, fig) and same_pixels(written, tmp_path / os.path.basename(path)), path

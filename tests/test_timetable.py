@@ -12,6 +12,7 @@ from cdpjax.layouts.cdp import applies_of, cdp_table, ring_program
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
 from cdpjax.timetable import Op, table
+from helpers import cdp_rule
 
 
 # ------------------------------------------------------------------ staleness
@@ -30,7 +31,6 @@ def test_v2_eight_workers_four_stages_half_stale():
     assert stale.sum() == 16  # exactly half
     # The paper's code hard-codes the N = L rule (j < L-1-i): 6 of 32 pairs, about 19%.
     hard_coded = np.array([[j < 4 - 1 - i for j in range(4)] for i in range(8)])
-    assert hard_coded.sum() == 6
     assert (stale & ~hard_coded).sum() == 10  # under-delayed by the hard-coded rule
     # Derived from the ticks: worker i starts at i, stage j's update lands at 14-j.
     np.testing.assert_array_equal(stale, [[i + 2 * j < 7 for j in range(4)] for i in range(8)])
@@ -45,23 +45,18 @@ def test_v1_all_stale_dp_none():
 @pytest.mark.parametrize("method", ["dp", "cdp-v1", "cdp-v2"])
 @pytest.mark.parametrize("n,l", [(4, 4), (8, 4), (2, 4), (4, 2)])
 def test_versions_and_slots(method, n, l):
+    """Every op (tick, worker, stage, kind, step, version, slot, stale) and every update equal the
+    schedule as the paper states it, written out in `helpers.cdp_rule` without the table code."""
     t = cdp_table(method, n, l, steps=4)
-    fwd = {(o.device, o.stage, o.step): o for o in t.ops if o.kind == "F"}
-    upd = {(u.stage, u.step): u.tick for u in t.updates}
+    ops, updates, stale = cdp_rule(method, n, l, 4)
+    assert {(o.tick, o.device, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
+    assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
+    np.testing.assert_array_equal(t.stale, stale)
+    # two stored versions suffice: every read is of the newest applied version or the one before
+    applied = {(u.stage, u.step): u.tick for u in t.updates}
     for o in t.ops:
-        f = fwd[(o.device, o.stage, o.step)]
-        assert o.version == f.version  # a backward reads its forward's version
-        k = o.step
-        expect = k if method == "dp" else max(k - int(method == "cdp-v1" or t.stale[o.device, o.stage]), 0)
-        assert o.version == expect
-        applied = sum(1 for s in range(t.steps) if upd[(o.stage, s)] < o.tick)
-        assert o.slot == ("current" if o.version == applied else "previous")
-        assert o.version in (applied, applied - 1)
-    # v2: a fresh read comes after the update it reads, a stale one not.
-    if method == "cdp-v2":
-        for (i, j, k), f in fwd.items():
-            if k >= 1:
-                assert (f.tick > upd[(j, k - 1)]) == (not t.stale[i, j])
+        n_applied = sum(1 for s in range(t.steps) if applied[(o.stage, s)] < o.tick)
+        assert o.version in (n_applied, n_applied - 1)
 
 
 def test_timing_layout():
@@ -290,7 +285,10 @@ def _replay(rule, n, l, calls=4):
     contributions: a device's buffer a send does not reach is clobbered (None) unless the send
     merges; in-flight buffers go on, one lag older, only where the program says they are live."""
     p = ring_program(rule, n, l)
-    want = {(o.device, o.stage, o.step, o.kind): o.version for o in cdp_table(rule, n, l, steps=calls + 3).ops}
+    if rule in ("cdp-v1", "cdp-v2"):  # the versions the paper's rule reads (helpers.cdp_rule), not the table's
+        want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, n, l, calls + 3)[0]}
+    else:  # the paper code's rule: its own reads (test_paper_code_rule checks its staleness by rule)
+        want = {(o.device, o.stage, o.step, o.kind): o.version for o in cdp_table(rule, n, l, steps=calls + 3).ops}
     version = [[0] * l for _ in range(n)]
     bufs = [{key: frozenset() for key in p.live} for _ in range(n)]  # the zeros of `init`
     for call in range(calls + p.max_lag):

@@ -14,7 +14,7 @@ arrays, checkpointed whole, so in-flight state resumes exactly):
   so that the parameters account for every batch fed;
 - `input_sharding`: where the trainer places each global batch (default: over `data`).
 
-What the trainer reads besides (`cdpjax.train`, docs/guarantees.md): `train_step`
+What the trainer reads besides (`cdpjax.train`, the README's "What is guaranteed"): `train_step`
 and `export` must trace inside the trainer's own jit (it adds the finite checks
 there); `metrics['loss']` (required), `metrics['stage_loss']` and an optional
 `metrics['finite']`, one value per stage, name the stage that went non-finite;
