@@ -366,8 +366,10 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
         grads_between = grads_within = storage["partial_sum_buffers"] * largest
         relayed = storage["relay_buffers"] * largest
         versions = int(storage.get("stored_versions", versions))
-    elif isinstance(state, dict) and "sums" in state:  # cdp-mp: a stage sums its gradient where it lives
+    elif isinstance(state, dict) and "grads" in state:  # the tick runtime, sums carried across steps (cdp-mp)
         grads_between = grads_within = per_device_params
+    elif "program" in method.info:  # the tick runtime: a stage sums its micro-batches' gradients within the step
+        grads_within = per_device_params
     elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
         grads_within = float(sum(sizes["param_bytes"]))
     acts_between = acts_peak = 0.0

@@ -298,7 +298,7 @@ def cdp_markdown(records: list[dict]) -> str:
     return _markdown(CDP_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
-PPLL_HEAD = ["model", "K", "method", "devices", "steps", "test acc", "time / epoch (here)", "x local (here)",
+PPLL_HEAD = ["model", "K", "method", "devices", "steps", "test acc", "speed, x local (here)",
              "predicted speedup on K devices", "memory / device", "x local's memory"]
 
 
@@ -331,14 +331,15 @@ def ppll_markdown(records: list[dict]) -> str:
         memory, ref_memory = _device_memory(r), local_memory.get((model, K))
         rows.append([
             model, k, label, str(r["bench"]["devices"]), str(r["summary"]["steps"]),
-            f"{100 * r['summary']['test_accuracy']:.1f}%", f"{r['num_train'] / ips:.3f} s",
+            f"{100 * r['summary']['test_accuracy']:.1f}%",
             f"{ips / ref:.2f}" if ref else "-",
             f"{pred['speedup']:.2f}x" if "speedup" in pred else pred.get("error", "-"),
             _bytes(memory) if memory else "-",
             f"{memory / ref_memory:.2f}" if memory and ref_memory else "-",
         ])
     notes = [
-        "time / epoch and x local: bench's median step time here, side by side in one process; on "
+        "speed, x local: images per second over local's (bench's median step time here, side by side in one "
+        "process; absolute times are in each row's row.json); on "
         "simulated CPU devices sharing the same cores these show the framework's overhead, not a speedup.",
         "predicted speedup: `cdpjax.speedup` replays the method's time table on K devices with per-stage "
         "times measured on one device, auxiliary heads' forward and backward included for ppll; against "

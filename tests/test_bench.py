@@ -196,3 +196,21 @@ def test_memory_partition_holds_the_fewest_bytes():
     c.model, c.model_kwargs, c.norm, c.stages = "resnet18", {"stem": "cifar"}, "batch", [3, 6, 8]
     net = models.build(c, (32, 32, 3), 10)
     assert partition.memory_report(net.blocks, [3, 6, 8], (32, 32, 3))["ratio"] == pytest.approx(0.864, abs=1e-3)
+
+
+def test_memory_model_counts_a_pipelines_gradient_sums(tmp_path):
+    """On the tick runtime each stage sums its micro-batches' gradients where it lives: the model
+    counts one gradient of the busiest device's stage within the step, and between steps where
+    the sums outlive it (cdp-mp updates a stage when its N micro-batches are in, across steps;
+    gpipe at the step's end). For one stage per device that is the largest stage's parameter
+    bytes (the MLP by hand: a 128 -> 128 layer is the largest, 4 x (128*128 + 128) bytes)."""
+    path = tmp_path / "b.json"
+    assert main(["bench", "--methods", "cdp-mp,gpipe", "--cpu-devices", "4", "--repeats", "1",
+                 "--config.stages=4", "--json", str(path)]) == 0
+    largest = 4 * (128 * 128 + 128)
+    cdp_mp, gpipe = json.loads(path.read_text())
+    for r, between in ((cdp_mp, largest), (gpipe, 0)):
+        assert max(r["stage_param_bytes"]) == largest
+        model = r["memory_model"]
+        assert model["temporaries"]["gradients_in_flight"] == largest
+        assert model["arguments"]["gradients_in_flight"] == between

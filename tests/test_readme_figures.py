@@ -14,8 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("readme")
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "readme_figures.py"), "--tiny",
-                           "--only", "pipelines", "--only", "cdp-ring", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "readme_figures.py"), "--tiny", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
@@ -56,3 +55,16 @@ def test_tiny_cdp_ring_figure(tiny):
     # the target the README reports as not reached is reported, never failed
     assert any(b["target"] for b in record["bounds"])
     assert "not reached" in markdown or all(b["holds"] for b in record["bounds"] if b["target"])
+
+
+@pytest.mark.parametrize("figure,methods,exact", [
+    ("cdp-mp", {"dp", "gpipe", "cdp-mp"}, 2),
+    ("ppll-resnet32", {"local", "ppll", "gpipe", "e2e"}, 1),
+])
+def test_tiny_figures_hold_their_exact_bounds(tiny, figure, methods, exact):
+    out, stdout = tiny
+    record = json.loads((out / f"{figure}.json").read_text())
+    assert (out / f"{figure}.md").read_text() in stdout
+    assert set(record["records"]) == methods
+    checked = [b for b in record["bounds"] if not (b["timing"] or b["sized"] or b["target"])]
+    assert len(checked) == exact and all(b["holds"] for b in checked), checked
