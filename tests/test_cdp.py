@@ -20,7 +20,7 @@ from cdpjax.methods.common import Context
 from cdpjax.optim import apply_per_stage as apply_updates
 from cdpjax.models import cross_entropy
 from cdpjax.layouts.cdp import applies_of, cdp_table
-from helpers import assert_trees_equal, cdp_rule
+from helpers import assert_trees_close as assert_close, assert_trees_equal, cdp_rule, max_diff, params
 
 BATCH, STEPS = 32, 3
 
@@ -70,21 +70,6 @@ def train(m, steps=STEPS, flush=True, state=None, batches_from=0):
     if flush and m.flush is not None:
         state = m.flush(state)
     return state
-
-
-def params(m, state):
-    return jax.device_get(m.export(state)[0])
-
-
-def assert_close(a, b, atol=1e-5):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b) and la
-    for x, y in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 # ------------------------------------------------------------------ equality

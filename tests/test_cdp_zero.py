@@ -19,7 +19,7 @@ from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.cdp_zero import cdp_zero_table, zero_period_arrays
-from helpers import cdp_rule
+from helpers import assert_trees_close as assert_close, cdp_rule, max_diff, params
 from cdpjax.timetable import table
 
 BATCH, STEPS = 32, 3
@@ -61,21 +61,6 @@ def train(m, steps=STEPS, state=None, start=0):
         state, metrics = m.train_step(state, b)
         assert np.isfinite(float(metrics["loss"]))
     return state
-
-
-def params(m, state):
-    return jax.device_get(m.export(state)[0])
-
-
-def assert_close(a, b, atol=1e-5):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b) and la
-    for x, y in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
-
-
-def max_diff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 # ------------------------------------------------------------------ the relay program
