@@ -308,6 +308,18 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
     return record
 
 
+def variant_config(base, spec: str):
+    """The config that `spec` names: a method, or NAME@KEY=VALUE[@KEY=VALUE...], a variant of
+    it with its own keys (e.g. `cdp-v2@residuals=carry`), on a copy of `base`."""
+    from cdpjax import config as cfg_lib
+
+    name, *variant = spec.split("@")
+    c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
+    c.method = name
+    cfg_lib.apply_overrides(c, variant)
+    return c
+
+
 def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> list[dict[str, Any]]:
     """One record per config (its `method`): every step compiled first, then timed in `repeats`
     interleaved rounds (one step of each method per round; median per method), so that load
@@ -366,10 +378,10 @@ def memory_model(method, config, table, sizes: dict, devices: int, state=None) -
         grads_between = grads_within = storage["partial_sum_buffers"] * largest
         relayed = storage["relay_buffers"] * largest
         versions = int(storage.get("stored_versions", versions))
-    elif isinstance(state, dict) and "grads" in state:  # the tick runtime, sums carried across steps (cdp-mp)
-        grads_between = grads_within = per_device_params
-    elif "program" in method.info:  # the tick runtime: a stage sums its micro-batches' gradients within the step
+    elif "program" in method.info:  # the tick runtime: a stage's gradient (over its micro-batches) on its device
         grads_within = per_device_params
+        if method.info["grads_between_steps"]:  # cdp-mp: sums that outlive the step
+            grads_between = per_device_params
     elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
         grads_within = float(sum(sizes["param_bytes"]))
     acts_between = acts_peak = 0.0

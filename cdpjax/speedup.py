@@ -284,10 +284,10 @@ def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int,
 def format_predictions(records: list[dict]) -> str:
     lines = ["prediction on real devices (cdpjax.speedup; assumptions in its docstring):"]
     for r in records:
-        p = r.get("prediction", {})
+        p, name = r.get("prediction", {}), r.get("label", r["method"])  # the label names a variant
         if "error" in p:
-            lines.append(f"  {r['method']:>8}: {p['error']}")
+            lines.append(f"  {name:>8}: {p['error']}")
         elif p:
-            lines.append(f"  {r['method']:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices, "
+            lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices, "
                          f"speedup {p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}")
     return "\n".join(lines)

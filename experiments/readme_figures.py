@@ -14,7 +14,8 @@ exact and holds at any size (CI checks it on the tiny models); a bound on step
 time is a ratio measured side by side on simulated devices sharing the same
 cores, and a memory ratio that depends on the model's proportions (`sized`),
 are checked here on the README's sizes and reported, not asserted, with
-`--tiny`; a `target` the README says is not reached is reported, never failed. The exit status is 1 when a checked bound fails.
+`--tiny`; a `target` the README says is not reached is reported, never failed.
+The exit status is 1 when a checked bound fails.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ FIGURES = {
 
 
 def config_for(figure: Figure, method: str, tiny: bool):
-    from cdpjax import config as cfg_lib
+    from cdpjax import bench, config as cfg_lib
     from cdpjax.layouts import LAYOUTS
 
     c = cfg_lib.default_config()
@@ -176,11 +177,15 @@ def config_for(figure: Figure, method: str, tiny: bool):
                 loaded[key] = c[key]
         c = loaded
     cfg_lib.apply_overrides(c, [*figure.overrides, *(figure.tiny if tiny else ())])
-    name, *variant = method.split("@")  # NAME@KEY=VALUE: a variant of the method, as `cdpjax bench` takes it
-    cfg_lib.apply_overrides(c, variant)
-    c.method = name
-    c.mesh = LAYOUTS[name].default_mesh(c)  # every device on the axis the method declares
+    c = bench.variant_config(c, method)  # NAME@KEY=VALUE, as `cdpjax bench --methods` takes it
+    c.mesh = LAYOUTS[c.method].default_mesh(c)  # every device on the axis the method declares
     return c
+
+
+def _verdict(bound: dict) -> str:
+    if bound["holds"]:
+        return "holds"
+    return "not reached" if bound["target"] else "FAILS"
 
 
 def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
@@ -202,8 +207,7 @@ def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
     title = figure.title + (f" -- tiny run ({', '.join(figure.tiny)})" if tiny else "")
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    verdict = {True: "holds", False: "FAILS"}
-    lines += ["", *(f"- {'not reached' if b['target'] and not b['holds'] else verdict[b['holds']]}: {b['bound']} "
+    lines += ["", *(f"- {_verdict(b)}: {b['bound']} "
                     f"({b['value']:.3g}, bound {b['limit']:g}{', timing on shared cores' if b['timing'] else ''}"
                     f"{', on the README sizes' if b['sized'] else ''})"
                     for b in bounds)]

@@ -214,3 +214,15 @@ def test_memory_model_counts_a_pipelines_gradient_sums(tmp_path):
         model = r["memory_model"]
         assert model["temporaries"]["gradients_in_flight"] == largest
         assert model["arguments"]["gradients_in_flight"] == between
+
+
+def test_a_variant_is_predicted_with_its_own_keys(tmp_path, capsys):
+    """`--methods gpipe,gpipe@microbatches=8 --predict`: each prediction is of its own config,
+    micro-batches of 64/4 = 16 and 64/8 = 8 examples, and named by its label."""
+    path = tmp_path / "b.json"
+    assert main(["bench", "--methods", "gpipe,gpipe@microbatches=8", "--predict", "4", "--cpu-devices", "4",
+                 "--repeats", "1", "--config.stages=4", "--config.global_batch_size=64",
+                 "--config.microbatches=4", "--json", str(path)]) == 0
+    base, variant = json.loads(path.read_text())
+    assert (base["prediction"]["micro_batch"], variant["prediction"]["micro_batch"]) == (16, 8)
+    assert "gpipe@microbatches=8: step" in capsys.readouterr().out

@@ -48,9 +48,7 @@ def run(args, overrides=()) -> int:
         LAYOUTS.lookup(name)  # an unknown name fails here, with the registered ones
     configs = []
     for spec, name in zip(specs, names):
-        c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
-        c.method = name
-        cfg_lib.apply_overrides(c, spec.split("@")[1:])  # a variant: its own keys
+        c = bench.variant_config(base, spec)
         cfg_lib.validate(c)
         if not args.keep_mesh:  # every device on the axis the method declares (its layout)
             c.mesh = LAYOUTS[name].default_mesh(c)
@@ -63,10 +61,9 @@ def run(args, overrides=()) -> int:
     if args.predict:
         from cdpjax import speedup
 
-        for r, name in zip(records, names):
-            c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
-            c.method = name
-            r["prediction"] = speedup.predict_for_config(c, args.predict, args.bandwidth, heads=not args.no_heads)
+        for r, spec in zip(records, specs):
+            r["prediction"] = speedup.predict_for_config(bench.variant_config(base, spec), args.predict,
+                                                         args.bandwidth, heads=not args.no_heads)
     print(bench.format_table(records))
     if args.predict:
         from cdpjax import speedup

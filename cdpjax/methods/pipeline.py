@@ -672,6 +672,7 @@ class _Runtime:
             return params, self.unrows(self.layouts.model_state, ms)
 
         info = {"padding": self.layouts.padding_report(), "run": run, "program": self.program,
+                "grads_between_steps": self.grads_in_flight,
                 "slots": {"act": self.program.act_slots, "cot": self.program.cot_slots,
                           "residual": self.program.residual_slots}, "residuals": self.rules.residuals}
         if not self.lag:
