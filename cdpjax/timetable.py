@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import KINDS  # the op kinds, one registry
 
-KINDS = ("F", "B", "FB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class Op:
     """One op of one device in one tick.
 
     device: the worker (CDP) or the device holding the stage (pipelines).
-    kind: 'F' forward, 'B' backward, 'FB' forward + local backward + update (ppll).
+    kind: a registered op kind (`cdpjax.kinds`): 'F' forward, 'B' backward (input cotangent only
+    where a 'W' follows), 'W' weight gradient, 'FB' forward + local backward + update (ppll).
     step: the training step (ppll: the batch). micro: the micro-batch within the
     step (CDP and cdp-mp: the worker's). version: the absolute parameter version
     read. slot: 'current' or 'previous', which stored version holds it at this tick.
