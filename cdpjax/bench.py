@@ -11,7 +11,9 @@ same work on one device is the framework's own overhead.
   inside a loop body is counted once), bytes of their results, largest one; and
   the bytes they really send (`traffic`: each transfer counted as often as it
   runs, i.e. times the trip counts of the loops around it, padding and idle
-  zeros included): `sent_bytes_per_worker_per_step`.
+  zeros included): `sent_bytes_hlo_per_device_per_step`; and, for a method with a lowered
+  program, the bytes its messages carry (`sent_bytes_per_device_per_step`: exactly what the
+  runtime sends) beside the same messages padded to the carrier's rows.
 - activation, busy fraction, comm balance: from the method's time table (in
   stage-activations, the unit model, and in bytes of each stage's real output).
 - step time: every method compiled first, then timed in interleaved rounds, so
@@ -25,6 +27,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
@@ -209,7 +212,7 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
         per_tick = np.asarray(table.bytes_per_tick(sizes["param_bytes"]), float)
         lo, hi = table.steady  # steady state: a step's late traffic and the previous steps' all counted once
         steps = max((hi - lo) / max(table.period, 1), 1e-9)
-        out["bytes_sent_per_worker_per_step"] = float(per_tick[lo:hi].sum() / max(table.workers, 1) / steps)
+        out["table_bytes_per_device_per_step"] = float(per_tick[lo:hi].sum() / max(table.workers, 1) / steps)
     return out
 
 
@@ -224,7 +227,7 @@ def _one_device_figures(method, sizes, per_step: int) -> dict[str, Any]:
 
 
 def _padded_figures(method, sizes) -> dict[str, Any]:
-    """What the uniform carrier really sends: every relayed gradient is one padded stage row."""
+    """What a uniform carrier would send if every relayed gradient were one padded stage row."""
     carrier = method.carrier
     p_max = getattr(carrier, "p_max", None)
     if p_max is None or method.table is None or not hasattr(method.table, "comm_balance"):
@@ -232,7 +235,47 @@ def _padded_figures(method, sizes) -> dict[str, Any]:
     padded = {"param_bytes": [int(p_max) * 4] * len(sizes["param_bytes"]), "activation_bytes": sizes["activation_bytes"]}
     figures = table_figures(method.table, padded)
     return {"comm_balance_padded": figures.get("comm_balance"),
-            "bytes_sent_per_worker_per_step_padded": figures.get("bytes_sent_per_worker_per_step")}
+            "table_bytes_padded_per_device_per_step": figures.get("table_bytes_per_device_per_step")}
+
+
+def micro_batch(method, config, mesh) -> int:
+    """Examples per micro-batch as the method runs them: its program's (a stage engine's
+    micro-batches of a data group; a ring's worker), else the config's micro-batches or workers."""
+    from cdpjax.layouts import LAYOUTS
+
+    program = method.program
+    B = int(config.global_batch_size)
+    if program is not None and program.engine == "stage":
+        return max(B // int(dict(mesh.shape).get("data", 1)) // program.microbatches, 1)
+    if program is not None:
+        return max(B // program.devices, 1)
+    per_step = config.microbatches if LAYOUTS[config.method].microbatches else (method.workers or 1)
+    return max(B // max(per_step, 1), 1)
+
+
+def program_sizes(method, micro: int) -> dict[str, list[float]]:
+    """Per-stage bytes that price a program's `Size`s: parameters, model state, the heads', one
+    micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images."""
+    from cdpjax.methods.stage_ops import StageOps
+
+    net = method.net
+    params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    L = net.num_stages
+    image = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.float32)
+    inputs = [image] + [jax.ShapeDtypeStruct(s, jnp.float32) for s in net.stage_output_shapes(micro)[:-1]]
+    labels = jax.ShapeDtypeStruct((micro,), jnp.int32)
+    out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
+           "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
+           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L}
+    if method.heads is not None:
+        head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
+        out["head_param"] = [tree_bytes(p) for p in head_params]
+        out["head_state"] = [tree_bytes(s) for s in head_state]
+    if method.program is not None and method.program.residuals == "carry":
+        shapes = StageOps(net).residual_shapes(params, state, inputs, labels,
+                                               lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
+        out["residual"] = [tree_bytes(r) for r in shapes]
+    return {k: [float(x) for x in v] for k, v in out.items()}
 
 
 def time_steps(step_fn, state, batch, warmup: int = 2, repeats: int = 5):
@@ -266,17 +309,17 @@ def _prepare(config, devices=None) -> dict:
 
 
 def _record(run: dict, step_seconds: float) -> dict[str, Any]:
+    from cdpjax.train import method_report
+
     config, mesh, method, compiled = run["config"], run["mesh"], run["method"], run["compiled"]
-    workers = method.workers or 1
     table = method.table
     if table is None:  # a method that does not keep its table: laid out from its layout
         from cdpjax.speedup import table_for
 
         table = table_for(config, int(mesh.devices.size), method.net.num_stages)
-    from cdpjax.layouts import LAYOUTS
-
-    per_step = config.microbatches if LAYOUTS[config.method].microbatches else workers
-    sizes = stage_sizes(method.net, max(config.global_batch_size // max(per_step, 1), 1))
+    micro = micro_batch(method, config, mesh)
+    sizes = stage_sizes(method.net, micro)
+    priced = program_sizes(method, micro)
     devices = int(mesh.devices.size)
     hlo = compiled.as_text()
     sent = traffic(hlo, devices)
@@ -286,26 +329,53 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "stages": method.net.num_stages,
         "workers": method.workers,
+        "dp_mp_devices": method.dp_mp_devices,
         "global_batch_size": config.global_batch_size,
+        "micro_batch": micro,
         "compile_seconds": run["compile_seconds"],
         "step_seconds": step_seconds,
         "images_per_second": config.global_batch_size / step_seconds,
         "memory": memory(compiled),
         "collectives": collectives(hlo),
-        # What the compiled step really sends: each transfer as often as it runs (one call = one step).
-        "sent_bytes_per_worker_per_step": sent["per_device_bytes"],
+        # What the compiled step's collectives send, each as often as it runs (one call = one step;
+        # a message the program sends only at some ticks is counted at every tick of its loop).
+        "sent_bytes_hlo_per_device_per_step": sent["per_device_bytes"],
+        "sent_bytes_per_device_per_step": sent["per_device_bytes"],
         "sent_bytes_by_kind": sent["by_kind"],
         "largest_permute_bytes": sent["largest_permute_bytes"],
         "param_bytes": int(sum(sizes["param_bytes"])),
         "stage_param_bytes": sizes["param_bytes"],
         "stage_activation_bytes": sizes["activation_bytes"],
         "largest_stage_param_bytes": int(max(sizes["param_bytes"])),
-        **(table_figures(table, sizes) if table is not None else _one_device_figures(method, sizes, per_step)),
+        **(table_figures(table, sizes) if table is not None else _one_device_figures(method, sizes, 1)),
         **_padded_figures(method, sizes),
-        "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
+        "report": method_report(method),
     }
-    record["memory_model"] = memory_model(method, config, table, sizes, devices, run["state"])
+    if method.program is not None:  # what the program sends: exactly the runtime's messages
+        record.update(_program_sends(method.program, priced))
+    record["memory_model"] = memory_model(method, config, table, sizes, devices, priced)
     return record
+
+
+def _program_sends(program, priced) -> dict[str, Any]:
+    """Bytes the program's messages carry per call, per device (mean and busiest), beside what they
+    would carry padded to the carrier's rows (every activation message as large as the largest)."""
+    from cdpjax.program import Size
+
+    real = program.sent_bytes(priced)
+    widest = {}
+    for s in program.sends:
+        widest.setdefault(s.what, []).extend(s.size.groups)
+    padded = np.zeros(program.devices)
+    for s in program.sends:
+        size = Size(s.size.of, tuple(widest[s.what]), True, s.size.count)
+        for src, _ in s.pairs:
+            padded[src] += size.bytes(priced)
+    return {"sent_bytes_per_device_per_step": float(real.mean()),
+            "sent_bytes_max_device_per_step": float(real.max()),
+            "sent_bytes_padded_per_device_per_step": float(padded.mean()),
+            "largest_permute_bytes": program.largest_send(priced),
+            "sends_per_tick_max": int(program.sends_per_tick().max()) if program.sends else 0}
 
 
 def variant_config(base, spec: str):
@@ -348,80 +418,64 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
 # ------------------------------------------------------------ the memory model
 
 
-def memory_model(method, config, table, sizes: dict, devices: int, state=None) -> dict[str, Any]:
-    """What one device must hold, in bytes, by the method's structure and its table, beside
-    which `bench` prints XLA's figures. Between steps (XLA: arguments): parameters x stored
-    versions, optimizer state, gradient buffers in flight (the ring's partial and completed
-    sums at a period boundary), activations in flight (the table's stage outputs held at the
-    steady window's start, most-loaded device; plus every stage's kept vjp residuals for the
-    ring with `residuals='carry'`) and the device's slice of the batch. Within a
-    step (XLA: temporaries): the most gradient bytes in flight at once (the ring: over its
-    ticks; dp: the model's gradient) and the table's activation peak of a device. The table
-    counts each stage's output; XLA also keeps each op's internal residuals and copies."""
+def memory_model(method, config, table, sizes: dict, devices: int, priced: dict | None = None) -> dict[str, Any]:
+    """What one device must hold, in bytes, beside which `bench` prints XLA's figures.
+
+    Between steps (XLA: arguments): parameters x stored versions, optimizer state, gradient
+    buffers in flight, relayed parameters, activations in flight (kept inputs, cotangents,
+    residuals, labels) and the device's slice of the batch. Within a step (XLA: temporaries):
+    the most gradient bytes held at once and the activation peak. A method with a lowered
+    program is priced from the buffers its program declares (`cdpjax.program.Program`), padding
+    included; a one-device method or dp from its structure and its table."""
     from cdpjax import optim
 
-    per_device_params = _params_per_device(method, config, table, sizes)
     tx = optim.make(config)
     shapes = jax.eval_shape(lambda: method.net.init(jax.random.key(0)))[0]
     opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
     opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
-    # Stored parameter versions: the method says, or its state has a 'previous' copy (cdp-mp).
-    versions = int(method.info.get("versions", 2 if isinstance(state, dict) and "previous" in state else 1))
-    program = method.info.get("ring_program")
-    storage = method.info.get("storage") if isinstance(method.info.get("storage"), dict) else {}
-    grads_between = grads_within = relayed = 0.0
-    if program is not None:  # the ring: its partial and completed sums, by its program
-        held = program.held_bytes(sizes["param_bytes"])
-        grads_between, grads_within = float(held[0]), float(held.max())
-    elif "relay_buffers" in storage:  # cdp-zero: partial-sum and relayed-parameter buffers of a stage each
-        largest = float(max(sizes["param_bytes"]))
-        grads_between = grads_within = storage["partial_sum_buffers"] * largest
-        relayed = storage["relay_buffers"] * largest
-        versions = int(storage.get("stored_versions", versions))
-    elif "program" in method.info:  # the tick runtime: a stage's gradient (over its micro-batches) on its device
-        grads_within = per_device_params
-        if method.info["grads_between_steps"]:  # cdp-mp: sums that outlive the step
-            grads_between = per_device_params
-    elif table is None or any(m.kind == "allreduce" for m in table.messages):  # one whole gradient
-        grads_within = float(sum(sizes["param_bytes"]))
+    image = int(np.prod(method.net.input_shape)) * 4
+    batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
+        devices if method.input_sharding is None else 1, 1)
+    if method.program is not None:
+        between, within = _program_memory(method.program, priced, opt_ratio)
+    else:
+        between, within = _structural_memory(method, table, sizes, opt_ratio)
+    between["batch"] = batch
+    between["total"] = sum(v for k, v in between.items() if k != "versions")
+    within["total"] = within["gradients_in_flight"] + within["activations"]
+    return {"arguments": between, "temporaries": within}
+
+
+_IN_FLIGHT = ("activations", "cotangents", "residuals", "images", "labels")
+
+
+def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
+    args = program.arguments(priced)
+    between = {"parameters": args.get("parameters", 0.0) + args.get("previous_parameters", 0.0),
+               "versions": program.versions, "optimizer_state": args.get("optimizer_state", 0.0) * opt_ratio,
+               "model_state": args.get("model_state", 0.0), "gradients_in_flight": args.get("gradients", 0.0),
+               "relayed_parameters": args.get("relayed_parameters", 0.0),
+               "activations_in_flight": sum(args.get(k, 0.0) for k in _IN_FLIGHT)}
+    held = lambda holds: float(program.held(holds, priced).max())  # noqa: E731 - peak over the call's ticks
+    within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT)}
+    return between, within
+
+
+def _structural_memory(method, table, sizes, opt_ratio) -> tuple[dict, dict]:
+    """dp, simulate and the one-device methods: every stage on every device, one gradient of the
+    whole model within the step, the table's activations (or every stage's output at once)."""
+    params = float(sum(sizes["param_bytes"]))
+    versions = int(method.stored_versions)
     acts_between = acts_peak = 0.0
     if table is None:
         acts_peak = float(sum(sizes["activation_bytes"]))
     elif table.ops:
         held = table.activation_bytes(sizes["activation_bytes"])
         lo, hi = table.steady
-        acts_between = float(held[lo].max()) if lo < len(held) else 0.0
         acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
-    kept = getattr(method.carrier, "residuals", None)  # the ring's kept vjp residuals ('carry')
-    if kept:
-        acts_between += float(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for r in kept for a in r))
-    image = int(np.prod(method.net.input_shape)) * 4
-    batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
-        devices if method.input_sharding is None else 1, 1)
-    between = {"parameters": per_device_params * versions, "versions": versions,
-               "optimizer_state": per_device_params * opt_ratio, "gradients_in_flight": grads_between,
-               "relayed_parameters": relayed, "activations_in_flight": acts_between, "batch": batch}
-    between["total"] = sum(v for k, v in between.items() if k != "versions")
-    within = {"gradients_in_flight": grads_within, "activations": acts_peak}
-    within["total"] = grads_within + acts_peak
-    return {"arguments": between, "temporaries": within}
-
-
-def _params_per_device(method, config, table, sizes) -> float:
-    """Parameter bytes a device holds: all of them on a data-axis layout, its stages' on a stage
-    axis (the stages the table puts on the busiest device), the stages it owns for cdp-zero."""
-    from cdpjax.layouts import LAYOUTS
-
-    storage = method.info.get("storage")
-    if isinstance(storage, dict) and "owned_stages" in storage:  # cdp-zero: owners keep their stages
-        owners = method.info.get("owners", [])
-        return float(max(sum(b for b, o in zip(sizes["param_bytes"], owners) if o == w) for w in set(owners)))
-    if table is None or LAYOUTS[config.method].device_axis != "stage":
-        return float(sum(sizes["param_bytes"]))
-    per = {}
-    for op in table.ops:
-        per.setdefault(op.device, set()).add(op.stage)
-    return float(max(sum(sizes["param_bytes"][j] for j in stages) for stages in per.values()))
+    between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
+               "gradients_in_flight": 0.0, "relayed_parameters": 0.0, "activations_in_flight": acts_between}
+    return between, {"gradients_in_flight": params, "activations": acts_peak}
 
 
 def format_table(records: list[dict]) -> str:
@@ -430,7 +484,7 @@ def format_table(records: list[dict]) -> str:
         return ""
     base = records[0]
     head = ["method", "devices", "compile s", "step s", "x first", "img/s", "temp MiB", "args MiB",
-            "model temp", "model args", "busy", "act peak", "act peak MiB", "comm bal", "sent MiB/w/step",
+            "model temp", "model args", "busy", "act peak", "act peak MiB", "comm bal", "sent MiB/dev/step",
             "all-reduce MiB", "largest permute MiB"]
     rows = []
     for r in records:
@@ -447,7 +501,7 @@ def format_table(records: list[dict]) -> str:
             f"{act['peak']:.1f}" if act else "-",
             _mib(act.get("device_peak_bytes")) if act else "-",
             f"{r['comm_balance']:.2f}" if "comm_balance" in r else "-",
-            _mib(r.get("sent_bytes_per_worker_per_step")),
+            _mib(r.get("sent_bytes_per_device_per_step")),
             f"{coll.get('all-reduce', {}).get('max_bytes', 0) / 2**20:.3f}",
             f"{r.get('largest_permute_bytes', 0) / 2**20:.3f}",
         ])
@@ -464,13 +518,12 @@ def _mib(x) -> str:
 def _layout_note(record: dict) -> str:
     """A line for a method on a uniform stage carrier: its padding, and its device count against
     the N*L devices that DP with model parallelism needs for the same workers and stages."""
-    info = record.get("info", {})
-    padding = info.get("padding")
+    padding = record.get("report", {}).get("padding")
     if not isinstance(padding, dict):
         return ""
     ratios = ", ".join(f"{k} x{v:.2f}" for k, v in padding.items() if isinstance(v, float))
     note = f"{record['method']}: padding (stored/real) {ratios}"
-    if "dp_mp_devices" in info:
+    if record.get("dp_mp_devices"):
         note += (f"; {record['devices']} devices for N={record.get('workers')} workers x L={record['stages']} "
-                 f"stages, where DP with model parallelism needs {info['dp_mp_devices']}")
+                 f"stages, where DP with model parallelism needs {record['dp_mp_devices']}")
     return note

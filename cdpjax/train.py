@@ -301,6 +301,16 @@ class MetricsLog:
             self.events.close()
 
 
+def method_report(method) -> dict:
+    """What a record says of the built method: its own figures, its carrier's padding, its program's shape."""
+    out = {k: v for k, v in method.report.items() if isinstance(v, (int, float, str, dict, list))}
+    if method.padding is not None:
+        out["padding"] = method.padding
+    if method.program is not None:
+        out["program"] = method.program.summary()
+    return out
+
+
 def _jsonable(x):
     """numpy values in a method's info (summary.json) as plain JSON; anything else as text."""
     return x.tolist() if isinstance(x, (np.ndarray, np.generic)) else str(x)
@@ -787,7 +797,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "wall_seconds": time.perf_counter() - p.t0,
         "skipped_steps": p.skipped,
         "resumed_from": p.start,
-        "info": {k: v for k, v in method.info.items() if isinstance(v, (int, float, str, dict, list))},
+        "report": method_report(method),
     }
     if jax.process_index() == 0:
         _write_atomic(os.path.join(p.workdir, "summary.json"), json.dumps(summary, indent=2, default=_jsonable))

@@ -341,7 +341,7 @@ def memory_and_communication():
             print(bench.format_table(list(records.values())))
             for m, r in records.items():
                 model = r["memory_model"]
-                print(f"{m:>7}: sent {r['sent_bytes_per_worker_per_step'] / 2**20:.2f} MiB per worker per step; "
+                print(f"{m:>7}: sent {r['sent_bytes_per_device_per_step'] / 2**20:.2f} MiB per worker per step; "
                       f"arguments {r['memory']['argument_bytes'] / 2**20:.1f} MiB (model "
                       f"{model['arguments']['total'] / 2**20:.1f})")
 

@@ -275,7 +275,7 @@ def cdp_markdown(records: list[dict]) -> str:
             rows.append([dataset, model, r["method"], "-", "-", r["note"]] + ["-"] * (len(CDP_HEAD) - 6))
             continue
         act, coll, mem = r["activation"], r["bench"]["collectives"], r["bench"]["memory"]
-        sent = r["bench"].get("sent_bytes_per_worker_per_step")
+        sent = r["bench"].get("sent_bytes_per_device_per_step")
         rows.append([
             dataset, model, r["method"], f"{r['workers']} x {r['stages']}", str(r["summary"]["steps"]),
             f"{100 * r['summary']['test_accuracy']:.1f}%",

@@ -78,8 +78,8 @@ def test_bench_records_e2e_and_dp(tmp_path, capsys):
         assert model["arguments"]["parameters"] == r["param_bytes"]
         # the model's arguments are XLA's within 10% (parameters, momentum, batch, BatchNorm state)
         assert abs(model["arguments"]["total"] - r["memory"]["argument_bytes"]) <= 0.1 * r["memory"]["argument_bytes"]
-    assert e2e["sent_bytes_per_worker_per_step"] == 0
-    assert dp["sent_bytes_per_worker_per_step"] == pytest.approx(2 * 7 / 8 * mlp_bytes, rel=0.05)
+    assert e2e["sent_bytes_per_device_per_step"] == 0
+    assert dp["sent_bytes_per_device_per_step"] == pytest.approx(2 * 7 / 8 * mlp_bytes, rel=0.05)
 
 
 def test_bench_refuses_unknown_method(capsys):
@@ -156,7 +156,7 @@ def test_cdp_figures_for_resnet18_cifar():
     model_bytes = 4 * 11_173_962
     assert sum(sizes["param_bytes"]) == model_bytes
     for figures in (dp, cdp):
-        assert figures["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 3 / 4 * model_bytes, rel=1e-6)
+        assert figures["table_bytes_per_device_per_step"] == pytest.approx(2 * 3 / 4 * model_bytes, rel=1e-6)
 
 
 def test_pipeline_busy_fractions_from_their_tables():

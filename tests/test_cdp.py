@@ -165,7 +165,7 @@ def test_simulate_reads_the_named_version(workers):
     for j in range(4):
         for which, reads in (("previous", stale[:, j]), ("params", ~stale[:, j])):
             s = dict(state, **{which: poisoned(state[which], j)})
-            losses = np.asarray(m.info["worker_losses"](s, batches()[0]))
+            losses = np.asarray(m.worker_losses(s, batches()[0]))
             np.testing.assert_array_equal(np.isnan(losses), reads, err_msg=f"{which}[{j}]")
     # A whole step with the never-read version poisoned is the clean step.
     if workers == 4:
@@ -257,7 +257,7 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     sent = bench.traffic(hlo, 8)
     table = bench.table_figures(m.table, {"param_bytes": stage_bytes, "activation_bytes": [4] * 4})
     permuted = sent["by_kind"]["collective-permute"] / 8  # per worker; the rest: the metric scalars' psum
-    assert permuted == pytest.approx(table["bytes_sent_per_worker_per_step"], rel=1e-6)
+    assert permuted == pytest.approx(table["table_bytes_per_device_per_step"], rel=1e-6)
     assert permuted == pytest.approx(2 * 7 / 8 * sum(stage_bytes))  # a ring all-reduce's bytes, 2(N-1)/N
     # The parser does see dp's model-sized all-reduce, and the ring sends what it sends.
     dp = build("dp", workers=8, devices=8)

@@ -138,7 +138,7 @@ def test_equals_simulate(model, residuals, rule, norm):
     if model == "resnet_tiny":
         carrier = m.carrier  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
         assert len(set(carrier.params.sizes)) == 4 and len(set(carrier.acts.shapes)) == 3
-    assert m.workers == 4 and m.devices == 4 and m.info["dp_mp_devices"] == 16
+    assert m.workers == 4 and m.devices == 4 and m.dp_mp_devices == 16
     (reference, _), initial = simulated(model, rule, norm)
     assert max_diff(reference, initial) > 1e-3  # it trained
     assert_trees_close(jax.device_get(m.export(train(m))[0]), reference)
@@ -150,7 +150,7 @@ def test_tick_convolutions_use_the_fast_cpu_layout():
     convolutions`); the naive fallback made a ResNet step several times slower."""
     m = build_mp("resnet_tiny", "recompute", "cdp-v2", "group")
     images = np.zeros((1, BATCH, 8, 8, 1), np.float32)
-    lowered = m.info["run"].lower(m.init(jax.random.key(0)), images, np.zeros((1, BATCH), np.int32),
+    lowered = m.periods.lower(m.init(jax.random.key(0)), images, np.zeros((1, BATCH), np.int32),
                                   np.ones((1,), bool))
     hlo = lowered.compile().as_text()
     labels = {line.split("dim_labels=")[1].split(",")[0] for line in hlo.splitlines() if " convolution(" in line}
@@ -202,7 +202,7 @@ def test_run_steps_is_one_program():
 
     def program(steps):
         images, labels = (np.zeros((steps, *stacked[k].shape[1:]), stacked[k].dtype) for k in ("image", "label"))
-        lowered = m.info["run"].lower(m.init(jax.random.key(0)), images, labels, np.ones((steps,), bool))
+        lowered = m.periods.lower(m.init(jax.random.key(0)), images, labels, np.ones((steps,), bool))
         text = lowered.compile().as_text()
         return [line for line in text.splitlines() if "=" in line and "constant(" not in line]
 

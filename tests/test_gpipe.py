@@ -47,7 +47,7 @@ def test_gradients_and_updates_equal_e2e(case):
         b = batches[0]
         reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
                                                         b["label"])[0])(s_e2e["params"])
-        assert_trees_close(gpipe.info["gradients"](s_gp, b), reference)
+        assert_trees_close(gpipe.gradients(s_gp, b), reference)
     for b in batches:
         s_e2e, m_e2e = e2e.train_step(s_e2e, b)
         s_gp, m_gp = gpipe.train_step(s_gp, b)
@@ -70,9 +70,9 @@ def test_one_microbatch_is_model_parallel_e2e_with_batchnorm():
 
 def test_pipeline_shape_is_reported():
     gpipe = build(_config("gpipe", stages=4, microbatches=4), {"stage": 4})
-    assert gpipe.info["ticks"] == 2 * (4 + 4 - 1)
-    np.testing.assert_allclose(gpipe.info["bubble"], 3 / 7)
-    assert gpipe.info["padding"]["params"] > 1.0
+    assert gpipe.program.period == 2 * (4 + 4 - 1)  # a step: M forwards, M backwards, 2(K-1) idle per device
+    np.testing.assert_allclose(1 - gpipe.table.busy_fraction()["devices"], 3 / 7)
+    assert gpipe.padding["params"] > 1.0
 
 
 @pytest.mark.parametrize("changes,match", [

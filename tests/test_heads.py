@@ -243,7 +243,7 @@ def test_reconstruction_needs_pixel_statistics():
     with pytest.raises(ConfigError, match="pixel_mean"):
         methods.build(ctx)
     c.aux_kwargs = {"reconstruction": True, "pixel_mean": 0.5, "pixel_std": 0.25}
-    assert methods.build(ctx).info["heads"].pixel_std == (0.25,)
+    assert methods.build(ctx).heads.pixel_std == (0.25,)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -52,7 +52,7 @@ def test_ppll_equals_local(case):
     batches = random_batches(3, BATCH)
     s_local, s_ppll = run(local, batches), run(ppll, batches)
     assert_trees_close(ppll.export(s_ppll), local.export(s_local))
-    assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    assert_trees_close(ppll.export_heads(s_ppll), local.export_heads(s_local))
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                          local.export(s_local)[0], local.export(local.init(jax.random.key(0)))[0])
     assert min(max(jax.tree.leaves(m)) for m in moved) > 1e-4  # every stage trained
@@ -75,13 +75,13 @@ def test_ppll_with_modules_grouped_on_devices_equals_local(case):
     kw = {"model_kwargs": options, "stages": K, "module_groups": groups}
     local = build(_config("local", model, head="greedy", **kw), {"data": 1})
     ppll = build(_config("ppll", model, head="greedy", **kw), {"stage": devices})
-    assert len(ppll.info["module_groups"]) == devices and sum(ppll.info["module_groups"]) == K
+    assert len(ppll.module_groups) == devices and sum(ppll.module_groups) == K
     if groups is not None:
-        assert ppll.info["module_groups"] == groups
+        assert list(ppll.module_groups) == list(groups)
     batches = random_batches(devices + 1, BATCH)
     s_local, s_ppll = run(local, batches), run(ppll, batches)
     assert_trees_close(ppll.export(s_ppll), local.export(s_local))
-    assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    assert_trees_close(ppll.export_heads(s_ppll), local.export_heads(s_local))
 
 
 def test_ppll_losses_are_locals_delayed_by_the_pipeline():
@@ -176,7 +176,7 @@ def test_compile_time_does_not_grow_with_ticks():
     for ticks in (9, 8, 64):  # 9: a first compile that warms up tracing (each length compiles anew)
         batches = {"image": jnp.zeros((ticks, BATCH, 8, 8, 1)), "label": jnp.zeros((ticks, BATCH), jnp.int32)}
         t0 = time.perf_counter()
-        text = ppll.info["run_ticks"].lower(state, batches).compile().as_text()
+        text = ppll.run_steps.lower(state, batches).compile().as_text()
         seconds[ticks] = time.perf_counter() - t0
         instructions[ticks] = sum(1 for line in text.splitlines() if " = " in line and "constant(" not in line)
     assert instructions[64] == instructions[8], instructions
@@ -188,7 +188,7 @@ def test_run_ticks_equals_train_steps():
     ppll = build(_config("ppll", stages=stages), {"stage": stages})
     batches = random_batches(3, BATCH)
     stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
-    scanned, metrics = ppll.info["run_ticks"](ppll.init(jax.random.key(0)), stacked)
+    scanned, metrics = ppll.run_steps(ppll.init(jax.random.key(0)), stacked)
     assert metrics["stage_loss"].shape == (3, stages)
     stepped = ppll.init(jax.random.key(0))
     for b in batches:

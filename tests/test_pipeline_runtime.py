@@ -12,11 +12,25 @@ from cdpjax import bench, plotting, speedup
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
-from cdpjax.methods.program import BACKWARD, FORWARD, IDLE, LOCAL, compile_table
+from cdpjax.program.stage_axis import CODE, IDLE, lower_stage_axis
 from cdpjax.timetable import from_orders, table
 from helpers import capture_figures, png_matches, schedule_boxes
 
-KIND = {FORWARD: "F", BACKWARD: "B", LOCAL: "FB"}
+KIND = {code: kind for kind, code in CODE.items()}
+
+
+def compile_table(tbl, carry_residuals=False):
+    """The lowered program's per-tick arrays (and its placement, period and lag)."""
+    prog = lower_stage_axis(tbl, "carry" if carry_residuals else "recompute")
+    return _Ticks(prog)
+
+
+class _Ticks:
+    def __init__(self, prog):
+        self.program, self.placement, self.period, self.lag = prog, prog.placement, prog.period, prog.lag
+
+    def __getattr__(self, name):
+        return getattr(self.program.ticks, name)
 
 TABLES = {  # name -> (layout, sizes); laid out over enough steps for the program's window
     "gpipe-K4-M4": ("gpipe", dict(stages=4, microbatches=4)),
@@ -75,9 +89,10 @@ def test_program_replays_the_table(name):
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("name", list(TABLES))
 def test_slots_hold_what_each_op_reads(name, carry):
-    """Symbolic run of the program's buffers: each message goes to the slot `recv_*` names, a
-    forward keeps its input (or residuals) where it says, and every op finds in the slots it
-    reads the micro-batch, step and unit it works on (never another one's, never overwritten)."""
+    """Symbolic run of the program's buffers: each boundary's message goes to the slot `recv_*`
+    names on the next (or previous) unit's device, a forward keeps its residuals where it says,
+    the first unit's input is kept where a later call's backward needs it, and every op finds in
+    the slots it reads the micro-batch, step and unit it works on (never another one's)."""
     tbl = laid_out(name, 9)
     if carry and any(o.kind == "FB" for o in tbl.ops):
         pytest.skip("local learning has no backward to carry residuals to")
@@ -86,38 +101,42 @@ def test_slots_hold_what_each_op_reads(name, carry):
     act = [[None] * prog.act_slots for _ in range(D)]
     cot = [[None] * prog.cot_slots for _ in range(D)]
     res = [[None] * prog.residual_slots for _ in range(D)]
+    kept_input = [[None] * prog.input_slots for _ in range(D)]
     last = len(place.units) - 1
     S = 4
     for k in range(S + prog.lag):
         for t in range(prog.period):
             arriving = []
             for d in range(D):
-                kind, u, m = int(prog.kind[t, d]), int(prog.unit[t, d]), int(prog.micro[t, d])
+                kind, u, m = KIND.get(int(prog.kind[t, d])), int(prog.unit[t, d]), int(prog.micro[t, d])
                 step = k + int(prog.rel[t, d])
-                if kind == IDLE or not 0 <= step < S:
+                if kind is None or not 0 <= step < S:
                     continue
                 key = (u, m, step)
-                a, r, c = int(prog.act_slot[t, d]), int(prog.residual_slot[t, d]), int(prog.cot_slot[t, d])
-                if kind in (FORWARD, LOCAL):
+                a, r, c, i = (int(prog.act_slot[t, d]), int(prog.residual_slot[t, d]), int(prog.cot_slot[t, d]),
+                              int(prog.input_slot[t, d]))
+                if kind in ("F", "FB"):
                     if u > 0:
                         assert act[d][a] == key, (t, d, key, act[d][a])
-                    elif a >= 0:
-                        act[d][a] = key  # the first unit keeps the batch's micro-batch
-                    if kind == FORWARD and carry:
+                    elif i >= 0:
+                        kept_input[d][i] = key  # the first unit keeps the batch's micro-batch for later
+                    if kind == "F" and carry:
                         res[d][r] = key
                     if u < last:
-                        arriving.append((place.device[u + 1], "act", int(prog.recv_act[t, place.device[u + 1]]),
-                                         (u + 1, m, step)))
+                        assert prog.send_act[t, u] == 1
+                        arriving.append((place.device[u + 1], "act", int(prog.recv_act[t, u]), (u + 1, m, step)))
                 else:
                     if carry:
                         assert res[d][r] == key, (t, d, key, res[d][r])
-                    else:
+                    elif u > 0:
                         assert act[d][a] == key, (t, d, key, act[d][a])
+                    elif prog.lag:  # the first unit's batch of an earlier call
+                        assert kept_input[d][i] == key, (t, d, key, kept_input[d][i])
                     if u < last:
                         assert cot[d][c] == key, (t, d, key, cot[d][c])
                     if u > 0:
-                        arriving.append((place.device[u - 1], "cot", int(prog.recv_cot[t, place.device[u - 1]]),
-                                         (u - 1, m, step)))
+                        assert prog.send_cot[t, u - 1] == 1
+                        arriving.append((place.device[u - 1], "cot", int(prog.recv_cot[t, u - 1]), (u - 1, m, step)))
             for d, what, slot, key in arriving:  # at the end of the tick
                 assert slot >= 0
                 (act if what == "act" else cot)[d][slot] = key

@@ -48,8 +48,8 @@ def test_tiny_cdp_ring_figure(tiny):
     # averages the BatchNorm statistics).
     n, model = 4, records["dp"]["param_bytes"]
     for name in ("cdp-v2", "cdp-v2@residuals=carry"):
-        assert records[name]["sent_bytes_per_worker_per_step"] == pytest.approx(2 * (n - 1) / n * model, rel=0.01)
-    assert records["dp"]["sent_bytes_per_worker_per_step"] >= 2 * (n - 1) / n * model
+        assert records[name]["sent_bytes_per_device_per_step"] == pytest.approx(2 * (n - 1) / n * model, rel=0.01)
+    assert records["dp"]["sent_bytes_per_device_per_step"] >= 2 * (n - 1) / n * model
     exact = [b for b in record["bounds"] if not (b["timing"] or b["sized"] or b["target"])]
     assert len(exact) == 3 and all(b["holds"] for b in exact), exact
     # the target the README reports as not reached is reported, never failed

@@ -189,9 +189,9 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     def export(state):
         return state["params"], state["model_state"]
 
-    info = {"impl": "simulate", "versions": 2, "worker_losses": worker_losses}
     return Method(method, net, init, train_step, export, table=table, stale=table.stale, workers=workers,
-                  devices=ctx.axis(AXIS), info=info)
+                  devices=ctx.axis(AXIS), worker_losses=worker_losses, stored_versions=2,
+                  report={"impl": "simulate"})
 
 
 # ====================================================================== ring

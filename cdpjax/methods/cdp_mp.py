@@ -35,7 +35,7 @@ stashes the residuals of the forward's `jax.vjp` but the stage's own parameters
 (raveled, zero-padded to the largest stage's; the backward takes the parameters
 from the slot its forward read) and the backward only runs the pullback, rebuilt
 on the structure of a template vjp traced in the same branch. Both give the same
-parameters; `info['padding']` and `cdpjax bench` give their memory (measured: on
+parameters; `Method.padding` and `cdpjax bench` give their memory (measured: on
 CPU, carry stores 4 to 14 times more per device and is faster for a ResNet, slower
 for a ViT; recompute is the default).
 
@@ -79,5 +79,5 @@ def build(ctx: Context) -> Method:
     rules = pipeline.Rules(model_state="step_mean", residuals=cfg.get("residuals", "recompute"))
     method = pipeline.build(ctx, "cdp-mp", table, rules, shown=cdp_mp_table(stages=L, steps=3, rule=rule))
     groups = ctx.axis("data")
-    info = {**method.info, "dp_mp_devices": N * L * groups, "rule": rule}
-    return dataclasses.replace(method, stale=table.stale, workers=N, state_depends_on_mesh=True, info=info)
+    return dataclasses.replace(method, stale=table.stale, workers=N, state_depends_on_mesh=True,
+                               dp_mp_devices=N * L * groups, report={**method.report, "rule": rule})

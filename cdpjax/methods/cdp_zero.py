@@ -327,8 +327,7 @@ def _zero(ctx: Context, net, table, rule: str, N: int) -> Method:
         "owned_stages": K, "stored_versions": V, "versions_per_hop": C, "relay_buffers": d * C,
         "partial_sum_buffers": d, "ring": {"stages": L, "stored_versions": 2, "partial_sum_buffers": L},
     }
-    info = {"impl": "zero", "rule": rule, "owners": list(owners), "storage": storage,
-            "padding": {"params": layout.padding(), "activations": carrier.padding()["activations"]},
-            "layout": layout, "period": period}
+    report = {"impl": "zero", "rule": rule, "owners": list(owners), "storage": storage}
     return Method("cdp-zero", net, init, train_step, export, flush, table, carrier=carrier, stale=table.stale,
-                  workers=N, devices=N, state_depends_on_mesh=True, info=info)
+                  workers=N, devices=N, state_depends_on_mesh=True, report=report,
+                  padding={"params": layout.padding(), "activations": carrier.padding()["activations"]})

@@ -66,24 +66,40 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A built method: its pure functions and what the trainer and bench read of it.
+    """A built method: its pure functions and what the trainer, bench and tests read of it.
+
+    Every field is typed and named: nothing outside `cdpjax.methods` reads a method by
+    guessing from which keys it has.
 
     Attributes:
       name, net: the method's name and the staged network it trains.
       init, train_step, export, flush: see the module docstring.
       table: its time table (`cdpjax.timetable.TimeTable`), None for one-device methods.
+      program: its lowered program (`cdpjax.program.Program`) where a tick engine runs it:
+        the buffers, sends, versions and lag that bench's memory model and bytes read.
       run_steps: `(state, batches) -> (state, metrics)` over S stacked batches `[S, B, ...]`
         in one compiled program, where the method has one.
+      periods: the engine's jitted program of S calls, `(state, images [S, B, ...], labels
+        [S, B], feeding [S]) -> (state, metrics)`, whose compiled HLO the tests and bench read.
+      gradients: `(state, batch) -> per-stage gradients` of one step with no update (flushed
+        pipelines; the equality tests).
+      worker_losses: `(state, batch) -> [N]` each CDP worker's loss (simulate).
       carrier: the layouts its state is stored in (a `StageCarrier`, or the ring's), for
         padding and memory reports.
+      padding: the carrier's stored / real ratios (`carrier.format_report`), None without one.
+      heads, export_heads: local learning's auxiliary heads and `state -> head parameters`.
+      module_groups: local modules per device (ppll).
       stale: CDP's `[workers, stages]` matrix of pairs that read the previous version; a
         checkpoint written under another one is refused.
+      stored_versions: parameter versions it keeps per stage (its program's where it has one).
       workers: CDP workers (None elsewhere). devices: devices it runs on.
+      dp_mp_devices: the devices DP with model parallelism needs for the same workers and
+        stages (cdp-mp's comparison).
       state_depends_on_mesh: a checkpoint from another mesh is refused even when the
         state's shapes fit.
       input_sharding: where the trainer puts each global batch; None: over `data`
         (replicated when there is none); one-device methods give their device's.
-      info: reports (padding, storage...) and test hooks, by name.
+      report: JSON-able figures for the records (bench, summary.json), written whole.
     """
 
     name: str
@@ -93,14 +109,28 @@ class Method:
     export: Callable[[Any], tuple[list, list]]
     flush: Callable[[Any], Any] | None = None
     table: Any = None
+    program: Any = None
     run_steps: Callable | None = None
+    periods: Callable | None = None
+    gradients: Callable | None = None
+    worker_losses: Callable | None = None
     carrier: Any = None
+    padding: dict | None = None
+    heads: Any = None
+    export_heads: Callable | None = None
+    module_groups: tuple[int, ...] | None = None
     stale: Any = None
+    stored_versions: int = 1
     workers: int | None = None
     devices: int | None = None
+    dp_mp_devices: int | None = None
     state_depends_on_mesh: bool = False
     input_sharding: Any = None
-    info: dict = dataclasses.field(default_factory=dict)
+    report: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.program is not None and self.stored_versions != self.program.versions:
+            object.__setattr__(self, "stored_versions", self.program.versions)
 
 
 def varying(x, axes):

@@ -34,6 +34,6 @@ def build(ctx: Context) -> Method:
     table = gpipe_table(stages=stage_devices(cfg), microbatches=int(cfg.microbatches), steps=3)
     rules = pipeline.Rules(residuals=cfg.get("residuals", "recompute"))
     method = pipeline.build(ctx, "gpipe", table, rules)
-    info = {**method.info, "bubble": (table.stages - 1) / (table.microbatches + table.stages - 1),
-            "ticks": table.period}
-    return dataclasses.replace(method, info=info)
+    report = {**method.report, "bubble": (table.stages - 1) / (table.microbatches + table.stages - 1),
+              "ticks": table.period}
+    return dataclasses.replace(method, report=report)

@@ -20,7 +20,7 @@ statistics and updates its running averages (`model_state`, `head_state`).
 Train state: `{'params': {'body': [per stage], 'head': [per stage]},
 'model_state': [per stage], 'head_state': [per stage], 'opt_state': [per
 stage]}`; `export` gives the bodies (the plain network),
-`info['export_heads']` the heads' parameters.
+`Method.export_heads` the heads' parameters.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def build(ctx: Context) -> Method:
     def export(state):
         return state["params"]["body"], state["model_state"]
 
-    info = {"heads": heads, "export_heads": lambda state: state["params"]["head"]}
-    return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, devices=1, info=info,
+    return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, devices=1, heads=heads,
+                  export_heads=lambda state: state["params"]["head"],
                   input_sharding=SingleDeviceSharding(device))
 

@@ -64,8 +64,7 @@ def build(ctx: Context) -> Method:
     shown = ppll_table(stages=net.num_stages, module_groups=groups if len(groups) != net.num_stages else None)
     method = pipeline.build(ctx, "ppll", table, pipeline.Rules(local=True), shown=shown, heads=heads,
                             optimizers={"body": body_tx, "head": head_tx})
-    info = {**method.info, "module_groups": list(groups), "run_ticks": method.run_steps}
-    return dataclasses.replace(method, info=info)
+    return dataclasses.replace(method, module_groups=tuple(groups))
 
 
 __all__ = ["build", "module_groups"]

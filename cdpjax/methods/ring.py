@@ -488,9 +488,9 @@ def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info
         model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
         return params, model_state
 
-    info = dict(info or {}, impl="ring", residuals=residuals, versions=1, ring_program=program, period=step, run=run)
+    report = dict(info or {}, impl="ring", residuals=residuals)
     return Method(name, net, init, train_step, export, flush, table, run_steps=run_steps, carrier=stages,
-                  stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True, info=info)
+                  stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True, periods=run, report=report)
 
 
 def _metrics(sums):

@@ -1,0 +1,135 @@
+"""A stage's ops, written once for every engine.
+
+The SPMD engines (`cdpjax.methods.pipeline`: stages behind padded carrier rows;
+`cdpjax.methods.ring`: every stage in its natural shapes) differ in where a stage's
+parameters, inputs and gradients are kept; what one op computes is this module's:
+
+- `run`: the stage's forward on one micro-batch; the last stage returns its share
+  of the step's mean loss (the loss times `loss_scale`, so that the engine's sum of
+  gradients over micro-batches or workers is the gradient of the mean) and the
+  metrics of the micro-batch (`METRICS`).
+- `vjp`: `jax.vjp` of `run` with respect to the parameters and the input (the
+  first stage's input, the batch, gets no cotangent).
+- `backward`: the parameter gradient and the input cotangent of one micro-batch,
+  from a pullback recomputed from the stage's input ('recompute') or rebuilt from
+  the residuals its forward kept ('carry'). A split backward asks for one of the
+  two: the input cotangent (`B`, sent upstream at once) or the parameter gradient
+  (`W`, later); the other is never computed (XLA removes what no output needs).
+- `kept` / `rebuild`: the residuals a forward keeps (all the pullback's leaves but
+  the stage's own parameters, which the backward reads from the version its
+  forward read) and the pullback rebuilt from them on the structure of a template
+  traced in the backward's own branch (the template's own leaves are dead code).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from cdpjax import models
+
+METRICS = ("loss", "correct", "counted")  # per micro-batch: its mean loss, mean accuracy, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOps:
+    """The ops of `net`'s stages; the last stage's loss is scaled by `loss_scale`. `vary` makes a
+    constant device-varying the way the engine's values are inside its `shard_map` (the loss's
+    starting cotangent must be)."""
+
+    net: Any
+    loss_scale: float = 1.0
+    vary: Callable = lambda x: x
+
+    @property
+    def last(self) -> int:
+        return self.net.num_stages - 1
+
+    def metrics(self, outputs, labels):
+        """The micro-batch's [loss, accuracy, 1]: summed over micro-batches, then divided by the
+        count, they give the step's means."""
+        return jnp.stack([models.cross_entropy(outputs, labels), models.accuracy(outputs, labels),
+                          jnp.ones((), jnp.float32)])
+
+    def no_metrics(self):
+        return jnp.zeros((len(METRICS),), jnp.float32)
+
+    def run(self, j, p, s, x, labels):
+        """Stage j on x: (output, or the last stage's scaled loss), (new model state, metrics)."""
+        y, new_state = self.net.apply_stage(j, p, s, x, True)
+        if j < self.last:
+            return y, (new_state, self.no_metrics())
+        metrics = self.metrics(y, labels)
+        return metrics[0] * self.loss_scale, (new_state, metrics)
+
+    def vjp(self, j, p, s, x, labels):
+        """(out, pullback, (new state, metrics)) of stage j; the pullback (a pytree: its leaves are
+        the residuals) gives (d params, d input), or (d params,) for the first stage."""
+        if j == 0:
+            return jax.vjp(lambda p_: self.run(j, p_, s, x, labels), p, has_aux=True)
+        return jax.vjp(lambda p_, x_: self.run(j, p_, s, x_, labels), p, x, has_aux=True)
+
+    def seed(self, j, cotangent):
+        """The cotangent a backward of stage j starts from: 1 for the loss, else the output's."""
+        return self.vary(jnp.ones((), jnp.float32)) if j == self.last else cotangent
+
+    @staticmethod
+    def kept(pullback, p) -> tuple[list, Any, list[int]]:
+        """A pullback's leaves, its structure, and the indices of the leaves a forward keeps: all
+        but the stage's own parameters."""
+        own = {id(q) for q in jax.tree.leaves(p)}
+        leaves, structure = jax.tree.flatten(pullback)
+        return leaves, structure, [i for i, leaf in enumerate(leaves) if id(leaf) not in own]
+
+    def forward_kept(self, j, p, s, x, labels):
+        """A forward that keeps its residuals: (out, kept leaves, (new state, metrics))."""
+        out, pullback, aux = self.vjp(j, p, s, x, labels)
+        leaves, _, idx = self.kept(pullback, p)
+        return out, [leaves[i] for i in idx], aux
+
+    def rebuild(self, j, p, s, x_template, labels, kept_leaves):
+        """The pullback of the forward that kept `kept_leaves`, on the structure of a template
+        traced here from `x_template` (any input of the right shape). `kept_leaves` may be a
+        function of the template's own kept leaves (to unflatten a raveled buffer like them)."""
+        leaves, structure, idx = self.kept(self.vjp(j, p, s, x_template, labels)[1], p)
+        if callable(kept_leaves):
+            kept_leaves = kept_leaves([leaves[i] for i in idx])
+        for i, leaf in zip(idx, kept_leaves):
+            leaves[i] = leaf
+        return jax.tree.unflatten(structure, leaves)
+
+    def backward(self, j, p, s, x, labels, cotangent, kept_leaves=None, want: tuple[str, ...] = ("params", "input")):
+        """(d params, d input, metrics) of one micro-batch at stage j; a gradient not in `want` is
+        None (and never computed). From the kept residuals where given (`rebuild`: x then only
+        shapes the template; metrics None, the forward counted them), else recomputed from x (the
+        running averages are the forward's to update; metrics those of the recomputed forward)."""
+        if kept_leaves is None:
+            _, pullback, (_, metrics) = self.vjp(j, p, s, x, labels)
+        else:
+            pullback, metrics = self.rebuild(j, p, s, x, labels, kept_leaves), None
+        grads = pullback(self.seed(j, cotangent))
+        d_params = grads[0] if "params" in want else None
+        d_input = grads[1] if "input" in want and j > 0 else None
+        return d_params, d_input, metrics
+
+    def residual_shapes(self, params, state, inputs, labels, trace_inside) -> tuple:
+        """Per stage, the `ShapeDtypeStruct`s of the leaves its forward keeps for one micro-batch
+        (`inputs[j]`, `labels`: its shapes), found by `trace_inside(fn)`, which traces `fn(varying)`
+        inside the engine's `shard_map`, where inputs are device-varying as in a tick (outside
+        it, a few scalars differ)."""
+        found = []
+        zeros = lambda a: jnp.zeros(a.shape, a.dtype)  # noqa: E731
+
+        def probe(varying):
+            for j in range(self.net.num_stages):
+                p, s, x, y = varying(jax.tree.map(zeros, (params[j], state[j], inputs[j], labels)))
+                kept = self.forward_kept(j, p, s, x, y)[1]
+                found.append(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kept))
+
+        trace_inside(probe)
+        return tuple(found)
+
+
+__all__ = ["METRICS", "StageOps"]

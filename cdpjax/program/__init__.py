@@ -1,0 +1,252 @@
+"""Lowered programs: what the devices of a tick-driven method run, as typed data (no JAX).
+
+Every tick-driven method goes table -> `lower` -> `Program`: a time table
+(`cdpjax.timetable`, what runs when and where) becomes the program one SPMD
+runtime executes call after call. The program is the contract between the
+lowering and everything that reads it: the runtimes (`cdpjax.methods.pipeline`
+for `engine='stage'`, `cdpjax.methods.ring` for `engine='ring'`), `bench` (its
+memory model and bytes come from `Program.buffers` and `Program.sends` with no
+knowledge of the method), `train` and the tests.
+
+- `ticks`: the engine's per-tick work for one *period* (the ticks of one call,
+  which feeds one batch): `StageTicks`, integer arrays indexed [tick, device]
+  that a `lax.scan` reads (`cdpjax.program.stage_axis`); or `RingTicks`, the
+  static events of each tick of an unrolled period (`cdpjax.program.ring`).
+- `buffers`: every buffer a device allocates, what it holds, its size in
+  per-stage units (`Size`), whether it lives between calls (part of the train
+  state, checkpointed) and, for a call's temporaries, the ticks it is live.
+- `sends`: every point-to-point message of a period: its tick, what it carries,
+  its size and its (source, destination) devices. The runtimes send exactly these.
+- `versions`: parameter versions each device stores; `lag`: how many calls back
+  a period's ops reach (0: nothing in flight between calls); `grads_in_flight`:
+  gradient sums that outlive a call.
+
+Sizes are in per-stage units so that a program, which knows no shapes, says what
+it holds; `Size.bytes` prices them with a method's per-stage byte counts (`bench`
+measures those: parameters, stage inputs, kept residuals...).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+ENGINES = ("stage", "ring")
+SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "residual", "label", "image")
+CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_state", "gradients", "activations",
+              "cotangents", "residuals", "relayed_parameters", "labels", "images")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A size in per-stage units.
+
+    of: the per-stage quantity ('param': a stage's parameters; 'input': a stage's input for
+      one micro-batch, the image for stage 0; 'residual': the `jax.vjp` residuals one
+      micro-batch keeps at a stage; 'model_state', 'head_param', 'head_state', 'label',
+      'image' likewise).
+    groups: the stage groups it can hold; a group's size is the sum over its stages.
+    padded: each of `count` items is as large as the largest group (a carrier row, one
+      shape whatever it holds); else it holds every group at its own size, `count` times.
+    count: how many.
+    """
+
+    of: str
+    groups: tuple[tuple[int, ...], ...]
+    padded: bool = False
+    count: int = 1
+
+    def __post_init__(self):
+        if self.of not in SIZE_KINDS:
+            raise ValueError(f"Size.of={self.of!r} is not one of {', '.join(SIZE_KINDS)}")
+
+    @classmethod
+    def stage(cls, of: str, stage: int, count: int = 1) -> "Size":
+        return cls(of, ((int(stage),),), False, count)
+
+    @classmethod
+    def stages(cls, of: str, stages, count: int = 1) -> "Size":
+        """Every stage of `stages` at its own size, `count` times (natural shapes)."""
+        return cls(of, tuple((int(j),) for j in stages), False, count)
+
+    def bytes(self, sizes: Mapping[str, Sequence[float]]) -> float:
+        """The bytes it takes, `sizes[of][j]` being stage j's bytes."""
+        per = [float(sum(sizes[self.of][j] for j in group)) for group in self.groups]
+        if not per:
+            return 0.0
+        return self.count * (max(per) if self.padded else sum(per))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One buffer every device allocates.
+
+    name: unique within the program. holds: its category (`CATEGORIES`). between_steps: it is
+    part of the train state (an argument of the compiled step); else a temporary of one call,
+    live over the ticks `live` = (first, last) of the period (None: the whole call).
+    """
+
+    name: str
+    holds: str
+    size: Size
+    between_steps: bool
+    live: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.holds not in CATEGORIES:
+            raise ValueError(f"Buffer {self.name!r}: holds={self.holds!r} is not one of {', '.join(CATEGORIES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """A point-to-point message sent at the end of `tick` of the period, from each `src` to its
+    `dst` (devices of the engine's axis). what: 'activation' | 'cotangent' | 'image' |
+    'partial' | 'sum' | 'parameters'. size: one message's. stage: whose it is."""
+
+    tick: int
+    what: str
+    size: Size
+    pairs: tuple[tuple[int, int], ...]
+    stage: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the stages live: `units[u]` the stages of unit u (consecutive), `device[u]` its
+    device, `chunk[u]` its index among its device's units; `chunks`: units per device. A ring
+    program places every stage on every device (`devices` workers, one unit per stage)."""
+
+    units: tuple[tuple[int, ...], ...]
+    device: tuple[int, ...]
+    chunk: tuple[int, ...]
+    devices: int
+    chunks: int
+
+    @property
+    def unit_of(self) -> dict[int, int]:
+        return {j: u for u, stages in enumerate(self.units) for j in stages}
+
+    def of_device(self, d: int) -> list[int]:
+        return [u for u in range(len(self.units)) if self.device[u] == d]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A lowered table (module docstring).
+
+    method: the layout's name. engine: 'stage' or 'ring'. period: ticks per call. lag: calls
+    back its ops reach. devices: devices of the engine's axis. microbatches: per call (per
+    data group of the stage engine; per worker of the ring: 1). kinds: op kinds it runs.
+    split_backward: its backwards are B + W. residuals: 'recompute' | 'carry'. versions:
+    parameter versions stored per stage. grads_in_flight: gradient sums outlive a call.
+    """
+
+    method: str
+    engine: str
+    period: int
+    lag: int
+    devices: int
+    microbatches: int
+    kinds: tuple[str, ...]
+    split_backward: bool
+    residuals: str
+    versions: int
+    grads_in_flight: bool
+    placement: Placement
+    buffers: tuple[Buffer, ...]
+    sends: tuple[Send, ...]
+    ticks: Any
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"Program.engine={self.engine!r} is not one of {', '.join(ENGINES)}")
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.method}: buffer names repeat: {sorted(n for n in names if names.count(n) > 1)}")
+
+    # ----------------------------------------------------------------- messages
+
+    def sent_bytes(self, sizes: Mapping[str, Sequence[float]]) -> np.ndarray:
+        """[devices] bytes each device sends per call (per training step)."""
+        out = np.zeros(self.devices)
+        for s in self.sends:
+            for src, _ in s.pairs:
+                out[src] += s.size.bytes(sizes)
+        return out
+
+    def sends_per_tick(self) -> np.ndarray:
+        """[period, devices] messages each device sends at the end of each tick."""
+        out = np.zeros((self.period, self.devices), np.int64)
+        for s in self.sends:
+            for src, _ in s.pairs:
+                out[s.tick, src] += 1
+        return out
+
+    def largest_send(self, sizes: Mapping[str, Sequence[float]]) -> float:
+        return max((s.size.bytes(sizes) for s in self.sends), default=0.0)
+
+    # ------------------------------------------------------------------- memory
+
+    def arguments(self, sizes: Mapping[str, Sequence[float]]) -> dict[str, float]:
+        """Bytes per device between calls (the train state), by category."""
+        out: dict[str, float] = {}
+        for b in self.buffers:
+            if b.between_steps:
+                out[b.holds] = out.get(b.holds, 0.0) + b.size.bytes(sizes)
+        return out
+
+    def temporaries(self, sizes: Mapping[str, Sequence[float]]) -> np.ndarray:
+        """[period] bytes per device of a call's own buffers live in each tick (what the program
+        declares; XLA adds each op's workspace)."""
+        out = np.zeros(self.period)
+        for b in self.buffers:
+            if not b.between_steps:
+                first, last = b.live if b.live is not None else (0, self.period - 1)
+                out[first:last + 1] += b.size.bytes(sizes)
+        return out
+
+    def held(self, holds: str, sizes: Mapping[str, Sequence[float]]) -> np.ndarray:
+        """[period + 1] bytes of category `holds` per device at a call's start and after each tick."""
+        base = sum(b.size.bytes(sizes) for b in self.buffers if b.holds == holds and b.between_steps)
+        out = np.full(self.period + 1, base, float)
+        for b in self.buffers:
+            if b.holds == holds and not b.between_steps:
+                first, last = b.live if b.live is not None else (0, self.period - 1)
+                out[first + 1:last + 2] += b.size.bytes(sizes)
+        return out
+
+    def summary(self) -> dict:
+        """The program's shape as JSON-able data (records, `describe`)."""
+        out = {"engine": self.engine, "period": self.period, "lag": self.lag, "devices": self.devices,
+               "microbatches": self.microbatches, "kinds": list(self.kinds), "split_backward": self.split_backward,
+               "residuals": self.residuals, "versions": self.versions, "grads_in_flight": self.grads_in_flight,
+               "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers]}
+        slots = getattr(self.ticks, "slots", None)
+        if slots is not None:
+            out["slots"] = dict(slots)
+        return out
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"{self.method}'s program declares no buffer {name!r}")
+
+
+def lower(table, residuals: str = "recompute", **options) -> Program:
+    """The program of `table` for its engine: the stage-axis engine for a table whose stages
+    live on their own devices, the ring for the cyclic data-parallel tables (`meta['rule']`)."""
+    from cdpjax.layouts import LAYOUTS
+
+    axis = LAYOUTS[table.method].device_axis if table.method in LAYOUTS else "stage"
+    if axis == "data":
+        from cdpjax.program.ring import lower_ring
+
+        return lower_ring(table, residuals=residuals, **options)
+    from cdpjax.program.stage_axis import lower_stage_axis
+
+    return lower_stage_axis(table, residuals=residuals, **options)
+
+
+__all__ = ["Buffer", "CATEGORIES", "ENGINES", "Placement", "Program", "SIZE_KINDS", "Send", "Size", "lower"]

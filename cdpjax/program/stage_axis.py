@@ -1,0 +1,343 @@
+"""Lowering for the stage-axis engine: a table whose stages live on their own devices.
+
+The tick runtime (`cdpjax.methods.pipeline`) runs every stage-axis layout (gpipe,
+1f1b, interleaved-1f1b, zb-h1, zbv, looped-bfs, cdp-mp, ppll) from its program;
+this module reads the table once, at build time, into small integer arrays indexed
+[tick, device] (`StageTicks`) that a `lax.scan` over the ticks of one *period*
+reads with `lax.axis_index('stage')`.
+
+- **Units.** A device runs units: a unit is one stage (backprop layouts) or the
+  group of local modules a device runs one after another within a tick (ppll's
+  'FB' ops of one device and tick). A device holds `chunks` units (interleaved and
+  V-shaped layouts), stored as the rows of its carrier.
+- **Period.** One call runs the ticks of one training step: the whole step for a
+  flushed layout, one steady-state period for a layout whose ops of a step spill
+  into the next call (cdp-mp: 2L ticks; ppll: one tick). `rel` is an op's step
+  relative to the batch this call feeds (0, -1, ...); `lag` the most negative.
+- **Slots.** A device keeps each micro-batch's input from its arrival until its last
+  use (the last backward op, which recomputes from it; or the forward, when
+  residuals are carried instead), its kept residuals from the forward to the last
+  backward op, and each incoming cotangent until the last backward op that reads
+  it (the `W` of a split backward reads it too). Slot indices come from these
+  lifetimes: by interval colouring for a layout with lag 0 (the fewest buffers the
+  schedule allows: 1F1B needs at most K-j where GPipe needs M), and by (unit,
+  micro-batch, step) for a periodic layout, so the assignment repeats every period.
+- **Sends.** Each boundary b (unit b's output to unit b+1) has its own message of
+  its own size: `send_act[t, b]` says whether unit b's forward at tick t sends it
+  (the receiver stores it in slot `recv_act[t, b]`), `send_cot[t, b]` whether unit
+  b+1's backward sends the cotangent back (`recv_cot[t, b]`). A boundary inside
+  one device (a V-shaped layout's turn) is a copy, not a message.
+- **Updates.** `update[t, d, v]`: unit v of device d applies its update at the
+  end of tick t (for the step `update_rel`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+
+from cdpjax import kinds as op_kinds
+from cdpjax.errors import ConfigError
+from cdpjax.program import Buffer, Placement, Program, Send, Size
+from cdpjax.timetable import TimeTable
+
+IDLE = 0
+CODE = {name: i + 1 for i, name in enumerate(op_kinds.KINDS)}  # op kind -> the arrays' code (0: idle)
+FORWARD_KINDS = ("F", "FB")  # the kinds whose output goes on to the next unit
+
+
+def placement(table: TimeTable) -> Placement:
+    """Units from the table: a stage per unit, except that the stages a device runs as 'FB'
+    ops in the same tick (ppll's module groups) form one unit."""
+    device_of: dict[int, int] = {}
+    together: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for op in table.ops:
+        if device_of.setdefault(op.stage, op.device) != op.device:
+            raise ConfigError(f"{table.method}: stage {op.stage} runs on devices {device_of[op.stage]} and "
+                              f"{op.device}; the runtime keeps each stage on one device")
+        if op.kind == "FB":
+            together[(op.tick, op.device)].append(op.stage)
+    units: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for j in range(table.stages):
+        if j in seen:
+            continue
+        group = next((sorted(g) for g in together.values() if j in g), [j])
+        if group != list(range(group[0], group[-1] + 1)):
+            raise ConfigError(f"{table.method}: the modules {group} one device runs in one tick are not consecutive")
+        units.append(tuple(group))
+        seen.update(group)
+    device = tuple(device_of[g[0]] for g in units)
+    chunk = tuple(sum(1 for v in range(u) if device[v] == device[u]) for u in range(len(units)))
+    return Placement(tuple(units), device, chunk, max(device) + 1, max(chunk) + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTicks:
+    """One period as arrays; [P, D] unless noted (P ticks, D devices, B boundaries).
+
+    kind: `CODE` of the op (0 idle). unit: the unit it runs. micro: its micro-batch. rel: its
+    step relative to this call's batch. version: 0 current, 1 previous. act_slot: where its
+    input is kept (-1 none). input_slot: where the first unit's batch input is kept for a
+    backward in a later call (-1 none). residual_slot: where a forward keeps, and its backward
+    ops read, carried residuals. cot_slot: where a backward op finds its output's cotangent
+    (-1: the last unit, seeded by the loss). send_act / send_cot [P, B]: boundary b's message
+    is sent at the end of the tick (0 / 1); recv_act / recv_cot [P, B]: the slot it lands in
+    on the receiving device. update [P, D, chunks], update_rel: see the module docstring.
+    any_update [P]: some unit updates then (0 / 1).
+    """
+
+    kind: np.ndarray
+    unit: np.ndarray
+    micro: np.ndarray
+    rel: np.ndarray
+    version: np.ndarray
+    act_slot: np.ndarray
+    input_slot: np.ndarray
+    residual_slot: np.ndarray
+    cot_slot: np.ndarray
+    send_act: np.ndarray
+    recv_act: np.ndarray
+    send_cot: np.ndarray
+    recv_cot: np.ndarray
+    update: np.ndarray
+    update_rel: np.ndarray
+    any_update: np.ndarray
+    act_slots: int
+    input_slots: int
+    cot_slots: int
+    residual_slots: int
+    boundaries: tuple[tuple[int, int], ...]  # (source device, destination device) of each boundary
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return {"act": self.act_slots, "input": self.input_slots, "cot": self.cot_slots,
+                "residual": self.residual_slots}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-tick arrays a `lax.scan` reads (leading axis: the ticks of the period)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)}
+
+
+def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool = False,
+                     carry_image: bool = False) -> Program:
+    """The program of one period of `table` (laid out over enough steps, see `period_window`).
+
+    residuals: 'recompute' (backward ops recompute from the kept input) or 'carry' (the
+    forward's `jax.vjp` residuals are kept). heads: the units have auxiliary heads (local
+    learning). carry_image: each micro-batch's input image goes along with it to every unit
+    (heads that reconstruct the image read it)."""
+    if residuals not in ("recompute", "carry"):
+        raise ConfigError(f"residuals={residuals!r} is not one of recompute, carry")
+    carry = residuals == "carry"
+    present = sorted({o.kind for o in table.ops}, key=list(CODE).index)
+    op_kinds.refuse_unknown(present, CODE, "the stage-axis engine")
+    split = op_kinds.split(present)
+    place = placement(table)
+    unit_of = place.unit_of
+    P, D, U = table.period, place.devices, len(place.units)
+    m, lag = period_window(table)
+    lo, hi = m * P, (m + 1) * P
+    ops = [o for o in table.ops if o.stage == place.units[unit_of[o.stage]][0]]  # one op per unit
+    tick_of = {(o.kind, unit_of[o.stage], o.micro, o.step): o.tick for o in ops}
+    last_backward = {}  # (unit, micro, step) -> the tick of the last backward op (B, or its W)
+    for o in ops:
+        if o.kind in ("B", "W"):
+            key = (unit_of[o.stage], o.micro, o.step)
+            last_backward[key] = max(last_backward.get(key, -1), o.tick)
+    periodic = lag > 0
+    lives = _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic)
+    slots = {name: _slots(life, periodic) for name, life in lives.items()}
+    slot_of = {name: s[0] for name, s in slots.items()}
+    count = {name: max(s[1], 1) for name, s in slots.items()}
+
+    shape = (P, D)
+    arrays = {k: np.full(shape, -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
+    arrays.update({k: np.zeros(shape, np.int32) for k in ("kind", "unit", "micro", "rel", "version")})
+    boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
+    sends = {k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")}
+    recvs = {k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")}
+    messages = []
+    for o in ops:
+        if not lo <= o.tick < hi:
+            continue
+        t, d, u = o.tick - lo, o.device, unit_of[o.stage]
+        if arrays["kind"][t, d] != IDLE:
+            raise ConfigError(f"{table.method}: device {d} runs two units in tick {o.tick}")
+        key = (d, (u, o.micro, o.step))
+        arrays["kind"][t, d] = CODE[o.kind]
+        arrays["unit"][t, d] = u
+        arrays["micro"][t, d] = o.micro
+        arrays["rel"][t, d] = o.step - m
+        arrays["version"][t, d] = int(o.slot == "previous")
+        for name in ("act", "input", "residual"):
+            arrays[f"{name}_slot"][t, d] = slot_of[name].get(key, -1)
+        if o.kind in ("B", "W"):
+            arrays["cot_slot"][t, d] = slot_of["cot"].get(key, -1)
+        if o.kind in FORWARD_KINDS and u == 0 and o.step != m:
+            raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
+                              f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
+        if o.kind in FORWARD_KINDS and u + 1 < U:  # its output goes to the next unit's device
+            sends["send_act"][t, u] = 1
+            recvs["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
+            messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
+        if o.kind == "B" and u > 0:  # the cotangent of its input goes back
+            sends["send_cot"][t, u - 1] = 1
+            recvs["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
+            messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
+    update = np.zeros((P, D, place.chunks), bool)
+    update_rel = np.zeros((P, D, place.chunks), np.int32)
+    for up in table.updates:
+        if lo <= up.tick < hi and up.stage == place.units[unit_of[up.stage]][0]:
+            u = unit_of[up.stage]
+            update[up.tick - lo, place.device[u], place.chunk[u]] = True
+            update_rel[up.tick - lo, place.device[u], place.chunk[u]] = up.step - m
+    ticks = StageTicks(update=update, update_rel=update_rel, any_update=update.any(axis=(1, 2)).astype(np.int32),
+                       act_slots=count["act"], input_slots=count["input"], cot_slots=count["cot"],
+                       residual_slots=count["residual"], boundaries=boundaries, **arrays, **sends, **recvs)
+    microbatches = max(o.micro for o in ops) + 1
+    versions = 2 if any(o.slot == "previous" for o in ops) else 1
+    in_flight = _grads_in_flight(ticks, place, P)
+    buffers = _buffers(place, ticks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
+                       backprop=any(o.kind in ("B", "W") for o in ops))
+    return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
+                   in_flight, place, buffers, tuple(messages), ticks)
+
+
+def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict[str, dict]:
+    """Per buffer kind, each device's (first tick, last tick, (unit, micro, step)) lifetimes."""
+    lives = {name: defaultdict(list) for name in ("act", "input", "residual", "cot")}
+    for o in ops:
+        u = unit_of[o.stage]
+        key = (u, o.micro, o.step)
+        done = last_backward.get(key)
+        if o.kind in FORWARD_KINDS:
+            arrival = o.tick if u == 0 else tick_of[(o.kind, u - 1, o.micro, o.step)] + 1
+            if u > 0:
+                lives["act"][o.device].append((arrival, o.tick if (carry or done is None) else done, key))
+            elif done is not None and not carry and periodic:
+                # the first unit reads the call's batch; only a backward in a later call needs it kept
+                lives["input"][o.device].append((arrival, done, key))
+            if carry and done is not None:
+                lives["residual"][o.device].append((o.tick, done, key))
+        elif o.kind == "B" and u + 1 < U:  # not the last unit's: its cotangent arrives
+            lives["cot"][o.device].append((tick_of[("B", u + 1, o.micro, o.step)] + 1, done, key))
+    return lives
+
+
+def _boundary_sends(t, b, what, boundaries, place, carry_image) -> list[Send]:
+    """Boundary b's message(s) at tick t: the next unit's input (or its cotangent), one
+    micro-batch, at its own size; none where both units share a device."""
+    src, dst = boundaries[b]
+    if what == "cotangent":
+        src, dst = dst, src
+    if src == dst:
+        return []
+    first = place.units[b + 1][0]
+    out = [Send(t, what, Size.stage("input", first), ((src, dst),), first)]
+    if carry_image:
+        out.append(Send(t, "image", Size.stage("image", 0), ((src, dst),), 0))
+    return out
+
+
+def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
+             backprop) -> tuple[Buffer, ...]:
+    """What every device of the stage engine allocates (the runtime's state and slot buffers)."""
+    units = place.units
+    V = place.chunks
+    rows = lambda of, between=True: Size(of, units, True, V)  # noqa: E731 - a carrier row per unit
+    inputs = tuple((u[0],) for u in units)
+    out = [Buffer("rows.body", "parameters", rows("param"), True),
+           Buffer("opt.body", "optimizer_state", rows("param"), True),
+           Buffer("model_state", "model_state", rows("model_state"), True),
+           Buffer("grads", "gradients", rows("param"), in_flight)]
+    if versions == 2:
+        out.append(Buffer("previous", "previous_parameters", rows("param"), True))
+    if heads:
+        out += [Buffer("rows.head", "parameters", rows("head_param"), True),
+                Buffer("opt.head", "optimizer_state", rows("head_param"), True),
+                Buffer("head_state", "model_state", rows("head_state"), True),
+                Buffer("grads.head", "gradients", rows("head_param"), in_flight)]
+    between = lag > 0
+    out.append(Buffer("act", "activations", Size("input", inputs, True, ticks.act_slots), between))
+    if ticks.input_slots and (ticks.input_slot >= 0).any():
+        out.append(Buffer("input", "images", Size("image", ((0,),), False, ticks.input_slots), between))
+    if carry_image:
+        out.append(Buffer("image", "images", Size("image", ((0,),), False, ticks.act_slots), between))
+    if backprop:
+        outputs = tuple((u[0],) for u in units[1:]) or ((0,),)
+        out.append(Buffer("cot", "cotangents", Size("input", outputs, True, ticks.cot_slots), between))
+    if carry:
+        out.append(Buffer("residual", "residuals", Size("residual", units, True, ticks.residual_slots), between))
+    if lag:
+        out.append(Buffer("labels", "labels", Size("label", ((0,),), False, lag * microbatches), True))
+    return tuple(out)
+
+
+def period_window(table: TimeTable) -> tuple[int, int]:
+    """(m, lag): the period [mP, (m+1)P) of step m that the program reads, and how many steps
+    back its ops reach. m is the middle step laid out, so that the period is in steady state;
+    the periods m and m+1 must be the same ops one step apart (checked)."""
+    P = table.period
+    m = (table.steps - 1) // 2
+    window = [o for o in table.ops if m * P <= o.tick < (m + 1) * P]
+    after = {(o.tick - P, o.device, o.stage, o.kind, o.step - 1, o.micro, o.slot)
+             for o in table.ops if (m + 1) * P <= o.tick < (m + 2) * P}
+    if table.steps < 2 or {(o.tick, o.device, o.stage, o.kind, o.step, o.micro, o.slot) for o in window} != after:
+        raise ConfigError(f"{table.method}: the table's periods m={m} and {m + 1} are not the same ops one step "
+                          f"apart: lay it out over more steps (it has {table.steps})")
+    lag = max((m - o.step for o in window), default=0)
+    return m, lag
+
+
+def _slots(lives: dict, periodic: bool) -> tuple[dict, int]:
+    """Slot index per (device, key) and the slots a device needs at most.
+
+    Lag 0: interval colouring (greedy by first tick: optimal for intervals). Periodic: one
+    slot per (unit, micro-batch, step mod H), H the fewest steps after which a key's lifetimes
+    no longer overlap, so that the same op finds the same slot every period."""
+    out, most = {}, 0
+    for d, items in lives.items():
+        if not periodic:
+            ends: list[int] = []  # last tick of each slot's current tenant
+            for first, last, key in sorted(items):
+                free = [s for s, end in enumerate(ends) if end < first]
+                s = free[0] if free else len(ends)
+                if s == len(ends):
+                    ends.append(last)
+                ends[s] = last
+                out[(d, key)] = s
+            most = max(most, len(ends))
+            continue
+        by_key = defaultdict(list)
+        for first, last, (u, micro, step) in items:
+            by_key[(u, micro)].append((step, first, last))
+        H = 1
+        for spans in by_key.values():
+            spans.sort()
+            for i, (_, first, last) in enumerate(spans):
+                H = max(H, 1 + sum(1 for _, f2, _ in spans[i + 1:] if f2 <= last))
+        keys = sorted({(u, micro, step % H) for (u, micro) in by_key for step, _, _ in by_key[(u, micro)]})
+        index = {k: i for i, k in enumerate(keys)}
+        for first, last, (u, micro, step) in items:
+            out[(d, (u, micro, step))] = index[(u, micro, step % H)]
+        most = max(most, len(keys))
+    return out, most
+
+
+def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
+    """Whether a unit's gradient sum spans calls: some gradient op of the period comes after the
+    unit's last update in it (cdp-mp), rather than every sum being applied where it is made."""
+    gradient = {CODE["B"], CODE["W"], CODE["FB"]}
+    for d in range(place.devices):
+        for v in range(place.chunks):
+            last_update = max((t for t in range(P) if ticks.update[t, d, v]), default=-1)
+            for t in range(last_update + 1, P):
+                if ticks.kind[t, d] in gradient and place.chunk[ticks.unit[t, d]] == v:
+                    return True
+    return False
+
+
+__all__ = ["CODE", "IDLE", "StageTicks", "lower_stage_axis", "period_window", "placement"]
