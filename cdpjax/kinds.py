@@ -160,5 +160,22 @@ def requires(names: Iterable[str], stages: int) -> set[str]:
     return need
 
 
+def cost_field(name: str, split_backward: bool) -> str:
+    """The `StageCosts` field that times an op of kind `name` in a table that does (or does not)
+    split its backwards."""
+    kind = lookup(name)
+    return kind.split_cost if split_backward and kind.split_cost else kind.cost
+
+
+def refuse_unknown(kinds: Iterable[str], supported: Iterable[str], who: str) -> None:
+    """A ConfigError naming the first kind of `kinds` that `who` (a runtime) has no piece for."""
+    supported = tuple(supported)
+    for name in kinds:
+        lookup(name)
+        if name not in supported:
+            raise ConfigError(f"{who} has no piece for op kind {name!r} ({KINDS[name].summary}); it runs "
+                              f"{', '.join(supported)}")
+
+
 __all__ = ["KINDS", "OpKind", "SHADES", "completes_gradient", "cost_field", "gradient_kind", "lookup", "refuse_unknown",
            "register", "requires", "split"]
