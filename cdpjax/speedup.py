@@ -48,6 +48,8 @@ Assumptions (stated, not hidden):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -148,6 +150,53 @@ def lockstep_starts(table, costs: StageCosts, bandwidth: float = float("inf")) -
     """[ticks + 1] the time each tick starts in lockstep (the last entry: when the table ends)."""
     compute, transfer = lockstep_ticks(table, costs, bandwidth)
     return np.concatenate([[0.0], np.cumsum(compute + transfer)])
+
+
+def lockstep_summary(table, costs: StageCosts, bandwidth: float = float("inf")) -> dict:
+    """The lockstep replay as `cdpjax schedule --costs` reports it: the step time, the same work
+    on one device, the devices' busy share of the step, and when each tick starts."""
+    r = simulate(table, costs, bandwidth, "lockstep")
+    lo, hi = table.steady
+    work = sum(costs.seconds(op.kind, op.stage, table.split_backward) for op in table.ops if lo <= op.tick < hi)
+    span = float(lockstep_starts(table, costs, bandwidth)[hi] - lockstep_starts(table, costs, bandwidth)[lo])
+    return {"model": "lockstep", "step_time": r["step_seconds"], "sequential_step_time": r["sequential_step_seconds"],
+            "speedup": r["speedup"], "device_busy": work / (span * max(table.devices, 1)) if span > 0 else 0.0,
+            "tick_starts": [float(t) for t in lockstep_starts(table, costs, bandwidth)]}
+
+
+def format_lockstep(table, costs: StageCosts, bandwidth: float = float("inf"), described: str = "") -> str:
+    """The table replayed in lockstep as text, one column per time unit (the largest unit every
+    op's and tick's time is a multiple of): an op's cell, then '-' while it lasts, '.' idle."""
+    from fractions import Fraction
+
+    starts = lockstep_starts(table, costs, bandwidth)
+    split = table.split_backward
+    times = [Fraction(float(t)).limit_denominator(1000) for t in starts]
+    times += [Fraction(costs.seconds(op.kind, op.stage, split)).limit_denominator(1000) for op in table.ops]
+    unit = functools.reduce(math.gcd, [t.numerator for t in times]) / functools.reduce(
+        math.lcm, [t.denominator for t in times]) or 1.0
+    rounded = starts[-1] / unit > 400  # costs with no small common unit: columns of a 400th, ops rounded to them
+    unit = starts[-1] / 400 if rounded else unit
+    columns = int(round(starts[-1] / unit))
+    grid = [["."] * columns for _ in range(table.devices)]
+    for op in table.ops:
+        first = int(round(starts[op.tick] / unit))
+        cells = max(int(round(costs.seconds(op.kind, op.stage, split) / unit)), 1)
+        label = table.label(op)
+        grid[op.device][first] = label if grid[op.device][first] == "." else grid[op.device][first] + "+" + label
+        for c in range(first + 1, min(first + cells, columns)):
+            grid[op.device][c] = "-"
+    width = max(3, max(len(c) for row in grid for c in row), len(f"{(columns - 1) * unit:g}")) + 1
+    head = f"{table.format_grid().splitlines()[0]}, replayed in lockstep{' under ' + described if described else ''}"
+    lines = [head, f"one column = {unit:g} time units{' (ops rounded to columns)' if rounded else ''}; a cell: the "
+                   f"op starts, '-': it runs on, '.': idle",
+             "time".ljust(6) + "".join(f"{c * unit:g}".rjust(width) for c in range(columns))]
+    lines += [f"d{d}".ljust(6) + "".join(c.rjust(width) for c in row) for d, row in enumerate(grid)]
+    r = lockstep_summary(table, costs, bandwidth)
+    lines.append(f"step time {r['step_time']:g} (lockstep: each tick as long as its slowest op), the same work on "
+                 f"one device {r['sequential_step_time']:g} ({r['speedup']:.2f}x); devices busy "
+                 f"{r['device_busy']:.3f} of the step")
+    return "\n".join(lines)
 
 
 def _lockstep(table, costs: StageCosts, bandwidth: float) -> dict:
