@@ -359,8 +359,10 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], s
             position[d] += 1
             progressed = True
         if not progressed:
-            stuck = {d: order[position[d]] for d, order in enumerate(orders) if position[d] < len(order)}
-            raise ConfigError(f"{method}: the device orders deadlock (next actions {stuck})")
+            stuck = "; ".join(f"device {d}'s {(k, j, m)} waits for {(*KINDS[k].after(j, stages), m)}"
+                              for d, order in enumerate(orders) if position[d] < len(order)
+                              for k, j, m in [order[position[d]]])
+            raise ConfigError(f"{method}: the device orders deadlock ({stuck})")
     span = max(done.values()) + 1
     ops, updates = [], []
     for k in range(steps):
@@ -378,7 +380,9 @@ def _check_orders(method, orders, stages, microbatches, device_of) -> None:
     there twice and what no stage or micro-batch has."""
     given = [tuple(a) for order in orders for a in order]
     for name in sorted({k for k, _, _ in given}):
-        kinds.lookup(name)  # an unknown kind, with the registered ones
+        if name not in KINDS:
+            raise ConfigError(f"{method}: unknown op kind {name!r} in the device orders; registered: "
+                              f"{', '.join(KINDS)}")
     for d, order in enumerate(orders):
         for kind, j, m in order:
             if not (0 <= j < stages and 0 <= m < microbatches):
@@ -386,7 +390,8 @@ def _check_orders(method, orders, stages, microbatches, device_of) -> None:
                                   f"and micro-batches 0..{microbatches - 1}")
             if device_of[j] != d:
                 raise ConfigError(f"{method}: device {d}'s list holds stage {j}, which lives on device {device_of[j]}")
-    need = sorted(kinds.requires({k for k, _, _ in given}, stages))
+    required = kinds.requires({k for k, _, _ in given}, stages)
+    need = [k for k in KINDS if k in required]  # in the registry's order: F, B, W
     expected = {(k, j, m) for k in need for j in range(stages) for m in range(microbatches)}
     twice = sorted(a for a, n in collections.Counter(given).items() if n > 1)[:3]
     missing, extra = sorted(expected - set(given))[:3], sorted(set(given) - expected)[:3]
