@@ -410,7 +410,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
         return {"method": method, "model": model, "error": "no time table (single-device method)"}
     per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
     mb = max(config.global_batch_size // per_step, 1)
-    local = any(op.kind == "FB" for op in tbl.ops)
+    local = any(kinds.lookup(op.kind).forward and kinds.lookup(op.kind).backward for op in tbl.ops)  # ppll
     aux = None
     if local and heads:
         from cdpjax.models import aux_heads

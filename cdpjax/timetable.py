@@ -469,6 +469,11 @@ def format_grid(t: TimeTable) -> str:
     bf = t.busy_fraction()
     lines.append(f"busy fraction (steady state): {bf['overall']:.3f} of stage slots, {bf['devices']:.3f} of device "
                  f"time; over all ticks: {bf['whole']:.3f}")
+    lo, hi = t.steady
+    held = t.activation_per_worker()[lo:hi]
+    if held.size and any(not (KINDS[o.kind].forward and KINDS[o.kind].backward) for o in t.ops):  # not ppll's
+        lines.append(f"activation slots (stage-activations held, steady-state peak) per "
+                     f"{'worker' if who == 'w' else 'device'}: {' '.join(str(int(x)) for x in held.max(0))}")
     if stale or t.meta.get("rule"):
         lines.append(f"stale (worker, stage) pairs: {int(t.stale.sum())} of {t.stale.size}")
     lines.extend(t.notes)

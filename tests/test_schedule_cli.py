@@ -167,6 +167,9 @@ def test_zb_h1_shows_w_ops(capsys):
         cells = [c for c in rows[f"d{d}"] if c != "."][:24]  # step 0
         assert sorted(c for c in cells if c[0] == "W") == sorted(f"W{m}" for m in range(8))
         assert all(cells.index(f"B{m}") < cells.index(f"W{m}") for m in range(8))
+    # a device keeps a micro-batch's activation until its W: 1F1B's K - j on device j, ZB-H1's K on each
+    assert "activation slots (stage-activations held, steady-state peak) per device: 4 4 4 4" in out
+    assert "per device: 4 3 2 1" in run(["--method", "1f1b", "--stages", "4"], capsys)[1]
     rc, out, _ = run(["--method", "zb-h1", "--stages", "4", "--microbatches", "8", "--json"], capsys)
     d = json.loads(out)
     assert rc == 0 and sum(o["kind"] == "W" for o in d["ops"]) == 4 * 8 * d["steps"]
