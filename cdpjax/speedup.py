@@ -116,9 +116,10 @@ def uniform_costs(per_kind: dict[str, float], stages: int, activation_bytes: flo
         raise ConfigError(f"costs {per_kind}: give at least F and B (e.g. F=1,B=2,W=1)")
     backward = fields.get("backward", fields.get("backward_input", 0.0) + fields.get("backward_weight", 0.0))
     weight = fields.get("backward_weight", backward / 2)
-    return StageCosts((fields["forward"],) * stages, (backward,) * stages, (float(activation_bytes),) * stages,
-                      (float(gradient_bytes),) * stages, (), (fields.get("backward_input", backward - weight),) * stages,
-                      (weight,) * stages)
+    each = {"forward": fields["forward"], "backward": backward, "activation_bytes": float(activation_bytes),
+            "gradient_bytes": float(gradient_bytes), "backward_input": fields.get("backward_input", backward - weight),
+            "backward_weight": weight}
+    return StageCosts(**{name: (value,) * stages for name, value in each.items()})
 
 
 def simulate(table, costs: StageCosts, bandwidth: float, model: str = "lockstep") -> dict:
