@@ -8,9 +8,14 @@ every reader of a table needs to know about it:
   the speedup models use to replay them;
 - its cost in the speedup models (`cost`: a field of `cdpjax.speedup.StageCosts`);
 - how diagrams draw it (`shade`) and how the legends word it (`summary`);
-- whether it is part of the backward work (`backward`) and whether it computes the
-  stage's weight gradient (`weight_gradient`), which decides when a stage's update
-  can be applied and how long the stage's kept input or residuals live.
+- whether it runs a forward (`forward`) and whether it is part of the backward work
+  (`backward`): an op that only runs the forward keeps its stage-activation (input or
+  residuals) until the last backward op of that stage and micro-batch, which is the
+  activation-memory model of every table; an op that does both (local learning)
+  holds it during its own tick only;
+- whether it computes the stage's weight gradient (`weight_gradient`; where a `W`
+  follows, `B` does not: `completes_gradient`), which decides when a stage's update
+  can be applied.
 
 The kinds here:
 
@@ -51,9 +56,13 @@ class OpKind:
       cost: the `StageCosts` field that gives its time per micro-batch.
       split_cost: the field used instead in a table that splits the backward (a `W`
         follows the `B`), or None where the cost does not change.
+      forward: runs the stage's forward (keeps what the backward needs, unless it is also
+        backward work).
       backward: part of the backward work (drawn dark).
       weight_gradient: computes the stage's weight gradient where the backward is not
-        split; in a split table only `W` does (`gradient_kind`).
+        split; in a split table only `W` does (`completes_gradient`).
+      split_weight_gradient: whether it still computes the weight gradient in a table that
+        splits the backward (None: as `weight_gradient`; `B`: False, the `W` after it does).
       shade: 'forward' | 'backward' | 'weight' | 'local', the diagrams' shading.
     """
 
@@ -62,9 +71,27 @@ class OpKind:
     after: Callable[[int, int], tuple[str, int] | None]
     cost: str
     split_cost: str | None = None
+    forward: bool = False
     backward: bool = False
     weight_gradient: bool = False
+    split_weight_gradient: bool | None = None
     shade: str = "forward"
+
+    def __post_init__(self):
+        if self.shade not in SHADES:
+            raise ValueError(f"op kind {self.name!r}: shade={self.shade!r} is not one of {', '.join(SHADES)}")
+
+    def completes_gradient(self, split_backward: bool) -> bool:
+        """Whether this op completes the stage's weight gradient for its micro-batch in a table
+        that does (or does not) split its backwards."""
+        if split_backward and self.split_weight_gradient is not None:
+            return self.split_weight_gradient
+        return self.weight_gradient
+
+
+# The diagrams' shades, with what the legends call them (cdpjax.plotting draws them).
+SHADES = {"forward": "forward (light)", "backward": "backward (dark)", "weight": "weight gradient (W)",
+          "local": "local forward + backward"}
 
 
 KINDS: Registry[OpKind] = Registry("op kind")
@@ -75,15 +102,16 @@ def register(kind: OpKind) -> OpKind:
 
 
 register(OpKind("F", "forward of one micro-batch through a stage",
-                after=lambda j, L: ("F", j - 1) if j > 0 else None, cost="forward"))
+                after=lambda j, L: ("F", j - 1) if j > 0 else None, cost="forward", forward=True))
 register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
                 after=lambda j, L: ("B", j + 1) if j + 1 < L else ("F", j), cost="backward",
-                split_cost="backward_input", backward=True, weight_gradient=True, shade="backward"))
+                split_cost="backward_input", backward=True, weight_gradient=True, split_weight_gradient=False,
+                shade="backward"))
 register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
                 after=lambda j, L: ("B", j), cost="backward_weight", backward=True, weight_gradient=True,
                 shade="weight"))
 register(OpKind("FB", "local learning: forward, local loss through the auxiliary head, backward and update",
-                after=lambda j, L: ("FB", j - 1) if j > 0 else None, cost="local", backward=True,
+                after=lambda j, L: ("FB", j - 1) if j > 0 else None, cost="local", forward=True, backward=True,
                 weight_gradient=True, shade="local"))
 
 
@@ -98,8 +126,38 @@ def split(kinds: Iterable[str]) -> bool:
 
 
 def gradient_kind(split_backward: bool) -> str:
-    """The kind whose op completes a stage's weight gradient for a micro-batch."""
-    return "W" if split_backward else "B"
+    """The kind whose op completes a stage's weight gradient for a micro-batch in a backprop
+    table ('W' where the backward is split, else 'B'): the first registered kind that is backward
+    work, runs no forward and completes the gradient there."""
+    for kind in KINDS.values():
+        if kind.backward and not kind.forward and kind.completes_gradient(split_backward):
+            return kind.name
+    raise ConfigError(f"no registered op kind completes the weight gradient (split={split_backward})")
+
+
+def completes_gradient(name: str, split_backward: bool) -> bool:
+    """Whether an op of kind `name` completes its stage's weight gradient (`OpKind.completes_gradient`)."""
+    return lookup(name).completes_gradient(split_backward)
+
+
+def requires(names: Iterable[str], stages: int) -> set[str]:
+    """The kinds a table of ops of kinds `names` must hold for every stage and micro-batch: the
+    kinds themselves, every kind their `after` rules name (for some stage of `stages`), and the
+    gradient kind where none of them completes the weight gradient (a forward-only list)."""
+
+    def closure(todo):
+        need = set()
+        while todo:
+            name = todo.pop()
+            if name not in need:
+                need.add(name)
+                todo += [dep[0] for j in range(stages) if (dep := lookup(name).after(j, stages)) is not None]
+        return need
+
+    need = closure(list(names))
+    if not any(lookup(n).completes_gradient(split(need)) for n in need):
+        need = closure([*need, gradient_kind(split(need))])
+    return need
 
 
 def cost_field(name: str, split_backward: bool) -> str:
@@ -119,4 +177,5 @@ def refuse_unknown(kinds: Iterable[str], supported: Iterable[str], who: str) -> 
                               f"{', '.join(supported)}")
 
 
-__all__ = ["KINDS", "OpKind", "cost_field", "gradient_kind", "lookup", "refuse_unknown", "register", "split"]
+__all__ = ["KINDS", "OpKind", "SHADES", "completes_gradient", "cost_field", "gradient_kind", "lookup", "refuse_unknown",
+           "register", "requires", "split"]

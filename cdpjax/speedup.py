@@ -1,36 +1,55 @@
-"""A speedup model: predicted step time of a method on K real devices.
+"""Speedup models: predicted step time of a method on K real devices.
 
-From per-stage forward and backward times measured on ONE device, a method's
-time table, and a transfer bandwidth, an event simulation replays the table on
-K devices and predicts the step time, and hence the speedup over running the
-same work sequentially on one device.
+From per-stage costs measured on ONE device (forward, backward, and the backward split
+into its input and weight parts), a method's time table, and a transfer bandwidth, a
+model replays the table on K devices and predicts the step time, and hence the speedup
+over running the same work sequentially on one device. Two models:
+
+- `lockstep` (the default): what cdpjax's SPMD programs do. Every tick is a lockstep
+  (its collective-permutes rendezvous, the tick is fenced), so a tick lasts as long as
+  the slowest device's ops in it, plus the transfers sent at its end; the table's ticks
+  are replayed as they are.
+- `async`: each device runs its ops in the table's order, each as soon as its inputs
+  are there, as a runtime with one host queue per device does (the PPLL authors' MPMD
+  code, torch.distributed.pipelining); for comparisons with such runtimes.
 
 Assumptions (stated, not hidden):
 - An op takes the measured time of its stage on one device, whatever else runs
-  (no contention, no kernel overlap between ops on one device); `FB` (PPLL's
-  forward + local backward + update) takes forward + backward of the stage body
-  plus its auxiliary head's forward and backward (`StageCosts.head`, measured
-  unless `heads=False`: the heads are much of a ViT's local-learning work and the
-  reason for PPLL's uneven module groups).
-- A device runs its ops in the table's tick order, each as soon as its inputs
-  are there: a forward needs the previous stage's forward of the same
-  micro-batch, a backward the next stage's backward (the last stage: its own
-  forward); crossing devices adds bytes / bandwidth (activation or cotangent of
-  the boundary, one hop, no latency term).
-- An op reading parameter version v >= 1 of stage j waits for stage j's update
-  v-1, which is ready when the last backward of that stage's step is done plus
-  its gradient synchronisation: `dp` one ring all-reduce of the whole model,
-  2(N-1)/N x model bytes / bandwidth, after the last backward of the step; CDP
-  the arrival of the completed stage sum at the op's device along the table's
-  delivery plan (its 'sum' messages: one hop of the stage's gradient each, from
-  the worker that completed it; partial-sum hops overlap compute and are not on
-  the critical path); pipelines none (the stage owns its parameters).
-- Steady state: the step time is the slope of step completion times over the
-  laid-out steps, so fill and drain at the ends of a run are excluded.
+  (no contention, no kernel overlap between ops on one device). Its duration comes
+  from its kind (`cdpjax.kinds.cost_field`): `F` the stage's forward, `B` the whole
+  backward (`StageCosts.backward`) or, in a table that splits the backward, the input
+  cotangent only (`backward_input`), `W` the weight gradient (`backward_weight`), `FB`
+  (PPLL's forward + local backward + update) forward + backward of the stage body plus
+  its auxiliary head's forward and backward (`StageCosts.head`, measured unless
+  `heads=False`: the heads are much of a ViT's local-learning work and the reason for
+  PPLL's uneven module groups). The backwards are measured as the run does them:
+  recomputing the forward (`residuals='recompute'`) or from kept residuals (`'carry'`);
+  `StageCosts.residuals` says which.
+- An op's output crossing devices (an activation to the next stage's forward, a
+  cotangent to the previous stage's backward) is one message of the boundary's bytes,
+  bytes / bandwidth, one hop, no latency term.
+- lockstep: a tick's time is the largest, over devices, of the sum of the device's ops
+  in it, plus the largest message sent at its end (messages of one tick travel in
+  parallel): activations and cotangents, and the table's gradient traffic ('partial',
+  'sum', 'param' messages: the stage's parameter bytes each; dp's 'allreduce': a ring
+  all-reduce, 2(N-1)/N x the bytes of the stages reduced in that tick). The step time
+  is the time of the steady-state window (`TimeTable.steady`) per period.
+- async: an op reading parameter version v >= 1 of stage j waits for stage j's update
+  v-1, which is ready when the op completing the last weight gradient of that stage's
+  step is done (`B`, or `W` where the backward is split) plus its gradient
+  synchronisation: `dp` one ring all-reduce of the whole model, 2(N-1)/N x model bytes /
+  bandwidth, after the step's last backward; CDP the arrival of the completed stage sum
+  at the op's device along the table's delivery plan (its 'sum' messages: one hop of the
+  stage's gradient each, from the worker that completed it; partial-sum hops overlap
+  compute and are not on the critical path); pipelines none (the stage owns its
+  parameters). The step time is the slope of step completion times over the laid-out
+  steps, so fill and drain at the ends of a run are excluded.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -38,31 +57,198 @@ from typing import Sequence
 
 import numpy as np
 
+from cdpjax import kinds
+from cdpjax.errors import ConfigError
+
+MODELS = ("lockstep", "async")
+
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
-    forward: tuple[float, ...]  # seconds per micro-batch, per stage
+    """Seconds per micro-batch, per stage, and the bytes the speedup models move.
+
+    backward: the whole backward (input cotangent and weight gradient); backward_input and
+    backward_weight: its two halves apart (the vjp w.r.t. the stage's input only, and w.r.t.
+    its parameters only), the costs of `B` and `W` in a table that splits the backward.
+    residuals: how the backwards were measured: 'recompute' (the forward recomputed inside, as
+    the recompute runtimes do) or 'carry' (from residuals kept by the forward).
+    """
+
+    forward: tuple[float, ...]
     backward: tuple[float, ...]
     activation_bytes: tuple[float, ...]  # output of each stage, per micro-batch
     gradient_bytes: tuple[float, ...]  # parameters of each stage
     head: tuple[float, ...] = ()  # auxiliary head forward + backward per micro-batch, per stage (local learning)
+    backward_input: tuple[float, ...] = ()
+    backward_weight: tuple[float, ...] = ()
+    residuals: str = "recompute"
 
     def local(self, j: int) -> float:
         """An 'FB' op of stage j: body forward and backward, and its head."""
         return self.forward[j] + self.backward[j] + (self.head[j] if self.head else 0.0)
 
+    def seconds(self, kind: str, stage: int, split_backward: bool) -> float:
+        """An op of `kind` on `stage` in a table that does (or does not) split its backwards."""
+        field = kinds.cost_field(kind, split_backward)
+        if field == "local":
+            return self.local(stage)
+        values = getattr(self, field)
+        if len(values) <= stage:
+            raise ConfigError(f"the stage costs give no {field} for stage {stage} (an op of kind {kind!r}); "
+                              f"measure_stage_costs measures every field")
+        return float(values[stage])
 
-def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
-    """Replays `table` with `costs`; returns finish times and the predicted step time."""
+
+def uniform_costs(per_kind: dict[str, float], stages: int, activation_bytes: float = 0.0,
+                  gradient_bytes: float = 0.0) -> StageCosts:
+    """The same costs for every stage, from {kind or StageCosts field: seconds} (e.g. F=1, B=2, W=1):
+    a kind sets its `cost` field ('B': the whole backward, 'W': the weight gradient); where the
+    input backward is not given it is the whole backward less the weight gradient (the same work
+    split in two), where the weight gradient is not given, half the backward."""
+    fields = {}
+    for key, value in per_kind.items():
+        field = kinds.lookup(key).cost if key in kinds.KINDS else key
+        if field not in ("forward", "backward", "backward_input", "backward_weight"):
+            raise ConfigError(f"cost {key}={value}: give F, B, W or forward, backward, backward_input, "
+                              f"backward_weight")
+        fields[field] = float(value)
+    if "forward" not in fields or "backward" not in fields and "backward_input" not in fields:
+        raise ConfigError(f"costs {per_kind}: give at least F and B (e.g. F=1,B=2,W=1)")
+    backward = fields.get("backward", fields.get("backward_input", 0.0) + fields.get("backward_weight", 0.0))
+    weight = fields.get("backward_weight", backward / 2)
+    each = {"forward": fields["forward"], "backward": backward, "activation_bytes": float(activation_bytes),
+            "gradient_bytes": float(gradient_bytes), "backward_input": fields.get("backward_input", backward - weight),
+            "backward_weight": weight}
+    return StageCosts(**{name: (value,) * stages for name, value in each.items()})
+
+
+def simulate(table, costs: StageCosts, bandwidth: float, model: str = "lockstep") -> dict:
+    """Replays `table` with `costs` under `model` ('lockstep' or 'async', module docstring);
+    returns the predicted step time, the same work on one device, the speedup and the model."""
+    if model not in MODELS:
+        raise ConfigError(f"speedup model {model!r}: choose {' or '.join(MODELS)}")
+    out = (_lockstep if model == "lockstep" else _async)(table, costs, float(bandwidth))
+    sequential = _sequential_step(table, costs)
+    step = out["step_seconds"]
+    return {**out, "model": model, "sequential_step_seconds": sequential,
+            "speedup": sequential / step if step > 0 else float("nan"), "devices": int(table.devices)}
+
+
+def lockstep_ticks(table, costs: StageCosts, bandwidth: float = float("inf")) -> tuple[np.ndarray, np.ndarray]:
+    """([ticks] compute seconds, [ticks] transfer seconds) of `table` run in lockstep: a tick's
+    compute is its busiest device's ops, its transfer the largest message sent at its end."""
+    split = table.split_backward
+    busy = np.zeros((table.num_ticks, max(table.devices, 1)))
+    for op in table.ops:
+        busy[op.tick, op.device] += costs.seconds(op.kind, op.stage, split)
+    transfer = np.zeros(table.num_ticks)
+    for tick, nbytes in _messages(table, costs):
+        transfer[tick] = max(transfer[tick], nbytes / bandwidth)
+    return busy.max(1), transfer
+
+
+def lockstep_starts(table, costs: StageCosts, bandwidth: float = float("inf")) -> np.ndarray:
+    """[ticks + 1] the time each tick starts in lockstep (the last entry: when the table ends)."""
+    compute, transfer = lockstep_ticks(table, costs, bandwidth)
+    return np.concatenate([[0.0], np.cumsum(compute + transfer)])
+
+
+def lockstep_summary(table, costs: StageCosts, bandwidth: float = float("inf")) -> dict:
+    """The lockstep replay as `cdpjax schedule --costs` reports it: the step time, the same work
+    on one device, the devices' busy share of the step, and when each tick starts."""
+    r = simulate(table, costs, bandwidth, "lockstep")
+    lo, hi = table.steady
+    work = sum(costs.seconds(op.kind, op.stage, table.split_backward) for op in table.ops if lo <= op.tick < hi)
+    span = float(lockstep_starts(table, costs, bandwidth)[hi] - lockstep_starts(table, costs, bandwidth)[lo])
+    return {"model": "lockstep", "step_time": r["step_seconds"], "sequential_step_time": r["sequential_step_seconds"],
+            "speedup": r["speedup"], "device_busy": work / (span * max(table.devices, 1)) if span > 0 else 0.0,
+            "tick_starts": [float(t) for t in lockstep_starts(table, costs, bandwidth)]}
+
+
+def format_lockstep(table, costs: StageCosts, bandwidth: float = float("inf"), described: str = "") -> str:
+    """The table replayed in lockstep as text, one column per time unit (the largest unit every
+    op's and tick's time is a multiple of): an op's cell, then '-' while it lasts, '.' idle."""
+    from fractions import Fraction
+
+    starts = lockstep_starts(table, costs, bandwidth)
+    split = table.split_backward
+    times = [Fraction(float(t)).limit_denominator(1000) for t in starts]
+    times += [Fraction(costs.seconds(op.kind, op.stage, split)).limit_denominator(1000) for op in table.ops]
+    unit = functools.reduce(math.gcd, [t.numerator for t in times]) / functools.reduce(
+        math.lcm, [t.denominator for t in times]) or 1.0
+    rounded = starts[-1] / unit > 400  # costs with no small common unit: columns of a 400th, ops rounded to them
+    unit = starts[-1] / 400 if rounded else unit
+    columns = int(round(starts[-1] / unit))
+    grid = [["."] * columns for _ in range(table.devices)]
+    for op in table.ops:
+        first = int(round(starts[op.tick] / unit))
+        cells = max(int(round(costs.seconds(op.kind, op.stage, split) / unit)), 1)
+        label = table.label(op)
+        grid[op.device][first] = label if grid[op.device][first] == "." else grid[op.device][first] + "+" + label
+        for c in range(first + 1, min(first + cells, columns)):
+            grid[op.device][c] = "-"
+    width = max(3, max(len(c) for row in grid for c in row), len(f"{(columns - 1) * unit:g}")) + 1
+    head = f"{table.format_grid().splitlines()[0]}, replayed in lockstep{' under ' + described if described else ''}"
+    lines = [head, f"one column = {unit:g} time units{' (ops rounded to columns)' if rounded else ''}; a cell: the "
+                   f"op starts, '-': it runs on, '.': idle",
+             "time".ljust(6) + "".join(f"{c * unit:g}".rjust(width) for c in range(columns))]
+    lines += [f"d{d}".ljust(6) + "".join(c.rjust(width) for c in row) for d, row in enumerate(grid)]
+    r = lockstep_summary(table, costs, bandwidth)
+    lines.append(f"step time {r['step_time']:g} (lockstep: each tick as long as its slowest op), the same work on "
+                 f"one device {r['sequential_step_time']:g} ({r['speedup']:.2f}x); devices busy "
+                 f"{r['device_busy']:.3f} of the step")
+    return "\n".join(lines)
+
+
+def _lockstep(table, costs: StageCosts, bandwidth: float) -> dict:
+    compute, transfer = lockstep_ticks(table, costs, bandwidth)
+    lo, hi = table.steady
+    periods = max(hi - lo, 1) / max(table.period, 1)
+    return {"step_seconds": float((compute + transfer)[lo:hi].sum() / periods),
+            "total_seconds": float((compute + transfer).sum()),
+            "transfer_fraction": float(transfer[lo:hi].sum() / max((compute + transfer)[lo:hi].sum(), 1e-300))}
+
+
+def _boundary_bytes(costs: StageCosts, a: int, b: int) -> float:
+    """Bytes crossing from stage a's op to stage b's: the activation (or its cotangent) between them."""
+    return float(costs.activation_bytes[min(a, b)]) if a != b else 0.0
+
+
+def _messages(table, costs: StageCosts):
+    """(tick, bytes) of every message sent at the end of a tick: each op's output to the op of the
+    same micro-batch that waits for it on another device, and the table's gradient traffic."""
     L = table.stages
+    place = {(op.kind, op.stage, op.step, op.micro): op.device for op in table.ops}
+    for op in table.ops:
+        for kind, stage in _dependents(op.kind, op.stage, L):
+            device = place.get((kind, stage, op.step, op.micro))
+            if device is not None and device != op.device:
+                yield op.tick, _boundary_bytes(costs, op.stage, stage)
+    n = max(int(table.workers), 1)
+    reduced = defaultdict(float)
+    for m in table.messages:
+        if m.kind == "allreduce":
+            reduced[m.tick] += costs.gradient_bytes[m.stage]
+        else:
+            yield m.tick, float(costs.gradient_bytes[m.stage])
+    for tick, nbytes in reduced.items():
+        yield tick, 2 * (n - 1) / n * nbytes
+
+
+def _dependents(kind: str, stage: int, stages: int) -> list[tuple[str, int]]:
+    """The (kind, stage) ops of the same micro-batch whose `after` rule names this op."""
+    return [(k, j) for k in kinds.KINDS for j in (stage - 1, stage, stage + 1)
+            if 0 <= j < stages and kinds.KINDS[k].after(j, stages) == (kind, stage)]
+
+
+def _async(table, costs: StageCosts, bw: float) -> dict:
+    """Each device runs its ops in tick order, each as soon as its inputs and parameters are there."""
+    L, split = table.stages, table.split_backward
     n_workers = max(int(table.workers), 1)
-    bw = float(bandwidth)
     device_free = defaultdict(float)
     done: dict[tuple, tuple[float, int]] = {}  # (kind, stage, step, micro) -> (finish, device)
-    last_backward: dict[tuple[int, int], float] = defaultdict(float)  # (stage, step) -> finish
+    last_gradient: dict[tuple[int, int], float] = defaultdict(float)  # (stage, step) -> finish
     step_finish: dict[int, float] = defaultdict(float)
-    ops = sorted(table.ops, key=lambda o: (o.tick, o.device))
-
     allreduce = {(m.stage, m.step) for m in table.messages if m.kind == "allreduce"}
     sum_hops = defaultdict(list)  # (stage, step) -> the completed sum's hops, in tick order
     for m in sorted(table.messages, key=lambda m: m.tick):
@@ -72,59 +258,46 @@ def simulate(table, costs: StageCosts, bandwidth: float) -> dict:
     def update_ready(stage: int, step: int, device: int) -> float:
         if (stage, step) in allreduce:  # one all-reduce of the whole model after the step's last backward
             model = float(sum(costs.gradient_bytes))
-            return max(last_backward[(j, step)] for j in range(L)) + 2 * (n_workers - 1) / n_workers * model / bw
-        done = last_backward[(stage, step)]
+            return max(last_gradient[(j, step)] for j in range(L)) + 2 * (n_workers - 1) / n_workers * model / bw
+        complete = last_gradient[(stage, step)]
         hops = sum_hops[(stage, step)]
         if not hops:  # one worker, or a table that applies everywhere at completion
-            return done
-        arrive = {hops[0].src: done}  # the worker that completed it holds it first
+            return complete
+        arrive = {hops[0].src: complete}  # the worker that completed it holds it first
         for m in hops:
-            arrive[m.dst] = arrive.get(m.src, done) + costs.gradient_bytes[stage] / bw
-        return arrive.get(device, done)
+            arrive[m.dst] = arrive.get(m.src, complete) + costs.gradient_bytes[stage] / bw
+        return arrive.get(device, complete)
 
-    def after(key, device, nbytes):
-        finish, dev = done[key]
-        return finish + (nbytes / bw if dev != device else 0.0)
-
-    for op in ops:
-        j, mb = op.stage, (op.step, op.micro)
+    for op in sorted(table.ops, key=lambda o: (o.tick, o.device)):
+        j, mb, kind = op.stage, (op.step, op.micro), kinds.KINDS[op.kind]
         ready = device_free[op.device]
-        if op.kind in ("F", "FB") and j > 0:
-            ready = max(ready, after((op.kind, j - 1, *mb), op.device, costs.activation_bytes[j - 1]))
-        if op.kind == "B":
-            if j < L - 1:
-                ready = max(ready, after(("B", j + 1, *mb), op.device, costs.activation_bytes[j]))
-            else:
-                ready = max(ready, after(("F", j, *mb), op.device, 0.0))
-        if op.kind in ("F", "FB") and op.version >= 1:
+        need = kind.after(j, L)
+        if need is not None:
+            finish, device = done[(*need, *mb)]
+            ready = max(ready, finish + (_boundary_bytes(costs, need[1], j) / bw if device != op.device else 0.0))
+        if kind.forward and op.version >= 1:
             ready = max(ready, update_ready(j, op.version - 1, op.device))
-        duration = {"F": costs.forward[j], "B": costs.backward[j], "FB": costs.local(j)}[op.kind]
-        finish = ready + duration
+        finish = ready + costs.seconds(op.kind, j, split)
         device_free[op.device] = finish
         done[(op.kind, j, *mb)] = (finish, op.device)
-        if op.kind in ("B", "FB"):
-            last_backward[(j, op.step)] = max(last_backward[(j, op.step)], finish)
+        if kind.completes_gradient(split):
+            last_gradient[(j, op.step)] = max(last_gradient[(j, op.step)], finish)
         step_finish[op.step] = max(step_finish[op.step], finish)
-    steps = sorted(step_finish)
-    ends = np.array([step_finish[s] for s in steps])
+    ends = np.array([step_finish[s] for s in sorted(step_finish)])
     if len(ends) >= 3:
         step_time = float(np.polyfit(np.arange(len(ends))[1:], ends[1:], 1)[0])
     elif len(ends) == 2:
         step_time = float(ends[1] - ends[0])
     else:
         step_time = float(ends[0])
-    sequential = _sequential_step(table, costs)
-    return {"step_seconds": step_time, "sequential_step_seconds": sequential,
-            "speedup": sequential / step_time if step_time > 0 else float("nan"),
-            "total_seconds": float(ends[-1]), "devices": int(table.devices)}
+    return {"step_seconds": step_time, "total_seconds": float(ends[-1])}
 
 
 def _sequential_step(table, costs: StageCosts) -> float:
     """The same work on one device: every op of one step, back to back."""
     per_step = defaultdict(float)
     for op in table.ops:
-        per_step[op.step] += {"F": costs.forward[op.stage], "B": costs.backward[op.stage],
-                              "FB": costs.local(op.stage)}[op.kind]
+        per_step[op.step] += costs.seconds(op.kind, op.stage, table.split_backward)
     return float(np.median(list(per_step.values())))
 
 
@@ -140,37 +313,62 @@ def median_seconds(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None) -> StageCosts:
-    """Per-stage forward and backward (recomputing the forward inside, as the pipelines do) on one
-    device; with `heads` (local learning's `AuxHeads`), each head's forward and backward too."""
+def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
+                        residuals: str = "recompute") -> StageCosts:
+    """Per-stage forward and backward on one device, the backward whole and in its two halves (the
+    vjp w.r.t. the stage's input only, and w.r.t. its parameters only), each recomputing the forward
+    inside (`residuals='recompute'`, as the recompute runtimes do) or from the residuals a forward
+    kept (`'carry'`: the pullback of `jax.vjp` alone is timed); with `heads` (local learning's
+    `AuxHeads`), each head's forward and backward too."""
     import jax
     import jax.numpy as jnp
 
+    if residuals not in ("recompute", "carry"):
+        raise ConfigError(f"residuals={residuals!r}: choose 'recompute' or 'carry'")
     params, state = net.init(jax.random.key(0))
     image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
     labels = jnp.zeros((micro_batch,), jnp.int32)
     head_params = head_state = None
     if heads is not None:
         head_params, head_state = heads.init(jax.random.key(1))
-    fwd, bwd, act, grad, head = [], [], [], [], []
+    times = defaultdict(list)
+    act, grad = [], []
     for j in range(net.num_stages):
-        f = jax.jit(lambda p, s, v, j=j: net.apply_stage(j, p, s, v, True)[0])
-        y = f(params[j], state[j], x)
+        def stage(p, v, s=state[j], j=j):
+            return net.apply_stage(j, p, s, v, True)[0]
 
-        def backward(p, s, v, ct, j=j):
-            _, vjp = jax.vjp(lambda p_, v_: net.apply_stage(j, p_, s, v_, True)[0], p, v)
-            return vjp(ct)
-
-        b = jax.jit(backward)
-        fwd.append(median_seconds(f, params[j], state[j], x, repeats=repeats))
-        bwd.append(median_seconds(b, params[j], state[j], x, jnp.ones_like(y), repeats=repeats))
+        y = jax.jit(stage)(params[j], x)
+        times["forward"].append(median_seconds(jax.jit(stage), params[j], x, repeats=repeats))
+        for field, wrt in (("backward", (0, 1)), ("backward_input", (1,)), ("backward_weight", (0,))):
+            times[field].append(_backward_seconds(stage, params[j], x, jnp.ones_like(y), wrt, residuals, repeats))
         act.append(float(y.size * y.dtype.itemsize))
         grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
         if heads is not None:
             step = jax.jit(jax.grad(lambda p, s, v, j=j: heads.loss(j, p, s, v, labels, image)[0], argnums=(0, 2)))
-            head.append(median_seconds(step, head_params[j], head_state[j], y, repeats=repeats))
+            times["head"].append(median_seconds(step, head_params[j], head_state[j], y, repeats=repeats))
         x = y
-    return StageCosts(tuple(fwd), tuple(bwd), tuple(act), tuple(grad), tuple(head))
+    return StageCosts(tuple(times["forward"]), tuple(times["backward"]), tuple(act), tuple(grad),
+                      tuple(times["head"]), tuple(times["backward_input"]), tuple(times["backward_weight"]),
+                      residuals)
+
+
+def _backward_seconds(stage, p, v, cotangent, wrt: tuple[int, ...], residuals: str, repeats: int) -> float:
+    """Seconds of the vjp of `stage(p, v)` w.r.t. the arguments `wrt` (0: parameters, 1: input)."""
+    import jax
+
+    def pullback(p, v):
+        def of_chosen(*chosen):
+            args = [p, v]
+            for i, a in zip(wrt, chosen):
+                args[i] = a
+            return stage(*args)
+
+        return jax.vjp(of_chosen, *[(p, v)[i] for i in wrt])[1]
+
+    if residuals == "recompute":
+        return median_seconds(jax.jit(lambda p, v, ct: pullback(p, v)(ct)), p, v, cotangent, repeats=repeats)
+    kept = jax.jit(pullback)(p, v)  # the residuals, kept as the forward would keep them
+    return median_seconds(jax.jit(lambda vjp, ct: vjp(ct)), kept, cotangent, repeats=repeats)
 
 
 def group_by_time(net, heads, devices: int, batch_size: int, repeats: int = 3) -> tuple[int, ...]:
@@ -188,16 +386,19 @@ def table_for(config, devices: int, stages: int, steps: int | None = None):
     return table_for_config(config, devices, stages, steps or max(6, 2 * devices))
 
 
-def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True) -> dict:
-    """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`.
+def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True, model: str = "lockstep") -> dict:
+    """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`
+    under the speedup `model` ('lockstep', the SPMD runtimes; 'async', MPMD host queues).
 
-    Local learning (a table of 'FB' ops) also times each stage's auxiliary head, forward and
-    backward, unless `heads=False`; its modules are grouped on the devices as the config says,
-    else by measured time (`group_by_time`)."""
+    The backwards are timed as the config runs them (`config.residuals`: recomputing the forward,
+    or from kept residuals). Local learning (a table of 'FB' ops) also times each stage's
+    auxiliary head, forward and backward, unless `heads=False`; its modules are grouped on the
+    devices as the config says, else by measured time (`group_by_time`)."""
     from cdpjax import data, models
-    from cdpjax.errors import ConfigError
     from cdpjax.layouts import LAYOUTS
 
+    if model not in MODELS:
+        raise ConfigError(f"speedup model {model!r}: choose {' or '.join(MODELS)}")
     ds = data.build(config)
     net = models.build(config, ds.image_shape, ds.num_classes)
     method = config.method
@@ -205,29 +406,31 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     try:
         tbl = table_for(config, devices, stages)
     except (ConfigError, AssertionError) as e:  # e.g. sizes a CDP table refuses
-        return {"method": method, "error": str(e)}
+        return {"method": method, "model": model, "error": str(e)}
     if tbl is None:
-        return {"method": method, "error": "no time table (single-device method)"}
+        return {"method": method, "model": model, "error": "no time table (single-device method)"}
     per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
     mb = max(config.global_batch_size // per_step, 1)
-    local = any(op.kind == "FB" for op in tbl.ops)
+    local = any(kinds.lookup(op.kind).forward and kinds.lookup(op.kind).backward for op in tbl.ops)  # ppll
     aux = None
     if local and heads:
         from cdpjax.models import aux_heads
 
         aux = aux_heads.build(config.get("aux_head", "greedy"), net, ds.num_classes,
                               dict(config.get("aux_kwargs", {}) or {}))
-    costs = measure_stage_costs(net, mb, heads=aux)
+    costs = measure_stage_costs(net, mb, heads=aux, residuals=config.get("residuals", "recompute"))
     if tbl.devices != devices and local and "module_groups" in LAYOUTS[method].table_sizes() \
             and not config.get("module_groups", None):
         points = _balanced([costs.local(j) for j in range(stages)], devices)
         tbl = LAYOUTS[method].make_table(stages=stages, steps=max(6, 2 * devices), module_groups=points)
     if tbl.devices != devices:
-        return {"method": method, "error": f"{method} with {stages} stages runs on {tbl.devices} devices, "
-                                           f"not {devices}"}
-    out = simulate(tbl, costs, bandwidth)
+        return {"method": method, "model": model, "error": f"{method} with {stages} stages runs on {tbl.devices} "
+                                                           f"devices, not {devices}"}
+    out = simulate(tbl, costs, bandwidth, model)
     per_stage = np.array([costs.local(j) for j in range(stages)])
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
+               stage_backward_input=costs.backward_input, stage_backward_weight=costs.backward_weight,
+               backward_from=costs.residuals, split_backward=tbl.split_backward,
                stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb,
                activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
@@ -286,8 +489,9 @@ def format_predictions(records: list[dict]) -> str:
     for r in records:
         p, name = r.get("prediction", {}), r.get("label", r["method"])  # the label names a variant
         if "error" in p:
-            lines.append(f"  {name:>8}: {p['error']}")
+            lines.append(f"  {name:>8}: {p['error']} ({p.get('model', '?')} model)")
         elif p:
-            lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices, "
-                         f"speedup {p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}")
+            lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices "
+                         f"({p['model']} model), speedup {p['speedup']:.2f}x over one device, stage imbalance "
+                         f"{p['imbalance']:.2f}")
     return "\n".join(lines)

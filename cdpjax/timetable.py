@@ -1,5 +1,6 @@
 """Time tables: for every tick and every device, which stage of which micro-batch runs,
-forward or backward, and which parameter version it reads.
+which op kind (`cdpjax.kinds`: forward, backward, weight gradient, local), and which
+parameter version it reads.
 
 The single source of truth for timing (docs/design.md, "The time table is data").
 The SPMD programs read their per-tick work from a table, and the staleness
@@ -15,6 +16,7 @@ schedule can be drawn, checked and run from a file.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -22,9 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from cdpjax import kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import KINDS  # the op kinds, one registry
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,11 @@ class TimeTable:
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
     notes: tuple[str, ...] = ()
 
+    @functools.cached_property
+    def split_backward(self) -> bool:
+        """Whether the table splits its backwards into B (input cotangent) and W (weight gradient)."""
+        return kinds.split(op.kind for op in self.ops)
+
     @property
     def layout(self):
         """The registered `Layout` of `method`, or a plain one for a table of an unknown layout."""
@@ -183,7 +190,9 @@ class TimeTable:
     def activation_per_worker(self) -> np.ndarray:
         """[ticks, devices] stage-activations held (CDP: p+1 at forward phase p, 2L-1-p
         at backward phase p, 0 idle). A stage-activation is held from its forward's
-        tick until before its backward's tick; a ppll op holds one during its tick."""
+        tick until before the tick of the last backward op of that stage and micro-batch
+        (its B, or its W where the backward is split: the residuals and the cotangent wait
+        for it); a ppll op, forward and backward at once, holds one during its tick."""
         return _held(self, np.ones(self.stages)).astype(np.int64)
 
     def activation_total(self) -> np.ndarray:
@@ -315,17 +324,22 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], s
                 steps: int = 1, device_of: Sequence[int] | None = None) -> TimeTable:
     """A flushed pipeline's table from each device's ordered list of actions, as
     `torch.distributed.pipelining` writes a schedule: `orders[d]` lists device d's
-    (kind, stage, micro-batch) in the order it runs them, 'F' or 'B'.
+    (kind, stage, micro-batch) in the order it runs them, of registered kinds (`cdpjax.kinds`):
+    'F' and 'B', and 'W' where the schedule splits the backward (then B is the input
+    cotangent only, and W the weight gradient).
 
     Each action takes one tick and starts at the first tick at which its device is
-    free and its input exists: a forward of stage j > 0 after the forward of stage j-1
-    of the same micro-batch, a backward after the backward of stage j+1 (the last
-    stage: after its own forward); a device never reorders its list. Every stage
-    updates at the end of the step's last tick (the flush), and step k repeats step 0
-    shifted by k spans. `device_of[j]` is stage j's device (default: device j).
+    free and its input exists, the op its kind's `after` rule names: a forward of stage
+    j > 0 after the forward of stage j-1 of the same micro-batch, a backward after the
+    backward of stage j+1 (the last stage: after its own forward), a W after its own B;
+    a device never reorders its list. Every stage and micro-batch must have one op of each
+    kind the lists use, and of each kind those depend on. Every stage updates at the end
+    of the step's last tick (the flush), and step k repeats step 0 shifted by k spans.
+    `device_of[j]` is stage j's device (default: device j).
     """
     positive(stages=stages, microbatches=microbatches, steps=steps)
     device_of = list(range(stages)) if device_of is None else list(device_of)
+    _check_orders(method, orders, stages, microbatches, device_of)
     done: dict[tuple[str, int, int], int] = {}  # action -> its tick
     position = [0] * len(orders)
     free = [0] * len(orders)
@@ -336,27 +350,19 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], s
             if position[d] == len(order):
                 continue
             kind, j, m = order[position[d]]
-            if device_of[j] != d:
-                raise ConfigError(f"{method}: device {d}'s list holds stage {j}, which lives on device {device_of[j]}")
-            need = ("F", j - 1, m) if kind == "F" else (("B", j + 1, m) if j + 1 < stages else ("F", j, m))
-            if kind == "F" and j == 0:
-                ready = 0
-            elif need in done:
-                ready = done[need] + 1
-            else:
+            need = KINDS[kind].after(j, stages)
+            if need is not None and (*need, m) not in done:
                 continue
+            ready = 0 if need is None else done[(*need, m)] + 1
             done[(kind, j, m)] = max(free[d], ready)
             free[d] = done[(kind, j, m)] + 1
             position[d] += 1
             progressed = True
         if not progressed:
-            stuck = {d: order[position[d]] for d, order in enumerate(orders) if position[d] < len(order)}
-            raise ConfigError(f"{method}: the device orders deadlock (next actions {stuck})")
-    expected = {(k, j, m) for k in "FB" for j in range(stages) for m in range(microbatches)}
-    if set(done) != expected:
-        missing = sorted(expected - set(done))[:3]
-        raise ConfigError(f"{method}: the device orders run {len(done)} actions, not each stage's F and B of each "
-                          f"micro-batch once (missing e.g. {missing})")
+            stuck = "; ".join(f"device {d}'s {(k, j, m)} waits for {(*KINDS[k].after(j, stages), m)}"
+                              for d, order in enumerate(orders) if position[d] < len(order)
+                              for k, j, m in [order[position[d]]])
+            raise ConfigError(f"{method}: the device orders deadlock ({stuck})")
     span = max(done.values()) + 1
     ops, updates = [], []
     for k in range(steps):
@@ -366,6 +372,34 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], s
     ops.sort(key=lambda o: (o.tick, o.device))
     return TimeTable(method, 1, stages, steps, span * steps, max(device_of) + 1, span, tuple(ops), tuple(updates),
                      microbatches=microbatches, steady=(0, span))
+
+
+def _check_orders(method, orders, stages, microbatches, device_of) -> None:
+    """Refuses orders that are not each stage's ops of each micro-batch once, on its device: a
+    ConfigError naming an unknown kind, a stage on the wrong device, what is missing, what is
+    there twice and what no stage or micro-batch has."""
+    given = [tuple(a) for order in orders for a in order]
+    for name in sorted({k for k, _, _ in given}):
+        if name not in KINDS:
+            raise ConfigError(f"{method}: unknown op kind {name!r} in the device orders; registered: "
+                              f"{', '.join(KINDS)}")
+    for d, order in enumerate(orders):
+        for kind, j, m in order:
+            if not (0 <= j < stages and 0 <= m < microbatches):
+                raise ConfigError(f"{method}: device {d}'s action {(kind, j, m)} is outside stages 0..{stages - 1} "
+                                  f"and micro-batches 0..{microbatches - 1}")
+            if device_of[j] != d:
+                raise ConfigError(f"{method}: device {d}'s list holds stage {j}, which lives on device {device_of[j]}")
+    required = kinds.requires({k for k, _, _ in given}, stages)
+    need = [k for k in KINDS if k in required]  # in the registry's order: F, B, W
+    expected = {(k, j, m) for k in need for j in range(stages) for m in range(microbatches)}
+    twice = sorted(a for a, n in collections.Counter(given).items() if n > 1)[:3]
+    missing, extra = sorted(expected - set(given))[:3], sorted(set(given) - expected)[:3]
+    if missing or twice or extra:
+        wrong = "; ".join(f"{what} e.g. {which}" for what, which in
+                          (("missing", missing), ("twice", twice), ("not expected", extra)) if which)
+        raise ConfigError(f"{method}: the device orders must run each stage's {', '.join(need)} of each of the "
+                          f"{microbatches} micro-batches once ({wrong})")
 
 
 def positive(**values) -> None:
@@ -379,19 +413,22 @@ def positive(**values) -> None:
 
 
 def _held(t: TimeTable, weight: np.ndarray) -> np.ndarray:
-    """[ticks, devices] sum of `weight[stage]` over the stage-activations each device holds."""
+    """[ticks, devices] sum of `weight[stage]` over the stage-activations each device holds
+    (`TimeTable.activation_per_worker`: from a forward until the last backward op of its stage
+    and micro-batch; an op of a kind that is both, during its tick)."""
     out = np.zeros((t.num_ticks, t.devices), float)
-    forward, backward = {}, {}
+    forward, last_backward = {}, {}
     for op in t.ops:
         key = (op.device, op.stage, op.step, op.micro)
-        if op.kind == "FB":
+        kind = KINDS[op.kind]
+        if kind.forward and kind.backward:
             out[op.tick, op.device] += weight[op.stage]
-        elif op.kind == "F":
+        elif kind.forward:
             forward[key] = op.tick
-        else:
-            backward[key] = op.tick
+        elif kind.backward:
+            last_backward[key] = max(last_backward.get(key, op.tick), op.tick)
     for key, f in forward.items():
-        b = backward.get(key, t.num_ticks)
+        b = last_backward.get(key, t.num_ticks)
         out[f:b, key[0]] += weight[key[1]]
     return out
 
@@ -432,6 +469,11 @@ def format_grid(t: TimeTable) -> str:
     bf = t.busy_fraction()
     lines.append(f"busy fraction (steady state): {bf['overall']:.3f} of stage slots, {bf['devices']:.3f} of device "
                  f"time; over all ticks: {bf['whole']:.3f}")
+    lo, hi = t.steady
+    held = t.activation_per_worker()[lo:hi]
+    if held.size and any(not (KINDS[o.kind].forward and KINDS[o.kind].backward) for o in t.ops):  # not ppll's
+        lines.append(f"activation slots (stage-activations held, steady-state peak) per "
+                     f"{'worker' if who == 'w' else 'device'}: {' '.join(str(int(x)) for x in held.max(0))}")
     if stale or t.meta.get("rule"):
         lines.append(f"stale (worker, stage) pairs: {int(t.stale.sum())} of {t.stale.size}")
     lines.extend(t.notes)

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from cdpjax import bench, speedup, timetable
+from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
 from cdpjax.cli import main
+from cdpjax.timetable import table
 
 
 def test_collective_parser_reads_shapes_and_tuples():
@@ -93,21 +95,97 @@ UNIFORM = speedup.StageCosts((1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
 def test_gpipe_prediction_is_the_bubble_formula(microbatches):
     """With free transfers and balanced stages GPipe's speedup is M*K/(M+K-1)."""
-    r = speedup.simulate(gpipe_table(4, microbatches, 5), UNIFORM, 1e15)
-    assert r["speedup"] == pytest.approx(microbatches * 4 / (microbatches + 3))
+    for model in speedup.MODELS:  # a forward tick or a backward tick: lockstep loses nothing here
+        r = speedup.simulate(gpipe_table(4, microbatches, 5), UNIFORM, 1e15, model=model)
+        assert r["speedup"] == pytest.approx(microbatches * 4 / (microbatches + 3)) and r["model"] == model
 
 
 def test_ppll_and_cdp_predictions():
-    ppll = speedup.simulate(ppll_table(4, 24), UNIFORM, 1e15)
+    ppll = speedup.simulate(ppll_table(4, 24), UNIFORM, 1e15, model="async")
     assert ppll["speedup"] == pytest.approx(4.0)  # no bubble in steady state
     # an imbalanced stage sets the pace of the pipeline
     slow = speedup.StageCosts((1.0, 1.0, 3.0, 1.0), (2.0,) * 4, (1.0,) * 4, (1.0,) * 4)
-    assert speedup.simulate(ppll_table(4, 24), slow, 1e15)["step_seconds"] == pytest.approx(5.0)
+    assert speedup.simulate(ppll_table(4, 24), slow, 1e15, model="async")["step_seconds"] == pytest.approx(5.0)
     # dp pays its all-reduce on the critical path; cdp-v1 hides the relay behind the delay
-    dp = speedup.simulate(cdp_table("dp", 4, 4, 6), UNIFORM, 1.0)
-    v1 = speedup.simulate(cdp_table("cdp-v1", 4, 4, 6), UNIFORM, 1.0)
+    dp = speedup.simulate(cdp_table("dp", 4, 4, 6), UNIFORM, 1.0, model="async")
+    v1 = speedup.simulate(cdp_table("cdp-v1", 4, 4, 6), UNIFORM, 1.0, model="async")
     assert dp["step_seconds"] == pytest.approx(12.0 + 2 * 3 / 4 * 4)
     assert v1["step_seconds"] == pytest.approx(12.0)
+
+
+def test_lockstep_model_on_a_two_worker_cdp_table():
+    """cdp-v2, N = L = 2: worker 1 starts 2L/N = 2 ticks after worker 0, so every steady tick
+    pairs one worker's forward with the other's backward, and the tick lasts as long as the
+    slower of the two plus the largest gradient message sent at its end. Stage costs F = (1, 2),
+    B = (3, 5), gradient bytes (2, 2) at 4 bytes/s (0.5 s a message). One period, by hand:
+      tick 0: w0 F0, w1 B1, w1's completed sum of stage 1 to w0  -> max(1, 5) + 0.5 = 5.5
+      tick 1: w0 F1, w1 B0, the sum of stage 0                   -> max(2, 3) + 0.5 = 3.5
+      tick 2: w0 B1, w1 F0, w0's partial of stage 1 to w1        -> max(5, 1) + 0.5 = 5.5
+      tick 3: w0 B0, w1 F1, the partial of stage 0               -> max(3, 2) + 0.5 = 3.5
+    18 s a step, where the asynchronous model lets each worker run its 11 s of ops back to back.
+    dp in lockstep: F0, F1, B1, B0 on both workers at once (1 + 2 + 5 + 3 = 11) and a ring
+    all-reduce of both stages, 2(N-1)/N x 4 bytes / 4 = 1 s: 12 s. One device runs both
+    workers' ops, 2 x 11 = 22 s."""
+    costs = speedup.StageCosts((1.0, 2.0), (3.0, 5.0), (1.0, 1.0), (2.0, 2.0))
+    ring = speedup.simulate(cdp_table("cdp-v2", 2, 2, 6), costs, 4.0, model="lockstep")
+    assert ring["step_seconds"] == pytest.approx(5.5 + 3.5 + 5.5 + 3.5) and ring["model"] == "lockstep"
+    assert ring["sequential_step_seconds"] == pytest.approx(22.0) and ring["speedup"] == pytest.approx(22 / 18)
+    assert speedup.simulate(cdp_table("cdp-v2", 2, 2, 6), costs, 1e15, model="async")["step_seconds"] == \
+        pytest.approx(11.0)
+    assert speedup.simulate(cdp_table("dp", 2, 2, 6), costs, 4.0)["step_seconds"] == pytest.approx(12.0)
+
+
+def test_lockstep_model_costs_b_and_w_apart():
+    """zb-h1 (K = 2, M = 4) costs B at the input backward and W at the weight gradient, 1F1B's B
+    at the whole backward. Its ticks, from ZB-H1's orders (device 0: F0 F1 . B0 W0 F2 B1 W1 F3 B2
+    W2 B3 W3; device 1: . F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3) with F = 1, B = 0.5, W = 1.5, by
+    hand: 1, 1, .5, 1, 1.5, 1.5, 1, 1.5, 1.5, 1, 1.5, 1.5, 1.5 = 16; 1F1B's (device 0: F0 F1 . B0
+    F2 B1 F3 B2 . B3) with the whole backward, 2: 1, 1, then eight ticks holding a B, 18. The work
+    of one step is the same, 2 x 4 x (1 + 2) = 24, whichever way the backward is cut."""
+    costs = speedup.StageCosts((1.0,) * 2, (2.0,) * 2, (1.0,) * 2, (1.0,) * 2, (), (0.5,) * 2, (1.5,) * 2)
+    zb = speedup.simulate(table("zb-h1", stages=2, microbatches=4, steps=1), costs, 1e15)
+    ofob = speedup.simulate(table("1f1b", stages=2, microbatches=4, steps=1), costs, 1e15)
+    assert zb["step_seconds"] == pytest.approx(16.0) and ofob["step_seconds"] == pytest.approx(18.0)
+    assert zb["sequential_step_seconds"] == ofob["sequential_step_seconds"] == pytest.approx(24.0)
+    starts = speedup.lockstep_starts(table("zb-h1", stages=2, microbatches=4, steps=1), costs)
+    assert list(starts[:6]) == pytest.approx([0, 1, 2, 2.5, 3.5, 5])
+    without = speedup.StageCosts((1.0,) * 2, (2.0,) * 2, (1.0,) * 2, (1.0,) * 2)  # no B/W measured apart
+    with pytest.raises(ConfigError, match="backward_input"):
+        speedup.simulate(table("zb-h1", stages=2, microbatches=4, steps=1), without, 1e15)
+    with pytest.raises(ConfigError, match="lockstep or async"):
+        speedup.simulate(table("zb-h1", stages=2, microbatches=4, steps=1), costs, 1e15, model="eager")
+
+
+def test_uniform_costs_by_kind():
+    """`F=1,B=2,W=1`: the whole backward 2, its weight half 1 and so its input half 1; W left out:
+    half the backward each; B and W from their fields where given."""
+    c = speedup.uniform_costs({"F": 1, "B": 2, "W": 0.5}, 3)
+    assert (c.forward, c.backward, c.backward_input, c.backward_weight) == ((1.0,) * 3, (2.0,) * 3, (1.5,) * 3,
+                                                                            (0.5,) * 3)
+    c = speedup.uniform_costs({"F": 1, "B": 3}, 1)
+    assert (c.backward_input, c.backward_weight) == ((1.5,), (1.5,))
+    c = speedup.uniform_costs({"forward": 1, "backward_input": 1, "backward_weight": 2}, 1)
+    assert c.backward == (3.0,)
+    with pytest.raises(ConfigError, match="give F, B, W"):
+        speedup.uniform_costs({"F": 1, "X": 2}, 1)
+
+
+def test_measured_costs_split_the_backward():
+    """measure_stage_costs times the backward whole and in its halves, recomputing the forward or
+    from kept residuals, and says which: every field is there for every stage, each a positive time."""
+    from cdpjax import config as cfg_lib, data, models
+
+    c = cfg_lib.default_config()
+    c.model, c.model_kwargs, c.stages = "mlp", {"width": 16}, 2
+    ds = data.build(c)
+    net = models.build(c, ds.image_shape, ds.num_classes)
+    for residuals in ("recompute", "carry"):
+        costs = speedup.measure_stage_costs(net, 8, repeats=1, residuals=residuals)
+        assert costs.residuals == residuals
+        for field in ("forward", "backward", "backward_input", "backward_weight"):
+            assert len(getattr(costs, field)) == 2 and min(getattr(costs, field)) > 0, field
+    with pytest.raises(ConfigError, match="residuals"):
+        speedup.measure_stage_costs(net, 8, repeats=1, residuals="keep")
 
 
 def test_local_learning_predictions_time_the_heads():
@@ -116,14 +194,14 @@ def test_local_learning_predictions_time_the_heads():
     device (K = 8 on 4, two each) add up there. Rules written out, not the model's output."""
     f, b, h = (1.0,) * 4, (2.0,) * 4, (0.0, 4.0, 0.5, 0.0)
     costs = speedup.StageCosts(f, b, (1.0,) * 4, (1.0,) * 4, h)
-    r = speedup.simulate(ppll_table(4, 24), costs, 1e15)
+    r = speedup.simulate(ppll_table(4, 24), costs, 1e15, model="async")
     assert r["step_seconds"] == pytest.approx(max(fi + bi + hi for fi, bi, hi in zip(f, b, h)))  # 7
     assert r["sequential_step_seconds"] == pytest.approx(sum(f) + sum(b) + sum(h))  # 16.5
     eight = speedup.StageCosts((1.0,) * 8, (2.0,) * 8, (1.0,) * 8, (1.0,) * 8, (1.0,) * 8)
-    grouped = speedup.simulate(ppll_table(8, 24, module_groups=(2, 2, 2, 2)), eight, 1e15)
+    grouped = speedup.simulate(ppll_table(8, 24, module_groups=(2, 2, 2, 2)), eight, 1e15, model="async")
     assert grouped["step_seconds"] == pytest.approx(2 * (1 + 2 + 1)) and grouped["speedup"] == pytest.approx(4.0)
-    assert speedup.simulate(ppll_table(4, 24), speedup.StageCosts(f, b, (1.0,) * 4, (1.0,) * 4), 1e15)[
-        "step_seconds"] == pytest.approx(3.0)  # without heads: the bodies only
+    assert speedup.simulate(ppll_table(4, 24), speedup.StageCosts(f, b, (1.0,) * 4, (1.0,) * 4), 1e15,
+                            model="async")["step_seconds"] == pytest.approx(3.0)  # without heads: the bodies only
 
 
 def test_balance_by_time_beats_even_split():
@@ -225,4 +303,23 @@ def test_a_variant_is_predicted_with_its_own_keys(tmp_path, capsys):
                  "--config.microbatches=4", "--json", str(path)]) == 0
     base, variant = json.loads(path.read_text())
     assert (base["prediction"]["micro_batch"], variant["prediction"]["micro_batch"]) == (16, 8)
-    assert "gpipe@microbatches=8: step" in capsys.readouterr().out
+    assert base["prediction"]["model"] == variant["prediction"]["model"] == "lockstep"  # the default
+    out = capsys.readouterr().out
+    assert "gpipe@microbatches=8: step" in out
+    assert sum("(lockstep model)" in line for line in out.splitlines() if ": step" in line) == 2
+
+
+def test_predict_for_config_says_its_model():
+    """predict_for_config names the model it replayed, and times the backward as the config runs it."""
+    from cdpjax import config as cfg_lib
+
+    c = cfg_lib.default_config()
+    c.method, c.model, c.model_kwargs, c.stages, c.microbatches = "gpipe", "mlp", {"width": 16}, 2, 2
+    c.residuals = "carry"
+    p = speedup.predict_for_config(c, 2, 1e15, model="async")
+    assert (p["model"], p["backward_from"], p["devices"]) == ("async", "carry", 2)
+    assert len(p["stage_backward_input"]) == len(p["stage_backward_weight"]) == 2
+    wrong = speedup.predict_for_config(c, 3, 1e15)  # two stages on two devices, not three
+    assert "error" in wrong and wrong["model"] == "lockstep"
+    with pytest.raises(ConfigError, match="lockstep or async"):
+        speedup.predict_for_config(c, 2, 1e15, model="eager")

@@ -152,3 +152,115 @@ def test_entry_point_without_jax():
     assert p.returncode == 0, p.stderr
     assert "RC 0 2" in p.stdout and "F1" in p.stdout
     assert p.stderr.strip().count("\n") == 0 and "workers=3" in p.stderr
+
+
+# ------------------------------------------------------- W ops, placements, costs
+
+
+def test_zb_h1_shows_w_ops(capsys):
+    """`cdpjax schedule --method zb-h1 --stages 4 --microbatches 8`: every device row holds the W of
+    each micro-batch once, after its B; --json says `kind: "W"` for K x M x steps ops."""
+    rc, out, _ = run(["--method", "zb-h1", "--stages", "4", "--microbatches", "8"], capsys)
+    assert rc == 0 and "W<m>" in out.splitlines()[1]
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line[:1] == "d"}
+    for d in range(4):
+        cells = [c for c in rows[f"d{d}"] if c != "."][:24]  # step 0
+        assert sorted(c for c in cells if c[0] == "W") == sorted(f"W{m}" for m in range(8))
+        assert all(cells.index(f"B{m}") < cells.index(f"W{m}") for m in range(8))
+    # a device keeps a micro-batch's activation until its W: 1F1B's K - j on device j, ZB-H1's K on each
+    assert "activation slots (stage-activations held, steady-state peak) per device: 4 4 4 4" in out
+    assert "per device: 4 3 2 1" in run(["--method", "1f1b", "--stages", "4"], capsys)[1]
+    rc, out, _ = run(["--method", "zb-h1", "--stages", "4", "--microbatches", "8", "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and sum(o["kind"] == "W" for o in d["ops"]) == 4 * 8 * d["steps"]
+
+
+def _luminance(rgb):
+    return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+
+
+def test_w_has_its_own_shade(tmp_path, capsys, monkeypatch):
+    """In the diagram a micro-batch's F, B and W boxes share its hue in three shades, forward
+    lightest, backward darkest, W between, and the legend says which shade is which."""
+    from matplotlib.patches import Rectangle
+
+    figures = capture_figures(monkeypatch, plotting)
+    rc, _, _ = run(["--method", "zb-h1", "--stages", "2", "--microbatches", "4", "--steps", "1", "--out",
+                    str(tmp_path / "zb.png")], capsys)
+    (_, fig), = figures
+    (ax,) = fig.axes
+    texts = {(round(t.get_position()[0], 6), round(t.get_position()[1], 6)): t.get_text() for t in ax.texts}
+    shade = collections.defaultdict(set)
+    for r in ax.patches:
+        if isinstance(r, Rectangle):
+            label = texts[(round(r.get_x() + r.get_width() / 2, 6), round(r.get_y() + r.get_height() / 2, 6))]
+            shade[label].add(tuple(round(c, 6) for c in r.get_facecolor()[:3]))
+    for m in range(4):
+        (f,), (b,), (w,) = shade[f"F{m}"], shade[f"B{m}"], shade[f"W{m}"]
+        assert _luminance(f) > _luminance(w) > _luminance(b)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"forward (light)", "backward (dark)", "weight gradient (W)"} <= set(legend)
+    assert rc == 0 and png_matches(tmp_path / "zb.png", fig)
+
+
+@pytest.mark.parametrize("argv,labels", [
+    (["--method", "zbv", "--stages", "4"], [(0, 0), (1, 1), (2, 1), (3, 0)]),  # the V: r and 2D-1-r
+    (["--method", "interleaved-1f1b", "--stages", "4", "--chunks", "2"], [(0, 0), (1, 1), (2, 0), (3, 1)]),
+    (["--method", "looped-bfs", "--stages", "6", "--chunks", "2"], [(0, 0), (1, 1), (2, 2), (3, 0), (4, 1), (5, 2)]),
+    (["--method", "gpipe", "--stages", "3"], [(0, None), (1, None), (2, None)]),  # one stage a device, in order
+])
+def test_diagrams_say_which_device_holds_each_stage(tmp_path, capsys, monkeypatch, argv, labels):
+    figures = capture_figures(monkeypatch, plotting)
+    assert run([*argv, "--out", str(tmp_path / "t.svg")], capsys)[0] == 0
+    (_, fig), = figures
+    want = [f"stage {j}" + (f" (device {d})" if d is not None else "") for j, d in labels]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == want
+
+
+# 1F1B, K = 2, M = 4 (device 0: F0 F1 . B0 F2 B1 F3 B2 . B3; device 1: . F0 B0 F1 B1 F2 B2 F3 B3 .)
+# with F = 1 and B = 2, by hand: ticks 0-1 hold forwards only (1 each), every later tick a
+# backward (2 each): the ticks start at 0, 1, 2, 4, ..., 16 and the step ends at 18. One
+# column a time unit, an op's cell then '-' while it runs, '.' idle:
+ONE_F_ONE_B_IN_TIME = {
+    "d0": "F0 F1 . . B0 - F2 . B1 - F3 . B2 - . . B3 -",
+    "d1": ". F0 B0 - F1 . B1 - F2 . B2 - F3 . B3 - . .",
+}
+
+
+def test_costs_replay_the_table_in_time(tmp_path, capsys, monkeypatch):
+    """`--costs F=1,B=2,W=1`: the table in time units under the lockstep model, and its step time:
+    1F1B's 18 (written out above) against ZB-H1's 13, whose ticks all last 1 (B = 2 - W = 1), for
+    the same work, 2 x 4 x 3 = 24 on one device."""
+    sizes = ["--stages", "2", "--microbatches", "4", "--steps", "1", "--costs", "F=1,B=2,W=1"]
+    rc, out, _ = run(["--method", "1f1b", *sizes], capsys)
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines() if line[:2] in ("d0", "d1")}
+    assert rc == 0 and rows == ONE_F_ONE_B_IN_TIME
+    assert "step time 18 " in out and "one device 24 " in out and "F=1,B=2,W=1" in out.splitlines()[0]
+    rc, out, _ = run(["--method", "zb-h1", *sizes], capsys)
+    assert rc == 0 and "step time 13 " in out and "devices busy 0.923" in out
+    rc, out, _ = run(["--method", "1f1b", *sizes, "--json"], capsys)
+    lockstep = json.loads(out)["lockstep"]
+    assert lockstep["step_time"] == 18 and lockstep["model"] == "lockstep"
+    assert lockstep["tick_starts"] == [0, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18]
+    figures = capture_figures(monkeypatch, plotting)
+    assert run(["--method", "1f1b", *sizes, "--out", str(tmp_path / "t.png")], capsys)[0] == 0
+    (_, fig), = figures
+    from matplotlib.patches import Rectangle
+
+    stage0 = sorted((r.get_x(), r.get_width()) for r in fig.axes[0].patches
+                    if isinstance(r, Rectangle) and round(r.get_y() + r.get_height() / 2) == 0)
+    assert stage0 == [(0, 1), (1, 1), (4, 2), (6, 1), (8, 2), (10, 1), (12, 2), (16, 2)]  # device 0's row above
+    assert "time" in fig.axes[0].get_xlabel() and png_matches(tmp_path / "t.png", fig)
+
+
+def test_pipeline_tables_default_to_the_configs_microbatches(capsys):
+    """`cdpjax schedule --method 1f1b` lays out the config's default M (4), as does every layout that
+    reads `config.microbatches`."""
+    from cdpjax.config import default_config
+    from cdpjax.layouts import LAYOUTS
+
+    rc, out, _ = run(["--method", "1f1b"], capsys)
+    assert rc == 0 and "M=4 micro-batches" in out
+    for name, layout in LAYOUTS.items():
+        if layout.microbatches:
+            assert layout.table_sizes()["microbatches"] == default_config().microbatches, name

@@ -11,7 +11,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import applies_of, cdp_table, ring_program
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
-from cdpjax.timetable import Op, table
+from cdpjax import kinds
+from cdpjax.timetable import Op, TimeTable, from_orders, table
 from helpers import cdp_rule
 
 
@@ -367,3 +368,68 @@ def test_json():
     assert isinstance(t.ops[0], Op) and t.ops[0].worker == t.ops[0].device
     for m in ("ppll", "gpipe"):
         json.dumps(table(m, stages=3, steps=2).to_json())
+
+
+# --------------------------------------------------------------- W: the split backward
+
+
+def test_from_orders_lays_out_w_after_its_b():
+    """One stage, two micro-batches, F0 B0 F1 W0 B1 W1 on its device: each action one tick, in
+    order (nothing waits: each W's B is earlier on the same device); a stage-activation is held
+    from its F until before its W (micro-batch 0: ticks 0-2, 1: ticks 2-4), where without the Ws
+    it is held until before its B (ticks 0 and 2)."""
+    orders = [[("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("W", 0, 0), ("B", 0, 1), ("W", 0, 1)]]
+    t = from_orders("toy", orders, 1, 2)
+    assert [(o.tick, o.kind, o.micro) for o in t.ops] == [(0, "F", 0), (1, "B", 0), (2, "F", 1), (3, "W", 0),
+                                                            (4, "B", 1), (5, "W", 1)]
+    assert t.split_backward and t.num_ticks == 6 and [u.tick for u in t.updates] == [5]
+    assert t.activation_per_worker()[:, 0].tolist() == [1, 1, 2, 1, 1, 0]
+    plain = from_orders("toy", [[a for a in orders[0] if a[0] != "W"]], 1, 2)
+    assert not plain.split_backward and plain.activation_per_worker()[:, 0].tolist() == [1, 0, 1, 0]
+    assert t.busy_fraction()["devices"] == 1.0  # an unregistered layout's cells name the stage:
+    assert t.grid()[:, 0].tolist() == ["F0", "B0", "F0", "W0", "B0", "W0"]
+
+
+def test_from_orders_waits_across_devices_by_each_kinds_rule():
+    """Two stages on two devices: stage 0's B of a micro-batch waits for stage 1's B (the input
+    cotangent), not for stage 1's W, which device 1 runs later: device 1 F0 B0 W0 at ticks 1-3,
+    device 0's B0 at tick 3, right after stage 1's B0 at tick 2."""
+    orders = [[("F", 0, 0), ("B", 0, 0), ("W", 0, 0)], [("F", 1, 0), ("B", 1, 0), ("W", 1, 0)]]
+    t = from_orders("toy", orders, 2, 1)
+    ticks = {(o.kind, o.stage): o.tick for o in t.ops}
+    assert ticks == {("F", 0): 0, ("F", 1): 1, ("B", 1): 2, ("W", 1): 3, ("B", 0): 3, ("W", 0): 4}
+
+
+@pytest.mark.parametrize("orders,microbatches,match", [
+    ([[("F", 0, 0), ("B", 0, 0), ("W", 0, 0), ("F", 0, 1), ("B", 0, 1)]], 2, r"missing e.g. \[\('W', 0, 1\)\]"),
+    ([[("F", 0, 0), ("W", 0, 0)]], 1, r"F, B, W .*missing e.g. \[\('B', 0, 0\)\]"),
+    ([[("F", 0, 0)]], 1, r"F, B of .*missing e.g. \[\('B', 0, 0\)\]"),
+    ([[("F", 0, 0), ("B", 0, 0), ("W", 0, 0), ("W", 0, 0)]], 1, r"twice e.g. \[\('W', 0, 0\)\]"),
+    ([[("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]], 1, r"outside stages 0..0 and micro-batches 0..0"),
+    ([[("F", 0, 0), ("X", 0, 0)]], 1, "unknown op kind 'X' in the device orders; registered: F, B, W, FB"),
+    ([[("F", 0, 0), ("W", 0, 0), ("B", 0, 0)]], 1, r"deadlock \(device 0's \('W', 0, 0\) waits for \('B', 0, 0\)\)"),
+])
+def test_from_orders_names_what_is_wrong(orders, microbatches, match):
+    with pytest.raises(ConfigError, match=match):
+        from_orders("toy", orders, 1, microbatches)
+
+
+def test_gradient_kind_and_requirements():
+    """The kinds' data: B completes the weight gradient unless a W follows; a list of Ws needs
+    their Bs and the Fs those need."""
+    assert (kinds.gradient_kind(False), kinds.gradient_kind(True)) == ("B", "W")
+    assert kinds.completes_gradient("B", False) and not kinds.completes_gradient("B", True)
+    assert kinds.completes_gradient("W", True) and kinds.completes_gradient("FB", False)
+    assert kinds.requires({"W"}, 3) == {"F", "B", "W"} and kinds.requires({"FB"}, 3) == {"FB"}
+    assert (kinds.cost_field("B", False), kinds.cost_field("B", True), kinds.cost_field("W", True)) == (
+        "backward", "backward_input", "backward_weight")
+
+
+def test_json_round_trip_with_w():
+    t = table("zb-h1", stages=3, microbatches=4, steps=2)
+    d = json.loads(t.dumps())
+    assert sum(o["kind"] == "W" for o in d["ops"]) == 3 * 4 * 2
+    assert any("W" in cell for row in d["ticks"] for cell in row)
+    back = TimeTable.from_json(json.dumps(d))
+    assert back == t and back.split_backward
+    assert back.activation_stats() == t.activation_stats() and back.format_grid() == t.format_grid()

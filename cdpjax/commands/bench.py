@@ -17,6 +17,9 @@ def add_parser(subparsers):
     p.add_argument("--predict", type=int, default=0, metavar="K",
                    help="also predict step time and speedup on K real devices (see cdpjax.speedup)")
     p.add_argument("--bandwidth", type=float, default=100e9, help="bytes/s between devices for --predict")
+    p.add_argument("--speedup-model", choices=("lockstep", "async"), default="lockstep",
+                   help="--predict's model: lockstep ticks, as cdpjax's SPMD programs run (default), or async, each "
+                        "op as soon as its inputs are there (MPMD host queues); see cdpjax.speedup")
     p.add_argument("--no-heads", action="store_true",
                    help="--predict without the auxiliary heads' time (local learning times them by default)")
     return p
@@ -63,7 +66,8 @@ def run(args, overrides=()) -> int:
 
         for r, spec in zip(records, specs):
             r["prediction"] = speedup.predict_for_config(bench.variant_config(base, spec), args.predict,
-                                                         args.bandwidth, heads=not args.no_heads)
+                                                         args.bandwidth, heads=not args.no_heads,
+                                                         model=args.speedup_model)
     print(bench.format_table(records))
     if args.predict:
         from cdpjax import speedup

@@ -62,7 +62,7 @@ def plot_curves(workdirs, out: str):
     from cdpjax.plotting import _figure, _save
 
     runs = [(_label(w), read_metrics(w)) for w in workdirs]
-    fig = _figure(10.0, 6.4)
+    fig = _figure(10.0, 6.4, layout="constrained")  # the top row's x labels clear the bottom row's titles
     axes = fig.subplots(2, 2).ravel()
     for ax, (split, key) in zip(axes, PANELS):
         for label, records in runs:

@@ -7,6 +7,8 @@
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --rule paper-code  # the authors' released rule
     cdpjax schedule --method cdp-v2 --stages 2 --json --stage-bytes 3e6,1e6  # activation and comm in bytes
     cdpjax schedule --from-json table.json --out table.png            # a table written by --json
+    cdpjax schedule --method zb-h1 --stages 4 --microbatches 8        # F, B (input) and W (weight) ops
+    cdpjax schedule --method 1f1b --stages 4 --costs F=1,B=2,W=1      # replayed in time units, step time
 
 Sizes a method's table does not take (ppll has no workers) are refused, by name; a
 size left out takes the table's own default (ppll lays out enough batches to reach
@@ -36,6 +38,14 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"stage bytes {text!r} must be numbers, e.g. 3e6,1e6") from None
 
 
+def _costs(text: str) -> dict[str, float]:
+    try:
+        pairs = [item.split("=") for item in text.split(",") if item.strip()]
+        return {key.strip(): float(value) for key, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"costs {text!r} must be KIND=TIME pairs, e.g. F=1,B=2,W=1") from None
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     with_tables = [name for name, layout in LAYOUTS.items() if layout.table is not None]
     p = subparsers.add_parser(
@@ -57,6 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=None, help="stages per device V (interleaved pipelines)")
     p.add_argument("--module-groups", type=_groups, default=None, metavar="G0,G1,...",
                    help="local modules per device (ppll), e.g. 8,3,2,2")
+    p.add_argument("--costs", type=_costs, default=None, metavar="F=1,B=2,W=1",
+                   help="each op kind's time: replay the table in lockstep (each tick as long as its slowest op) and "
+                        "show it in time units with its step time; B is the whole backward, W its weight half (the "
+                        "input half B - W where a W follows), every stage alike")
     p.add_argument("--from-json", default=None, metavar="FILE", help="read the table from FILE (written by --json)")
     p.add_argument("--out", default=None, help="draw the timing diagram to FILE.png or FILE.svg")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -79,25 +93,45 @@ def _table(args):
     return LAYOUTS.lookup(args.method).make_table(**sizes)
 
 
+def _lockstep_costs(args, t):
+    """The `--costs` as `StageCosts` for the table's stages, or None without them."""
+    if not args.costs:
+        return None
+    from cdpjax.speedup import uniform_costs
+
+    return uniform_costs(args.costs, t.stages)
+
+
 def run(args) -> int:
     """Returns 0, or 2 after a one-line message for bad sizes."""
     try:
         t = _table(args)
+        costs = _lockstep_costs(args, t)
         if args.out:
             from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
 
-            plot_schedule(t, args.out)
+            plot_schedule(t, args.out, costs=costs)
     except ConfigError as e:
         print(f"cdpjax schedule: error: {e}", file=sys.stderr)
         return 2
+    described = ",".join(f"{k}={v:g}" for k, v in (args.costs or {}).items())
     if args.json:
         try:
-            print(json.dumps(t.to_json(args.stage_bytes)))
+            d = t.to_json(args.stage_bytes)
         except ConfigError as e:  # stage bytes that do not fit the table
             print(f"cdpjax schedule: error: {e}", file=sys.stderr)
             return 2
+        if costs is not None:
+            from cdpjax.speedup import lockstep_summary
+
+            d["lockstep"] = {"costs": dict(args.costs), **lockstep_summary(t, costs)}
+        print(json.dumps(d))
     elif args.out:
         print(f"wrote {args.out}")
+    elif costs is not None:
+        from cdpjax.speedup import format_lockstep
+
+        print(format_lockstep(t, costs, described=described))
     else:
         print(t.format_grid())
     return 0

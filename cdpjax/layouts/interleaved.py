@@ -31,7 +31,7 @@ def interleaved_order(device: int, devices: int, chunks: int, microbatches: int)
     return order + [action("B", k) for k in range(total - warmup, total)]
 
 
-def interleaved_table(stages: int = 8, chunks: int = 2, microbatches: int = 8, steps: int = 2) -> TimeTable:
+def interleaved_table(stages: int = 8, chunks: int = 2, microbatches: int = 4, steps: int = 2) -> TimeTable:
     """`stages` = V x D stages on D = stages / chunks devices, stage s on device s mod D."""
     positive(stages=stages, chunks=chunks, microbatches=microbatches)
     if chunks < 2 or stages % chunks:

@@ -22,7 +22,7 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[
     return order + [("B", stage, m) for m in range(microbatches - warmup, microbatches)]
 
 
-def one_f_one_b_table(stages: int = 4, microbatches: int = 8, steps: int = 2) -> TimeTable:
+def one_f_one_b_table(stages: int = 4, microbatches: int = 4, steps: int = 2) -> TimeTable:
     positive(stages=stages, microbatches=microbatches)
     orders = [one_f_one_b_order(j, stages, microbatches) for j in range(stages)]
     return from_orders("1f1b", orders, stages, microbatches, steps)
