@@ -1,5 +1,5 @@
-"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B): the same gradients and updates as
-`e2e` on one device.
+"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV, LoopedBFS): the same gradients
+and updates as `e2e` on one device.
 
 Claims: the gradient summed over M micro-batches flowing forward and backward
 through K stages (of different shapes) on K devices (interleaved: K / V devices,
@@ -31,6 +31,13 @@ CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, 
     "1f1b-mlp-K4-M2-data2": ("1f1b", "mlp", 4, 4, 2, 2, "recompute", False),
     "interleaved-resnet-K4-on-2-M4": ("interleaved-1f1b", "resnet_tiny", 4, 2, 1, 4, "recompute", True),
     "interleaved-mlp-K4-on-2-M2-data2": ("interleaved-1f1b", "mlp", 4, 2, 2, 2, "recompute", False),
+    "zb-h1-resnet-K4-M4": ("zb-h1", "resnet_tiny", 4, 4, 1, 4, "recompute", True),
+    "zb-h1-resnet-K2-M4-carry": ("zb-h1", "resnet_tiny", 2, 2, 1, 4, "carry", True),
+    "zb-h1-mlp-K2-M2-data2": ("zb-h1", "mlp", 2, 2, 2, 2, "carry", False),
+    "zbv-resnet-K4-on-2-M4-carry": ("zbv", "resnet_tiny", 4, 2, 1, 4, "carry", True),
+    "zbv-mlp-K4-on-2-M2": ("zbv", "mlp", 4, 2, 1, 2, "recompute", True),
+    "looped-bfs-mlp-K4-on-2-M4": ("looped-bfs", "mlp", 4, 2, 1, 4, "recompute", True),
+    "looped-bfs-resnet-K6-on-2-M2-carry": ("looped-bfs", "resnet_tiny", 6, 2, 1, 2, "carry", False),
 }
 
 

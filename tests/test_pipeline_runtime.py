@@ -251,7 +251,7 @@ def test_a_table_survives_json(name, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == t.format_grid().strip()
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""
@@ -267,4 +267,5 @@ def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == name and summary["test_accuracy"] > 0.3  # digits: chance is 0.1
-    assert summary["mesh"] == {"stage": 4 if name == "1f1b" else 2}
+    # 4 stages: one per device, or two per device (V chunks, the V placement)
+    assert summary["mesh"] == {"stage": 4 if name in ("1f1b", "zb-h1") else 2}
