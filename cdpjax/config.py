@@ -67,6 +67,9 @@ def default_config() -> ml_collections.ConfigDict:
     # 'paper-code' (the authors' released rule: current iff stage >= L-1-worker, for any N and L);
     # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
     c.cdp_rule = "cdp-v2"
+    # CDP's op sequence: 'whole' backwards (F, B: 2L ticks a step, the paper's figure) or 'split'
+    # ones (F, B, W: 3L ticks of about equal cost, so a lockstep tick waits for no whole backward).
+    c.cdp_backward = "whole"
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
@@ -124,6 +127,7 @@ _CHOICES = {
     "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
+    "cdp_backward": ("whole", "split"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),

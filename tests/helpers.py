@@ -100,29 +100,43 @@ def max_diff(a, b) -> float:
 # ------------------------------------------------------------------ CDP's timing, written out
 
 
-def cdp_rule(method: str, workers: int, stages: int, steps: int):
+def cdp_rule(method: str, workers: int, stages: int, steps: int, backward: str = "whole"):
     """CDP's (and dp's) schedule as the paper states it, written out here without the table code:
-    worker i starts step k at tick o_i + 2Lk with o_i = 2L*i/N (dp: every worker at 2Lk); at phase
-    p of a step it runs the forward of stage p (p < L), else the backward of stage 2L-1-p. Stage
-    j's update for step k lands at the end of the last worker's backward of stage j (dp: the
-    step's last tick, after the all-reduce). cdp-v1 reads the previous version everywhere;
-    cdp-v2 where the forward comes before the previous step's update: o_i + j <= o_{N-1} - 1 - j,
-    i.e. o_i + 2j < o_{N-1}. Version read at step k: k, or max(k-1, 0) when stale; slot
-    'current' iff that version is the number of updates of the stage applied before the tick.
+    worker i starts step k at tick o_i + Tk with o_i = T*i/N (dp: every worker at Tk). With whole
+    backwards (T = 2L), at phase p of a step it runs the forward of stage p (p < L), else the
+    backward of stage 2L-1-p, which completes the stage's gradient: phase g_j = 2L-1-j. With split
+    backwards (T = 3L), the forwards, then for q = p - L: stage L-1-q//2's input backward B (q even)
+    or its weight gradient W (q odd), which completes the gradient: g_j = 3L-1-2j. Stage j's update
+    for step k lands at the end of the last worker's gradient op of stage j (dp: the step's last
+    tick, after the all-reduce). cdp-v1 reads the previous version everywhere; cdp-v2 where the
+    forward comes before the previous step's update: o_i + j <= o_{N-1} + g_j - T. Version read at
+    step k: k, or max(k-1, 0) when stale; slot 'current' iff that version is the number of updates
+    of the stage applied before the tick.
 
     Returns (ops, updates, stale): ops as {(tick, worker, stage, kind, step, version, slot, stale)},
     updates as {(tick, stage, step)}, stale as an [N, L] bool array."""
-    N, L, T = workers, stages, 2 * stages
+    N, L = workers, stages
+    T = 2 * L if backward == "whole" else 3 * L
+    g = [2 * L - 1 - j if backward == "whole" else 3 * L - 1 - 2 * j for j in range(L)]
+
+    def op(p):
+        if p < L:
+            return "F", p
+        if backward == "whole":
+            return "B", T - 1 - p
+        q = p - L
+        return ("B" if q % 2 == 0 else "W"), L - 1 - q // 2
+
     offset = [0 if method == "dp" else T * i // N for i in range(N)]
-    stale = np.array([[method == "cdp-v1" or (method == "cdp-v2" and offset[i] + 2 * j < offset[-1])
+    stale = np.array([[method == "cdp-v1" or (method == "cdp-v2" and offset[i] + j <= offset[-1] + g[j] - T)
                        for j in range(L)] for i in range(N)])
-    update_tick = {(j, k): T * k + T - 1 if method == "dp" else offset[-1] + T * k + T - 1 - j
+    update_tick = {(j, k): T * k + T - 1 if method == "dp" else offset[-1] + T * k + g[j]
                    for j in range(L) for k in range(steps)}
     ops = set()
     for k in range(steps):
         for i in range(N):
             for p in range(T):
-                kind, j = ("F", p) if p < L else ("B", T - 1 - p)
+                kind, j = op(p)
                 tick = offset[i] + T * k + p
                 version = max(k - int(stale[i, j]), 0)
                 applied = sum(1 for s in range(steps) if update_tick[(j, s)] < tick)

@@ -34,6 +34,8 @@ def config(**kw):
     c.norm = "none"  # exact equality; BatchNorm has its own test
     for k, v in kw.items():
         c[k] = v
+    if isinstance(c.stages, int) and c.stages > 4:  # a stage per block
+        c.model_kwargs.depth = c.stages - 1
     return c
 
 
@@ -54,9 +56,9 @@ def context(devices, **kw):
 
 @functools.lru_cache(maxsize=None)
 def build(method, impl="simulate", workers=1, devices=1, stages=4, delay_free=False, norm="none", rule="cdp-v2",
-          residuals="recompute"):
+          residuals="recompute", backward="whole"):
     ctx = context(devices, method=method, cdp_impl=impl, workers=workers, stages=stages, norm=norm, cdp_rule=rule,
-                  residuals=residuals)
+                  residuals=residuals, cdp_backward=backward)
     if method in ("dp", "e2e"):
         return methods.build(ctx)
     return cdp.make(ctx, method, cdp_table("dp", workers, stages) if delay_free else None)
@@ -94,28 +96,35 @@ def test_delay_removed_equals_dp_and_e2e():
     assert max_diff(params(delayed, train(delayed)), reference) > 1e-4
 
 
-@pytest.mark.parametrize("method,workers,stages,norm,rule,residuals", [
-    ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute"), ("cdp-v2", 4, 4, "none", "cdp-v2", "recompute"),
-    ("cdp-v2", 8, 4, "none", "cdp-v2", "recompute"), ("cdp-v1", 4, 4, "none", "cdp-v2", "recompute"),
+@pytest.mark.parametrize("method,workers,stages,norm,rule,residuals,backward", [
+    ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute", "whole"), ("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "whole"),
+    ("cdp-v2", 8, 4, "none", "cdp-v2", "recompute", "whole"), ("cdp-v1", 4, 4, "none", "cdp-v2", "recompute", "whole"),
     # the paper code's rule where the ring can run it (N <= L; N < L: more stale than the timing)
-    ("cdp-v2", 2, 4, "none", "paper-code", "recompute"),
+    ("cdp-v2", 2, 4, "none", "paper-code", "recompute", "whole"),
     # kept residuals instead of recomputation: the same parameters
-    ("cdp-v2", 2, 4, "none", "cdp-v2", "carry"),
+    ("cdp-v2", 2, 4, "none", "cdp-v2", "carry", "whole"),
     # BatchNorm: statistics per micro-batch, running averages averaged over workers (the ring
     # averages each worker's running average at export: the same, the averages being linear).
-    ("cdp-v2", 4, 2, "batch", "cdp-v2", "recompute"),
+    ("cdp-v2", 4, 2, "batch", "cdp-v2", "recompute", "whole"),
+    # split backwards (F, B, W: 3L ticks of about equal cost): every rule, N = 2, 4, 8 and N != L
+    ("cdp-v2", 4, 4, "none", "cdp-v2", "carry", "split"), ("cdp-v2", 2, 4, "none", "cdp-v2", "carry", "split"),
+    ("cdp-v2", 8, 4, "none", "cdp-v2", "carry", "split"), ("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "split"),
+    ("cdp-v2", 2, 4, "none", "paper-code", "carry", "split"), ("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "split"),
+    ("cdp-v2", 2, 2, "batch", "cdp-v2", "carry", "split"),
 ])
-def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals):
-    sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm, rule=rule)
+def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals, backward):
+    if (workers, stages, backward) == (8, 4, "split"):  # 8 workers need 8 | 3L: L = 8 stages of a wider mlp
+        stages = 8
+    sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm, rule=rule, backward=backward)
     ring = build(method, "ring", workers=workers, devices=workers, stages=stages, norm=norm, rule=rule,
-                 residuals=residuals)
+                 residuals=residuals, backward=backward)
     # both read the rule as written out independently: the paper's timing (helpers.cdp_rule), or
     # the paper code's "worker i reads stage j fresh iff j >= L-1-i"
     if rule == "paper-code":
         expected = np.array([[j < stages - 1 - i for j in range(stages)] for i in range(workers)])
-        assert expected.sum() > cdp_rule("cdp-v2", workers, stages, 1)[2].sum()
+        assert expected.sum() > cdp_rule("cdp-v2", workers, stages, 1, backward)[2].sum()
     else:
-        expected = cdp_rule(method, workers, stages, 1)[2]
+        expected = cdp_rule(method, workers, stages, 1, backward)[2]
     np.testing.assert_array_equal(ring.stale, expected)
     np.testing.assert_array_equal(sim.stale, expected)
     expected_params, expected_state = sim.export(train(sim))
@@ -244,7 +253,7 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
 
     m = build("cdp-v2", "ring", workers=8, devices=8, stages=4)
     state, b = m.init(jax.random.key(0)), batches()[0]
-    hlo = m.info["period"].lower(state, b["image"], b["label"], True).compile().as_text()
+    hlo = m.train_step.lower(state, b).compile().as_text()
     stage_bytes = [sum(x.size * 4 for x in jax.tree.leaves(p)) for p in m.export(state)[0]]
     reduces = collective_sizes(hlo, "all-reduce")
     assert max(reduces, default=0) <= 8, reduces  # the loss/accuracy scalars only
@@ -258,6 +267,8 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     table = bench.table_figures(m.table, {"param_bytes": stage_bytes, "activation_bytes": [4] * 4})
     permuted = sent["by_kind"]["collective-permute"] / 8  # per worker; the rest: the metric scalars' psum
     assert permuted == pytest.approx(table["table_bytes_per_device_per_step"], rel=1e-6)
+    # and what the lowered program declares it sends (bench's figure) is what the HLO sends
+    assert m.program.sent_bytes({"param": stage_bytes}).mean() == pytest.approx(permuted, rel=1e-6)
     assert permuted == pytest.approx(2 * 7 / 8 * sum(stage_bytes))  # a ring all-reduce's bytes, 2(N-1)/N
     # The parser does see dp's model-sized all-reduce, and the ring sends what it sends.
     dp = build("dp", workers=8, devices=8)

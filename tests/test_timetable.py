@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import applies_of, cdp_table, ring_program
+from cdpjax.layouts.cdp import applies_of, cdp_table
+from cdpjax.program.ring import ring_ticks as ring_program
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
 from cdpjax import kinds
@@ -37,6 +38,15 @@ def test_v2_eight_workers_four_stages_half_stale():
     np.testing.assert_array_equal(stale, [[i + 2 * j < 7 for j in range(4)] for i in range(8)])
 
 
+def test_split_backward_n_equal_l_rule():
+    """Split backwards, N = L: worker i starts at 3i, its forward of stage j is at 3i + j and the
+    update of stage j lands at the end of worker L-1's W, 3(L-1) + 3L-1-2j, one step earlier: stale
+    iff 3i + j <= 3(L-1) - 1 - 2j, i.e. 3i + 3j < 3L - 3, i.e. j < L-1-i, the whole-backward rule."""
+    for n in (2, 4, 8):
+        stale = cdp_table("cdp-v2", n, n, backward="split").stale
+        np.testing.assert_array_equal(stale, [[j < n - 1 - i for j in range(n)] for i in range(n)])
+
+
 def test_v1_all_stale_dp_none():
     for n, l in [(4, 4), (8, 4), (2, 4)]:
         assert cdp_table("cdp-v1", n, l).stale.all()
@@ -44,12 +54,15 @@ def test_v1_all_stale_dp_none():
 
 
 @pytest.mark.parametrize("method", ["dp", "cdp-v1", "cdp-v2"])
-@pytest.mark.parametrize("n,l", [(4, 4), (8, 4), (2, 4), (4, 2)])
-def test_versions_and_slots(method, n, l):
+@pytest.mark.parametrize("n,l,backward", [(4, 4, "whole"), (8, 4, "whole"), (2, 4, "whole"), (4, 2, "whole"),
+                                          (4, 4, "split"), (2, 4, "split"), (3, 4, "split"), (6, 4, "split"),
+                                          (8, 8, "split")])
+def test_versions_and_slots(method, n, l, backward):
     """Every op (tick, worker, stage, kind, step, version, slot, stale) and every update equal the
-    schedule as the paper states it, written out in `helpers.cdp_rule` without the table code."""
-    t = cdp_table(method, n, l, steps=4)
-    ops, updates, stale = cdp_rule(method, n, l, 4)
+    schedule as the paper states it, written out in `helpers.cdp_rule` without the table code, for
+    whole backwards (2L ticks) and split ones (F, B, W: 3L ticks)."""
+    t = cdp_table(method, n, l, steps=4, backward=backward)
+    ops, updates, stale = cdp_rule(method, n, l, 4, backward)
     assert {(o.tick, o.device, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
     assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
     np.testing.assert_array_equal(t.stale, stale)
@@ -281,15 +294,17 @@ def test_activation_bytes_of_a_two_stage_example():
     assert cdp["total_peak"] / dp["total_peak"] == 0.5
 
 
-def _replay(rule, n, l, calls=4):
-    """Plays `ring_program` as the SPMD period does, on version numbers and sets of gradient
-    contributions: a device's buffer a send does not reach is clobbered (None) unless the send
-    merges; in-flight buffers go on, one lag older, only where the program says they are live."""
-    p = ring_program(rule, n, l)
+def _replay(rule, n, l, calls=4, backward="whole"):
+    """Plays the ring's period (`ring_ticks`) as the SPMD period does, on version numbers and sets of
+    gradient contributions: a device's buffer a send does not reach is clobbered (None) unless the
+    send merges; in-flight buffers go on, one lag older, only where the program says they are live."""
+    p = ring_program(rule, n, l, backward)
+    gradient = "B" if backward == "whole" else "W"
     if rule in ("cdp-v1", "cdp-v2"):  # the versions the paper's rule reads (helpers.cdp_rule), not the table's
-        want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, n, l, calls + 3)[0]}
+        want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, n, l, calls + 3, backward)[0]}
     else:  # the paper code's rule: its own reads (test_paper_code_rule checks its staleness by rule)
-        want = {(o.device, o.stage, o.step, o.kind): o.version for o in cdp_table(rule, n, l, steps=calls + 3).ops}
+        want = {(o.device, o.stage, o.step, o.kind): o.version
+                for o in cdp_table(rule, n, l, steps=calls + 3, backward=backward).ops}
     version = [[0] * l for _ in range(n)]
     bufs = [{key: frozenset() for key in p.live} for _ in range(n)]  # the zeros of `init`
     for call in range(calls + p.max_lag):
@@ -302,7 +317,7 @@ def _replay(rule, n, l, calls=4):
                 step = call - lag
                 if valid(lag):
                     assert version[w][j] == want[(w, j, step, kind)], (rule, n, l, call, w, kind, j)
-                if kind == "B":
+                if kind == gradient:
                     mine = frozenset({(w, step)}) if valid(lag) else frozenset()
                     total = mine if (w, j) in tk.chain_start else bufs[w].pop(("partial", j, lag)) | mine
                     if any(c == (w, j, lag) for c in tk.completes):
@@ -334,11 +349,15 @@ def _replay(rule, n, l, calls=4):
     return p
 
 
-@pytest.mark.parametrize("rule,n,l", [("cdp-v2", 4, 4), ("cdp-v2", 8, 4), ("cdp-v2", 2, 4), ("cdp-v2", 4, 2),
-                                      ("cdp-v1", 4, 4), ("cdp-v1", 2, 3), ("paper-code", 2, 4),
-                                      ("cdp-v2", 1, 3), ("cdp-v2", 6, 3)])
-def test_ring_program_replayed(rule, n, l):
-    p = _replay(rule, n, l)
+@pytest.mark.parametrize("rule,n,l,backward", [
+    ("cdp-v2", 4, 4, "whole"), ("cdp-v2", 8, 4, "whole"), ("cdp-v2", 2, 4, "whole"), ("cdp-v2", 4, 2, "whole"),
+    ("cdp-v1", 4, 4, "whole"), ("cdp-v1", 2, 3, "whole"), ("paper-code", 2, 4, "whole"), ("cdp-v2", 1, 3, "whole"),
+    ("cdp-v2", 6, 3, "whole"),
+    ("cdp-v2", 4, 4, "split"), ("cdp-v2", 2, 4, "split"), ("cdp-v2", 3, 4, "split"), ("cdp-v2", 6, 4, "split"),
+    ("cdp-v2", 8, 8, "split"), ("cdp-v1", 4, 4, "split"), ("cdp-v1", 3, 2, "split"), ("paper-code", 2, 4, "split"),
+    ("paper-code", 4, 4, "split")])
+def test_ring_program_replayed(rule, n, l, backward):
+    p = _replay(rule, n, l, backward=backward)
     assert p.sends_per_tick().max() <= 2  # one partial and one sum at most, whatever N
 
 
@@ -353,7 +372,7 @@ def test_ring_program_replay_can_fail(monkeypatch):
     t = next(i for i, tk in enumerate(ticks) if any(merge for *_, merge in tk.sums))
     ticks[t] = dataclasses.replace(ticks[t], sums=tuple((j, lag, pairs, False) for j, lag, pairs, _ in ticks[t].sums))
     for bad in (dataclasses.replace(good, ticks=tuple(ticks)), dataclasses.replace(good, live=good.live[1:])):
-        monkeypatch.setitem(globals(), "ring_program", lambda *a, bad=bad: bad)
+        monkeypatch.setitem(globals(), "ring_program", lambda *a, bad=bad, **k: bad)
         with pytest.raises((AssertionError, KeyError, TypeError)):
             _replay("cdp-v2", 4, 4)
     del layout

@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import models, optim
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import V2_RULES, cdp_table, ring_program
+from cdpjax.layouts.cdp import BACKWARDS, V2_RULES, cdp_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, tree_select
 from cdpjax.timetable import TimeTable
@@ -93,8 +93,11 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
     devices = ctx.axis(AXIS)
     workers = int(cfg.get("workers", 0)) or devices
     net = ctx.net(bn_axis_name=None)
+    backward = cfg.get("cdp_backward", "whole")
+    if backward not in BACKWARDS:
+        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
     if table is None:
-        table = cdp_table(_rule(method, cfg), workers, net.num_stages)
+        table = cdp_table(_rule(method, cfg), workers, net.num_stages, backward=backward)
     elif (table.workers, table.stages) != (workers, net.num_stages):
         raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
                           f"workers={workers}, stages={net.num_stages}")
@@ -205,5 +208,4 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
     residuals = ctx.config.get("residuals", "recompute")
     if residuals not in ring.RESIDUALS:
         raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(ring.RESIDUALS)}")
-    program = ring_program(rule, workers, net.num_stages)  # refuses reads the ring cannot serve
-    return ring.build(ctx, method, net, table, program, residuals)
+    return ring.build(ctx, method, net, table, residuals)

@@ -1,23 +1,31 @@
 """The ring engine: one CDP worker per device, the table's steady-state period unrolled.
 
 Timing and update rule are the table's (`cdpjax.layouts.cdp`): the engine runs the
-`RingProgram` of a rule, 2L ticks from worker 0's start of a step, in ONE
-`shard_map` over the `data` axis, every tick unrolled in Python (compile time grows
-with N and L, never with the number of steps: a `train_step` is one period,
-`run_steps` scans over periods). At tick t each device knows its own op; every op
-present at t is one `lax.cond` on `axis_index == its worker`, whose branches touch
-only that op's buffers, all in their natural shapes (nothing padded, nothing raveled):
+lowered `Program` of a cyclic table (`cdpjax.program.ring`: T ticks from worker 0's
+start of a step, T = 2L with whole backwards, 3L with split ones) in ONE `shard_map`
+over the `data` axis, every tick unrolled in Python (compile time grows with N and
+L, never with the number of steps: a `train_step` is one period, `run_steps` scans
+over periods). At tick t each device knows its own op; every op present at t is one
+`lax.cond` on `axis_index == its worker`, run by the piece of its kind (`PIECES`),
+whose branches touch only that op's buffers, all in their natural shapes (nothing
+padded, nothing raveled); a stage's maths is `cdpjax.methods.stage_ops`'s:
 
-- forward of stage j: reads the stage's parameters (the worker's one stored version:
-  the plan applies each update between the worker's last read of the old version and
-  its first of the new), its input (the image for stage 0, else the previous stage's
-  output), writes the next stage's input; with `residuals='carry'` it also keeps the
-  stage's `jax.vjp` residuals; the last stage's forward computes the loss.
-- backward of stage j: recomputes the stage from its stashed input under `jax.vjp`
-  (`residuals='recompute'`) or rebuilds the pullback from the kept residuals on the
-  structure of a template vjp traced in the same branch ('carry', whose FLOPs are
-  then DP's); adds its gradient to the partial sum it received and writes the
-  input's cotangent for the next tick.
+- F, forward of stage j: reads the stage's parameters (the worker's one stored
+  version: the plan applies each update between the worker's last read of the old
+  version and its first of the new), its input (the image for stage 0, else the
+  previous stage's output), writes the next stage's input; with `residuals='carry'`
+  it also keeps the stage's `jax.vjp` residuals; the last stage's forward computes
+  the loss.
+- B, backward of stage j: recomputes the stage from its stashed input
+  (`residuals='recompute'`) or rebuilds the pullback from the kept residuals
+  ('carry', whose FLOPs are then DP's) and writes the input's cotangent for the
+  next tick; with whole backwards it also adds its gradient to the partial sum it
+  received.
+- W (split backwards): the weight gradient of stage j from the same input or
+  residuals and the cotangent its B read, added to the partial sum it received. A
+  split backward makes every tick about one forward's cost, so the lockstep of
+  the SPMD program (a tick lasts as long as its slowest op) no longer waits for a
+  whole backward at every tick.
 - messages: each 'partial' and 'sum' of the tick is one static `lax.ppermute` whose
   `perm` holds exactly the (src, dst) pairs that send that stage at that tick, of
   that stage's real size; a device in no pair sends nothing. No other collective
@@ -26,7 +34,7 @@ only that op's buffers, all in their natural shapes (nothing padded, nothing rav
   same optax update (`cdpjax.optim.apply`) to its own copy.
 
 Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed; those a period reads before writing (`RingProgram.live`) are the in-flight
+was fed; those a period reads before writing (`RingTicks.live`) are the in-flight
 part of the train state, renamed lag -> lag + 1 at the end of each period. `flush`
 runs `max_lag` periods with nothing fed (their ops idle, their updates masked), so
 that the parameters account for every batch fed; training on after a flush
@@ -53,9 +61,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import models, optim
-from cdpjax.layouts.cdp import RingProgram, accesses
+from cdpjax import optim
 from cdpjax.methods.common import Method, varying
+from cdpjax.methods.stage_ops import StageOps
+from cdpjax.program import Program
+from cdpjax.program.ring import RingTicks, accesses, lower_ring
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = "data"
@@ -64,15 +74,15 @@ RESIDUALS = ("recompute", "carry")
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """A staged net's ops in natural shapes, for micro-batches of `micro` examples.
+    """A staged net's ops and shapes for micro-batches of `micro` examples, one worker each.
 
-    inputs[j]: stage j's input shape (inputs[0] the images'); outputs[j]: its output.
-    residuals: per stage, the ShapeDtypeStructs of the leaves a forward keeps for its
-    backward ('carry'; traced inside the shard_map, where they are device-varying).
+    ops: the stage maths (`StageOps`, the last stage's loss divided by the worker count, so
+    that the ring's sum of worker gradients is their mean). inputs[j]: stage j's input shape
+    (inputs[0] the images'); outputs[j]: its output. residuals: per stage, the
+    ShapeDtypeStructs of the leaves a forward keeps for its backward ops ('carry').
     """
 
-    net: Any
-    workers: int
+    ops: StageOps
     micro: int
     inputs: tuple
     outputs: tuple
@@ -80,106 +90,89 @@ class Stages:
 
     @property
     def L(self) -> int:
-        return self.net.num_stages
-
-    def run(self, j, p, ms, x, labels):
-        """Stage j on x: (output or the last stage's loss share, (new model state, loss, accuracy))."""
-        y, new_ms = self.net.apply_stage(j, p, ms, x, True)
-        zero = jnp.zeros((), jnp.float32)
-        if j < self.L - 1:
-            return y, (new_ms, zero, zero)
-        loss = models.cross_entropy(y, labels)
-        return loss / self.workers, (new_ms, loss, models.accuracy(y, labels))  # the ring's sum is then the mean
-
-    def vjp(self, j, p, ms, x, labels):
-        """(out, pullback, aux) of stage j; the image (stage 0's input) gets no cotangent."""
-        if j == 0:
-            return jax.vjp(lambda p_: self.run(j, p_, ms, x, labels), p, has_aux=True)
-        return jax.vjp(lambda p_, x_: self.run(j, p_, ms, x_, labels), p, x, has_aux=True)
-
-
-def kept(pullback, p):
-    """A pullback's leaves, its structure, and the indices of the leaves a forward keeps: all
-    but the stage's own parameters (the backward reads those from its worker's copy)."""
-    own = {id(q) for q in jax.tree.leaves(p)}
-    leaves, structure = jax.tree.flatten(pullback)
-    return leaves, structure, [i for i, leaf in enumerate(leaves) if id(leaf) not in own]
+        return self.ops.net.num_stages
 
 
 def make_stages(net, workers: int, micro: int, mesh, residuals: str) -> Stages:
     outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
     inputs = ((micro, *net.input_shape), *outputs[:-1])
-    stages = Stages(net, workers, micro, inputs, outputs)
+    stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS)), micro, inputs, outputs)
     if residuals == "recompute":
         return stages
     params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
-    found = []
 
-    def probe():  # traced inside shard_map, with device-varying inputs as in the tick
-        for j in range(net.num_stages):
-            p, s = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype), AXIS), (params[j], state[j]))
-            x = varying(jnp.zeros(inputs[j], jnp.float32), AXIS)
-            labels = varying(jnp.zeros((micro,), jnp.int32), AXIS)
-            leaves, _, keep = kept(stages.vjp(j, p, s, x, labels)[1], p)
-            found.append(tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep))
-        return varying(jnp.zeros((1,)), AXIS)
+    def trace_inside(probe):  # inside shard_map, with device-varying inputs as in the tick
+        def fn():
+            probe(lambda tree: varying(tree, AXIS))
+            return varying(jnp.zeros((1,)), AXIS)
+        jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=(), out_specs=P(AXIS), check_vma=True))
 
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(), out_specs=P(AXIS), check_vma=True))
-    return dataclasses.replace(stages, residuals=tuple(found))
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in inputs]
+    found = stages.ops.residual_shapes(params, state, shapes, jax.ShapeDtypeStruct((micro,), jnp.int32),
+                                       trace_inside)
+    return dataclasses.replace(stages, residuals=found)
 
 
-# ------------------------------------------------------------------- the ops
+# ------------------------------------------------------------------- the pieces
+# One piece per op kind: `piece(stages, j, carry, ...)` gives the (run, skip) branches of
+# the op's `lax.cond`; `skip` returns the buffers the op writes as they are.
 
 
-def forward_op(stages: Stages, j: int, carry: bool):
-    """Stage j's forward as cond branches over (p, ms, x, labels, old) -> (new, ms, metrics[3]);
-    `old` holds the buffers it writes (the next stage's input 'next', the kept residuals
-    'kept'), which the branch not taken returns as they are."""
-    last = j == stages.L - 1
+def forward_piece(stages: Stages, j: int, carry: bool):
+    """F over (p, ms, x, labels, old) -> (new, ms, metrics); `old` holds the buffers it writes
+    (the next stage's input 'next', the kept residuals 'kept')."""
+    last, ops = j == stages.L - 1, stages.ops
 
     def run(p, ms, x, labels, old):
         new = dict(old)
         if carry:
-            out, pullback, (ms, loss, acc) = stages.vjp(j, p, ms, x, labels)
-            leaves, _, idx = kept(pullback, p)
-            new["kept"] = [leaves[i] for i in idx]
+            out, new["kept"], (ms, metrics) = ops.forward_kept(j, p, ms, x, labels)
         else:
-            out, (ms, loss, acc) = stages.run(j, p, ms, x, labels)
+            out, (ms, metrics) = ops.run(j, p, ms, x, labels)
         if not last:
             new["next"] = out
-        counted = jnp.ones((), jnp.float32) if last else jnp.zeros((), jnp.float32)
-        metrics = jnp.stack([loss, acc, counted]) if last else jnp.zeros((3,), jnp.float32)
         return varying((new, ms, metrics), AXIS)
 
     def skip(p, ms, x, labels, old):
-        return varying((old, ms, jnp.zeros((3,), jnp.float32)), AXIS)
+        return varying((old, ms, ops.no_metrics()), AXIS)
 
     return run, skip
 
 
-def backward_op(stages: Stages, j: int, carry: bool, start: bool):
-    """Stage j's backward as cond branches over (p, ms, x, kept, seed, labels, partial, cot) ->
-    (partial + its gradient, the input's cotangent); `start`: it begins the partial sum."""
-    last = j == stages.L - 1
+def _backward(stages: Stages, j: int, carry: bool, want: tuple[str, ...]):
+    def gradients(p, ms, x, keep, seed, labels):
+        d_params, d_input, _ = stages.ops.backward(j, p, ms, x, labels, seed, keep if carry else None, want)
+        return d_params, d_input
+    return gradients
 
-    def pullback_of(p, ms, x, keep, labels):
-        if not carry:  # recomputed; BatchNorm's running averages are the forward's to update
-            return stages.vjp(j, p, ms, x, labels)[1]
-        # A template pullback traced here (x a stand-in) gives the structure; its kept leaves
-        # are replaced by the forward's, so the rest of the template is dead code.
-        leaves, structure, idx = kept(stages.vjp(j, p, ms, x, labels)[1], p)
-        for i, leaf in zip(idx, keep):
-            leaves[i] = leaf
-        return jax.tree.unflatten(structure, leaves)
+
+def backward_piece(stages: Stages, j: int, carry: bool, split: bool, start: bool):
+    """B over (p, ms, x, kept, seed, labels, partial, cot) -> (partial + its gradient, the input's
+    cotangent); with split backwards only the cotangent (the partial passes through)."""
+    gradients = _backward(stages, j, carry, ("input",) if split else ("params", "input"))
 
     def run(p, ms, x, keep, seed, labels, partial, cot):
-        seed = varying(jnp.ones((), jnp.float32), AXIS) if last else seed
-        out = pullback_of(p, ms, x, keep, labels)(seed)
-        total = out[0] if start else jax.tree.map(jnp.add, partial, out[0])
-        return varying((total, out[1] if j > 0 else cot), AXIS)
+        d_params, d_input = gradients(p, ms, x, keep, seed, labels)
+        if not split:
+            partial = d_params if start else jax.tree.map(jnp.add, partial, d_params)
+        return varying((partial, d_input if j > 0 else cot), AXIS)
 
     def skip(p, ms, x, keep, seed, labels, partial, cot):
-        return varying((jax.tree.map(jnp.zeros_like, p) if start else partial, cot), AXIS)
+        return varying((jax.tree.map(jnp.zeros_like, p) if start and not split else partial, cot), AXIS)
+
+    return run, skip
+
+
+def weight_piece(stages: Stages, j: int, carry: bool, start: bool):
+    """W over (p, ms, x, kept, seed, labels, partial) -> partial + its gradient."""
+    gradients = _backward(stages, j, carry, ("params",))
+
+    def run(p, ms, x, keep, seed, labels, partial):
+        d_params, _ = gradients(p, ms, x, keep, seed, labels)
+        return varying(d_params if start else jax.tree.map(jnp.add, partial, d_params), AXIS)
+
+    def skip(p, ms, x, keep, seed, labels, partial):
+        return varying(jax.tree.map(jnp.zeros_like, p) if start else partial, AXIS)
 
     return run, skip
 
@@ -262,45 +255,54 @@ class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
     stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
-    labels, grads (the in-flight gradient buffers, in `program.live` order), fed (per lag >= 1).
+    labels, grads (the in-flight gradient buffers, in `ticks.live` order), fed (per lag >= 1).
 
     Each tick runs its ops (`_op_order`), the applies from the sums held before the sends,
     the sends, the applies from the sums received; then the gradient buffers no later tick
     reads are dropped and the tick is fenced (`Buffers.barrier`).
     """
 
-    def __init__(self, stages: Stages, program: RingProgram, tx, carry: bool):
+    def __init__(self, stages: Stages, program: Program, tx, carry: bool):
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
-        L = program.stages
-        self.fwd = [forward_op(stages, j, carry) for j in range(L)]
-        self.bwd = {(j, start): backward_op(stages, j, carry, start) for j in range(L) for start in (False, True)}
-        self.dead = _dead_after(program)
+        self.ticks: RingTicks = program.ticks
+        self.split = program.split_backward
+        L = self.ticks.stages
+        self.fwd = [forward_piece(stages, j, carry) for j in range(L)]
+        self.bwd = {(j, start): backward_piece(stages, j, carry, self.split, start) for j in range(L)
+                    for start in (False, True)}
+        self.wgt = {(j, start): weight_piece(stages, j, carry, start) for j in range(L) for start in (False, True)}
+        self.dead = _dead_after(self.ticks)
 
     def __call__(self, state, images, new_labels, feeding):
-        program = self.program
+        ticks = self.ticks
         me = lax.axis_index(AXIS)
-        b = Buffers(_named(state, program, self.carry))
-        b[("metrics",)] = varying(jnp.zeros((3,), jnp.float32), AXIS)
-        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, program.max_lag + 1)]
-        for t, tk in enumerate(program.ticks):
+        b = Buffers(_named(state, ticks, self.carry))
+        b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
+        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, ticks.max_lag + 1)]
+        for t, tk in enumerate(ticks.ticks):
             self.tick(b, tk, valid, me, images, new_labels)
             for name in self.dead[t]:  # a gradient buffer no later tick reads: not carried on
                 b.values.pop(name, None)
             b.barrier()
-        new = _unnamed(b, state, program, self.carry)
+        new = _unnamed(b, state, ticks, self.carry)
         new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
         return new, b[("metrics",)]
 
     def tick(self, b, tk, valid, me, images, new_labels):
-        N = self.program.workers
+        N = self.ticks.workers
         for w, kind, j, lag in _op_order(tk):
             pred = (me == w) & valid[lag]
             if kind == "F":
                 self.forward(b, j, pred, images, new_labels)
                 continue
-            total = self.backward(b, j, pred, (w, j) in tk.chain_start, lag)
-            done = (w, j, lag) in tk.completes
-            b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
+            start = (w, j) in tk.chain_start
+            if kind == "B":
+                total = self.backward(b, j, pred, start, lag)
+            else:
+                total = self.weight(b, j, pred, start, lag)
+            if kind in tk.gradient_kinds:
+                done = (w, j, lag) in tk.completes
+                b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
         self.applies(b, tk, valid, me, after=False)
         for j, lag, pairs in tk.partials:
             b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
@@ -314,7 +316,7 @@ class Period:
         self.applies(b, tk, valid, me, after=True)
 
     def forward(self, b, j, pred, images, new_labels):
-        L, carry = self.program.stages, self.carry
+        L, carry = self.ticks.stages, self.carry
         x = images if j == 0 else b[("acts", j)]
         labels = new_labels if j == 0 else b[("labels",)]
         writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
@@ -333,29 +335,44 @@ class Period:
             _pick(b, pred, ("acts", 0), images)
             _pick(b, pred, ("labels",), new_labels)
 
-    def backward(self, b, j, pred, start, lag):
-        L, carry = self.program.stages, self.carry
+    def _backward_operands(self, b, j):
+        """What a backward op of stage j reads: (params, model state, input, kept residuals, seed,
+        labels) and their buffer names."""
+        L, carry = self.ticks.stages, self.carry
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        name = ("partial", j, lag)
-        partial = zero if start else b[name]
         keep = b[("kept", j)] if carry else ()
         seed = b[("cots", j)] if j < L - 1 else zero
-        cot = b[("cots", j - 1)] if j > 0 else zero
         reads = [("params", j), ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
             + ([("cots", j)] if j < L - 1 else [])
-        writes = ([("cots", j - 1)] if j > 0 else []) + ([] if start else [name])
-        total, cot = b.cond(pred, *self.bwd[(j, start)],
-                            (b[("params", j)], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)], partial, cot),
-                            reads, writes)
+        return (b[("params", j)], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+
+    def backward(self, b, j, pred, start, lag):
+        """B: the input's cotangent to cots[j-1]; with whole backwards, the partial sum plus its
+        gradient (returned)."""
+        operands, reads = self._backward_operands(b, j)
+        zero = varying(jnp.zeros((), jnp.float32), AXIS)
+        name = ("partial", j, lag)
+        gradient = not self.split
+        partial = b[name] if gradient and not start else zero
+        cot = b[("cots", j - 1)] if j > 0 else zero
+        writes = ([("cots", j - 1)] if j > 0 else []) + ([name] if gradient and not start else [])
+        total, cot = b.cond(pred, *self.bwd[(j, start)], (*operands, partial, cot), reads, writes)
         if j > 0:
             b[("cots", j - 1)] = cot
-        return total
+        return total if gradient else None
+
+    def weight(self, b, j, pred, start, lag):
+        """W: the partial sum plus stage j's weight gradient."""
+        operands, reads = self._backward_operands(b, j)
+        name = ("partial", j, lag)
+        partial = varying(jnp.zeros((), jnp.float32), AXIS) if start else b[name]
+        return b.cond(pred, *self.wgt[(j, start)], (*operands, partial), reads, [] if start else [name])
 
     def applies(self, b, tk, valid, me, after):
         tx = self.tx
         for j, lag, workers, when in tk.applies:
             if when == after:
-                pred = _member(me, workers, self.program.workers) & valid[lag]
+                pred = _member(me, workers, self.ticks.workers) & valid[lag]
                 p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
                               lambda p, o, g: varying((p, o), AXIS),
                               (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
@@ -363,7 +380,7 @@ class Period:
                 b[("params", j)], b[("opt", j)] = p, o
 
 
-def _dead_after(program: RingProgram) -> list[list]:
+def _dead_after(program: RingTicks) -> list[list]:
     """Per tick, the gradient buffers whose last read in the period is in that tick (and that
     the next period does not take)."""
     carried = {(kind, j, lag - 1) for kind, j, lag in program.live}
@@ -379,10 +396,10 @@ def _dead_after(program: RingProgram) -> list[list]:
 
 
 def _op_order(tk):
-    """The tick's ops in the order the device program runs them: forwards, then backwards by
+    """The tick's ops in the order the device program runs them: forwards, then backward ops by
     stage (earlier stages first: the larger activations), those that start a new partial sum
     last (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o[1] == "B", (o[0], o[2]) in tk.chain_start, o[2]))
+    return sorted(tk.ops, key=lambda o: (o[1] != "F", (o[0], o[2]) in tk.chain_start, o[2], o[1] == "W"))
 
 
 def _named(state, program, carry):
@@ -409,7 +426,7 @@ def _unnamed(b, state, program, carry):
 # ------------------------------------------------------------------ the method
 
 
-def init_state(net, stages: Stages, program: RingProgram, tx, rng, carry: bool):
+def init_state(net, stages: Stages, program: RingTicks, tx, rng, carry: bool):
     """One worker's state: every worker starts from the same parameters."""
     params, model_state = net.init(rng)
     zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
@@ -429,10 +446,12 @@ def init_state(net, stages: Stages, program: RingProgram, tx, rng, carry: bool):
     return state
 
 
-def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info: dict | None = None) -> Method:
-    """The ring `Method` for `program` (one worker per device of the `data` axis)."""
+def build(ctx, name: str, net, table, residuals: str) -> Method:
+    """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
-    mesh, tx, N = ctx.mesh, ctx.optimizer(), program.workers
+    program = lower_ring(table, residuals)  # refuses a read the ring cannot serve
+    ticks: RingTicks = program.ticks
+    mesh, tx, N = ctx.mesh, ctx.optimizer(), ticks.workers
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
     carry = residuals == "carry"
@@ -454,18 +473,20 @@ def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info
         s, sums = lax.scan(one, squeeze(state), (images, labels, feeding))
         return jax.tree.map(lambda a: a[None], s), jax.vmap(_metrics)(sums)
 
-    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
-                                 out_specs=(P(AXIS), P()), check_vma=True))
+    one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
+                               out_specs=(P(AXIS), P()), check_vma=True)
+    step = jax.jit(one_period)
     run = jax.jit(jax.shard_map(local_run, mesh=mesh, in_specs=(P(AXIS), P(None, AXIS), P(None, AXIS), P()),
                                 out_specs=(P(AXIS), P()), check_vma=True))
 
     def init(rng):
-        state = init_state(net, stages, program, tx, rng, carry)
+        state = init_state(net, stages, ticks, tx, rng, carry)
         # Every worker holds its own copy of everything: a leading worker axis on `data`.
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), state), per_worker)
 
+    @jax.jit
     def train_step(state, batch):
-        return step(state, batch["image"], batch["label"], True)
+        return one_period(state, batch["image"], batch["label"], jnp.ones((), bool))
 
     def run_steps(state, batches):
         """S steps in one program: {'image': [S, B, ...], 'label': [S, B]} -> (state, metrics [S])."""
@@ -475,11 +496,11 @@ def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info
     def flush(state):
         images = jnp.zeros((batch, *net.input_shape), jnp.float32, device=per_worker)
         labels = jnp.zeros((batch,), jnp.int32, device=per_worker)
-        for _ in range(program.max_lag):
+        for _ in range(ticks.max_lag):
             state = step(state, images, labels, False)[0]
         return state
 
-    newest = program.newest
+    newest = ticks.newest
 
     def export(state):
         # Stage j from a worker that has applied all its complete updates; running averages
@@ -488,9 +509,9 @@ def build(ctx, name: str, net, table, program: RingProgram, residuals: str, info
         model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
         return params, model_state
 
-    report = dict(info or {}, impl="ring", residuals=residuals)
-    return Method(name, net, init, train_step, export, flush, table, run_steps=run_steps, carrier=stages,
-                  stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True, periods=run, report=report)
+    return Method(name, net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
+                  periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
+                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("backward", "whole")})
 
 
 def _metrics(sums):

@@ -1,0 +1,164 @@
+"""The ring's delivery plan: how each completed gradient sum reaches every worker (pure Python).
+
+Part of a CDP table (`cdpjax.layouts.cdp.cdp_table`: its 'partial' and 'sum'
+messages, `meta['applies']`):
+- 'partial': workers finish stage j's gradient op one after another, so a running
+  partial sum hops one worker along the ring each time a worker finishes.
+- 'sum': the last worker completes the sum, then the sum travels as a chain, one
+  hop per tick at most, to every other worker, each of which applies the update to
+  its own copy. A worker's delivery window for update k of stage j opens when the
+  sum is complete and it has done its last op reading the old version (`lo`), and
+  closes before its first op reading the new one (`hi`); the chain visits workers
+  in order of their windows, each holder forwarding it no earlier than the tick
+  after it arrived and not before it has applied it, with at most one 'sum' send
+  and one 'sum' receive per worker per tick (plus at most one 'partial' send, one
+  per gradient op). Each worker applies the update at the end of tick
+  max(arrival, lo), so ONE stored version per stage suffices: an op always reads
+  its worker's current copy. A reader whose window cannot be met (only the
+  paper-code rule for N > L) is named in the table's notes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cdpjax.timetable import Message
+
+def windows(ops, updates, completer) -> dict:
+    """(stage, step) -> {worker: (lo, hi)}: the ticks at whose end each worker may apply the
+    update (lo: the sum is complete and its last op reading an older version is done; hi:
+    the tick before its first op reading the new version, None where the table does not
+    reach it). hi < u marks a read that comes before the update is complete (paper-code,
+    N > L)."""
+    reads = {}
+    for o in ops:
+        reads.setdefault((o.device, o.stage), []).append((o.tick, o.version))
+    out = {}
+    for u in updates:
+        per = {}
+        for (r, j), rs in reads.items():
+            if j != u.stage:
+                continue
+            old = [t for t, v in rs if v <= u.step]
+            new = [t for t, v in rs if v >= u.step + 1]
+            per[r] = (max([u.tick] + old), min(new) - 1 if new else None)
+        out[(u.stage, u.step)] = per
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """One update's plan, as offsets from its completion tick u: `hops` (send offset, src, dst),
+    `arrive`/`apply`/`hold_until` per worker (the completer arrives at 0), `late`: readers
+    served after their deadline, `acausal`: readers whose read precedes the update."""
+
+    completer: int
+    hops: tuple
+    arrive: dict
+    apply: dict
+    hold_until: dict
+    late: tuple = ()
+    acausal: tuple = ()
+
+
+def delivery(ops, updates, completer, N, L, steps, T):
+    """The delivery plan of every stage: one list-scheduled plan per stage, the same for
+    every step (the windows repeat every 2L ticks). At every tick, pending readers are
+    served in order of their deadlines (acausal ones last), each from a holder free to
+    send (one 'sum' send and one receive per worker per tick, counted modulo 2L so that the
+    plans of consecutive steps share the ticks too), holders that have applied first."""
+    win = windows(ops, updates, completer)
+    u_tick = {(u.stage, u.step): u.tick for u in updates}
+    ref = 1  # a step whose windows are those of every step
+    busy_send, busy_recv = set(), set()
+    pending, holders, arrive, lo_of, hi_of, done = {}, {}, {}, {}, {}, {}
+    for j in range(L):
+        u, c = u_tick[(j, ref)], completer[(j, ref)]
+        w = win[(j, ref)]
+        lo_of[j] = {r: lo - u for r, (lo, _) in w.items()}
+        hi_of[j] = {r: (hi - u if hi is not None else 10 * T) for r, (_, hi) in w.items()}
+        pending[j] = sorted(r for r in w if r != c)
+        arrive[j] = {c: 0}
+        holders[j] = {c}
+        done[j] = []
+    start = min(u_tick[(j, ref)] for j in range(L))
+    tick = start
+    while any(pending.values()):
+        if tick > start + 6 * T:
+            raise AssertionError(f"no delivery plan for N={N}, L={L}")
+        cands = []
+        for j in range(L):
+            u = u_tick[(j, ref)]
+            if tick < u:
+                continue
+            for r in pending[j]:
+                acausal = hi_of[j][r] < 0
+                cands.append((acausal, hi_of[j][r], lo_of[j][r], j, r))
+        for *_, j, r in sorted(cands):
+            if r not in pending[j] or (r, tick % T) in busy_recv:
+                continue
+            u = u_tick[(j, ref)]
+            free = [h for h in holders[j] if arrive[j][h] < tick - u or (arrive[j][h] == 0 and h == completer[(j, ref)])]
+            free = [h for h in free if (h, tick % T) not in busy_send]
+            if not free:
+                continue
+            applied = lambda h: max(arrive[j][h], lo_of[j][h]) <= tick - u  # noqa: E731
+            h = min(free, key=lambda h: (not applied(h), h))
+            busy_send.add((h, tick % T))
+            busy_recv.add((r, tick % T))
+            done[j].append((tick - u, h, r))
+            arrive[j][r] = tick - u
+            holders[j].add(r)
+            pending[j].remove(r)
+        tick += 1
+    plans = {}
+    for j in range(L):
+        c = completer[(j, ref)]
+        apply = {w: max(a, lo_of[j][w]) for w, a in arrive[j].items()}
+        last_send = {}
+        for s, h, _ in done[j]:
+            last_send[h] = max(last_send.get(h, 0), s)
+        hold = {w: max(apply[w], last_send.get(w, 0)) for w in arrive[j]}
+        late = tuple(sorted(r for r in arrive[j] if r != c and 0 <= hi_of[j][r] < apply[r]))
+        acausal = tuple(sorted(r for r in arrive[j] if r != c and hi_of[j][r] < 0))
+        plans[j] = Delivery(c, tuple(done[j]), arrive[j], apply, hold, late, acausal)
+    # Every step's windows are the reference step's, shifted: checked (where laid out whole).
+    for (j, k), w in win.items():
+        if k >= steps:
+            continue
+        u, d = u_tick[(j, k)], plans[j]
+        if completer[(j, k)] != d.completer:
+            raise AssertionError(f"stage {j}: the completing worker changes between steps")
+        for r, (lo, hi) in w.items():
+            if lo - u != lo_of[j][r] or (hi is not None and hi - u != hi_of[j][r]):
+                raise AssertionError(f"stage {j} step {k}: worker {r}'s window differs from the reference step's")
+    return plans
+
+
+def messages_and_applies(plans, updates):
+    messages, applies = [], []
+    for up in updates:
+        d = plans[up.stage]
+        messages += [Message(up.tick + s, h, r, up.stage, "sum", up.step) for s, h, r in d.hops]
+        applies += [(up.tick + a, w, up.stage, up.step) for w, a in d.apply.items()]
+    return messages, applies
+
+
+def check_one_version(ops, applies, method, skip=()):
+    """Every op reads the version its worker holds: the updates it applied before the op's
+    tick (except the pairs in `skip`, which no plan serves in time)."""
+    done = {}
+    for t, w, j, k in applies:
+        done.setdefault((w, j), []).append(t)
+    for ts in done.values():
+        ts.sort()
+    for o in ops:
+        if (o.device, o.stage) in skip:
+            continue
+        n = int(np.searchsorted(done.get((o.device, o.stage), []), o.tick))
+        if n != o.version:
+            raise AssertionError(f"{method}: worker {o.device} holds version {n} of stage {o.stage} at tick "
+                                 f"{o.tick}; its op reads {o.version}")
+
+
