@@ -28,14 +28,17 @@ MODEL_KWARGS = {"mlp": {"width": 16}, "resnet_tiny": {"depths": (1, 1)}, "vit_ti
 # ---------------------------------------------------------------------- the table
 
 
+@pytest.mark.parametrize("backward", ["whole", "split"])
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
-def test_one_op_per_device_per_tick(rule, stages):
+def test_one_op_per_device_per_tick(rule, stages, backward):
     """N = L workers' ops on their stage's device: every device busy at every steady-state tick with
-    exactly one op, a forward when tick - stage is even, a backward when odd; every op, version,
-    slot and update as CDP's timing written out (`helpers.cdp_rule`, with device = stage), and no
-    gradient sent."""
-    t = cdp_mp_table(stages, steps=4, rule=rule)
+    exactly one op; with whole backwards a forward when tick - stage is even, a backward when odd;
+    with split ones F, B, W as tick - stage is 0, 1, 2 modulo 3 (worker i's ops of stage j at phases
+    j, 3L-2-2j, 3L-1-2j from tick 3i); every op, version, slot and update as CDP's timing written
+    out (`helpers.cdp_rule`, with device = stage), and no gradient sent."""
+    t = cdp_mp_table(stages, steps=4, rule=rule, backward=backward)
+    T = 2 * stages if backward == "whole" else 3 * stages
     assert t.devices == t.workers == stages and t.messages == ()
     assert t.busy_fraction()["overall"] == 1.0 and t.busy_fraction()["per_device"] == [1.0] * stages
     lo, hi = t.steady
@@ -45,13 +48,14 @@ def test_one_op_per_device_per_tick(rule, stages):
         assert (op.tick, op.device) not in cells
         cells[(op.tick, op.device)] = op
         if lo <= op.tick < hi:
-            assert op.kind == ("F" if (op.tick - op.stage) % 2 == 0 else "B")
-    assert hi - lo == 2 * stages and all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
-    ops, updates, stale = cdp_rule(rule, stages, stages, 4)
+            kinds = "FB" if backward == "whole" else "FBW"
+            assert op.kind == kinds[(op.tick - op.stage) % len(kinds)]
+    assert hi - lo == T and all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
+    ops, updates, stale = cdp_rule(rule, stages, stages, 4, backward)
     assert {(o.tick, o.micro, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
     assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
     np.testing.assert_array_equal(t.stale, stale)
-    assert table("cdp-mp", stages=stages, steps=4, rule=rule) == t  # the registry's name gives this table
+    assert table("cdp-mp", stages=stages, steps=4, rule=rule, backward=backward) == t  # the registry's name
 
 
 def test_device_memory_model():
@@ -100,17 +104,17 @@ def context(mesh, devices, **kw):
 
 
 @functools.lru_cache(maxsize=None)
-def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", data_axis=1):
+def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", data_axis=1, backward="whole"):
     mesh = {"stage": 4, "data": data_axis} if data_axis > 1 else {"stage": 4}
     return methods.build(context(mesh, 4 * data_axis, method="cdp-mp", model=model, model_kwargs=MODEL_KWARGS[model],
-                                 residuals=residuals, cdp_rule=rule, norm=norm))
+                                 residuals=residuals, cdp_rule=rule, norm=norm, cdp_backward=backward))
 
 
 @functools.lru_cache(maxsize=None)
-def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS):
+def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS, backward="whole"):
     """CDP simulate with N = 4 workers on one device: parameters and model state after `steps`."""
     ctx = context({"data": 1}, 1, method=rule, cdp_impl="simulate", workers=4, model=model,
-                  model_kwargs=MODEL_KWARGS[model], norm=norm)
+                  model_kwargs=MODEL_KWARGS[model], norm=norm, cdp_backward=backward)
     m = cdp.make(ctx, rule)
     state = run(m, batches()[:steps])
     return jax.device_get(m.export(state)), params(m, m.init(jax.random.key(0)))
@@ -121,25 +125,28 @@ def train(m, steps=STEPS, state=None, start=0):
 
 
 CASES = [
-    ("resnet_tiny", "recompute", "cdp-v2", "group"),  # stages of different shapes
-    ("vit_tiny", "carry", "cdp-v2", "none"),
-    ("mlp", "carry", "cdp-v1", "none"),
-    pytest.param("mlp", "recompute", "cdp-v1", "none", marks=pytest.mark.heavy),
-    pytest.param("resnet_tiny", "carry", "cdp-v2", "group", marks=pytest.mark.heavy),
-    pytest.param("vit_tiny", "recompute", "cdp-v2", "none", marks=pytest.mark.heavy),
+    ("resnet_tiny", "recompute", "cdp-v2", "group", "whole"),  # stages of different shapes
+    ("vit_tiny", "carry", "cdp-v2", "none", "whole"),
+    ("mlp", "carry", "cdp-v1", "none", "whole"),
+    ("resnet_tiny", "carry", "cdp-v2", "group", "split"),  # F, B, W: ticks of equal cost
+    ("mlp", "carry", "cdp-v1", "none", "split"),
+    pytest.param("mlp", "recompute", "cdp-v1", "none", "whole", marks=pytest.mark.heavy),
+    pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "whole", marks=pytest.mark.heavy),
+    pytest.param("vit_tiny", "recompute", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),
+    pytest.param("vit_tiny", "recompute", "cdp-v2", "none", "split", marks=pytest.mark.heavy),
 ]
 
 
-@pytest.mark.parametrize("model,residuals,rule,norm", CASES)
-def test_equals_simulate(model, residuals, rule, norm):
+@pytest.mark.parametrize("model,residuals,rule,norm,backward", CASES)
+def test_equals_simulate(model, residuals, rule, norm, backward):
     """FIRST: after S steps and a flush, cdp-mp's parameters are simulate's with the same
     staleness on one device, to float tolerance."""
-    m = build_mp(model, residuals, rule, norm)
+    m = build_mp(model, residuals, rule, norm, backward=backward)
     if model == "resnet_tiny":
         carrier = m.carrier  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
         assert len(set(carrier.params.sizes)) == 4 and len(set(carrier.acts.shapes)) == 3
     assert m.workers == 4 and m.devices == 4 and m.dp_mp_devices == 16
-    (reference, _), initial = simulated(model, rule, norm)
+    (reference, _), initial = simulated(model, rule, norm, backward=backward)
     assert max_diff(reference, initial) > 1e-3  # it trained
     assert_trees_close(jax.device_get(m.export(train(m))[0]), reference)
 
@@ -213,16 +220,16 @@ def test_run_steps_is_one_program():
 @pytest.mark.parametrize("residuals,rule", [("recompute", "cdp-v2"), ("carry", "cdp-v1")])
 def test_no_gradient_communication(residuals, rule):
     """The compiled step (traced inside an outer jit, as the trainer does) sends activations and
-    cotangents one hop (two collective-permutes of one padded micro-batch buffer each) and
-    all-reduces only the three metric scalars."""
+    cotangents one hop, each boundary at its own size (one collective-permute per boundary and
+    direction: 3 boundaries of 4 stages, 2 directions), and all-reduces only the three metric scalars."""
     m = build_mp("mlp", residuals, rule)
     state = m.init(jax.random.key(0))
     coll = bench.collectives(jax.jit(m.train_step).lower(state, batches()[0]).compile().as_text())
-    # The padded buffer holds the largest stage input: the 8x8x1 image (64 floats; the MLP's later
-    # inputs are 16 wide), for a micro-batch of BATCH / 4 examples, float32.
-    micro_buffer = BATCH // 4 * 64 * 4
-    assert coll["collective-permute"]["count"] == 2
-    assert coll["collective-permute"]["max_bytes"] == micro_buffer
+    # Every boundary of the MLP carries a 16-wide hidden layer for a micro-batch of BATCH / 4 examples,
+    # float32; the carrier's padded buffer would be the 8x8x1 image's 64 floats wide.
+    boundary = BATCH // 4 * 16 * 4
+    assert coll["collective-permute"]["count"] == 2 * 3
+    assert coll["collective-permute"]["max_bytes"] == boundary
     assert coll["all-reduce"]["bytes"] <= 16
     assert coll["all-gather"]["count"] == coll["reduce-scatter"]["count"] == 0
 

@@ -13,17 +13,20 @@ from cdpjax.timetable import TimeTable
 RULES = ("cdp-v2", "cdp-v1")
 
 
-def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2") -> TimeTable:
+def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2", backward: str = "whole") -> TimeTable:
     """cdp-mp: CDP with model parallelism. The `rule` table of N = L workers and L stages,
     with each op moved from its worker to the device of its stage (device j = stage j);
     `micro` keeps the worker. With N = L every stage is used by exactly one worker at
-    every tick, so every device runs exactly one op per tick in steady state (a forward
-    when tick - j is even, a backward when odd): checked here. Updates, versions and
-    slots are the CDP table's; no gradient crosses devices (each stage's gradient is
-    summed where the stage lives), so there are no messages."""
+    every tick, so every device runs exactly one op per tick in steady state: checked
+    here. With whole backwards (2L ticks) device j runs a forward when tick - j is even
+    and a backward when odd; with split ones (3L ticks, offsets 3i) the three ops of
+    stage j fall at phases j, 3L-2-2j and 3L-1-2j, which are j, j+1 and j+2 modulo 3, so
+    the device runs F, B and W in turn. Updates, versions and slots are the CDP table's;
+    no gradient crosses devices (each stage's gradient is summed where the stage lives),
+    so there are no messages."""
     if rule not in RULES:
         raise ConfigError(f"cdp-mp rule={rule!r} is not one of {', '.join(RULES)}")
-    base = cdp_table(rule, stages, stages, steps)
+    base = cdp_table(rule, stages, stages, steps, backward)
     ops = tuple(sorted((dataclasses.replace(op, device=op.stage) for op in base.ops),
                        key=lambda o: (o.tick, o.device)))
     per_cell = np.zeros((base.num_ticks, base.stages), np.int64)

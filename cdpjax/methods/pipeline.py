@@ -383,8 +383,9 @@ class _Runtime:
         read = lambda name, slot: buf[name][jnp.maximum(slot, 0)]  # noqa: E731
         batch_image = images[m]
         first_input = batch_image
-        if "input" in buf:  # the first unit's input of an earlier call, kept for its backward
-            first_input = jnp.where(pick("input_slot") >= 0, read("input", pick("input_slot")), batch_image)
+        if "input" in buf:  # a backward op's first-unit input of an earlier call, kept where its forward ran
+            kept = (pick("input_slot") >= 0) & (code != CODE["F"]) & (code != CODE["FB"])
+            first_input = jnp.where(kept, read("input", pick("input_slot")), batch_image)
         image = batch_image
         if "image" in buf:  # heads that reconstruct it read the micro-batch's image at every unit
             image = jnp.where(u == 0, batch_image, read("image", pick("act_slot")))
