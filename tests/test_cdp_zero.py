@@ -1,11 +1,10 @@
-"""cdp-zero: the relay program feeds every op the version the table names (checked on version
-numbers for every size); the SPMD run ends with the ring's parameters (cdp-v2, cdp-v1, N = L
-and N != L, and training on after a flush); its compiled step has no all-gather,
-reduce-scatter or model-sized all-reduce and stores a fraction of the ring's parameters and
-optimizer state."""
+"""cdp-zero: the plan feeds every op the version CDP's timing names and gives every owner every
+worker's gradient (played on version numbers and sets of contributions, for many sizes, rules and
+both backwards); the SPMD run ends with the ring's parameters; its compiled step sends only
+point-to-point messages of a stage's real size, the bytes its program declares, ZeRO-3's share
+of the model; each worker stores only the rows of the stages it owns."""
 import functools
 import json
-import math
 
 import jax
 import numpy as np
@@ -14,13 +13,13 @@ import pytest
 from cdpjax import bench, data, methods
 from cdpjax.commands import schedule
 from cdpjax.config import ConfigError, default_config
+from cdpjax.layouts.cdp_zero import cdp_zero_table, owners_of
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
-from cdpjax.layouts.cdp import cdp_table
-from cdpjax.layouts.cdp_zero import cdp_zero_table, zero_period_arrays
-from helpers import assert_trees_close as assert_close, cdp_rule, max_diff, params
+from cdpjax.program.zero import zero_ticks
 from cdpjax.timetable import table
+from helpers import assert_trees_close as assert_close, cdp_rule, max_diff, params
 
 BATCH, STEPS = 32, 3
 
@@ -49,10 +48,11 @@ def context(devices, **kw):
 
 
 @functools.lru_cache(maxsize=None)
-def build(impl, rule, workers, stages=4):
+def build(impl, rule, workers, stages=4, backward="whole", residuals="recompute"):
+    kw = dict(stages=stages, cdp_backward=backward, residuals=residuals)
     if impl == "ring":
-        return cdp.make(context(workers, method=rule, cdp_impl="ring", stages=stages), rule)
-    return methods.build(context(workers, method="cdp-zero", cdp_rule=rule, stages=stages))
+        return cdp.make(context(workers, method=rule, cdp_impl="ring", **kw), rule)
+    return methods.build(context(workers, method="cdp-zero", cdp_rule=rule, **kw))
 
 
 def train(m, steps=STEPS, state=None, start=0):
@@ -63,92 +63,98 @@ def train(m, steps=STEPS, state=None, start=0):
     return state
 
 
-# ------------------------------------------------------------------ the relay program
-
-SIZES = [(n, l) for l in range(1, 7) for n in range(1, 2 * l + 1) if (2 * l) % n == 0]
+# ------------------------------------------------------------------ the plan, played
 
 
-def run_program(rule, N, L, periods=6):
-    """Plays `zero_period_arrays` on version numbers and gradient contributions, as the SPMD
-    tick does, from the initial state; checks each op against the plain CDP table."""
-    a = zero_period_arrays(N, L, rule)
-    T, d, C = 2 * L, 2 * L // N, a["versions"]
-    want = {(o.tick, o.device): o for o in cdp_table(rule, N, L, steps=periods).ops}
-    V = int(a["send_slot"].max()) + 1
-    owned = [[j for j in range(L) if a["owners"][j] == w] for w in range(N)]
-    master = [[[0] * V for _ in owned[w]] for w in range(N)]  # version numbers, current first
-    relay = [[(0,) * C for _ in range(d)] for _ in range(N)]
-    partial = [[frozenset() for _ in range(d)] for _ in range(N)]
-    for w in range(N):  # the initial buffers hold the stages the seed names (all version 0)
-        for k in range(d):
-            assert a["seed"][w, k] == want[(k - d if k else 0) % T + 2 * T, w].stage
+def play(rule, N, L, backward="whole", calls=5, ticks=None):
+    """Plays cdp-zero's period on version numbers and sets of gradient contributions as the SPMD
+    tick does (refreshes, ops, sends all read before any lands, updates); each op must read the
+    version CDP's timing names (`helpers.cdp_rule`, not the table code), each update must sum
+    every worker's gradient of its step, and every update must be applied in the end."""
+    z = ticks or zero_ticks(rule, N, L, backward)
+    want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, N, L, calls + 3, backward)[0]}
+    master = {w: [[0] * z.versions for _ in range(z.owned)] for w in range(N)}
+    relay = {w: None for w in range(N)}
+    grad = {w: [frozenset()] * z.grad_rows for w in range(N)}
     checked = 0
-    for p in range(periods):
-        for t in range(T):
-            totals = {}
-            for w in range(N):
-                op_code, step = a["op"][t, w], p + a["step"][t, w]
-                j = (op_code - 1) % L
-                if step >= 0:  # ops of steps never fed are idle
-                    o = want[(p * T + t, w)]
-                    assert (o.stage, o.kind) == (j, "F" if op_code <= L else "B")
-                    assert relay[w][t % d][a["read"][t, w]] == o.version, (p, t, w)
+    for call in range(calls + z.max_lag):
+        def valid(lag):
+            return 0 <= call - lag < calls
+
+        for tk in z.ticks:
+            for j, owner, w, k, row in tk.refreshes:
+                relay[w] = (j, master[owner][k][row])
+            for op in tk.ops:
+                step = call - op.lag
+                if valid(op.lag):
+                    v = want[(op.worker, op.stage, step, op.kind)]
+                    if op.params[0] == "relay":
+                        assert relay[op.worker] == (op.stage, v), (call, op, relay[op.worker], v)
+                    else:
+                        _, k, row = op.params
+                        assert z.owners[op.stage] == op.worker and master[op.worker][k][row] == v, (call, op)
                     checked += 1
-                if op_code > L:
-                    incoming = frozenset() if a["first"][t, w] else partial[w][t % d]
-                    totals[w] = incoming | ({(w, step)} if step >= 0 else set())
-            for w, total in totals.items():
-                partial[(w + 1) % N][t % d] = total
-            u, ustep = a["update"][t], p + a["update_step"][t]
-            if u >= 0 and ustep >= 0:
-                owner = a["owners"][u]
-                hops = a["sum_hop"][t, owner]
-                assert hops >= 0 and (a["sum_hop"][t] >= 0).sum() == 1
-                assert totals[(owner - hops) % N] == {(i, ustep) for i in range(N)}  # every worker's gradient
-                rows = master[owner][a["local"][u]]
-                rows[:] = [rows[0] + 1] + rows[:-1]
-            sent = []
-            for w in range(N):
-                k = a["refresh"][t, w]
-                sent.append(tuple(master[w][k][s] for s in a["send_slot"][t, w]) if k >= 0 else relay[w][(t + 1) % d])
-            for w in range(N):
-                relay[(w + 1) % N][(t + 1) % d] = sent[w]
-    return checked, a, V
+                if op.grad_out >= 0:
+                    mine = frozenset({(op.worker, step)}) if valid(op.lag) else frozenset()
+                    before = grad[op.worker][op.grad_in] if op.grad_in >= 0 else frozenset()
+                    grad[op.worker][op.grad_out] = before | mine
+            landed = [(dst, dr, grad[src][sr]) for _, src, dst, sr, dr in tk.sends]
+            for dst, dr, value in landed:
+                grad[dst][dr] = value
+            for j, owner, lag, k, rows in tk.applies:
+                if valid(lag):
+                    total = frozenset().union(*(grad[owner][r] for r in rows))
+                    assert total == {(i, call - lag) for i in range(N)}, (rule, N, L, call, j, total)
+                    m = master[owner][k]
+                    m[:] = [m[0] + 1] + m[:-1]
+    for j in range(L):
+        assert master[z.owners[j]][z.local[j]][0] == calls  # every update applied once
+    return checked
+
+
+SIZES = [(n, l, backward) for backward, T in (("whole", 2), ("split", 3)) for l in range(1, 6)
+         for n in range(1, T * l + 1) if (T * l) % n == 0 and n <= 8]
 
 
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
-def test_relay_program_feeds_every_op_its_version(rule):
-    for N, L in SIZES:
-        checked, a, stored = run_program(rule, N, L)
-        assert checked > 0
-        counts = np.bincount(np.asarray(a["owners"]), minlength=N)
-        assert counts.max() == a["per_worker"] == math.ceil(L / N), (N, L, a["owners"])  # balanced
-        if rule == "cdp-v2":  # one version per hop, and only the current one stored
-            assert a["versions"] == 1 and stored == 1
-        elif N > 1:  # a pass spans an update: both versions stored, two per hop (L = 1: one)
-            assert stored == 2 and a["versions"] == (2 if L > 1 else 1)
-    assert zero_period_arrays(4, 4, rule)["owners"].tolist() == [2, 1, 0, 3]  # N = L: worker L-2-j
+def test_plan_feeds_every_op_its_version_and_every_owner_every_gradient(rule):
+    for N, L, backward in SIZES:
+        assert play(rule, N, L, backward) > 0
+        z = zero_ticks(rule, N, L, backward)
+        counts = np.bincount(np.asarray(z.owners), minlength=N)
+        assert counts.max() == z.owned == -(-L // N), (N, L, z.owners)  # at most ceil(L/N) stages each
+        # the rule: the last stages on the last workers, the last stage on the last worker
+        assert z.owners == tuple((N - L + j) % N for j in range(L)) == owners_of(N, L)
 
 
-def test_relay_program_check_can_fail(monkeypatch):
-    """A wrong row, stored slot or chain start is caught by the same player."""
-    good = zero_period_arrays(4, 4, "cdp-v1")
-    for key, where in (("read", (5, 1)), ("first", (4, 0)), ("send_slot", (1, 1))):
-        bad = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in good.items()}
-        bad[key][where] = 1 - bad[key][where]
-        monkeypatch.setitem(globals(), "zero_period_arrays", lambda *args, bad=bad: bad)
+def test_play_can_fail():
+    """A refresh of the wrong row, a gradient op writing the wrong row, or a send that lands in the
+    wrong row is caught by the same player."""
+    import dataclasses
+
+    good = zero_ticks("cdp-v2", 4, 4)
+    t = next(i for i, tk in enumerate(good.ticks) if tk.refreshes and tk.sends)
+    tk = good.ticks[t]
+    bad_refresh = dataclasses.replace(tk, refreshes=tuple((j, o, w, k, 1 - row) for j, o, w, k, row in tk.refreshes))
+    bad_send = dataclasses.replace(tk, sends=tuple((j, s, d, sr, (dr + 1) % good.grad_rows)
+                                                   for j, s, d, sr, dr in tk.sends))
+    for bad in (bad_refresh, bad_send):
+        ticks = dataclasses.replace(good, ticks=good.ticks[:t] + (bad,) + good.ticks[t + 1:])
         with pytest.raises(AssertionError):
-            run_program("cdp-v1", 4, 4)
+            play("cdp-v2", 4, 4, ticks=ticks)
 
 
 # ------------------------------------------------------------------ equal to the ring
 
 
-@pytest.mark.parametrize("rule,workers", [("cdp-v2", 4), ("cdp-v1", 4), ("cdp-v2", 8)])
-def test_equals_ring(rule, workers):
-    zero, ring = build("zero", rule, workers), build("ring", rule, workers)
-    # owners by the rule: N = L = 4, worker L-2-j owns stage j (mod N); N = 8: 2(L-1-j)
-    assert zero.info["owners"] == ([2, 1, 0, 3] if workers == 4 else [6, 4, 2, 0])
+@pytest.mark.parametrize("rule,workers,backward,residuals", [
+    ("cdp-v2", 4, "whole", "recompute"), ("cdp-v1", 4, "whole", "recompute"), ("cdp-v2", 8, "whole", "recompute"),
+    ("cdp-v2", 4, "split", "carry"), ("cdp-v2", 2, "whole", "recompute")])
+def test_equals_ring(rule, workers, backward, residuals):
+    stages = 4
+    zero = build("zero", rule, workers, stages, backward, residuals)
+    ring = build("ring", rule, workers, stages, backward, residuals)
+    assert zero.report["owners"] == [(workers - stages + j) % workers for j in range(stages)]
     state = train(zero)
     unflushed = params(zero, state)
     state = zero.flush(state)
@@ -156,103 +162,98 @@ def test_equals_ring(rule, workers):
     assert_close(got, params(ring, ring.flush(train(ring))))
     assert max_diff(got, params(zero, zero.init(jax.random.key(0)))) > 1e-3  # it trained
     assert max_diff(unflushed, got) > 1e-6  # the flush finished the last step's updates
-    if workers == 4 and rule == "cdp-v2":  # training on after a flush, as the ring does
+    if workers == 4 and rule == "cdp-v2" and backward == "whole":  # training on after a flush, as the ring does
         assert_close(params(zero, zero.flush(train(zero, 2, state, STEPS))),
                      params(ring, ring.flush(train(ring, 2, ring.flush(train(ring)), STEPS))))
 
 
-@pytest.mark.heavy
-def test_two_stages_per_worker_v1():
-    """N < L: each worker owns two stages, hops carry both versions (cdp-v1)."""
-    zero, ring = build("zero", "cdp-v1", 2), build("ring", "cdp-v1", 2)
-    assert zero.info["storage"]["owned_stages"] == 2 and zero.info["storage"]["versions_per_hop"] == 2
-    assert_close(params(zero, zero.flush(train(zero))), params(ring, ring.flush(train(ring))))
+# ------------------------------------------------------------------ messages and memory
 
 
-# ------------------------------------------------------------------ collectives and memory
-
-
-def collective_sizes(hlo: str) -> dict:
-    from cdpjax.bench import COLLECTIVES
-
-    out = {k: [] for k in COLLECTIVES}
+def permute_sizes(hlo: str) -> dict:
+    out = {}
     for line in hlo.splitlines():
-        if "=" not in line:
-            continue
-        rhs = line.split("=", 1)[1]
-        for kind in COLLECTIVES:
-            if f" {kind}(" in rhs or f" {kind}-start(" in rhs:
-                out[kind].append(bench._shape_bytes(rhs.split(kind)[0]) // 4)  # f32 elements
+        if "=" in line:
+            rhs = line.split("=", 1)[1]
+            for kind in bench.COLLECTIVES:
+                if f" {kind}(" in rhs or f" {kind}-start(" in rhs:
+                    out.setdefault(kind, []).append(bench._shape_bytes(rhs.split(kind)[0]) // 4)  # f32 elements
     return out
 
 
-def compiled(m):
-    state, b = m.init(jax.random.key(0)), batches()[0]
-    return state, m.info["period"].lower(state, b["image"], b["label"], True).compile()
-
-
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
-def test_no_model_sized_collectives_and_less_memory(rule):
-    zero, ring = build("zero", rule, 4), build("ring", rule, 4)
-    state, exe = compiled(zero)
-    model = sum(x.size for x in jax.tree.leaves(zero.export(state)[0]))
-    sizes = collective_sizes(exe.as_text())
-    assert not sizes["all-gather"] and not sizes["reduce-scatter"] and not sizes["all-to-all"]
-    assert sizes["all-reduce"] and max(sizes["all-reduce"]) < 0.01 * model  # the metric scalars
-    p_max = max(sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0])  # the largest stage
-    versions = 1 if rule == "cdp-v2" else 2  # a v1 pass spans an update: both versions travel
-    assert max(sizes["collective-permute"]) == versions * p_max  # one stage (two versions for v1) per hop
-    # The bench's parser agrees.
-    found = bench.collectives(exe.as_text())
-    assert found["all-gather"]["count"] == found["reduce-scatter"]["count"] == 0
+def test_messages_are_stage_sized_and_zero3_share(rule):
+    """The compiled step sends no all-gather, reduce-scatter or model-sized all-reduce; every
+    collective-permute carries exactly one stage (never a padded row); the bytes it really sends
+    are what the program declares: per worker and step 2(N-1)/N of the model in parameters (each
+    visit that is not the owner's, counted by rule below) and (N-1)/N in gradient sums."""
+    zero = build("zero", rule, 4)
+    state = zero.init(jax.random.key(0))
+    hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
+    sizes = permute_sizes(hlo)
+    stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
+    model = sum(stage)
+    assert not sizes.get("all-gather") and not sizes.get("reduce-scatter") and not sizes.get("all-to-all")
+    assert max(sizes["all-reduce"]) < 0.01 * model  # the metric scalars
+    assert set(sizes["collective-permute"]) <= set(stage)  # one stage each, at its own size
+    sent = bench.traffic(hlo, 4)["by_kind"]["collective-permute"] / 4  # per worker
+    assert zero.program.sent_bytes({"param": [4 * s for s in stage]}).mean() == pytest.approx(sent, rel=1e-6)
+    # By rule, N = L = 4, whole backwards: worker i visits stage j twice a step (its F, its B), the
+    # last stage once (F and B back to back); the owner's visits read its own rows. Each other visit
+    # is one message of the stage: 2 (N - 1) of stages 0..2 and N - 1 of stage 3; each stage's sum
+    # hops N - 1 times.
+    params_sent = sum(2 * 3 * s for s in stage[:3]) + 3 * stage[3]  # elements, over all workers
+    sums_sent = 3 * model
+    assert 4 * sent == pytest.approx(4 * (params_sent + sums_sent), rel=1e-6)  # bytes over the 4 workers, float32
+    # ZeRO-3's share: at most 2(N-1)/N of the model in parameters and (N-1)/N in gradients per worker
+    assert sent <= 4 * (2 * 3 / 4 + 3 / 4) * model
 
-    ring_state, ring_exe = compiled(ring)
-    # Its stored parameters and optimizer state are a fraction of the ring's; its arguments as a
-    # whole (padded relay and partial-sum rows) are not less than the one-version ring's any more.
-    assert bench.memory(exe)["argument_bytes"] > 0 and bench.memory(ring_exe)["argument_bytes"] > 0
 
-    # Persistent parameter + optimizer storage per device: K rows x (stored versions + momentum).
+def test_each_worker_stores_only_its_stages():
+    """Persistent parameter and optimizer storage per device: K owned stage rows x (stored versions
+    + momentum), each row the largest stage (one shape on every device), against the ring's whole
+    model in its own shapes (one version + momentum)."""
+    zero, ring = build("zero", "cdp-v2", 4), build("ring", "cdp-v2", 4)
+    state, ring_state = zero.init(jax.random.key(0)), ring.init(jax.random.key(0))
+    stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
+
     def per_device(tree):
         return sum(x.nbytes for x in jax.tree.leaves(tree)) / 4  # the leading axis is the 4 workers
 
-    mine = per_device([state["master"], state["opt_state"]])
-    theirs = per_device([ring_state["params"], ring_state["opt_state"]])  # the ring: one stored version
-    stored = 1 if rule == "cdp-v2" else 2  # v2's owners keep the current version only
-    assert abs(mine - (stored + 1) * p_max * 4) < 64  # + the optimizer's step counts
-    model = sum(x.size for x in jax.tree.leaves(zero.export(state)[0]))
-    assert abs(theirs - 2 * model * 4) < 64 and mine < theirs  # the ring: one version + momentum of everything
+    z = zero.program.ticks
+    assert (z.owned, z.versions) == (1, 2)  # one stage each; stale reads after an update read the previous
+    rows = per_device([state["master"], state["opt_state"]])
+    assert abs(rows - (2 + 1) * max(stage) * 4) < 64  # + the optimizer's step count
+    assert abs(per_device([ring_state["params"], ring_state["opt_state"]]) - 2 * sum(stage) * 4) < 64
 
 
 # ------------------------------------------------------------------ table, schedule, errors
 
 
 def test_table_and_schedule(capsys):
+    """The table: CDP's ops as the paper states them, with the plan's messages: one 'param' from
+    the owner before each visit that is not the owner's, N - 1 'partial' hops a stage ending at its
+    owner; `cdpjax schedule --method cdp-zero` prints them."""
     t = cdp_zero_table(4, 4, steps=3)
-    base = cdp_table("cdp-v2", 4, 4, steps=3)
-    ops, updates, stale = cdp_rule("cdp-v2", 4, 4, 3)  # CDP's timing as the paper states it
+    ops, updates, stale = cdp_rule("cdp-v2", 4, 4, 3)
     assert t.method == "cdp-zero"
     assert {(o.tick, o.device, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
-    assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
+    assert updates == {(u.tick, u.stage, u.step) for u in t.updates}
     np.testing.assert_array_equal(t.stale, stale)
-    lo, hi = t.steady
-    for tick in range(lo, hi):  # steady state: every worker sends one parameter hop per tick
-        assert sum(m.kind == "param" and m.tick == tick for m in t.messages) == 4
-    # Counted by rule. Sums go from the last worker (3) only as far as the owner: (owner - 3) mod 4
-    # hops for owners [2, 1, 0, 3], 6 a step; the ring brings each of the 4 stages' sums to the 3
-    # other workers, 12 a step (steps 0 and 1: the last step's deliveries run past the laid-out ticks).
-    assert sum(m.kind == "sum" and m.step < 2 for m in t.messages) == 12
-    assert sum(m.kind == "sum" and m.step < 2 for m in base.messages) == 24
-    # One steady step at unit stage sizes: 12 partial hops (3 a stage) + 6 sum hops + 32 parameter
-    # hops (4 workers x 8 ticks) against the ring's 12 partial + 12 sum.
-    assert t.bytes_per_tick([1.0] * 4)[lo:hi].sum() == 12 + 6 + 32
-    assert base.bytes_per_tick([1.0] * 4)[lo:hi].sum() == 12 + 12
-    assert table("cdp-zero", workers=4, stages=4, rule="cdp-v1").meta["versions_per_hop"] == 2
+    step1 = [m for m in t.messages if m.step == 1]
+    owners = t.meta["owners"]
+    assert owners == [0, 1, 2, 3]
+    assert sum(m.kind == "param" for m in step1) == 3 * (2 * 3 + 1)  # 3 other workers, 7 visits each
+    assert all(m.src == owners[m.stage] for m in step1 if m.kind == "param")
+    partials = [m for m in step1 if m.kind == "partial"]
+    assert len(partials) == 4 * 3 and all(m.dst == owners[m.stage] for m in partials if m.src == 3 - (m.stage == 3))
+    assert table("cdp-zero", workers=4, stages=4, rule="cdp-v1").meta["stored_versions"] == 2
     assert schedule.main(["--method", "cdp-zero", "--workers", "4", "--stages", "4", "--rule", "cdp-v1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("cdp-zero: N=4 workers") and "stage 0: w2" in out and "2 version(s)" in out
+    assert out.startswith("cdp-zero: N=4 workers") and "stage 0: w0" in out
     assert schedule.main(["--method", "cdp-zero", "--workers", "8", "--stages", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["owners"] == [6, 4, 2, 0] and d["versions_per_hop"] == 1
+    assert d["owners"] == [4, 5, 6, 7]
     assert schedule.main(["--method", "cdp-zero", "--workers", "3", "--stages", "4"]) == 2
     assert "choose workers in" in capsys.readouterr().err
 

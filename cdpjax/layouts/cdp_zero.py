@@ -1,230 +1,183 @@
-"""cdp-zero: CDP's ops with each stage's parameters kept by one worker and relayed point to
-point just before use (the plan the `cdp-zero` method runs)."""
+"""cdp-zero: CDP's ops with each stage's parameters and optimizer state kept by one worker and
+brought point to point to each op just before it runs (pure Python: the plan and its table).
+
+The plan (`zero_plan`) of a cyclic table (cdp-v1 or cdp-v2, whole or split backwards):
+
+- **Owners.** Stage j is kept by one worker, `owners[j]` (its parameters, the
+  previous version where some op reads it, and its optimizer state): with N >= L
+  workers every stage has its own owner; with fewer, each worker owns at most
+  ceil(L/N) stages. Later stages (the larger ones in most networks) go to the later
+  workers, the last stage to the last worker, which finishes each step's
+  gradients last and so never holds its own contribution waiting for the others'.
+- **Visits.** A worker's consecutive ops on one stage (a whole backward's last
+  stage F and B, a split backward's B and W) read one version and form one visit;
+  the stage's parameters are fetched once per visit.
+- **Relay.** At the start of a visit's first tick the owner sends the version the
+  visit reads (its current or previous version, the table's `slot`: both hold
+  what the table names because the owner applies each update at the table's
+  update tick) to the visiting worker, one message of the stage's real size; the
+  owner's own visits read its copy. A worker holds a relayed stage only during its
+  visit.
+- **Gradients.** The workers that are not the owner finish the stage's gradient
+  op one after another; a running partial sum hops from each to the next as they
+  finish (end of tick), and from the last of them to the owner, who adds its own
+  contribution (kept since its own gradient op, unless it finishes last) and
+  applies the update at the end of the update tick: N-1 messages of the stage's
+  size per stage and step, the ring all-reduce's share.
+
+So per step each worker sends about 2(N-1)/N of the model in parameters (one hop per
+visit that is not the owner's, two visits per stage and worker) and (N-1)/N in
+gradients: ZeRO-3's all-gathers and reduce-scatter, point to point, at the table's ticks.
+"""
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-import numpy as np
-
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
-from cdpjax.layouts.cdp import check_sizes, cdp_table
+from cdpjax.layouts.cdp import BACKWARDS, cdp_table, check_sizes
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")
 
 
-def _check_zero(rule, workers, stages):
+def _check_zero(rule, workers, stages, backward="whole"):
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp-zero rule={rule!r} is not one of {', '.join(ZERO_RULES)}")
-    check_sizes(workers, stages)
+    if backward not in BACKWARDS:
+        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
+    check_sizes(workers, stages, backward)
+
+
+def owners_of(workers: int, stages: int) -> tuple[int, ...]:
+    """Stage j's owner: the last stages on the last workers, at most ceil(L/N) stages each."""
+    return tuple((workers - stages + j) % workers for j in range(stages))
+
+
+@dataclasses.dataclass(frozen=True)
+class Visit:
+    """A worker's consecutive ops on one stage: their ticks, kinds, step and the version (and the
+    owner's row holding it: 0 current, 1 previous) they read."""
+
+    worker: int
+    stage: int
+    step: int
+    ticks: tuple[int, ...]
+    kinds: tuple[str, ...]
+    version: int
+    row: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientHop:
+    """A running partial sum of `stage`'s gradient for `step`, sent at the end of `tick`."""
+
+    tick: int
+    stage: int
+    step: int
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPlan:
+    """The plan of a table (module docstring): its visits, gradient hops, update ticks, owners
+    and the versions owners store (2 where some visit reads the previous one)."""
+
+    table: TimeTable
+    owners: tuple[int, ...]
+    visits: tuple[Visit, ...]
+    hops: tuple[GradientHop, ...]
+    update_tick: dict
+    versions: int
+
+    def relayed(self):
+        """The visits whose parameters come from their owner by a message."""
+        return [v for v in self.visits if v.worker != self.owners[v.stage]]
 
 
 @functools.lru_cache(maxsize=64)
-def _zero_plan(rule: str, N: int, L: int) -> dict:
-    """Owners and the per-tick relay program of cdp-zero (steady state, one period).
-
-    Forward (and backward) ops of stage j run worker after worker, one hop along the ring
-    every d = 2L/N ticks, so a stage's parameters can follow them: each worker passes
-    the buffer it used d-1 ticks ago to the next worker, who needs it in the next tick.
-    The owner o of stage j instead sends its stored version(s): a "pass" is the N ops
-    from worker o+1 round to o fed by one such refresh. A pass whose ops all read one
-    version carries that one; a pass spanning an update carries both stored versions
-    (current, previous), each op reading the row of its version. The owner of each stage
-    is chosen among the workers whose refresh leaves every op its version (the update it
-    needs is applied before the refresh, no op needs a version older than the owner's
-    previous), with as few stages per worker as possible, then as few versions per hop.
-    """
-    _check_zero(rule, N, L)
-    T, d, m = 2 * L, 2 * L // N, 2
-    lo = m * T  # the window of `_cdp_period`
-    base = cdp_table(rule, N, L, steps=m + 4)
-    at = {(o.tick, o.device): o for o in base.ops}
-    upd = [sorted(u.tick for u in base.updates if u.stage == j) for j in range(L)]
-
-    def applied(j, s):  # stage j's updates applied by the end of tick s
-        return sum(1 for u in upd[j] if u <= s)
-
-    def ring_pass(op, owner):
-        """(refresh tick, the pass's ops) of the pass that feeds `op` when `owner` refreshes."""
-        h = (op.device - owner - 1) % N
-        s = op.tick - 1 - h * d
-        ops = [at[(s + 1 + k * d, (owner + 1 + k) % N)] for k in range(N)]
-        if any((o.stage, o.kind) != (op.stage, op.kind) for o in ops):
-            raise AssertionError(f"{rule} N={N} L={L}: stage {op.stage} does not move one hop per {d} ticks")
-        return s, ops
-
-    def rows(s, ops):
-        """Versions the pass carries (newest first) -> master slot of each row; None: impossible."""
-        j, newest = ops[0].stage, max(o.version for o in ops)
-        count = newest - min(o.version for o in ops) + 1
-        slots = [applied(j, s) - (newest - r) for r in range(count)]
-        return slots if all(x in (0, 1) for x in slots) else None
-
-    window = [o for o in base.ops if lo <= o.tick < lo + 2 * T]  # two periods: the plan must repeat
-    need = {}  # (stage, owner) -> versions per hop, None where that owner cannot serve the stage
-    for j in range(L):
-        for owner in range(N):
-            counts = [rows(*ring_pass(o, owner)) for o in window if o.stage == j]
-            need[(j, owner)] = None if any(c is None for c in counts) else max(len(c) for c in counts)
-    best = None
-    for versions in (1, 2):
-        for per_worker in range(-(-L // N), L + 1):
-            owners = _assign(L, N, per_worker,
-                             [[o for o in _by_hops(N, base, j) if need[(j, o)] is not None and need[(j, o)] <= versions]
-                              for j in range(L)])
-            if owners is not None:
-                if best is None or per_worker < best[0]:
-                    best = (per_worker, versions, owners)
-                break
-    if best is None:  # not expected for any size `check_sizes` accepts; said plainly if it happens
-        raise ConfigError(f"cdp-zero finds no owner layout for workers={N}, stages={L} with rule {rule}")
-    per_worker, versions, owners = best
-    local = [sorted(j2 for j2 in range(L) if owners[j2] == owners[j]).index(j) for j in range(L)]
-
-    read = np.zeros((T, N), np.int32)
-    refresh = np.full((T, N), -1, np.int32)
-    send_slot = np.zeros((T, N, versions), np.int32)
-    first = np.zeros((T, N), bool)
-    sum_hop = np.full((T, N), -1, np.int32)
-    partial_in = {(msg.dst, msg.stage, msg.step): msg for msg in base.messages if msg.kind == "partial"}
-    for t in range(T):
-        for w in range(N):
-            op = at[(lo + t, w)]
-            s, ops = ring_pass(op, owners[op.stage])
-            newest = max(o.version for o in ops)
-            read[t, w] = newest - op.version
-            if op.kind == "B":
-                msg = partial_in.get((w, op.stage, op.step))
-                first[t, w] = msg is None
-                if msg is not None and msg.tick != op.tick - d:
-                    raise AssertionError(f"partial sum {msg} does not arrive {d} ticks before its use")
-            nxt = at[(lo + t + 1, (w + 1) % N)]
-            if owners[nxt.stage] == w:  # this worker's hop is its stage's refresh
-                refresh[t, w] = local[nxt.stage]
-                slots = rows(*ring_pass(nxt, w))
-                send_slot[t, w] = (slots + [0] * versions)[:versions]
-    for u in base.updates:
-        if lo <= u.tick < lo + T:
-            last = [o.device for o in base.ops if o.tick == u.tick and o.kind == "B" and o.stage == u.stage]
-            sum_hop[u.tick - lo, owners[u.stage]] = (owners[u.stage] - last[0]) % N
-    # Worker w's relay buffers at the start of a period: slot 0 for its op at tick 0, slot k > 0
-    # the buffer it used at tick k - d (passed on at the end of tick k - 1).
-    seed = np.array([[at[(lo + (k - d if k else 0), w)].stage for k in range(d)] for w in range(N)], np.int32)
-    return {"owners": tuple(owners), "local": tuple(local), "per_worker": per_worker, "versions": versions,
-            "read": read, "refresh": refresh, "send_slot": send_slot, "first": first, "sum_hop": sum_hop,
-            "seed": seed}
+def zero_plan(rule: str, workers: int, stages: int, backward: str = "whole", steps: int = 8) -> ZeroPlan:
+    _check_zero(rule, workers, stages, backward)
+    base = cdp_table(rule, workers, stages, steps, backward)
+    owners = owners_of(workers, stages)
+    visits = _visits(base)
+    for v in visits:  # every op of a visit reads one version, and the owner holds it
+        if v.row not in (0, 1):
+            raise AssertionError(f"cdp-zero {rule}: visit {v} reads a version its owner does not store")
+    grad = gradient_kind(backward == "split")
+    by = {}
+    for o in base.ops:
+        if o.kind == grad:
+            by.setdefault((o.stage, o.step), []).append(o)
+    hops = []
+    for (j, k), ops in by.items():
+        ops.sort(key=lambda o: o.tick)
+        others = [o for o in ops if o.device != owners[j]]
+        for a, b in zip(others, others[1:] + [None]):
+            hops.append(GradientHop(a.tick, j, k, a.device, b.device if b is not None else owners[j]))
+    update_tick = {(u.stage, u.step): u.tick for u in base.updates}
+    versions = 2 if any(v.row == 1 for v in visits) else 1
+    return ZeroPlan(base, owners, tuple(visits), tuple(sorted(hops, key=lambda h: (h.tick, h.stage))), update_tick,
+                    versions)
 
 
-def _by_hops(N, base, j):
-    """Workers in order of the gradient sum's hops from the last worker to finish stage j."""
-    last = max((o for o in base.ops if o.kind == "B" and o.stage == j), key=lambda o: o.tick).device
-    return sorted(range(N), key=lambda o: (o - last) % N)
-
-
-def _assign(L, N, per_worker, candidates):
-    """Stage -> owner with at most `per_worker` stages each (bipartite matching), or None."""
-    owner = [-1] * L
-    load = {}
-
-    def place(j, seen):
-        for o in candidates[j]:
-            if o in seen:
+def _visits(base: TimeTable) -> list[Visit]:
+    by_worker = {}
+    for o in sorted(base.ops, key=lambda o: o.tick):
+        by_worker.setdefault(o.device, []).append(o)
+    out = []
+    for w, ops in by_worker.items():
+        group = [ops[0]]
+        for o in ops[1:]:
+            prev = group[-1]
+            if o.stage == prev.stage and o.step == prev.step and o.tick == prev.tick + 1:
+                group.append(o)
                 continue
-            seen.add(o)
-            if load.get(o, 0) < per_worker:
-                owner[j] = o
-                load[o] = load.get(o, 0) + 1
-                return True
-            for j2 in range(L):  # move a stage that o holds to another of its candidates
-                if owner[j2] == o and place(j2, seen):
-                    owner[j] = o
-                    return True
-        return False
-
-    for j in sorted(range(L), key=lambda j: len(candidates[j])):
-        if not place(j, set()):
-            return None
-    return owner
+            out.append(_visit(group))
+            group = [o]
+        out.append(_visit(group))
+    return sorted(out, key=lambda v: (v.ticks[0], v.worker))
 
 
-@functools.lru_cache(maxsize=64)
-def _cdp_period(rule: str, N: int, L: int) -> dict:
-    """One steady-state period of the `rule` table as arrays [tick, worker]: op (0 idle, 1+j
-    forward of stage j, 1+L+j backward), slot (1: the previous version), step (0 the step
-    fed in the period, -1 the previous one); update / update_step [tick] (-1: none)."""
-    T, m = 2 * L, 2
-    table = cdp_table(rule, N, L, steps=4)
-    lo = m * T  # steps 1 and 2 only, so no step-0 special case leaks in
-    op, slot, step = (np.zeros((T, N), np.int32) for _ in range(3))
-    update, update_step = np.full((T,), -1, np.int32), np.zeros((T,), np.int32)
-    for o in table.ops:
-        if lo <= o.tick < lo + T:
-            t = o.tick - lo
-            op[t, o.device] = 1 + o.stage + (L if o.kind == "B" else 0)
-            slot[t, o.device] = int(o.slot == "previous")
-            step[t, o.device] = o.step - m
-    for u in table.updates:
-        if lo <= u.tick < lo + T:
-            update[u.tick - lo], update_step[u.tick - lo] = u.stage, u.step - m
-    return {"op": op, "slot": slot, "step": step, "update": update, "update_step": update_step}
+def _visit(ops) -> Visit:
+    first = ops[0]
+    if any(o.version != first.version for o in ops):
+        raise AssertionError(f"the ops {ops} of one visit read different versions")
+    row = {"current": 0, "previous": 1}.get(first.slot, -1)
+    return Visit(first.device, first.stage, first.step, tuple(o.tick for o in ops), tuple(o.kind for o in ops),
+                 first.version, row)
 
 
-def zero_period_arrays(workers: int, stages: int, rule: str = "cdp-v2") -> dict[str, np.ndarray]:
-    """cdp-zero's steady-state period: `period_arrays(rule, ...)` (op, step, update, ...) plus
-    the relay program, indexed [tick_in_period, worker] unless noted:
-      read: which row of the received parameter buffer the op reads (0 the newest version).
-      refresh: at the end of the tick this worker sends the next worker its own stored copy
-        of the stage at this index among the stages it owns (its rows per `send_slot`),
-        -1: it passes on the buffer it used d-1 ticks ago.
-      send_slot [tick, worker, row]: stored version (0 current, 1 previous) sent in each row.
-      first: the op is a backward that starts its stage's partial sum (nothing received).
-      sum_hop: hops the completed sum of stage `update[t]` takes to reach its owner, at
-        the owner (0: it completed the sum itself), -1 elsewhere.
-      seed [worker, d]: stage of each relay buffer at the start of a period.
-      owners [stage], local [stage]: the owner, and the stage's index among its stages.
-    Scalars: `versions` (rows per buffer), `per_worker` (stages owned by the busiest worker).
-    """
-    _check_zero(rule, workers, stages)
-    plan = _zero_plan(rule, int(workers), int(stages))
-    out = {k: v.copy() for k, v in _cdp_period(rule, int(workers), int(stages)).items()}
-    for k, v in plan.items():
-        out[k] = np.array(v) if isinstance(v, (tuple, np.ndarray)) else v
-    return out
-
-
-def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = "cdp-v2") -> TimeTable:
-    """cdp-zero's table: the `rule` table (same ops, versions, updates) with the 'param' hop
-    that brings each op its parameters (one Message per version carried; the op at tick 0 of
-    worker 0 is fed from the initial buffers), the 'partial' sums of the ring, and 'sum' hops
-    only from the last worker to the owner."""
-    _check_zero(rule, workers, stages)
-    base = cdp_table(rule, workers, stages, steps)
-    N, L = int(workers), int(stages)
-    plan = _zero_plan(rule, N, L)
-    owners = plan["owners"]
-    messages = [m for m in base.messages if m.kind == "partial"]
-    for u in base.updates:
-        last = [o.device for o in base.ops if o.tick == u.tick and o.kind == "B" and o.stage == u.stage][0]
-        for h in range((owners[u.stage] - last) % N):
-            messages.append(Message(u.tick, (last + h) % N, (last + h + 1) % N, u.stage, "sum", u.step))
-    for op in base.ops:
-        if op.tick > 0:
-            messages += [Message(op.tick - 1, (op.device - 1) % N, op.device, op.stage, "param", op.step)] * plan["versions"]
-    messages.sort(key=lambda m: (m.tick, m.kind != "partial", m.stage))
-    owned = "; ".join(f"stage {j}: w{o}" for j, o in enumerate(owners))
-    note = (f"rule {rule}; owners (parameters and optimizer state): {owned}; each tick every worker sends one "
-            f"'param' hop of {plan['versions']} version(s)")
-    T = 2 * L  # its traffic all lands within the step's own period: one period from step 1 is steady
+def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = "cdp-v2",
+                   backward: str = "whole") -> TimeTable:
+    """cdp-zero's table: the `rule` table (same ops, versions, updates) with the plan's
+    messages: a 'param' message from the owner at the start of each visit that is not the
+    owner's (sent at the end of the tick before), the 'partial' sums to the owner."""
+    _check_zero(rule, workers, stages, backward)
+    plan = zero_plan(rule, int(workers), int(stages), backward, max(int(steps), 1) + 2)
+    base = cdp_table(rule, workers, stages, steps, backward)
+    messages = [Message(v.ticks[0] - 1, plan.owners[v.stage], v.worker, v.stage, "param", v.step)
+                for v in plan.relayed() if v.step < steps and v.ticks[0] >= 1]
+    messages += [Message(h.tick, h.src, h.dst, h.stage, "partial", h.step) for h in plan.hops
+                 if h.step < steps and h.tick < base.num_ticks]
+    messages.sort(key=lambda m: (m.tick, m.kind != "partial", m.stage, m.src))
+    owned = "; ".join(f"stage {j}: w{o}" for j, o in enumerate(plan.owners))
+    note = (f"rule {rule}; owners (parameters, {plan.versions} stored version(s), optimizer state): {owned}; "
+            f"each visit that is not its owner's gets the stage from the owner, one message of the stage's size")
+    T = base.period
     steady = (T, 2 * T) if steps >= 2 else base.steady
-    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady,
-                               meta={"rule": rule, "owners": list(owners), "versions_per_hop": plan["versions"]},
+    meta = {"rule": rule, "owners": list(plan.owners), "stored_versions": plan.versions}
+    if backward != "whole":
+        meta["backward"] = backward
+    return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady, meta=meta,
                                notes=(note,))
 
 
 register(Layout("cdp-zero", "cdpjax.methods.cdp_zero:build", axes=("data",), device_axis="data",
-                table=cdp_zero_table, colour="worker", label="{kind}{stage}", diagram_label="{kind}w{micro}", columns="worker",
-                legend="F<j>/B<j>: forward/backward of stage j",
+                table=cdp_zero_table, colour="worker", label="{kind}{stage}", diagram_label="{kind}w{micro}",
+                columns="worker", legend="F<j>/B<j>/W<j>: forward/backward/weight gradient of stage j",
                 title="{method}: N={workers} workers, L={stages} stages, {steps} steps, offsets {offsets}",
-                summary="CDP with parameters sharded over workers, relayed point-to-point"))
+                summary="CDP with each stage's parameters and optimizer state on one owner, relayed point to point"))

@@ -426,24 +426,23 @@ def _unnamed(b, state, program, carry):
 # ------------------------------------------------------------------ the method
 
 
-def init_state(net, stages: Stages, program: RingTicks, tx, rng, carry: bool):
+def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
+    """A worker's per-stage buffers in natural shapes: model state, each stage's input, each
+    stage's output cotangent, the labels of its micro-batch, and (carry) kept residuals."""
+    zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
+    out = {"model_state": model_state, "acts": [zeros(s) for s in stages.inputs],
+           "cots": [zeros(s) for s in stages.outputs[:-1]], "labels": zeros((stages.micro,), jnp.int32)}
+    if carry:
+        out["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
+    return out
+
+
+def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool):
     """One worker's state: every worker starts from the same parameters."""
     params, model_state = net.init(rng)
-    zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
-    grads = [jax.tree.map(jnp.zeros_like, params[j]) for _, j, _ in program.live]
-    state = {
-        "params": params,
-        "opt_state": [tx.init(p) for p in params],
-        "model_state": model_state,
-        "acts": [zeros(s) for s in stages.inputs],
-        "cots": [zeros(s) for s in stages.outputs[:-1]],
-        "labels": zeros((stages.micro,), jnp.int32),
-        "grads": grads,
-        "fed": jnp.zeros((max(program.max_lag, 1),), bool),
-    }
-    if carry:
-        state["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
-    return state
+    return {"params": params, "opt_state": [tx.init(p) for p in params],
+            "grads": [jax.tree.map(jnp.zeros_like, params[j]) for _, j, _ in ticks.live],
+            "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 
 
 def build(ctx, name: str, net, table, residuals: str) -> Method:
