@@ -353,6 +353,9 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
     }
     if method.program is not None:  # what the program sends: exactly the runtime's messages
         record.update(_program_sends(method.program, priced))
+    from cdpjax import cost, optim
+
+    record["cost"] = cost.step_cost(method, compiled, micro, optim.make(config), devices)
     record["memory_model"] = memory_model(method, config, table, sizes, devices, priced)
     return record
 

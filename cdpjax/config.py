@@ -69,7 +69,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.cdp_rule = "cdp-v2"
     # CDP's op sequence: 'whole' backwards (F, B: 2L ticks a step, the paper's figure) or 'split'
     # ones (F, B, W: 3L ticks of about equal cost, so a lockstep tick waits for no whole backward).
-    c.cdp_backward = "whole"
+    c.cdp_ticks = "whole"
     # Local learning / PPLL.
     c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
     c.aux_kwargs = ml_collections.ConfigDict()
@@ -127,7 +127,7 @@ _CHOICES = {
     "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
-    "cdp_backward": ("whole", "split"),
+    "cdp_ticks": ("whole", "split"),
     "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),

@@ -100,43 +100,45 @@ def max_diff(a, b) -> float:
 # ------------------------------------------------------------------ CDP's timing, written out
 
 
-def cdp_rule(method: str, workers: int, stages: int, steps: int, backward: str = "whole"):
-    """CDP's (and dp's) schedule as the paper states it, written out here without the table code:
-    worker i starts step k at tick o_i + Tk with o_i = T*i/N (dp: every worker at Tk). With whole
-    backwards (T = 2L), at phase p of a step it runs the forward of stage p (p < L), else the
-    backward of stage 2L-1-p, which completes the stage's gradient: phase g_j = 2L-1-j. With split
-    backwards (T = 3L), the forwards, then for q = p - L: stage L-1-q//2's input backward B (q even)
-    or its weight gradient W (q odd), which completes the gradient: g_j = 3L-1-2j. Stage j's update
-    for step k lands at the end of the last worker's gradient op of stage j (dp: the step's last
-    tick, after the all-reduce). cdp-v1 reads the previous version everywhere; cdp-v2 where the
-    forward comes before the previous step's update: o_i + j <= o_{N-1} + g_j - T. Version read at
-    step k: k, or max(k-1, 0) when stale; slot 'current' iff that version is the number of updates
-    of the stage applied before the tick.
+def cdp_rule(method: str, workers: int, stages: int, steps: int, ticks: str = "whole"):
+    """CDP's (and dp's) schedule as the paper states it, written out here without the table code.
+    A step's ops at their phases (ticks from the step's start): 'whole' (T = 2L): the forward of
+    stage j at phase j, its backward at 2L-1-j, which completes the stage's gradient; 'split'
+    (T = 3L): forwards at j, then stage j's input backward B at L + 2(L-1-j) and its weight
+    gradient W, which completes the gradient, one tick later; 'paired' (T = ceil(L/2) + L): the
+    forward of stage j at phase j // 2 (two stages a tick), its backward at ceil(L/2) + L-1-j.
+    Worker i starts step k at tick o_i + Tk with o_i = T*i/N (dp: every worker at Tk). Stage j's
+    update for step k lands at the end of the last worker's gradient op of stage j (dp: the
+    step's last tick, after the all-reduce); g_j is that op's phase. cdp-v1 reads the previous
+    version everywhere; cdp-v2 where the forward comes before the previous step's update:
+    o_i + f_j <= o_{N-1} + g_j - T (f_j the forward's phase). Version read at step k: k, or
+    max(k-1, 0) when stale; slot 'current' iff that version is the number of updates of the
+    stage applied before the tick.
 
     Returns (ops, updates, stale): ops as {(tick, worker, stage, kind, step, version, slot, stale)},
     updates as {(tick, stage, step)}, stale as an [N, L] bool array."""
     N, L = workers, stages
-    T = 2 * L if backward == "whole" else 3 * L
-    g = [2 * L - 1 - j if backward == "whole" else 3 * L - 1 - 2 * j for j in range(L)]
-
-    def op(p):
-        if p < L:
-            return "F", p
-        if backward == "whole":
-            return "B", T - 1 - p
-        q = p - L
-        return ("B" if q % 2 == 0 else "W"), L - 1 - q // 2
-
+    if ticks == "whole":
+        T, phases = 2 * L, [(j, "F", j) for j in range(L)] + [(2 * L - 1 - j, "B", j) for j in range(L)]
+    elif ticks == "split":
+        T = 3 * L
+        phases = [(j, "F", j) for j in range(L)] + [(L + 2 * (L - 1 - j) + w, kind, j) for j in range(L)
+                                                    for w, kind in ((0, "B"), (1, "W"))]
+    else:
+        half = -(-L // 2)
+        T, phases = half + L, [(j // 2, "F", j) for j in range(L)] + [(half + L - 1 - j, "B", j) for j in range(L)]
+    gradient = "W" if ticks == "split" else "B"
+    f = {j: p for p, kind, j in phases if kind == "F"}
+    g = {j: p for p, kind, j in phases if kind == gradient}
     offset = [0 if method == "dp" else T * i // N for i in range(N)]
-    stale = np.array([[method == "cdp-v1" or (method == "cdp-v2" and offset[i] + j <= offset[-1] + g[j] - T)
+    stale = np.array([[method == "cdp-v1" or (method == "cdp-v2" and offset[i] + f[j] <= offset[-1] + g[j] - T)
                        for j in range(L)] for i in range(N)])
     update_tick = {(j, k): T * k + T - 1 if method == "dp" else offset[-1] + T * k + g[j]
                    for j in range(L) for k in range(steps)}
     ops = set()
     for k in range(steps):
         for i in range(N):
-            for p in range(T):
-                kind, j = op(p)
+            for p, kind, j in phases:
                 tick = offset[i] + T * k + p
                 version = max(k - int(stale[i, j]), 0)
                 applied = sum(1 for s in range(steps) if update_tick[(j, s)] < tick)

@@ -56,9 +56,9 @@ def context(devices, **kw):
 
 @functools.lru_cache(maxsize=None)
 def build(method, impl="simulate", workers=1, devices=1, stages=4, delay_free=False, norm="none", rule="cdp-v2",
-          residuals="recompute", backward="whole"):
+          residuals="recompute", ticks="whole"):
     ctx = context(devices, method=method, cdp_impl=impl, workers=workers, stages=stages, norm=norm, cdp_rule=rule,
-                  residuals=residuals, cdp_backward=backward)
+                  residuals=residuals, cdp_ticks=ticks)
     if method in ("dp", "e2e"):
         return methods.build(ctx)
     return cdp.make(ctx, method, cdp_table("dp", workers, stages) if delay_free else None)
@@ -96,7 +96,7 @@ def test_delay_removed_equals_dp_and_e2e():
     assert max_diff(params(delayed, train(delayed)), reference) > 1e-4
 
 
-@pytest.mark.parametrize("method,workers,stages,norm,rule,residuals,backward", [
+@pytest.mark.parametrize("method,workers,stages,norm,rule,residuals,ticks", [
     ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute", "whole"), ("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "whole"),
     ("cdp-v2", 8, 4, "none", "cdp-v2", "recompute", "whole"), ("cdp-v1", 4, 4, "none", "cdp-v2", "recompute", "whole"),
     # the paper code's rule where the ring can run it (N <= L; N < L: more stale than the timing)
@@ -111,20 +111,24 @@ def test_delay_removed_equals_dp_and_e2e():
     ("cdp-v2", 8, 4, "none", "cdp-v2", "carry", "split"), ("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "split"),
     ("cdp-v2", 2, 4, "none", "paper-code", "carry", "split"), ("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "split"),
     ("cdp-v2", 2, 2, "batch", "cdp-v2", "carry", "split"),
+    # paired forwards (two a tick, whole backwards): offsets as uniform as whole ticks allow
+    ("cdp-v2", 4, 4, "none", "cdp-v2", "carry", "paired"), ("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "paired"),
+    ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute", "paired"), ("cdp-v2", 8, 8, "none", "cdp-v2", "carry", "paired"),
+    ("cdp-v2", 2, 4, "none", "paper-code", "carry", "paired"),
 ])
-def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals, backward):
-    if (workers, stages, backward) == (8, 4, "split"):  # 8 workers need 8 | 3L: L = 8 stages of a wider mlp
+def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals, ticks):
+    if (workers, stages, ticks) == (8, 4, "split"):  # 8 workers need 8 | 3L: L = 8 stages of a deeper mlp
         stages = 8
-    sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm, rule=rule, backward=backward)
+    sim = build(method, "simulate", workers=workers, devices=2, stages=stages, norm=norm, rule=rule, ticks=ticks)
     ring = build(method, "ring", workers=workers, devices=workers, stages=stages, norm=norm, rule=rule,
-                 residuals=residuals, backward=backward)
+                 residuals=residuals, ticks=ticks)
     # both read the rule as written out independently: the paper's timing (helpers.cdp_rule), or
     # the paper code's "worker i reads stage j fresh iff j >= L-1-i"
     if rule == "paper-code":
         expected = np.array([[j < stages - 1 - i for j in range(stages)] for i in range(workers)])
-        assert expected.sum() > cdp_rule("cdp-v2", workers, stages, 1, backward)[2].sum()
+        assert expected.sum() > cdp_rule("cdp-v2", workers, stages, 1, ticks)[2].sum()
     else:
-        expected = cdp_rule(method, workers, stages, 1, backward)[2]
+        expected = cdp_rule(method, workers, stages, 1, ticks)[2]
     np.testing.assert_array_equal(ring.stale, expected)
     np.testing.assert_array_equal(sim.stale, expected)
     expected_params, expected_state = sim.export(train(sim))

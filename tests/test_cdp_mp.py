@@ -28,17 +28,17 @@ MODEL_KWARGS = {"mlp": {"width": 16}, "resnet_tiny": {"depths": (1, 1)}, "vit_ti
 # ---------------------------------------------------------------------- the table
 
 
-@pytest.mark.parametrize("backward", ["whole", "split"])
+@pytest.mark.parametrize("ticks", ["whole", "split"])
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
-def test_one_op_per_device_per_tick(rule, stages, backward):
+def test_one_op_per_device_per_tick(rule, stages, ticks):
     """N = L workers' ops on their stage's device: every device busy at every steady-state tick with
     exactly one op; with whole backwards a forward when tick - stage is even, a backward when odd;
     with split ones F, B, W as tick - stage is 0, 1, 2 modulo 3 (worker i's ops of stage j at phases
     j, 3L-2-2j, 3L-1-2j from tick 3i); every op, version, slot and update as CDP's timing written
     out (`helpers.cdp_rule`, with device = stage), and no gradient sent."""
-    t = cdp_mp_table(stages, steps=4, rule=rule, backward=backward)
-    T = 2 * stages if backward == "whole" else 3 * stages
+    t = cdp_mp_table(stages, steps=4, rule=rule, ticks=ticks)
+    T = 2 * stages if ticks == "whole" else 3 * stages
     assert t.devices == t.workers == stages and t.messages == ()
     assert t.busy_fraction()["overall"] == 1.0 and t.busy_fraction()["per_device"] == [1.0] * stages
     lo, hi = t.steady
@@ -48,14 +48,14 @@ def test_one_op_per_device_per_tick(rule, stages, backward):
         assert (op.tick, op.device) not in cells
         cells[(op.tick, op.device)] = op
         if lo <= op.tick < hi:
-            kinds = "FB" if backward == "whole" else "FBW"
+            kinds = "FB" if ticks == "whole" else "FBW"
             assert op.kind == kinds[(op.tick - op.stage) % len(kinds)]
     assert hi - lo == T and all((tick, j) in cells for tick in range(lo, hi) for j in range(stages))
-    ops, updates, stale = cdp_rule(rule, stages, stages, 4, backward)
+    ops, updates, stale = cdp_rule(rule, stages, stages, 4, ticks)
     assert {(o.tick, o.micro, o.stage, o.kind, o.step, o.version, o.slot, o.stale) for o in t.ops} == ops
     assert {(u.tick, u.stage, u.step) for u in t.updates} == updates
     np.testing.assert_array_equal(t.stale, stale)
-    assert table("cdp-mp", stages=stages, steps=4, rule=rule, backward=backward) == t  # the registry's name
+    assert table("cdp-mp", stages=stages, steps=4, rule=rule, ticks=ticks) == t  # the registry's name
 
 
 def test_device_memory_model():
@@ -104,17 +104,17 @@ def context(mesh, devices, **kw):
 
 
 @functools.lru_cache(maxsize=None)
-def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", data_axis=1, backward="whole"):
+def build_mp(model="mlp", residuals="recompute", rule="cdp-v2", norm="none", data_axis=1, ticks="whole"):
     mesh = {"stage": 4, "data": data_axis} if data_axis > 1 else {"stage": 4}
     return methods.build(context(mesh, 4 * data_axis, method="cdp-mp", model=model, model_kwargs=MODEL_KWARGS[model],
-                                 residuals=residuals, cdp_rule=rule, norm=norm, cdp_backward=backward))
+                                 residuals=residuals, cdp_rule=rule, norm=norm, cdp_ticks=ticks))
 
 
 @functools.lru_cache(maxsize=None)
-def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS, backward="whole"):
+def simulated(model="mlp", rule="cdp-v2", norm="none", steps=STEPS, ticks="whole"):
     """CDP simulate with N = 4 workers on one device: parameters and model state after `steps`."""
     ctx = context({"data": 1}, 1, method=rule, cdp_impl="simulate", workers=4, model=model,
-                  model_kwargs=MODEL_KWARGS[model], norm=norm, cdp_backward=backward)
+                  model_kwargs=MODEL_KWARGS[model], norm=norm, cdp_ticks=ticks)
     m = cdp.make(ctx, rule)
     state = run(m, batches()[:steps])
     return jax.device_get(m.export(state)), params(m, m.init(jax.random.key(0)))
@@ -137,16 +137,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model,residuals,rule,norm,backward", CASES)
-def test_equals_simulate(model, residuals, rule, norm, backward):
+@pytest.mark.parametrize("model,residuals,rule,norm,ticks", CASES)
+def test_equals_simulate(model, residuals, rule, norm, ticks):
     """FIRST: after S steps and a flush, cdp-mp's parameters are simulate's with the same
     staleness on one device, to float tolerance."""
-    m = build_mp(model, residuals, rule, norm, backward=backward)
+    m = build_mp(model, residuals, rule, norm, ticks=ticks)
     if model == "resnet_tiny":
         carrier = m.carrier  # inputs 8x8x1, 8x8x8, 8x8x8, 4x4x16; no two parameter sizes alike
         assert len(set(carrier.params.sizes)) == 4 and len(set(carrier.acts.shapes)) == 3
     assert m.workers == 4 and m.devices == 4 and m.dp_mp_devices == 16
-    (reference, _), initial = simulated(model, rule, norm, backward=backward)
+    (reference, _), initial = simulated(model, rule, norm, ticks=ticks)
     assert max_diff(reference, initial) > 1e-3  # it trained
     assert_trees_close(jax.device_get(m.export(train(m))[0]), reference)
 

@@ -48,8 +48,8 @@ def context(devices, **kw):
 
 
 @functools.lru_cache(maxsize=None)
-def build(impl, rule, workers, stages=4, backward="whole", residuals="recompute"):
-    kw = dict(stages=stages, cdp_backward=backward, residuals=residuals)
+def build(impl, rule, workers, stages=4, ticks="whole", residuals="recompute"):
+    kw = dict(stages=stages, cdp_ticks=ticks, residuals=residuals)
     if impl == "ring":
         return cdp.make(context(workers, method=rule, cdp_impl="ring", **kw), rule)
     return methods.build(context(workers, method="cdp-zero", cdp_rule=rule, **kw))
@@ -66,15 +66,15 @@ def train(m, steps=STEPS, state=None, start=0):
 # ------------------------------------------------------------------ the plan, played
 
 
-def play(rule, N, L, backward="whole", calls=5, ticks=None):
+def play(rule, N, L, ticks="whole", calls=5, program=None):
     """Plays cdp-zero's period on version numbers and sets of gradient contributions as the SPMD
     tick does (refreshes, ops, sends all read before any lands, updates); each op must read the
     version CDP's timing names (`helpers.cdp_rule`, not the table code), each update must sum
     every worker's gradient of its step, and every update must be applied in the end."""
-    z = ticks or zero_ticks(rule, N, L, backward)
-    want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, N, L, calls + 3, backward)[0]}
+    z = program or zero_ticks(rule, N, L, ticks)
+    want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, N, L, calls + 3, ticks)[0]}
     master = {w: [[0] * z.versions for _ in range(z.owned)] for w in range(N)}
-    relay = {w: None for w in range(N)}
+    relay = {w: [None] * z.relay_rows for w in range(N)}
     grad = {w: [frozenset()] * z.grad_rows for w in range(N)}
     checked = 0
     for call in range(calls + z.max_lag):
@@ -82,14 +82,14 @@ def play(rule, N, L, backward="whole", calls=5, ticks=None):
             return 0 <= call - lag < calls
 
         for tk in z.ticks:
-            for j, owner, w, k, row in tk.refreshes:
-                relay[w] = (j, master[owner][k][row])
+            for j, owner, w, k, row, r in tk.refreshes:
+                relay[w][r] = (j, master[owner][k][row])
             for op in tk.ops:
                 step = call - op.lag
                 if valid(op.lag):
                     v = want[(op.worker, op.stage, step, op.kind)]
                     if op.params[0] == "relay":
-                        assert relay[op.worker] == (op.stage, v), (call, op, relay[op.worker], v)
+                        assert relay[op.worker][op.params[1]] == (op.stage, v), (call, op, relay[op.worker], v)
                     else:
                         _, k, row = op.params
                         assert z.owners[op.stage] == op.worker and master[op.worker][k][row] == v, (call, op)
@@ -112,15 +112,16 @@ def play(rule, N, L, backward="whole", calls=5, ticks=None):
     return checked
 
 
-SIZES = [(n, l, backward) for backward, T in (("whole", 2), ("split", 3)) for l in range(1, 6)
+SIZES = [(n, l, ticks) for ticks, T in (("whole", 2), ("split", 3)) for l in range(1, 6)
          for n in range(1, T * l + 1) if (T * l) % n == 0 and n <= 8]
+SIZES += [(n, l, "paired") for l in range(1, 6) for n in range(1, -(-l // 2) + l + 1)]
 
 
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
 def test_plan_feeds_every_op_its_version_and_every_owner_every_gradient(rule):
-    for N, L, backward in SIZES:
-        assert play(rule, N, L, backward) > 0
-        z = zero_ticks(rule, N, L, backward)
+    for N, L, ticks in SIZES:
+        assert play(rule, N, L, ticks) > 0
+        z = zero_ticks(rule, N, L, ticks)
         counts = np.bincount(np.asarray(z.owners), minlength=N)
         assert counts.max() == z.owned == -(-L // N), (N, L, z.owners)  # at most ceil(L/N) stages each
         # the rule: the last stages on the last workers, the last stage on the last worker
@@ -135,25 +136,25 @@ def test_play_can_fail():
     good = zero_ticks("cdp-v2", 4, 4)
     t = next(i for i, tk in enumerate(good.ticks) if tk.refreshes and tk.sends)
     tk = good.ticks[t]
-    bad_refresh = dataclasses.replace(tk, refreshes=tuple((j, o, w, k, 1 - row) for j, o, w, k, row in tk.refreshes))
+    bad_refresh = dataclasses.replace(tk, refreshes=tuple((j, o, w, k, 1 - row, r) for j, o, w, k, row, r in tk.refreshes))
     bad_send = dataclasses.replace(tk, sends=tuple((j, s, d, sr, (dr + 1) % good.grad_rows)
                                                    for j, s, d, sr, dr in tk.sends))
     for bad in (bad_refresh, bad_send):
-        ticks = dataclasses.replace(good, ticks=good.ticks[:t] + (bad,) + good.ticks[t + 1:])
+        program = dataclasses.replace(good, ticks=good.ticks[:t] + (bad,) + good.ticks[t + 1:])
         with pytest.raises(AssertionError):
-            play("cdp-v2", 4, 4, ticks=ticks)
+            play("cdp-v2", 4, 4, program=program)
 
 
 # ------------------------------------------------------------------ equal to the ring
 
 
-@pytest.mark.parametrize("rule,workers,backward,residuals", [
+@pytest.mark.parametrize("rule,workers,ticks,residuals", [
     ("cdp-v2", 4, "whole", "recompute"), ("cdp-v1", 4, "whole", "recompute"), ("cdp-v2", 8, "whole", "recompute"),
-    ("cdp-v2", 4, "split", "carry"), ("cdp-v2", 2, "whole", "recompute")])
-def test_equals_ring(rule, workers, backward, residuals):
+    ("cdp-v2", 4, "split", "carry"), ("cdp-v2", 2, "whole", "recompute"), ("cdp-v2", 4, "paired", "carry")])
+def test_equals_ring(rule, workers, ticks, residuals):
     stages = 4
-    zero = build("zero", rule, workers, stages, backward, residuals)
-    ring = build("ring", rule, workers, stages, backward, residuals)
+    zero = build("zero", rule, workers, stages, ticks, residuals)
+    ring = build("ring", rule, workers, stages, ticks, residuals)
     assert zero.report["owners"] == [(workers - stages + j) % workers for j in range(stages)]
     state = train(zero)
     unflushed = params(zero, state)
@@ -162,7 +163,7 @@ def test_equals_ring(rule, workers, backward, residuals):
     assert_close(got, params(ring, ring.flush(train(ring))))
     assert max_diff(got, params(zero, zero.init(jax.random.key(0)))) > 1e-3  # it trained
     assert max_diff(unflushed, got) > 1e-6  # the flush finished the last step's updates
-    if workers == 4 and rule == "cdp-v2" and backward == "whole":  # training on after a flush, as the ring does
+    if workers == 4 and rule == "cdp-v2" and ticks == "whole":  # training on after a flush, as the ring does
         assert_close(params(zero, zero.flush(train(zero, 2, state, STEPS))),
                      params(ring, ring.flush(train(ring, 2, ring.flush(train(ring)), STEPS))))
 

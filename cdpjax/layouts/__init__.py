@@ -17,7 +17,7 @@ builder given as a function.
 
 A table function takes its sizes as keyword arguments from this set, each with a
 default: `workers`, `stages`, `steps`, `microbatches`, `rule`, `chunks`,
-`module_groups`, `backward`. `Layout.make_table` passes the ones it accepts and refuses the
+`module_groups`, `ticks`. `Layout.make_table` passes the ones it accepts and refuses the
 others by name, so `cdpjax schedule --method ppll --workers 8` says that ppll has
 no workers instead of ignoring the flag.
 """
@@ -42,7 +42,7 @@ TABLE_SIZES = {
     "rule": "staleness rule",
     "chunks": "stages per device V (interleaved pipelines)",
     "module_groups": "local modules per device (ppll)",
-    "backward": "CDP's backward: 'whole' (F, B) or 'split' (F, B, W: ticks of about equal cost)",
+    "ticks": "CDP's ops per tick: 'whole' (F, B), 'split' (F, B, W) or 'paired' (two forwards a tick)",
 }
 COLOURS = ("worker", "micro", "step")
 
@@ -197,7 +197,7 @@ def table_for_config(config, devices: int, stages: int, steps: int | None = None
         "rule": config.get("cdp_rule", None),
         "module_groups": config.get("module_groups", None) or None,
         "chunks": config.get("chunks", None),
-        "backward": config.get("cdp_backward", None),
+        "ticks": config.get("cdp_ticks", None),
     }
     sizes = {k: v for k, v in candidates.items() if k in accepted and v is not None}
     if isinstance(sizes.get("module_groups"), (list, tuple)):

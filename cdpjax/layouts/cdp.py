@@ -1,14 +1,16 @@
 """dp, cdp-v1, cdp-v2: the data-parallel layouts and their time table.
 
 CDP timing (`cdp_table`). N workers, L stages. A worker's step is a sequence of
-T ops, one per tick (`phase_ops`): with `backward='whole'`, the forwards of stages
-0..L-1 then the backwards of stages L-1..0 (T = 2L, the paper's figure); with
-`backward='split'`, the forwards, then for stages L-1..0 the input-cotangent
-backward B and the weight gradient W (T = 3L ticks of about equal cost with kept
-residuals: an SPMD tick lasts as long as its slowest op on any device, and a
-whole backward costs two to three forwards). Worker i starts its step-k
-micro-batch at tick `T*i/N + T*k` (dp: every worker at `T*k`), so the workers'
-phases are spread uniformly over the step. Stage j's update for step k is
+T ticks (`phase_ops`, `cdp_ticks`): 'whole', one op a tick, the forwards of stages
+0..L-1 then the backwards of stages L-1..0 (T = 2L, the paper's figure); 'split',
+the forwards, then for stages L-1..0 the input-cotangent backward B and the weight
+gradient W (T = 3L); 'paired', the forwards two stages a tick, then the whole
+backwards (T = ceil(L/2) + L). The choice is about cost: an SPMD tick lasts as long
+as its slowest op on any device, and a whole backward costs two forwards with kept
+residuals (three when it recomputes), so in 'whole' ticks every forward waits for a
+backward elsewhere; paired forwards cost what a backward costs. Worker i starts
+its step-k micro-batch at tick `T*i/N + T*k` (dp: every worker at `T*k`), so the
+workers' phases are spread uniformly over the step. Stage j's update for step k is
 complete at the end of the tick in which the last worker finishes its gradient
 op of stage j for step k (B, or W where split; dp: every stage at the end of the
 step, after one all-reduce of the whole model). Versions: theta^j_v is stage j
@@ -51,50 +53,61 @@ from cdpjax.timetable import Message, Op, TimeTable, Update, positive
 
 RULES = ("dp", "cdp-v1", "cdp-v2", "paper-code")
 V2_RULES = ("cdp-v2", "paper-code")  # the rules the cdp-v2 layout takes (`cdp_rule`)
-BACKWARDS = ("whole", "split")  # a backward as one op (F, B: 2L ticks) or split (F, B, W: 3L ticks)
+# A worker's ops per tick: one op a tick with whole backwards (F, B: 2L ticks), with split ones
+# (F, B, W: 3L ticks), or two forwards a tick and whole backwards ('paired': L/2 + L ticks).
+TICKS = ("whole", "split", "paired")
 FUTURE = 2  # steps laid out past the table's own to find the windows of its last updates
 
 
-def phase_ops(stages: int, backward: str = "whole") -> tuple[tuple[str, int], ...]:
-    """A worker's ops of one step, in order, one per tick: (kind, stage)."""
-    if backward not in BACKWARDS:
-        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
-    forwards = [("F", j) for j in range(stages)]
-    if backward == "whole":
-        return tuple(forwards + [("B", j) for j in reversed(range(stages))])
-    return tuple(forwards + [op for j in reversed(range(stages)) for op in (("B", j), ("W", j))])
+def phase_ops(stages: int, ticks: str = "whole") -> tuple[tuple[tuple[str, int], ...], ...]:
+    """A worker's ticks of one step, in order: each tick's ops (kind, stage), run one after the
+    other by the worker within the tick."""
+    if ticks not in TICKS:
+        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
+    L = int(stages)
+    backwards = [(("B", j),) for j in reversed(range(L))]
+    if ticks == "whole":
+        return tuple([(("F", j),) for j in range(L)] + backwards)
+    if ticks == "split":
+        return tuple([(("F", j),) for j in range(L)] + [(op,) for j in reversed(range(L)) for op in (("B", j), ("W", j))])
+    return tuple([tuple(("F", j) for j in range(a, min(a + 2, L))) for a in range(0, L, 2)] + backwards)
 
 
-def check_sizes(workers: int, stages: int, backward: str = "whole") -> None:
-    """Refuses sizes for which the worker offsets T*i/N are not whole ticks."""
+def check_sizes(workers: int, stages: int, ticks: str = "whole") -> None:
+    """Refuses sizes for which the worker offsets T*i/N are not whole ticks ('whole', 'split': the
+    paper's uniform delay), or more workers than ticks ('paired', whose offsets are T*i/N rounded
+    down: as uniform as whole ticks allow)."""
     positive(workers=workers, stages=stages)
-    T = len(phase_ops(stages, backward))
-    if T % workers:
+    T = len(phase_ops(stages, ticks))
+    if ticks == "paired" and workers > T:
+        raise ConfigError(f"workers={workers} is more than the {T} ticks of a step (cdp_ticks='paired', "
+                          f"stages={stages}): choose workers in 1..{T}")
+    if ticks != "paired" and T % workers:
         ok = [n for n in range(1, T + 1) if T % n == 0]
         raise ConfigError(
-            f"workers={workers} does not divide the {T} ticks of a step (cdp_backward={backward!r}, "
+            f"workers={workers} does not divide the {T} ticks of a step (cdp_ticks={ticks!r}, "
             f"stages={stages}): worker i starts at tick {T}*i/N, which must be whole; choose workers in {ok}"
         )
 
 
-def worker_offsets(method: str, workers: int, stages: int, backward: str = "whole") -> tuple[int, ...]:
+def worker_offsets(method: str, workers: int, stages: int, ticks: str = "whole") -> tuple[int, ...]:
     if method == "dp":
         return (0,) * workers
-    T = len(phase_ops(stages, backward))
+    T = len(phase_ops(stages, ticks))
     return tuple(T * i // workers for i in range(workers))
 
 
-def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, backward: str = "whole") -> TimeTable:
+def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ticks: str = "whole") -> TimeTable:
     """The dp / cdp-v1 / cdp-v2 / paper-code table of `steps` steps for N workers and L
     stages, with whole or split backwards (`method` is the rule; a paper-code table is a
     cdp-v2 table, `meta['rule']` 'paper-code')."""
     if method not in RULES:
         raise ConfigError(f"method={method!r} is not one of {', '.join(RULES)}")
-    check_sizes(workers, stages, backward)
+    check_sizes(workers, stages, ticks)
     positive(steps=steps)
-    phases = phase_ops(int(stages), backward)
+    phases = phase_ops(int(stages), ticks)
     N, L, T, S = int(workers), int(stages), len(phases), int(steps)
-    offsets = worker_offsets(method, N, L, backward)
+    offsets = worker_offsets(method, N, L, ticks)
     ops, updates, completer = _ops(method, N, L, S + FUTURE, offsets, phases)
     messages, applies, plans = [], [], {}
     if method == "dp":
@@ -103,6 +116,8 @@ def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ba
     else:
         messages = _partials(ops, N)
         plans = delivery(ops, updates, completer, N, L, S, T)
+        if any(d.late for d in plans.values()):  # one 'sum' a tick is not enough: two
+            plans = delivery(ops, updates, completer, N, L, S, T, capacity=2)
         sums, applies = messages_and_applies(plans, updates)
         messages += sums
         skip = {(r, j) for j, d in plans.items() for r in d.late + d.acausal}
@@ -116,7 +131,7 @@ def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ba
     # Steady state: a window whose updates' whole traffic (it reaches into the next step)
     # and whose late deliveries of the previous steps are all laid out.
     steady = (2 * T, 3 * T) if S >= 3 else (T, 2 * T) if S >= 2 else (0, num_ticks)
-    meta, notes = {"backward": backward} if backward != "whole" else {}, []
+    meta, notes = {"ticks": ticks} if ticks != "whole" else {}, []
     if method != "dp":
         meta.update({"rule": method, "applies": sorted(list(a) for a in applies if keep(a[0], a[3])),
                      "late": sorted([r, j] for j, d in plans.items() for r in d.late)})
@@ -132,14 +147,14 @@ def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ba
 def _ops(method, N, L, steps, offsets, phases):
     """Ops (with versions and slots), updates and each update's completing worker."""
     T = len(phases)
-    grad = gradient_kind(any(kind == "W" for kind, _ in phases))
+    grad = gradient_kind(any(kind == "W" for tick in phases for kind, _ in tick))
     # Lay out step -1 as well (then drop it), so that step 0 obeys the same rule as
     # the steady state: its stale reads are of "theta_{-1}" := theta_0.
     raw = []  # (tick, worker, stage, kind, step)
     for k in range(-1, steps):
         for i in range(N):
-            for p, (kind, j) in enumerate(phases):
-                raw.append((offsets[i] + T * k + p, i, j, kind, k))
+            for p, tick_ops in enumerate(phases):
+                raw += [(offsets[i] + T * k + p, i, j, kind, k) for kind, j in tick_ops]
     back_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == grad}  # the gradient ops
     fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == "F"}
     if method == "dp":
@@ -254,17 +269,17 @@ def dp_table(workers: int = 4, stages: int = 4, steps: int = 3) -> TimeTable:
     return cdp_table("dp", workers, stages, steps)
 
 
-def cdp_v1_table(workers: int = 4, stages: int = 4, steps: int = 3, backward: str = "whole") -> TimeTable:
-    return cdp_table("cdp-v1", workers, stages, steps, backward)
+def cdp_v1_table(workers: int = 4, stages: int = 4, steps: int = 3, ticks: str = "whole") -> TimeTable:
+    return cdp_table("cdp-v1", workers, stages, steps, ticks)
 
 
 def cdp_v2_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = "cdp-v2",
-                 backward: str = "whole") -> TimeTable:
+                 ticks: str = "whole") -> TimeTable:
     """cdp-v2 with `rule` 'cdp-v2' (the version each forward finds, from the ticks) or
     'paper-code' (the authors' released rule: current iff stage >= L-1-worker)."""
     if rule not in V2_RULES:
         raise ConfigError(f"cdp-v2 rule={rule!r} is not one of {', '.join(V2_RULES)} (cdp-v1 is its own method)")
-    return cdp_table(rule, workers, stages, steps, backward)
+    return cdp_table(rule, workers, stages, steps, ticks)
 
 
 register(Layout("dp", "cdpjax.methods.dp:build", table=dp_table,

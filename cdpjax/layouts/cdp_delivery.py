@@ -11,8 +11,9 @@ messages, `meta['applies']`):
   closes before its first op reading the new one (`hi`); the chain visits workers
   in order of their windows, each holder forwarding it no earlier than the tick
   after it arrived and not before it has applied it, with at most one 'sum' send
-  and one 'sum' receive per worker per tick (plus at most one 'partial' send, one
-  per gradient op). Each worker applies the update at the end of tick
+  and one 'sum' receive per worker per tick (two where one cannot meet every
+  deadline: paired forwards at N = L), plus at most one 'partial' send, one per
+  gradient op. Each worker applies the update at the end of tick
   max(arrival, lo), so ONE stored version per stage suffices: an op always reads
   its worker's current copy. A reader whose window cannot be met (only the
   paper-code rule for N > L) is named in the table's notes.
@@ -62,16 +63,19 @@ class Delivery:
     acausal: tuple = ()
 
 
-def delivery(ops, updates, completer, N, L, steps, T):
+def delivery(ops, updates, completer, N, L, steps, T, capacity: int = 1):
     """The delivery plan of every stage: one list-scheduled plan per stage, the same for
-    every step (the windows repeat every 2L ticks). At every tick, pending readers are
+    every step (the windows repeat every T ticks). At every tick, pending readers are
     served in order of their deadlines (acausal ones last), each from a holder free to
-    send (one 'sum' send and one receive per worker per tick, counted modulo 2L so that the
-    plans of consecutive steps share the ticks too), holders that have applied first."""
+    send (at most `capacity` 'sum' sends and receives per worker per tick, counted modulo T
+    so that the plans of consecutive steps share the ticks too), holders that have applied
+    first."""
+    from collections import Counter
+
     win = windows(ops, updates, completer)
     u_tick = {(u.stage, u.step): u.tick for u in updates}
     ref = 1  # a step whose windows are those of every step
-    busy_send, busy_recv = set(), set()
+    busy_send, busy_recv = Counter(), Counter()
     pending, holders, arrive, lo_of, hi_of, done = {}, {}, {}, {}, {}, {}
     for j in range(L):
         u, c = u_tick[(j, ref)], completer[(j, ref)]
@@ -96,17 +100,17 @@ def delivery(ops, updates, completer, N, L, steps, T):
                 acausal = hi_of[j][r] < 0
                 cands.append((acausal, hi_of[j][r], lo_of[j][r], j, r))
         for *_, j, r in sorted(cands):
-            if r not in pending[j] or (r, tick % T) in busy_recv:
+            if r not in pending[j] or busy_recv[(r, tick % T)] >= capacity:
                 continue
             u = u_tick[(j, ref)]
             free = [h for h in holders[j] if arrive[j][h] < tick - u or (arrive[j][h] == 0 and h == completer[(j, ref)])]
-            free = [h for h in free if (h, tick % T) not in busy_send]
+            free = [h for h in free if busy_send[(h, tick % T)] < capacity]
             if not free:
                 continue
             applied = lambda h: max(arrive[j][h], lo_of[j][h]) <= tick - u  # noqa: E731
             h = min(free, key=lambda h: (not applied(h), h))
-            busy_send.add((h, tick % T))
-            busy_recv.add((r, tick % T))
+            busy_send[(h, tick % T)] += 1
+            busy_recv[(r, tick % T)] += 1
             done[j].append((tick - u, h, r))
             arrive[j][r] = tick - u
             holders[j].add(r)

@@ -13,7 +13,7 @@ from cdpjax.timetable import TimeTable
 RULES = ("cdp-v2", "cdp-v1")
 
 
-def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2", backward: str = "whole") -> TimeTable:
+def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2", ticks: str = "whole") -> TimeTable:
     """cdp-mp: CDP with model parallelism. The `rule` table of N = L workers and L stages,
     with each op moved from its worker to the device of its stage (device j = stage j);
     `micro` keeps the worker. With N = L every stage is used by exactly one worker at
@@ -26,7 +26,7 @@ def cdp_mp_table(stages: int = 4, steps: int = 3, rule: str = "cdp-v2", backward
     so there are no messages."""
     if rule not in RULES:
         raise ConfigError(f"cdp-mp rule={rule!r} is not one of {', '.join(RULES)}")
-    base = cdp_table(rule, stages, stages, steps, backward)
+    base = cdp_table(rule, stages, stages, steps, ticks)
     ops = tuple(sorted((dataclasses.replace(op, device=op.stage) for op in base.ops),
                        key=lambda o: (o.tick, o.device)))
     per_cell = np.zeros((base.num_ticks, base.stages), np.int64)

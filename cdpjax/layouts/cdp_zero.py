@@ -37,18 +37,18 @@ import functools
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
-from cdpjax.layouts.cdp import BACKWARDS, cdp_table, check_sizes
+from cdpjax.layouts.cdp import TICKS, cdp_table, check_sizes
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")
 
 
-def _check_zero(rule, workers, stages, backward="whole"):
+def _check_zero(rule, workers, stages, ticks="whole"):
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp-zero rule={rule!r} is not one of {', '.join(ZERO_RULES)}")
-    if backward not in BACKWARDS:
-        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
-    check_sizes(workers, stages, backward)
+    if ticks not in TICKS:
+        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
+    check_sizes(workers, stages, ticks)
 
 
 def owners_of(workers: int, stages: int) -> tuple[int, ...]:
@@ -99,15 +99,15 @@ class ZeroPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def zero_plan(rule: str, workers: int, stages: int, backward: str = "whole", steps: int = 8) -> ZeroPlan:
-    _check_zero(rule, workers, stages, backward)
-    base = cdp_table(rule, workers, stages, steps, backward)
+def zero_plan(rule: str, workers: int, stages: int, ticks: str = "whole", steps: int = 8) -> ZeroPlan:
+    _check_zero(rule, workers, stages, ticks)
+    base = cdp_table(rule, workers, stages, steps, ticks)
     owners = owners_of(workers, stages)
     visits = _visits(base)
     for v in visits:  # every op of a visit reads one version, and the owner holds it
         if v.row not in (0, 1):
             raise AssertionError(f"cdp-zero {rule}: visit {v} reads a version its owner does not store")
-    grad = gradient_kind(backward == "split")
+    grad = gradient_kind(ticks == "split")
     by = {}
     for o in base.ops:
         if o.kind == grad:
@@ -152,13 +152,13 @@ def _visit(ops) -> Visit:
 
 
 def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = "cdp-v2",
-                   backward: str = "whole") -> TimeTable:
+                   ticks: str = "whole") -> TimeTable:
     """cdp-zero's table: the `rule` table (same ops, versions, updates) with the plan's
     messages: a 'param' message from the owner at the start of each visit that is not the
     owner's (sent at the end of the tick before), the 'partial' sums to the owner."""
-    _check_zero(rule, workers, stages, backward)
-    plan = zero_plan(rule, int(workers), int(stages), backward, max(int(steps), 1) + 2)
-    base = cdp_table(rule, workers, stages, steps, backward)
+    _check_zero(rule, workers, stages, ticks)
+    plan = zero_plan(rule, int(workers), int(stages), ticks, max(int(steps), 1) + 2)
+    base = cdp_table(rule, workers, stages, steps, ticks)
     messages = [Message(v.ticks[0] - 1, plan.owners[v.stage], v.worker, v.stage, "param", v.step)
                 for v in plan.relayed() if v.step < steps and v.ticks[0] >= 1]
     messages += [Message(h.tick, h.src, h.dst, h.stage, "partial", h.step) for h in plan.hops
@@ -170,8 +170,8 @@ def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str 
     T = base.period
     steady = (T, 2 * T) if steps >= 2 else base.steady
     meta = {"rule": rule, "owners": list(plan.owners), "stored_versions": plan.versions}
-    if backward != "whole":
-        meta["backward"] = backward
+    if ticks != "whole":
+        meta["ticks"] = ticks
     return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady, meta=meta,
                                notes=(note,))
 

@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import models, optim
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import BACKWARDS, V2_RULES, cdp_table
+from cdpjax.layouts.cdp import TICKS, V2_RULES, cdp_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, tree_select
 from cdpjax.timetable import TimeTable
@@ -93,11 +93,11 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
     devices = ctx.axis(AXIS)
     workers = int(cfg.get("workers", 0)) or devices
     net = ctx.net(bn_axis_name=None)
-    backward = cfg.get("cdp_backward", "whole")
-    if backward not in BACKWARDS:
-        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
+    ticks = cfg.get("cdp_ticks", "whole")
+    if ticks not in TICKS:
+        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
     if table is None:
-        table = cdp_table(_rule(method, cfg), workers, net.num_stages, backward=backward)
+        table = cdp_table(_rule(method, cfg), workers, net.num_stages, ticks=ticks)
     elif (table.workers, table.stages) != (workers, net.num_stages):
         raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
                           f"workers={workers}, stages={net.num_stages}")

@@ -75,11 +75,11 @@ def build(ctx: Context) -> Method:
     if int(cfg.get("workers", 0)) not in (0, N):
         raise ConfigError(f"cdp-mp runs N = L workers, one per stage device: workers={cfg.workers} must be "
                           f"0 or the {N} stages")
-    backward = cfg.get("cdp_backward", "whole")
-    table = cdp_mp_table(stages=L, steps=5, rule=rule, backward=backward)
+    ticks = cfg.get("cdp_ticks", "whole")
+    table = cdp_mp_table(stages=L, steps=5, rule=rule, ticks=ticks)
     rules = pipeline.Rules(model_state="step_mean", residuals=cfg.get("residuals", "recompute"))
     method = pipeline.build(ctx, "cdp-mp", table, rules,
-                            shown=cdp_mp_table(stages=L, steps=3, rule=rule, backward=backward))
+                            shown=cdp_mp_table(stages=L, steps=3, rule=rule, ticks=ticks))
     groups = ctx.axis("data")
     return dataclasses.replace(method, stale=table.stale, workers=N, state_depends_on_mesh=True,
                                dp_mp_devices=N * L * groups, report={**method.report, "rule": rule})

@@ -2,7 +2,7 @@
 owner, brought point to point to each op just before it runs (ZeRO's sharding, CDP's messages).
 
 Timing and update rule: those of `cdp-v2` (or `cdp-v1`, `config.cdp_rule`; whole or split
-backwards, `config.cdp_backward`) in the `ring` realisation of `cdpjax.methods.cdp`: N
+backwards, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.cdp`: N
 workers on the N devices of the `data` axis, the period unrolled, one `lax.cond` per op on
 `axis_index == its worker`, every stage's maths `cdpjax.methods.stage_ops`'s through the
 ring's op pieces (`cdpjax.methods.ring`). After S steps and a flush the parameters equal
@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from cdpjax import optim
 from cdpjax.carrier import FlatLayout
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import BACKWARDS
+from cdpjax.layouts.cdp import TICKS
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
@@ -66,9 +66,9 @@ def build(ctx: Context) -> Method:
     rule = cfg.get("cdp_rule", "cdp-v2")
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp_rule={rule!r} is not one of {', '.join(ZERO_RULES)} (cdp-zero's staleness rule)")
-    backward = cfg.get("cdp_backward", "whole")
-    if backward not in BACKWARDS:
-        raise ConfigError(f"cdp_backward={backward!r} is not one of {', '.join(BACKWARDS)}")
+    ticks = cfg.get("cdp_ticks", "whole")
+    if ticks not in TICKS:
+        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
     residuals = cfg.get("residuals", "recompute")
     if residuals not in ring.RESIDUALS:
         raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(ring.RESIDUALS)}")
@@ -78,7 +78,7 @@ def build(ctx: Context) -> Method:
         raise ConfigError(f"cdp-zero runs one worker per device: workers={workers} must equal mesh.data={devices} "
                           f"(or be 0)")
     net = ctx.net(bn_axis_name=None)
-    table = cdp_zero_table(workers, net.num_stages, rule=rule, backward=backward)  # refuses N not dividing T
+    table = cdp_zero_table(workers, net.num_stages, rule=rule, ticks=ticks)  # refuses N not dividing T
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
     return _method(ctx, net, table, lower_zero(table, residuals), residuals)
 
@@ -118,14 +118,14 @@ class ZeroPeriod:
 
     def refresh(self, b, tk, me):
         """Each visit's stage from its owner's row, at the stage's size, into the visitor's relay."""
-        for j, owner, worker, k, row in tk.refreshes:
+        for j, owner, worker, k, row, r in tk.refreshes:
             size = self.layout.sizes[j]
             arrived = lax.ppermute(b[("master", k, row)][:size], AXIS, [(owner, worker)])
-            ring._pick(b, me == worker, ("relay",), jnp.pad(arrived, (0, self.layout.width - size)))
+            ring._pick(b, me == worker, ("relay", r), jnp.pad(arrived, (0, self.layout.width - size)))
 
     def op(self, b, op, mine, valid, images, new_labels):
         j, L = op.stage, self.z.stages
-        source = ("relay",) if op.params[0] == "relay" else ("master", op.params[1], op.params[2])
+        source = op.params
         p = self.layout.unpack_one(j, b[source])
         pred = mine & valid
         if op.kind == "F":
@@ -199,7 +199,7 @@ def _named(state, z: ZeroTicks, carry: bool) -> dict:
     named = {("master", k, r): state["master"][k][r] for k in range(z.owned) for r in range(z.versions)}
     named.update({("opt", k): state["opt_state"][k] for k in range(z.owned)})
     named.update({("grad", g): state["grad"][g] for g in range(z.grad_rows)})
-    named[("relay",)] = state["relay"]  # a visit may run on into the next call
+    named.update({("relay", r): state["relay"][r] for r in range(z.relay_rows)})  # a visit may run into the next call
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
         named.update({(key, j): v for j, v in enumerate(state[plural])})
@@ -211,7 +211,7 @@ def _unnamed(b, state, z: ZeroTicks, carry: bool) -> dict:
     new = {"master": [[b[("master", k, r)] for r in range(z.versions)] for k in range(z.owned)],
            "opt_state": [b[("opt", k)] for k in range(z.owned)],
            "grad": [b[("grad", g)] for g in range(z.grad_rows)], "labels": b[("labels",)],
-           "relay": b[("relay",)]}
+           "relay": [b[("relay", r)] for r in range(z.relay_rows)]}
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
         new[plural] = [b[(key, j)] for j in range(len(state[plural]))]
@@ -259,7 +259,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
             "master": [[m] * z.versions for m in mine],  # [N, width] each: current (, previous)
             "opt_state": [jax.vmap(tx.init)(m) for m in mine],
             "grad": [jnp.zeros((N, layout.width), jnp.float32) for _ in range(z.grad_rows)],
-            "relay": jnp.zeros((N, layout.width), jnp.float32),
+            "relay": [jnp.zeros((N, layout.width), jnp.float32) for _ in range(z.relay_rows)],
             "fed": jnp.zeros((N, max(z.max_lag, 1)), bool),
             **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash),
         }

@@ -308,11 +308,13 @@ class Period:
             b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
         for j, lag, pairs, merge in tk.sums:
             key = ("sum", j, lag)
-            sent = lax.ppermute(b[key], AXIS, list(pairs))
-            if merge:  # another worker still holds its copy: only the receivers take the new one
-                _pick(b, _member(me, [d for _, d in pairs], N), key, sent)
+            rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
+            sent = [lax.ppermute(b[key], AXIS, list(r)) for r in rounds]
+            if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
+                for r, value in zip(rounds, sent):
+                    _pick(b, _member(me, [d for _, d in r], N), key, value)
             else:
-                b[key] = sent
+                b[key] = sent[0]
         self.applies(b, tk, valid, me, after=True)
 
     def forward(self, b, j, pred, images, new_labels):
@@ -378,6 +380,20 @@ class Period:
                               (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
                               reads=[("sum", j, lag)], writes=[("params", j), ("opt", j)])
                 b[("params", j)], b[("opt", j)] = p, o
+
+
+def _rounds(pairs) -> list[list]:
+    """`pairs` cut into rounds with each source and each destination at most once (one
+    `ppermute` each), in order."""
+    rounds: list[list] = []
+    for src, dst in pairs:
+        for r in rounds:
+            if all(src != s and dst != d for s, d in r):
+                r.append((src, dst))
+                break
+        else:
+            rounds.append([(src, dst)])
+    return rounds
 
 
 def _dead_after(program: RingTicks) -> list[list]:
@@ -510,7 +526,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
 
     return Method(name, net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
                   periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
-                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("backward", "whole")})
+                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole")})
 
 
 def _metrics(sums):

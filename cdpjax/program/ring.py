@@ -110,15 +110,15 @@ class RingTicks:
 
 
 @functools.lru_cache(maxsize=64)
-def ring_ticks(rule: str, workers: int, stages: int, backward: str = "whole") -> RingTicks:
+def ring_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> RingTicks:
     """The ring's period for `rule` (cdp-v1, cdp-v2, paper-code), read from `cdp_table`;
     a ConfigError naming the read and the ticks where the table has a read the ring
     cannot serve."""
     if rule not in ("cdp-v1", "cdp-v2", "paper-code"):
         raise ConfigError(f"the ring runs the cyclic rules cdp-v1, cdp-v2, paper-code, not {rule!r}")
-    check_sizes(workers, stages, backward)
+    check_sizes(workers, stages, ticks)
     N, L = int(workers), int(stages)
-    table = cdp_table(rule, N, L, steps=8, backward=backward)
+    table = cdp_table(rule, N, L, steps=8, ticks=ticks)
     problems = acausal_reads(table) + [f"worker {r} gets stage {j}'s sum after its deadline"
                                        for r, j in table.meta["late"]]
     if problems:
@@ -252,12 +252,12 @@ def _live(ticks, N):
 
 
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
-    """The ring's program of a cyclic table (its rule, workers, stages and backward)."""
+    """The ring's program of a cyclic table (its rule, workers, stages and ticks)."""
     if residuals not in ("recompute", "carry"):
         raise ConfigError(f"residuals={residuals!r} is not one of recompute, carry")
     rule = table.meta.get("rule", table.method)
-    backward = table.meta.get("backward", "whole")
-    ticks = ring_ticks(rule, table.workers, table.stages, backward)
+    cdp_ticks = table.meta.get("ticks", "whole")
+    ticks = ring_ticks(rule, table.workers, table.stages, cdp_ticks)
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
@@ -291,7 +291,7 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
             sends.append(Send(t, "sum", Size.stage("param", j), tuple(pairs), j))
     kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
-    return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, backward == "split",
+    return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, cdp_ticks == "split",
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 

@@ -7,8 +7,8 @@ differs from the ring is where the parameters live, so its program names rows:
 
 - `master[k][r]`: a worker's k-th owned stage, version row r (0 current, 1 previous),
   `opt[k]` its optimizer state; `relay`: the stage a worker is visiting, brought by
-  its owner at the start of the visit (one row: a worker visits one stage at a time;
-  in the train state, since a visit may run on into the next call);
+  its owner at the start of the visit (one row per stage it visits at once; in the
+  train state, since a visit may run on into the next call);
   `grad[g]`: gradient rows, a partial sum received and not yet added to, a partial
   sum about to be sent, or the owner's own contribution waiting for the others'.
   Every row is as long as the largest stage (one shape on every device); every
@@ -36,7 +36,7 @@ from cdpjax.program import Buffer, Placement, Program, Send, Size
 
 @dataclasses.dataclass(frozen=True)
 class ZeroOp:
-    """Worker `worker`'s op of the tick. params: ('relay',) or ('master', k, row). Gradient ops:
+    """Worker `worker`'s op of the tick. params: ('relay', r) or ('master', k, row). Gradient ops:
     `grad_in` the row of the partial sum it adds to (-1: it starts one), `grad_out` the row its
     sum goes to."""
 
@@ -51,8 +51,8 @@ class ZeroOp:
 
 @dataclasses.dataclass(frozen=True)
 class ZeroTick:
-    """refreshes: (stage, owner, worker, k, row) the owner's row sent to the worker's relay at the
-    tick's start. ops. sends: (stage, src, dst, src row, dst row) partial sums sent at its end.
+    """refreshes: (stage, owner, worker, k, row, relay row) the owner's row sent to the worker's
+    relay row at the tick's start. ops. sends: (stage, src, dst, src row, dst row) partial sums sent at its end.
     applies: (stage, owner, lag, k, rows summed) updates at its end."""
 
     refreshes: tuple = ()
@@ -72,6 +72,7 @@ class ZeroTicks:
     owned: int  # K: the most stages one worker owns
     versions: int  # V: rows per owned stage
     grad_rows: int  # G
+    relay_rows: int  # R: the most stages a worker visits at once (2 with paired forwards)
     max_lag: int
 
 
@@ -90,8 +91,8 @@ def _circular_slots(arcs: dict, period: int) -> tuple[dict, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def zero_ticks(rule: str, workers: int, stages: int, backward: str = "whole") -> ZeroTicks:
-    plan = zero_plan(rule, workers, stages, backward)
+def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> ZeroTicks:
+    plan = zero_plan(rule, workers, stages, ticks)
     base = plan.table
     T, N, L = base.period, workers, stages
     m = 3  # a steady period: steps m-1..m+1 are laid out whole around it
@@ -99,7 +100,7 @@ def zero_ticks(rule: str, workers: int, stages: int, backward: str = "whole") ->
     owners = plan.owners
     local = tuple(sorted(j2 for j2 in range(L) if owners[j2] == owners[j]).index(j) for j in range(L))
     owned = max(local) + 1
-    grad = gradient_kind(backward == "split")
+    grad = gradient_kind(ticks == "split")
     grad_op = {(o.device, o.stage, o.step): o.tick for o in base.ops if o.kind == grad}
     # Gradient rows: an arc per worker and sum from its first to its last tick there.
     arcs = defaultdict(dict)  # worker -> key -> (start, end)
@@ -145,18 +146,32 @@ def zero_ticks(rule: str, workers: int, stages: int, backward: str = "whole") ->
             return r, r
         return -1, row_of[(w, ("start", j, k))]
 
+    # Relay rows: a worker's relayed visits, one row each while it lasts (two where paired
+    # forwards visit two stages in one tick).
+    spans = defaultdict(dict)  # a visit is known by (stage, its first op's kind, step)
+    for v in plan.visits:
+        if v.worker != owners[v.stage]:
+            spans[v.worker][(v.stage, v.kinds[0], v.step)] = (v.ticks[0], v.ticks[-1])
+    relay = {w: _circular_slots({k: x for k, x in a.items() if lo <= x[0] < hi}, T) for w, a in spans.items()}
+    R = max((n for _, n in relay.values()), default=1)
+
+    def relay_row(v):
+        start = spans[v.worker][(v.stage, v.kinds[0], v.step)][0]
+        return relay[v.worker][0][(v.stage, v.kinds[0], v.step - (start - lo) // T)]
+
     ticks = [dict(refreshes=[], ops=[], sends=[], applies=[]) for _ in range(T)]
     visit_of = {}
     for v in plan.visits:
         for t in v.ticks:
-            visit_of[(v.worker, t)] = v
+            visit_of[(v.worker, t, v.stage)] = v
         if lo <= v.ticks[0] < hi and v.worker != owners[v.stage]:
-            ticks[v.ticks[0] - lo]["refreshes"].append((v.stage, owners[v.stage], v.worker, local[v.stage], v.row))
+            ticks[v.ticks[0] - lo]["refreshes"].append((v.stage, owners[v.stage], v.worker, local[v.stage], v.row,
+                                                        relay_row(v)))
     for o in base.ops:
         if not lo <= o.tick < hi:
             continue
-        v = visit_of[(o.device, o.tick)]
-        params = ("master", local[o.stage], v.row) if o.device == owners[o.stage] else ("relay",)
+        v = visit_of[(o.device, o.tick, o.stage)]
+        params = ("master", local[o.stage], v.row) if o.device == owners[o.stage] else ("relay", relay_row(v))
         g_in = g_out = -1
         if o.kind == grad:
             g_in, g_out = rows_of_op(o.device, o.stage, o.step)
@@ -177,20 +192,20 @@ def zero_ticks(rule: str, workers: int, stages: int, backward: str = "whole") ->
     events = tuple(ZeroTick(tuple(t["refreshes"]), tuple(sorted(t["ops"], key=lambda z: (z.worker, z.kind))),
                             tuple(t["sends"]), tuple(t["applies"])) for t in ticks)
     lags = [op.lag for tk in events for op in tk.ops] + [a[2] for tk in events for a in tk.applies]
-    return ZeroTicks(rule, N, L, events, owners, local, owned, plan.versions, G, max(lags))
+    return ZeroTicks(rule, N, L, events, owners, local, owned, plan.versions, G, R, max(lags))
 
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
-    """cdp-zero's program for its table (rule, workers, stages, backward)."""
+    """cdp-zero's program for its table (rule, workers, stages, ticks)."""
     rule = table.meta["rule"]
-    backward = table.meta.get("backward", "whole")
-    z = zero_ticks(rule, table.workers, table.stages, backward)
+    ticks = table.meta.get("ticks", "whole")
+    z = zero_ticks(rule, table.workers, table.stages, ticks)
     L, N = z.stages, z.workers
     stages = range(L)
     every = tuple((j,) for j in stages)
     buffers = [Buffer("master", "parameters", Size("param", every, True, z.owned), True),
                Buffer("opt", "optimizer_state", Size("param", every, True, z.owned), True),
-               Buffer("relay", "relayed_parameters", Size("param", every, True, 1), True),
+               Buffer("relay", "relayed_parameters", Size("param", every, True, z.relay_rows), True),
                Buffer("grad", "gradients", Size("param", every, True, z.grad_rows), True),
                Buffer("model_state", "model_state", Size.stages("model_state", stages), True),
                Buffer("acts", "activations", Size.stages("input", stages), True),
@@ -203,13 +218,13 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
     sends = []
     for t, tk in enumerate(z.ticks):
         # a refresh at the start of tick t is the message that ends tick t - 1
-        for j, owner, w, _, _ in tk.refreshes:
+        for j, owner, w, *_ in tk.refreshes:
             sends.append(Send((t - 1) % len(z.ticks), "parameters", Size.stage("param", j), ((owner, w),), j))
         for j, src, dst, _, _ in tk.sends:
             sends.append(Send(t, "partial", Size.stage("param", j), ((src, dst),), j))
     kinds = tuple(k for k in ("F", "B", "W") if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
-    return Program("cdp-zero", "ring", len(z.ticks), z.max_lag, N, 1, kinds, backward == "split", residuals,
+    return Program("cdp-zero", "ring", len(z.ticks), z.max_lag, N, 1, kinds, ticks == "split", residuals,
                    z.versions, True, placement, tuple(buffers), tuple(sends), z)
 
 
