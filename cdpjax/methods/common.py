@@ -31,19 +31,24 @@ import jax.numpy as jnp
 import ml_collections
 from jax import lax
 
-from cdpjax import models, optim
+from cdpjax import models, optim, tasks
 from cdpjax.errors import ConfigError
 from cdpjax.mesh import axis_size
 
 @dataclasses.dataclass(frozen=True)
 class Context:
+    """What a builder is given: the config, the mesh, one example's input shape and dtype (the
+    dataset's), the classes, and the task (`cdpjax.tasks`: the loss and metrics to use)."""
+
     config: ml_collections.ConfigDict
     mesh: Any
     input_shape: tuple[int, ...]
     num_classes: int
+    input_dtype: str = "float32"
+    task: tasks.Task = tasks.CLASSIFICATION
 
     def net(self, bn_axis_name=None, stages=None) -> models.StagedNet:
-        return models.build(self.config, self.input_shape, self.num_classes, bn_axis_name, stages)
+        return models.build(self.config, self.input_shape, self.num_classes, bn_axis_name, stages, self.input_dtype)
 
     def axis(self, name: str) -> int:
         return axis_size(self.mesh, name)
@@ -129,10 +134,17 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True):
-    logits, new_state = net.apply(params, state, images, train)
-    loss = models.cross_entropy(logits, labels)
-    return loss, (new_state, models.accuracy(logits, labels))
+def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True,
+                     task: tasks.Task = tasks.CLASSIFICATION):
+    """`(task.loss, (new model state, task.metric_sums))` of the whole network on one batch."""
+    outputs, new_state = net.apply(params, state, images, train)
+    return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
+
+
+def step_metrics(task: tasks.Task, loss, sums) -> dict:
+    """A train step's metrics: its loss, the task's reported metrics of the step (classification's
+    `accuracy`...) and the sums the trainer adds over its logging window (`metric_sums`)."""
+    return {**task.finish(sums), "loss": loss, "metric_sums": sums}
 
 
 def init_params(net: models.StagedNet, rng):
