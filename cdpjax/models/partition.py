@@ -92,10 +92,10 @@ def memory_points(blocks: Sequence, input_shape, stages: int, input_dtype: str =
     return tuple(best[1])
 
 
-def memory_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+def memory_report(blocks: Sequence, points: Sequence[int], input_shape, input_dtype: str = "float32") -> dict:
     """Activation bytes (per example) a cut holds at the busiest tick over N = L workers, CDP's and
     DP's, their ratio (the unit model says 0.5 for every cut), and each stage's output bytes."""
-    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape)[1:]]
+    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape, input_dtype=input_dtype)[1:]]
     stage_out = [outputs[b - 1] for b in (*tuple(points), len(blocks))]
     cdp, dp = _held_peaks(stage_out, len(stage_out))
     return {"points": list(points), "stage_output_bytes": stage_out, "cdp_peak_bytes": cdp, "dp_peak_bytes": dp,
@@ -224,14 +224,14 @@ def _imbalance(costs: Sequence[float]) -> float:
     return float(np.max(costs)) / mean if mean > 0 else 1.0
 
 
-def balance_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+def balance_report(blocks: Sequence, points: Sequence[int], input_shape, input_dtype: str = "float32") -> dict:
     """Per-stage parameter counts and forward FLOPs (batch 1) of a partition, and the
     imbalance of each: the largest stage over the mean stage (1.0 is perfect)."""
     points = tuple(points)
     bounds = list(zip((0, *points), (*points, len(blocks))))
     report = {"bounds": bounds}
     for metric in ("params", "flops"):
-        costs = block_costs(blocks, input_shape, metric)
+        costs = block_costs(blocks, input_shape, metric, input_dtype)
         per_stage = [float(sum(costs[a:b])) for a, b in bounds]
         report[metric] = [int(c) for c in per_stage] if metric == "params" else per_stage
         report[f"{metric}_imbalance"] = _imbalance(per_stage)
