@@ -727,7 +727,8 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
     task = tasks.resolve(config, p.dataset)
     eval_fn, eval_batch = make_eval_fn(method.net, task), min(config.global_batch_size, 512)
-    items, rate_key = config.global_batch_size * task.items_per_example(method.net.input_shape), f"{task.unit}_per_second"
+    items = config.global_batch_size * task.items_per_example(method.net.input_shape)  # images, tokens
+    rate_key = f"{task.unit}_per_second"
     skip = config.get("nonfinite", "stop") == "skip"
     step_fn, here, lrs = guarded_step(method, skip), _checkpoint_meta(p, method), learning_rates(config)
     bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
@@ -762,13 +763,13 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                            rate_key: None if ips is None else round(ips, 1),
                            "time": round(p.clock(), 3)})
                 bar.set_postfix(**{task.short_names.get(k, k): f"{v:.3f}" for k, v in mean.items()},
-                                **{f"{task.unit[:3]}_s": f"{ips or 0:.0f}"})
+                                **{task.rate_label: f"{ips or 0:.0f}"})
                 p.window, window_speed = [], Throughput()
             t_aside = time.perf_counter()
             if config.eval_every and done % config.eval_every == 0 and done < config.num_steps:
                 params, mstate = method.export(p.state)
-                log.write({"step": done, "split": "test",
-                           **evaluate(eval_fn, params, mstate, p.dataset, eval_batch, task), "time": round(p.clock(), 3)})
+                log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch,
+                                                                     task), "time": round(p.clock(), 3)})
             if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.num_steps:
                 # The partial logging window travels with the checkpoint so that a resumed run logs
                 # exactly what an uninterrupted one does.

@@ -88,7 +88,8 @@ def test_dp_takes_e2es_steps_on_token_windows():
 
 BAD_INPUT = [
     (["--config.task=classification"], "task 'classification' reads labels of shape () per example"),
-    (["--config.model=mlp", "--config.model_kwargs={'width': 16}"], "task 'language_modelling' needs outputs of shape (32, 61) per example"),
+    (["--config.model=mlp", "--config.model_kwargs={'width': 16}"],
+     "task 'language_modelling' needs outputs of shape (32, 61) per example"),
     (["--config.model_kwargs.vocab_size=40"], "vocab_size=40 is smaller than the dataset's 61 symbols"),
     (["--config.model_kwargs.max_len=16"], "windows of 32 tokens are longer than gpt's position table"),
     (["--config.model_kwargs.tied=True"], "tied=True reads its logits off the token embedding"),

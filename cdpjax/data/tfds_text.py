@@ -81,8 +81,8 @@ def lm1b(data_dir: str | None = None, window: int = 128, level: str = "byte", tr
     sources = _open("lm1b", {"train": train_split, "test": test_split}, data_dir or None)
     for split, source in sources.items():
         if not len(source):
-            raise ConfigError(f"dataset 'lm1b': its {split} split ({train_split if split == 'train' else test_split!r}) "
-                              f"holds no sentences")
+            name = train_split if split == "train" else test_split
+            raise ConfigError(f"dataset 'lm1b': its {split} split ({name!r}) holds no sentences")
 
     def read(split, indices):
         tokens = sentence_windows(sources[split], indices, window)

@@ -64,6 +64,7 @@ class Task:
       unit: what throughput counts ('images' -> images_per_second).
       headline: the reported metric a one-line summary names first.
       short_names: reported metric -> the progress bar's label for it.
+      rate_label: the progress bar's label for the throughput.
     """
 
     name: str
@@ -76,6 +77,7 @@ class Task:
     unit: str
     headline: str
     short_names: dict = dataclasses.field(default_factory=dict)
+    rate_label: str = "items_s"
 
     def loss(self, outputs, labels):
         """The mean of the per-example losses: what every method minimises."""

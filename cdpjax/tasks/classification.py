@@ -40,4 +40,4 @@ def finish(sums) -> dict:
 def task() -> Task:
     return Task("classification", example_losses, metric_sums, SUM_NAMES, finish, ("loss", "accuracy"),
                 label_shape=lambda input_shape: (), unit="images", headline="accuracy",
-                short_names={"loss": "loss", "accuracy": "acc"})
+                short_names={"loss": "loss", "accuracy": "acc"}, rate_label="img_s")

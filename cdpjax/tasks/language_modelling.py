@@ -53,4 +53,4 @@ def task() -> Task:
     return Task("language_modelling", example_losses, metric_sums, SUM_NAMES, finish,
                 ("loss", "perplexity", "token_accuracy"), label_shape=lambda input_shape: tuple(input_shape),
                 unit="tokens", headline="loss",
-                short_names={"loss": "loss", "perplexity": "ppl", "token_accuracy": "tok_acc"})
+                short_names={"loss": "loss", "perplexity": "ppl", "token_accuracy": "tok_acc"}, rate_label="tok_s")
