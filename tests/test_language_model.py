@@ -130,3 +130,21 @@ def test_plot_draws_the_language_models_curves(tmp_path, monkeypatch):
         (line,) = ax.get_lines()
         assert line.get_xydata().tolist() == [[r["step"], r[key]] for r in lines if r["split"] == split]
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_lm_shakespeare_config_builds_nanogpts_baby_gpt():
+    """The GPU config validates and builds, abstractly: 4 stages of nanoGPT's 6 x 384 baby GPT on
+    windows of 256 of the 65 characters, computing in bfloat16; its parameters counted by hand
+    (a block as nanoGPT's: attention and MLP with biases, two LayerNorms; an untied head)."""
+    from cdpjax import checks, models
+
+    c = load_file(os.path.join(os.path.dirname(CHARLM), "lm_shakespeare.py") + ":method=e2e")
+    checks.validate(c)
+    net = models.build(c, (256,), 65, input_dtype="int32")
+    assert net.num_stages == 4 and net.stage_output_shapes(1)[-1] == (1, 256, 65)
+    params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    d, mlp = 384, 1536
+    block = 4 * (d * d + d) + 2 * 2 * d + d * mlp + mlp + mlp * d + d
+    embedding, head = 65 * d + 256 * d, 2 * d + d * 65 + 65
+    assert sum(x.size for x in jax.tree.leaves(params)) == embedding + 6 * block + head
+    assert c.dtype == "bfloat16" and c.dataset == "tiny_shakespeare"

@@ -27,7 +27,7 @@ def test_per_token_logits_of_every_position(head):
     assert logits.shape == (B, T, V) and logits.dtype == jnp.float32 and extra is None
     params = variables["params"]
     assert params[sorted(k for k in params if k.startswith("Dense"))[-1]]["kernel"].shape == (D, V)
-    blocks = [k for k in params if k.startswith("DecoderBlock")]
+    blocks = [k for k in params if k.startswith("EncoderBlock")]  # causal ones (vit.EncoderBlock)
     assert len(blocks) == getattr(head, "depth", 0)
 
 

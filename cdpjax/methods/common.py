@@ -1,12 +1,13 @@
 """What every method shares: the builder contract and small SPMD helpers.
 
 A method's builder (named by its `cdpjax.layouts.Layout`) takes a `Context`
-(config, mesh, input shape, classes) and returns a `Method`: pure functions over an explicit train state (a pytree of
-arrays, checkpointed whole, so in-flight state resumes exactly):
+(config, mesh, input shape and dtype, classes, task) and returns a `Method`: pure functions over an explicit train
+state (a pytree of arrays, checkpointed whole, so in-flight state resumes exactly):
 
 - `init(rng) -> state`, placed on the mesh;
 - `train_step(state, batch) -> (state, metrics)`, jitted with the state donated;
-  `batch` is one global batch `{'image': [B,H,W,C], 'label': [B]}`;
+  `batch` is one global batch `{'image': [B, *input_shape], 'label': [B, *label_shape]}` (float
+  images or int32 token ids; labels as `ctx.task` reads them);
 - `export(state) -> (params, model_state)`: per-stage lists in the common
   `StagedNet` layout, which evaluation, checkpoint inspection and the equality
   tests use;
@@ -16,7 +17,10 @@ arrays, checkpointed whole, so in-flight state resumes exactly):
 
 What the trainer reads besides (`cdpjax.train`, the README's "What is guaranteed"): `train_step`
 and `export` must trace inside the trainer's own jit (it adds the finite checks
-there); `metrics['loss']` (required), `metrics['stage_loss']` and an optional
+there); `metrics['loss']` (required: the step's `ctx.task.loss`), `metrics['metric_sums']`
+(`ctx.task.metric_sums` added over the whole global batch: the trainer's train lines are
+`task.finish` of them; a method without them has its `loss` and `accuracy` averaged),
+`metrics['stage_loss']` and an optional
 `metrics['finite']`, one value per stage, name the stage that went non-finite;
 `Method.state_depends_on_mesh` refuses a checkpoint from another mesh even when
 the state's shapes fit; `Method.stale` (CDP) is compared with the checkpoint's.

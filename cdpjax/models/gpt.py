@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from cdpjax.errors import ConfigError
 from cdpjax.models import register
+from cdpjax.models.vit import EncoderBlock, dense_init
 
-dense_init = nn.initializers.xavier_uniform()
 embedding_init = nn.initializers.normal(0.02)
 
 
@@ -57,24 +57,9 @@ class Embedding(nn.Module):
         return x + position[: ids.shape[1]].astype(x.dtype)
 
 
-class DecoderBlock(nn.Module):
+def decoder_block(heads: int, mlp_dim: int, dtype=None) -> EncoderBlock:
     """Pre-norm causal transformer block: x + causal attention(LN(x)), then x + MLP(LN(x))."""
-
-    heads: int
-    mlp_dim: int
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        d = x.shape[-1]
-        y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))  # [B, 1, T, T]: t sees <= t
-        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, kernel_init=dense_init, dtype=self.dtype)(
-            y, y, mask=mask, deterministic=True)
-        x = x + y
-        y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
-        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype)(y))
-        return x + nn.Dense(d, kernel_init=dense_init, dtype=self.dtype)(y)
+    return EncoderBlock(heads, mlp_dim, dtype, causal=True)
 
 
 class OutputHead(nn.Module):
@@ -134,5 +119,5 @@ def gpt(num_classes: int, input_shape, norm: str = "none", bn_axis_name=None, *,
         raise ConfigError(f"gpt model_kwargs.tied={tied!r} must be True or False")
     mlp_dim = 4 * width if mlp_dim is None else _positive("mlp_dim", mlp_dim)
     table = nn.Embed(vocab, width, dtype=dtype, embedding_init=embedding_init)
-    return ([Embedding(table, max_len, dtype)] + [DecoderBlock(heads, mlp_dim, dtype) for _ in range(depth)]
+    return ([Embedding(table, max_len, dtype)] + [decoder_block(heads, mlp_dim, dtype) for _ in range(depth)]
             + [OutputHead(vocab, dtype, table if tied else None)])

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from cdpjax.errors import ConfigError
 from cdpjax.models.aux_heads import PPLL_VIT_BLOCKS
-from cdpjax.models.gpt import DecoderBlock
+from cdpjax.models.gpt import decoder_block
+from cdpjax.models.vit import EncoderBlock
 
 
 def _tokens(features):
@@ -63,7 +64,7 @@ class TokenBlocksHead(nn.Module):
     def __call__(self, features, train: bool = False):
         y = _tokens(features)
         for _ in range(self.depth):
-            y = DecoderBlock(self.heads, self.mlp_dim)(y)
+            y = decoder_block(self.heads, self.mlp_dim)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         return nn.Dense(self.vocab)(y).astype(jnp.float32), None
 
@@ -76,7 +77,7 @@ def ppll_depth(j: int, blocks=PPLL_VIT_BLOCKS) -> int:
 def decoder_shape(net, width: int) -> tuple[int, int]:
     """Attention heads and MLP width of the network's own decoder blocks (else 64-wide heads, MLP 4x)."""
     for block in net.blocks:
-        if isinstance(block, DecoderBlock):
+        if isinstance(block, EncoderBlock) and block.causal:
             return block.heads, block.mlp_dim
     return max(1, width // 64) if width % 64 == 0 else 1, 4 * width
 
