@@ -148,3 +148,32 @@ def test_lm_shakespeare_config_builds_nanogpts_baby_gpt():
     embedding, head = 65 * d + 256 * d, 2 * d + d * 65 + 65
     assert sum(x.size for x in jax.tree.leaves(params)) == embedding + 6 * block + head
     assert c.dtype == "bfloat16" and c.dataset == "tiny_shakespeare"
+
+
+def test_resumed_language_model_run_equals_uninterrupted(tmp_path):
+    """Killed after step 6 (checkpoints every 4, train lines every 5: a logging window's sums travel
+    in the checkpoint) and resumed: the same parameters and metrics.jsonl, timing fields aside."""
+    from metrics_lines import without_timing
+
+    c = load_file(f"{CHARLM}:method=dp,stages=2,steps=12")
+    c.model_kwargs = {"width": 16, "depth": 2, "heads": 2}
+    c.global_batch_size, c.checkpoint_every, c.eval_every, c.log_every = 16, 4, 4, 5
+    full = train.train(c, str(tmp_path / "full"), progress=False)
+    assert train.train(c, str(tmp_path / "part"), progress=False, stop_after=6) == {"stopped_at": 6}
+    resumed = train.train(c, str(tmp_path / "part"), progress=False)
+    assert resumed["resumed_from"] == 4 and resumed["test_loss"] == full["test_loss"]
+    read = lambda d: without_timing((tmp_path / d / "metrics.jsonl").read_text())  # noqa: E731
+    assert read("part") == read("full") and '"tokens_per_second"' not in read("full")
+
+
+def test_describe_cuts_the_charlm_gpt_without_compiling(compiles):
+    """`cdpjax describe` of charlm: 4 stages of the 6 blocks, traced with token ids (the embedding
+    refuses floats), each stage's output the [T, width] tokens, the last [T, vocabulary] logits."""
+    from cdpjax.commands.describe import describe
+
+    d = describe(load_file(f"{CHARLM}:method=e2e"))
+    assert d["input_shape"] == [32] and d["num_classes"] == 61 and d["num_blocks"] == 6
+    assert [s["blocks"] for s in d["stages"]] == [[0, 2], [2, 3], [3, 4], [4, 6]]
+    assert [s["output_shape"] for s in d["stages"]] == [[32, 64]] * 3 + [[32, 61]]
+    assert all(s["flops"] > 0 for s in d["stages"])
+    assert not [e for e in compiles if e[0] == "backend"], compiles
