@@ -155,9 +155,9 @@ def test_resumed_language_model_run_equals_uninterrupted(tmp_path):
     in the checkpoint) and resumed: the same parameters and metrics.jsonl, timing fields aside."""
     from metrics_lines import without_timing
 
-    c = load_file(f"{CHARLM}:method=dp,stages=2,steps=12")
+    c = load_file(f"{CHARLM}:method=e2e,stages=2,steps=10")
     c.model_kwargs = {"width": 16, "depth": 2, "heads": 2}
-    c.global_batch_size, c.checkpoint_every, c.eval_every, c.log_every = 16, 4, 4, 5
+    c.global_batch_size, c.checkpoint_every, c.eval_every, c.log_every = 16, 4, 0, 5
     full = train.train(c, str(tmp_path / "full"), progress=False)
     assert train.train(c, str(tmp_path / "part"), progress=False, stop_after=6) == {"stopped_at": 6}
     resumed = train.train(c, str(tmp_path / "part"), progress=False)

@@ -21,8 +21,9 @@ block and the head at once: a parameter shared across blocks, which only one
 stage can hold (each stage keeps, updates and sends its own parameters). It is
 accepted only when the embedding and the head fall in one stage (`stages=1`:
 e2e, dp); a cut that separates them is refused when the stages are first built,
-with a line saying so. Initialisation: embeddings N(0, 0.02), dense kernels
-Xavier-uniform (as `cdpjax.models.vit`), LayerNorm scale 1 and bias 0.
+with a line saying so. Initialisation: the embeddings and the output layer N(0, 0.02)
+(GPT-2's), the blocks' dense kernels Xavier-uniform (as `cdpjax.models.vit`, whose
+`EncoderBlock` with `causal=True` is the decoder block), LayerNorm scale 1 and bias 0.
 
 Normalisation is always LayerNorm, whatever `norm` says (per token: no state, the
 same result however a batch is split).
@@ -42,11 +43,10 @@ embedding_init = nn.initializers.normal(0.02)
 
 
 class Embedding(nn.Module):
-    """Token ids [B, T] -> token embedding (`table`, an `nn.Embed`) + position embedding."""
+    """Token ids [B, T] -> token embedding (`table`, an `nn.Embed`, in its dtype) + position embedding."""
 
     table: nn.Module
     max_len: int
-    dtype: Any = None
 
     @nn.compact
     def __call__(self, ids, train: bool = False):
@@ -119,5 +119,5 @@ def gpt(num_classes: int, input_shape, norm: str = "none", bn_axis_name=None, *,
         raise ConfigError(f"gpt model_kwargs.tied={tied!r} must be True or False")
     mlp_dim = 4 * width if mlp_dim is None else _positive("mlp_dim", mlp_dim)
     table = nn.Embed(vocab, width, dtype=dtype, embedding_init=embedding_init)
-    return ([Embedding(table, max_len, dtype)] + [decoder_block(heads, mlp_dim, dtype) for _ in range(depth)]
+    return ([Embedding(table, max_len)] + [decoder_block(heads, mlp_dim, dtype) for _ in range(depth)]
             + [OutputHead(vocab, dtype, table if tied else None)])
