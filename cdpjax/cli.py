@@ -77,8 +77,8 @@ def cmd_train(args, overrides) -> int:
     summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
                           force=args.force, device_note=device_note)
     if jax.process_index() == 0 and not summary.get("already_finished"):
-        print(f"cdpjax: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
-              f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
+        print(f"cdpjax: {train.result_words(summary)} after {summary['steps']} steps, "
+              f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
               f"summary in {workdir}/summary.json", file=sys.stderr)
     return 0
 

@@ -36,6 +36,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.dataset = "digits"
     c.data_dir = ""  # tensorflow-datasets data_dir ('' = tfds default)
     c.dataset_kwargs = ml_collections.ConfigDict()  # options of the dataset's loader (e.g. train_split)
+    # The task (cdpjax.tasks: loss, labels, metrics): 'classification' | 'language_modelling';
+    # '' = the dataset's own.
+    c.task = ""
     c.augment = True
     c.global_batch_size = 128
     c.num_steps = 600
@@ -220,7 +223,7 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
 
 # Keys of other kinds: booleans, names, nested option dicts (checked against their consumer).
 _BOOLS = ("bn_cross_device", "augment", "nesterov")
-_STRINGS = ("method", "model", "dataset", "data_dir")
+_STRINGS = ("method", "model", "dataset", "data_dir", "task")
 _DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed")
 _DISTRIBUTED = {
     "coordinator_address": str,

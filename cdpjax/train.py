@@ -12,13 +12,16 @@ WORKDIR/metrics.jsonl and TensorBoard events (`cdpjax.events`), checkpoints ever
 WORKDIR/summary.json. A finished run started again changes no file and says so.
 Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint.
 
-Each metrics line holds `step`, `split`, `loss`, `accuracy`; train lines also
-`lr` (the optax schedule's value for that step's update) and `images_per_second`
-(train steps of the line's window, compilation left out; null when the window
-holds only the process's first step); every line `time`, seconds since the run
-started (set-up and compilation included; a resumed run continues from the time
-its checkpoint recorded). `images_per_second` and `time` are the timing fields
-(`TIMING_FIELDS`); everything else on a line is deterministic.
+Each metrics line holds `step`, `split` and the task's metrics (`cdpjax.tasks`:
+`loss`, `accuracy` for classification; `loss` per token, `perplexity`,
+`token_accuracy` for language modelling), of the line's logging window (train) or
+of the whole test split (test); train lines also `lr` (the optax schedule's value
+for that step's update) and the throughput in the task's unit, `images_per_second`
+or `tokens_per_second` (train steps of the line's window, compilation left out;
+null when the window holds only the process's first step); every line `time`,
+seconds since the run started (set-up and compilation included; a resumed run
+continues from the time its checkpoint recorded). The throughput and `time` are
+the timing fields (`TIMING_FIELDS`); everything else on a line is deterministic.
 
 Runs are deterministic given the config and seed: the data position is the step
 number (see `cdpjax.data.base`), and the in-flight state of every method lives in
@@ -61,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, layouts, models, optim
+from cdpjax import checks, layouts, models, optim, tasks
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
@@ -76,7 +79,7 @@ from cdpjax.methods.common import tree_select
 KILL_ENV = "CDPJAX_TEST_KILL_AT_STEP"
 WAIT_ENV, WAIT_FILE_ENV = "CDPJAX_TEST_WAIT_AT_STEP", "CDPJAX_TEST_WAIT_FILE"
 # Fields of a metrics.jsonl line that differ between two runs of the same config.
-TIMING_FIELDS = ("images_per_second", "time")
+TIMING_FIELDS = ("images_per_second", "tokens_per_second", "time")
 # Methods whose train states are the same pytree with the same meaning, so that a checkpoint
 # of one resumes as the other (dp on N devices -> e2e on one: the same update rule).
 INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
@@ -85,7 +88,7 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 # rate may change; the method only within INTERCHANGEABLE.)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
-               "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups")
+               "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -116,27 +119,39 @@ def put_batch(batch: dict, mesh, sharding=None) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def make_eval_fn(net: models.StagedNet):
+def make_eval_fn(net: models.StagedNet, task: tasks.Task = tasks.CLASSIFICATION):
+    """A jitted `(params, state, inputs, labels, mask) -> task.metric_sums` of one test batch."""
     @jax.jit
     def eval_batch(params, state, images, labels, mask):
-        logits, _ = net.apply(params, state, images, train=False)
-        import optax
-
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-        return {"loss_sum": (losses * mask).sum(), "correct": (correct * mask).sum(), "count": mask.sum()}
+        outputs, _ = net.apply(params, state, images, train=False)
+        return task.metric_sums(outputs, labels, mask)
 
     return eval_batch
 
 
-def evaluate(eval_fn, params, state, dataset, batch_size: int) -> dict:
-    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+def evaluate(eval_fn, params, state, dataset, batch_size: int, task: tasks.Task = tasks.CLASSIFICATION) -> dict:
+    """The task's metrics over the whole test split (its sums added in float64 on the host)."""
+    totals = np.zeros(len(task.sum_names), np.float64)
     for batch in dataset.test_batches(batch_size):
-        out = jax.device_get(eval_fn(params, state, batch["image"], batch["label"], batch["mask"]))
-        for k in totals:
-            totals[k] += float(out[k])
-    n = max(totals["count"], 1.0)
-    return {"loss": totals["loss_sum"] / n, "accuracy": totals["correct"] / n}
+        totals += np.asarray(jax.device_get(eval_fn(params, state, batch["image"], batch["label"], batch["mask"])),
+                             np.float64)
+    return {k: float(v) for k, v in task.finish(totals).items()}
+
+
+def window_entry(metrics) -> list | dict:
+    """What a train step adds to the logging window: its `metric_sums` (a list, JSON for the
+    checkpoint), or for a method that reports none its `loss` and `accuracy`."""
+    if "metric_sums" in metrics:
+        return [float(v) for v in np.asarray(metrics["metric_sums"], np.float64)]
+    return {k: float(metrics[k]) for k in ("loss", "accuracy") if k in metrics}
+
+
+def window_metrics(task: tasks.Task, window: list) -> dict:
+    """The task's metrics of a logging window: `finish` of its steps' sums added up, or (methods
+    without sums) the mean of each step's loss and accuracy."""
+    if window and all(isinstance(entry, list) for entry in window):
+        return {k: float(v) for k, v in task.finish(np.sum(np.asarray(window, np.float64), axis=0)).items()}
+    return {k: float(np.mean([m[k] for m in window])) for k in window[0] if all(k in m for m in window)}
 
 
 def check_dataset_against_model(dataset, net) -> None:
@@ -147,9 +162,14 @@ def check_dataset_against_model(dataset, net) -> None:
 def check_batches(dataset, config, net, step: int = 0) -> dict:
     """Reads training batch `step` and a test batch and checks them against the model before
     anything compiles (a loader whose images are not what it declares fails here, not inside
-    XLA); returns the training batch, which the loop then uses, so that it is read once."""
+    XLA); returns the training batch, which the loop then uses, so that it is read once.
+    The labels' shape is the task's (`config.task`, or the dataset's own) and the model's
+    outputs must fit it."""
     pcount = jax.process_count()
     per_process = config.global_batch_size // pcount
+    task = tasks.resolve(config, dataset)
+    label_shape = task.label_shape(tuple(net.input_shape))
+    task.check_outputs(net.stage_output_shapes(1)[-1][1:], label_shape, dataset.num_classes, net.name)
     batch = dataset.train_batch(step, config.global_batch_size, config.seed, config.augment,
                                 jax.process_index(), pcount)
     want = (per_process, *net.input_shape)
@@ -163,9 +183,12 @@ def check_batches(dataset, config, net, step: int = 0) -> dict:
                 f"dataset {dataset.name!r} gives {split} images of shape {image.shape[1:]} (a batch of "
                 f"{image.shape}), but it declares {tuple(dataset.image_shape)} and the model expects "
                 f"{tuple(net.input_shape)} (a batch of {(n, *want[1:])}): fix the loader or its image_shape")
-        if label.shape != (n,) or not np.issubdtype(label.dtype, np.integer):
+        if image.dtype != np.dtype(net.input_dtype):
+            raise ConfigError(f"dataset {dataset.name!r} gives {split} inputs of dtype {image.dtype}, but it declares "
+                              f"input_dtype {net.input_dtype!r}: fix the loader or its input_dtype")
+        if label.shape != (n, *label_shape) or not np.issubdtype(label.dtype, np.integer):
             raise ConfigError(f"dataset {dataset.name!r} gives {split} labels of shape {label.shape} and dtype "
-                              f"{label.dtype}; expected integer labels of shape {(n,)}")
+                              f"{label.dtype}; task {task.name!r} expects integer labels of shape {(n, *label_shape)}")
         if label.size and (label.min() < 0 or label.max() >= dataset.num_classes):
             raise ConfigError(f"dataset {dataset.name!r} gives {split} labels in [{label.min()}, {label.max()}], "
                               f"outside [0, {dataset.num_classes}) for its {dataset.num_classes} classes")
@@ -192,7 +215,8 @@ def setup(config, devices=None):
         raise ConfigError(f"global_batch_size={config.global_batch_size} is not divisible by the "
                           f"{jax.process_count()} processes")
     mesh = make_mesh(layouts.mesh_for(config), devices)
-    ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes)
+    ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype,
+                              tasks.resolve(config, dataset))
     try:
         method = methods_lib.build(ctx)
     except ConfigError as e:
@@ -648,16 +672,17 @@ class Profile:
 
 @dataclasses.dataclass
 class Throughput:
-    """Images and seconds of timed train steps (not a process's first, which compiles)."""
+    """Items (the task's unit: images, tokens) and seconds of timed train steps (not a process's
+    first, which compiles)."""
 
-    images: int = 0
+    items: int = 0
     seconds: float = 0.0
 
-    def add(self, images: int, seconds: float) -> None:
-        self.images, self.seconds = self.images + images, self.seconds + seconds
+    def add(self, items: int, seconds: float) -> None:
+        self.items, self.seconds = self.items + items, self.seconds + seconds
 
     def rate(self) -> float | None:
-        return self.images / self.seconds if self.seconds else None
+        return self.items / self.seconds if self.seconds else None
 
 
 def _checkpoint_meta(p: Prepared, method) -> dict:
@@ -710,7 +735,10 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
-    eval_fn, eval_batch = make_eval_fn(method.net), min(config.global_batch_size, 512)
+    task = tasks.resolve(config, p.dataset)
+    eval_fn, eval_batch = make_eval_fn(method.net, task), min(config.global_batch_size, 512)
+    items = config.global_batch_size * task.items_per_example(method.net.input_shape)  # images, tokens
+    rate_key = f"{task.unit}_per_second"
     skip = config.get("nonfinite", "stop") == "skip"
     step_fn, here, lrs = guarded_step(method, skip), _checkpoint_meta(p, method), learning_rates(config)
     bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
@@ -730,28 +758,28 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             metrics, flags = jax.device_get((metrics, flags))
             if step > p.start:  # the first step of a process compiles
                 for speed in (window_speed, total_speed):
-                    speed.add(config.global_batch_size, time.perf_counter() - t0)
+                    speed.add(items, time.perf_counter() - t0)
             p.done = done = step + 1
             profile.after(done)
             if not all_finite(metrics, flags):
                 _nonfinite(p, metrics, flags, skip, bar)
                 bar.step(done)
                 continue
-            p.window.append({k: float(metrics[k]) for k in ("loss", "accuracy")})
+            p.window.append(window_entry(metrics))
             if done % config.log_every == 0 or done == config.num_steps:
-                mean = {k: float(np.mean([m[k] for m in p.window])) for k in ("loss", "accuracy")}
+                mean = window_metrics(task, p.window)
                 ips = window_speed.rate()
                 log.write({"step": done, "split": "train", **mean, "lr": _shortest(lrs[done - 1]),
-                           "images_per_second": None if ips is None else round(ips, 1),
+                           rate_key: None if ips is None else round(ips, 1),
                            "time": round(p.clock(), 3)})
-                bar.set_postfix(loss=f"{mean['loss']:.3f}", acc=f"{mean['accuracy']:.3f}",
-                                img_s=f"{ips or 0:.0f}")
+                bar.set_postfix(**{task.short_names.get(k, k): f"{v:.3f}" for k, v in mean.items()},
+                                **{task.rate_label: f"{ips or 0:.0f}"})
                 p.window, window_speed = [], Throughput()
             t_aside = time.perf_counter()
             if config.eval_every and done % config.eval_every == 0 and done < config.num_steps:
                 params, mstate = method.export(p.state)
-                log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch),
-                           "time": round(p.clock(), 3)})
+                log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch,
+                                                                     task), "time": round(p.clock(), 3)})
             if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.num_steps:
                 # The partial logging window travels with the checkpoint so that a resumed run logs
                 # exactly what an uninterrupted one does.
@@ -762,20 +790,22 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             _test_hooks(done)
         bar.close()
         profile.stop(p.done)
-        return _finish(p, log, eval_fn, eval_batch, here, total_speed)
+        return _finish(p, log, eval_fn, eval_batch, here, total_speed, task)
     finally:
         bar.close()
         profile.stop(p.done)
         log.close()
 
 
-def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput) -> dict:
-    """Flushes a pipeline, evaluates, saves the final checkpoint and writes summary.json."""
+def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,
+            task: tasks.Task) -> dict:
+    """Flushes a pipeline, evaluates, saves the final checkpoint and writes summary.json (the
+    task's test metrics as `test_<name>`, its throughput as `<unit>_per_second`)."""
     config, method = p.config, p.method
     if method.flush is not None and not p.flushed:
         p.state = method.flush(p.state)
     params, mstate = method.export(p.state)
-    final = evaluate(eval_fn, params, mstate, p.dataset, eval_batch)
+    final = evaluate(eval_fn, params, mstate, p.dataset, eval_batch, task)
     log.write({"step": config.num_steps, "split": "test", **final, "time": round(p.clock(), 3)})
     if p.latest != config.num_steps:
         p.ckpt.save(config.num_steps, p.state, {**here, "skipped_steps": p.skipped, "flushed": True,
@@ -784,6 +814,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "method": config.method,
         "model": config.model,
         "dataset": config.dataset,
+        "task": task.name,
         "devices": int(p.mesh.devices.size),
         "processes": jax.process_count(),
         "mesh": {k: int(v) for k, v in p.mesh.shape.items()},
@@ -791,9 +822,8 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "workers": method.workers,
         "steps": config.num_steps,
         "global_batch_size": config.global_batch_size,
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "images_per_second": speed.rate() or 0.0,
+        **{f"test_{k}": v for k, v in final.items()},
+        f"{task.unit}_per_second": speed.rate() or 0.0,
         "wall_seconds": time.perf_counter() - p.t0,
         "skipped_steps": p.skipped,
         "resumed_from": p.start,
@@ -802,6 +832,22 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
     if jax.process_index() == 0:
         _write_atomic(os.path.join(p.workdir, "summary.json"), json.dumps(summary, indent=2, default=_jsonable))
     return summary
+
+
+def result_words(summary: dict) -> str:
+    """A run's result in words from its summary: the task's headline test metric, then its others
+    but the loss ('test accuracy 0.9800'; 'test loss 1.4210 (perplexity 4.14, token accuracy 0.5712)')."""
+    task = tasks.lookup(summary.get("task", "classification"))
+    value = summary.get(f"test_{task.headline}", float("nan"))
+    others = [f"{k.replace('_', ' ')} {summary[f'test_{k}']:.4g}" for k in task.metric_names
+              if k not in (task.headline, "loss") and f"test_{k}" in summary]
+    return f"test {task.headline.replace('_', ' ')} {value:.4f}" + (f" ({', '.join(others)})" if others else "")
+
+
+def throughput_words(summary: dict) -> str:
+    """'5120 images/s' or '81920 tokens/s', from a summary."""
+    unit = tasks.lookup(summary.get("task", "classification")).unit
+    return f"{summary.get(f'{unit}_per_second', 0.0):.0f} {unit}/s"
 
 
 def _interrupted(p: Prepared, e: KeyboardInterrupt) -> Interrupted:
@@ -836,8 +882,8 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
         try:
             if p.finished is not None:
                 s = p.finished
-                say(f"WORKDIR {workdir} holds a finished run of {s['steps']} steps (test accuracy "
-                    f"{s.get('test_accuracy', float('nan')):.4f}); nothing to train and no file changed: raise "
+                say(f"WORKDIR {workdir} holds a finished run of {s['steps']} steps ({result_words(s)}); "
+                    f"nothing to train and no file changed: raise "
                     f"--config.num_steps to train on from step {s['steps']}, or use a fresh --workdir")
                 return {**s, "already_finished": True}
             announce(p, device_note)

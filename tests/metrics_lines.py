@@ -1,11 +1,11 @@
 """Reading a run's metrics as the guarantees compare them: metrics.jsonl as written with the timing
-fields (`images_per_second`, `time`) cut out of each line and every other byte kept, and the
-TensorBoard events read back with TensorBoard's own reader."""
+fields (`images_per_second` or `tokens_per_second`, `time`) cut out of each line and every other
+byte kept, and the TensorBoard events read back with TensorBoard's own reader."""
 import json
 import re
 
-TIMING_FIELDS = ("images_per_second", "time")  # written out here, not read from cdpjax
-_TIMING = re.compile(r', "(?:images_per_second|time)": (?:null|-?[0-9][0-9.eE+-]*)')
+TIMING_FIELDS = ("images_per_second", "tokens_per_second", "time")  # written out here, not read from cdpjax
+_TIMING = re.compile(r', "(?:images_per_second|tokens_per_second|time)": (?:null|-?[0-9][0-9.eE+-]*)')
 
 
 def without_timing(text: str) -> str:

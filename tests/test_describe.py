@@ -38,7 +38,8 @@ def _prod(shape):
     return out
 
 
-@pytest.mark.parametrize("model", sorted(models.REGISTRY))
+# Every image model (gpt reads token windows: tests/test_language_model.py describes it on text).
+@pytest.mark.parametrize("model", sorted(set(models.REGISTRY) - {"gpt"}))
 def test_every_registered_model(model, compiles):
     c = default_config()
     c.method, c.model, c.stages = "local", model, 2

@@ -29,16 +29,16 @@ JSON_STAGE_KEYS = ("blocks", "params", "output_shape", "activation_bytes", "flop
                    "decoder_params", "head_flops")
 
 
-def _input_spec(config) -> tuple[tuple[int, ...], int]:
-    """(image shape, classes) of the config's dataset, without reading it."""
+def _input_spec(config) -> tuple[tuple[int, ...], int, str]:
+    """(input shape, classes, input dtype) of the config's dataset, without reading it."""
     from cdpjax import data
     from cdpjax.data import tfds_data
 
     spec = tfds_data.SPECS.get(config.dataset)
     if spec is not None:  # building a tfds dataset would require it to be prepared here
-        return tuple(spec.image_shape), spec.num_classes
+        return tuple(spec.image_shape), spec.num_classes, "float32"
     dataset = data.build(config)
-    return tuple(dataset.image_shape), dataset.num_classes
+    return tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype
 
 
 def stage_devices(config, num_stages: int) -> list[int]:
@@ -69,7 +69,7 @@ def _stages(net, heads) -> list[dict]:
 
     params, _ = jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
     outputs = [jax.ShapeDtypeStruct(s, "float32") for s in net.stage_output_shapes(1)]
-    block_flops = partition.block_costs(net.blocks, net.input_shape, "flops")
+    block_flops = partition.block_costs(net.blocks, net.input_shape, "flops", net.input_dtype)
     stages = []
     for j, ((a, b), out, counts) in enumerate(zip(net.bounds, outputs, heads.param_counts())):
         module = heads.modules[j]
@@ -97,8 +97,8 @@ def describe(config) -> dict:
     from cdpjax.models import aux_heads
 
     checks.validate(config)
-    input_shape, num_classes = _input_spec(config)
-    net = models.build(config, input_shape, num_classes)
+    input_shape, num_classes, input_dtype = _input_spec(config)
+    net = models.build(config, input_shape, num_classes, input_dtype=input_dtype)
     heads = aux_heads.build(config.aux_head, net, num_classes, dict(config.get("aux_kwargs", {}) or {}))
     stages = _stages(net, heads)
     for stage, device in zip(stages, stage_devices(config, net.num_stages)):

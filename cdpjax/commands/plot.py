@@ -2,9 +2,10 @@
 
     cdpjax plot workdirs/dp-* workdirs/cdp-v2-* --out curves.png
 
-Four panels over the step: train loss, test loss, train accuracy, test accuracy,
-one line per work directory (labelled by its directory name and method), read
-from each WORKDIR/metrics.jsonl. No JAX: instant. Matplotlib with the Agg
+Two panels over the step for each metric the runs' metrics.jsonl lines carry
+(train, then test): loss and accuracy for classification; loss, perplexity and
+token_accuracy for language modelling; one line per work directory (labelled by
+its directory name and method). No JAX: instant. Matplotlib with the Agg
 canvas, `.png` or `.svg` by the suffix of `--out`.
 """
 from __future__ import annotations
@@ -15,11 +16,12 @@ import sys
 
 from cdpjax.errors import ConfigError
 
-PANELS = (("train", "loss"), ("test", "loss"), ("train", "accuracy"), ("test", "accuracy"))
+# Fields of a metrics line that are not metrics (throughputs, `<unit>_per_second`, neither).
+NOT_METRICS = ("step", "split", "time", "lr")
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("plot", help="overlay the loss and accuracy curves of work directories",
+    p = subparsers.add_parser("plot", help="overlay the training curves (loss, accuracy...) of work directories",
                               description=__doc__.splitlines()[0])
     p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="work directories holding metrics.jsonl")
     p.add_argument("--out", default="curves.png", help="the figure: FILE.png or FILE.svg (default: curves.png)")
@@ -57,14 +59,26 @@ def curves(records: list[dict], split: str, key: str) -> tuple[list[int], list[f
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
+def metric_names(runs) -> list[str]:
+    """The metrics the runs' lines carry, in the order first met (the task's order: loss first)."""
+    names = []
+    for _, records in runs:
+        for r in records:
+            names += [k for k, v in r.items() if k not in NOT_METRICS and not k.endswith("_per_second")
+                      and isinstance(v, (int, float)) and not isinstance(v, bool) and k not in names]
+    return names or ["loss"]
+
+
 def plot_curves(workdirs, out: str):
-    """Draws the four panels for `workdirs` into `out`; returns the matplotlib Figure."""
+    """Draws a train and a test panel per metric for `workdirs` into `out`; returns the Figure."""
     from cdpjax.plotting import _figure, _save
 
     runs = [(_label(w), read_metrics(w)) for w in workdirs]
-    fig = _figure(10.0, 6.4, layout="constrained")  # the top row's x labels clear the bottom row's titles
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (split, key) in zip(axes, PANELS):
+    names = metric_names(runs)
+    # constrained layout: the top row's x labels clear the next row's titles
+    fig = _figure(10.0, 3.2 * len(names), layout="constrained")
+    axes = fig.subplots(len(names), 2, squeeze=False).ravel()
+    for ax, (split, key) in zip(axes, [(split, key) for key in names for split in ("train", "test")]):
         for label, records in runs:
             steps, values = curves(records, split, key)
             if steps:

@@ -1,17 +1,21 @@
-"""Dataset registry. `digits` and `synthetic` are embedded; the rest go through tensorflow-datasets."""
+"""Dataset registry. `digits`, `synthetic` and `coriolanus` (text) are embedded; the rest go
+through tensorflow-datasets."""
 from __future__ import annotations
 
 from cdpjax.data.base import Dataset, stream_indices
 from cdpjax.data.digits import digits
 from cdpjax.data.synthetic import synthetic
+from cdpjax.data.text import coriolanus
 from cdpjax.data.tfds_data import TFDS_DATASETS
+from cdpjax.data.tfds_text import TFDS_TEXT_DATASETS
 from cdpjax.registry import Registry
 
 # name -> loader(**dataset_kwargs) -> Dataset
 REGISTRY: Registry = Registry("dataset")
 REGISTRY.add("digits", digits)
 REGISTRY.add("synthetic", synthetic)
-for _name, _loader in TFDS_DATASETS.items():  # cifar10, svhn_cropped, stl10, imagenet2012
+REGISTRY.add("coriolanus", coriolanus)  # language modelling: character windows of the embedded play
+for _name, _loader in {**TFDS_DATASETS, **TFDS_TEXT_DATASETS}.items():  # cifar10, ..., tiny_shakespeare, lm1b
     REGISTRY.add(_name, _loader)
 register = REGISTRY.register
 

@@ -20,18 +20,27 @@ import numpy as np
 class Dataset:
     """Random-access examples.
 
+    Whatever the inputs are (images, token ids), a batch holds them under `image`, the key
+    every method reads.
+
     Attributes:
       name: registry name.
-      image_shape: (H, W, C) after preprocessing.
-      num_classes: number of labels.
+      image_shape: one example's input shape after preprocessing ((H, W, C) images, (T,) token
+        windows); `input_shape` is the same.
+      num_classes: number of labels (a language model's vocabulary).
       num_train, num_test: split sizes.
-      read: read(split, indices) -> (uint8 or float images [n, ...], int labels [n]); unaugmented.
+      read: read(split, indices) -> (inputs [n, ...]: uint8 or float images, or integer token ids;
+        int labels [n, *label_shape]); unaugmented.
       augment: augment(images float32 [n,H,W,C], rng: np.random.Generator) -> images; the papers' recipe.
       mean, std: per-channel normalisation applied after augmentation.
       read_augmented: optional read_augmented(indices, rng) -> (float32 images, labels): reads and
         augments training examples together, replacing read + augment in `train_batch`, for
         datasets whose augmentation needs the raw image (ImageNet's random resized crop of images
         of varying size).
+      input_dtype: the dtype inputs reach the model in: 'float32' (images, normalised with mean
+        and std after augmentation) or an integer dtype (token ids, passed as they are).
+      label_shape: one example's label shape: () for a class, (T,) for a window's next tokens.
+      task: the `cdpjax.tasks` name this dataset is for (`config.task` '' takes it).
     """
 
     name: str
@@ -44,8 +53,22 @@ class Dataset:
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     read_augmented: Callable | None = None
+    input_dtype: str = "float32"
+    label_shape: tuple[int, ...] = ()
+    task: str = "classification"
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.image_shape)
+
+    @property
+    def image_inputs(self) -> bool:
+        """Whether the inputs are images (floating: cast, augmented, normalised), not token ids."""
+        return np.issubdtype(np.dtype(self.input_dtype), np.floating)
 
     def _normalise(self, images: np.ndarray) -> np.ndarray:
+        if not self.image_inputs:
+            return np.asarray(images, self.input_dtype)
         images = images.astype(np.float32)
         return (images - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
 
@@ -60,7 +83,7 @@ class Dataset:
             images, labels = self.read_augmented(idx, rng)
         else:
             images, labels = self.read("train", idx)
-            images = images.astype(np.float32)
+            images = images.astype(np.float32) if self.image_inputs else images
             if augment and self.augment is not None:
                 images = self.augment(images, rng)
         return {"image": self._normalise(images), "label": labels.astype(np.int32)}

@@ -1,12 +1,13 @@
 """What every method shares: the builder contract and small SPMD helpers.
 
 A method's builder (named by its `cdpjax.layouts.Layout`) takes a `Context`
-(config, mesh, input shape, classes) and returns a `Method`: pure functions over an explicit train state (a pytree of
-arrays, checkpointed whole, so in-flight state resumes exactly):
+(config, mesh, input shape and dtype, classes, task) and returns a `Method`: pure functions over an explicit train
+state (a pytree of arrays, checkpointed whole, so in-flight state resumes exactly):
 
 - `init(rng) -> state`, placed on the mesh;
 - `train_step(state, batch) -> (state, metrics)`, jitted with the state donated;
-  `batch` is one global batch `{'image': [B,H,W,C], 'label': [B]}`;
+  `batch` is one global batch `{'image': [B, *input_shape], 'label': [B, *label_shape]}` (float
+  images or int32 token ids; labels as `ctx.task` reads them);
 - `export(state) -> (params, model_state)`: per-stage lists in the common
   `StagedNet` layout, which evaluation, checkpoint inspection and the equality
   tests use;
@@ -16,7 +17,10 @@ arrays, checkpointed whole, so in-flight state resumes exactly):
 
 What the trainer reads besides (`cdpjax.train`, the README's "What is guaranteed"): `train_step`
 and `export` must trace inside the trainer's own jit (it adds the finite checks
-there); `metrics['loss']` (required), `metrics['stage_loss']` and an optional
+there); `metrics['loss']` (required: the step's `ctx.task.loss`), `metrics['metric_sums']`
+(`ctx.task.metric_sums` added over the whole global batch: the trainer's train lines are
+`task.finish` of them; a method without them has its `loss` and `accuracy` averaged),
+`metrics['stage_loss']` and an optional
 `metrics['finite']`, one value per stage, name the stage that went non-finite;
 `Method.state_depends_on_mesh` refuses a checkpoint from another mesh even when
 the state's shapes fit; `Method.stale` (CDP) is compared with the checkpoint's.
@@ -31,19 +35,24 @@ import jax.numpy as jnp
 import ml_collections
 from jax import lax
 
-from cdpjax import models, optim
+from cdpjax import models, optim, tasks
 from cdpjax.errors import ConfigError
 from cdpjax.mesh import axis_size
 
 @dataclasses.dataclass(frozen=True)
 class Context:
+    """What a builder is given: the config, the mesh, one example's input shape and dtype (the
+    dataset's), the classes, and the task (`cdpjax.tasks`: the loss and metrics to use)."""
+
     config: ml_collections.ConfigDict
     mesh: Any
     input_shape: tuple[int, ...]
     num_classes: int
+    input_dtype: str = "float32"
+    task: tasks.Task = tasks.CLASSIFICATION
 
     def net(self, bn_axis_name=None, stages=None) -> models.StagedNet:
-        return models.build(self.config, self.input_shape, self.num_classes, bn_axis_name, stages)
+        return models.build(self.config, self.input_shape, self.num_classes, bn_axis_name, stages, self.input_dtype)
 
     def axis(self, name: str) -> int:
         return axis_size(self.mesh, name)
@@ -159,10 +168,17 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True):
-    logits, new_state = net.apply(params, state, images, train)
-    loss = models.cross_entropy(logits, labels)
-    return loss, (new_state, models.accuracy(logits, labels))
+def loss_and_metrics(net: models.StagedNet, params, state, images, labels, train: bool = True,
+                     task: tasks.Task = tasks.CLASSIFICATION):
+    """`(task.loss, (new model state, task.metric_sums))` of the whole network on one batch."""
+    outputs, new_state = net.apply(params, state, images, train)
+    return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
+
+
+def step_metrics(task: tasks.Task, loss, sums) -> dict:
+    """A train step's metrics: its loss, the task's reported metrics of the step (classification's
+    `accuracy`...) and the sums the trainer adds over its logging window (`metric_sums`)."""
+    return {**task.finish(sums), "loss": loss, "metric_sums": sums}
 
 
 def init_params(net: models.StagedNet, rng):

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
-from cdpjax.methods.common import Context, Method, loss_and_metrics
+from cdpjax.methods.common import Context, Method, loss_and_metrics, step_metrics
 
 
 def build(ctx: Context) -> Method:
@@ -34,16 +34,16 @@ def build(ctx: Context) -> Method:
 
     def local_step(state, images, labels):
         def local_loss(params):
-            loss, aux = loss_and_metrics(net, params, state["model_state"], images, labels)
+            loss, aux = loss_and_metrics(net, params, state["model_state"], images, labels, True, ctx.task)
             # The gradient of a replicated parameter is summed over `data` by shard_map's
             # transpose; dividing the local mean by the worker count makes that sum the mean.
             return loss / workers, aux
 
-        (loss, (model_state, acc)), grads = jax.value_and_grad(local_loss, has_aux=True)(state["params"])
+        (loss, (model_state, sums)), grads = jax.value_and_grad(local_loss, has_aux=True)(state["params"])
         if not cross:  # per-device statistics: average the running estimates like the paper's code
             model_state = lax.pmean(model_state, "data")
         params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
-        metrics = {"loss": lax.psum(loss, "data"), "accuracy": lax.pmean(acc, "data")}
+        metrics = step_metrics(ctx.task, lax.psum(loss, "data"), lax.psum(sums, "data"))
         return {"params": params, "model_state": model_state, "opt_state": opt_state}, metrics
 
     sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"), P("data")),

@@ -1,6 +1,7 @@
 """`e2e`: one device, plain backprop over the whole network. The reference.
 
-Update rule: theta_{k+1} = opt(theta_k, grad L(theta_k; batch_k)), one optax
+Update rule: theta_{k+1} = opt(theta_k, grad L(theta_k; batch_k)), L the task's loss
+(`ctx.task`: cross-entropy per example or per token, averaged over the batch), one optax
 state per stage (the same update as one state over the whole model for the
 elementwise optimizers used here, and the same layout as the staged methods).
 """
@@ -10,7 +11,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from cdpjax import optim
-from cdpjax.methods.common import Context, Method, loss_and_metrics
+from cdpjax.methods.common import Context, Method, loss_and_metrics, step_metrics
 
 
 def build(ctx: Context) -> Method:
@@ -26,11 +27,11 @@ def build(ctx: Context) -> Method:
     @jax.jit
     def train_step(state, batch):
         grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-        (loss, (model_state, acc)), grads = grad_fn(net, state["params"], state["model_state"],
-                                                     batch["image"], batch["label"])
+        (loss, (model_state, sums)), grads = grad_fn(net, state["params"], state["model_state"],
+                                                      batch["image"], batch["label"], True, ctx.task)
         params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
         new = {"params": params, "model_state": model_state, "opt_state": opt_state}
-        return new, {"loss": loss, "accuracy": acc}
+        return new, step_metrics(ctx.task, loss, sums)
 
     def export(state):
         return state["params"], state["model_state"]

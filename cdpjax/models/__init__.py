@@ -25,10 +25,10 @@ REGISTRY.add("mlp", _mlp.mlp)
 register = REGISTRY.register
 
 
-def build(config, input_shape, num_classes, bn_axis_name=None, stages=None) -> StagedNet:
+def build(config, input_shape, num_classes, bn_axis_name=None, stages=None, input_dtype="float32") -> StagedNet:
     """The model named by `config.model`, cut into `config.stages` stages (or `stages`), computing
     in `config.dtype` (passed to a factory that takes `dtype`; `checks.validate` refuses
-    'bfloat16' for one that does not)."""
+    'bfloat16' for one that does not), reading inputs of `input_dtype` (the dataset's)."""
     factory = REGISTRY.lookup(config.model)
     kwargs = dict(config.get("model_kwargs", {}) or {})
     check_kwargs("model_kwargs", kwargs, factory, f"model {config.model!r}", MODEL_RESERVED)
@@ -42,13 +42,15 @@ def build(config, input_shape, num_classes, bn_axis_name=None, stages=None) -> S
         **kwargs,
     )
     spec = config.stages if stages is None else stages
-    points = split_points(blocks, spec, config.get("partition", "params"), tuple(input_shape), config.model)
+    points = split_points(blocks, spec, config.get("partition", "params"), tuple(input_shape), config.model,
+                          str(input_dtype))
     bounds = tuple(zip((0, *points), (*points, len(blocks))))
-    return StagedNet(config.model, tuple(blocks), bounds, tuple(input_shape), num_classes)
+    return StagedNet(config.model, tuple(blocks), bounds, tuple(input_shape), num_classes, str(input_dtype))
 
 
 # Families register themselves on import.
 from cdpjax.models import resnet as _resnet  # noqa: E402,F401
 from cdpjax.models import vit as _vit  # noqa: E402,F401
+from cdpjax.models import gpt as _gpt  # noqa: E402,F401
 
 __all__ = ["REGISTRY", "StagedNet", "accuracy", "build", "cross_entropy", "register"]

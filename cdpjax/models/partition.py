@@ -37,10 +37,12 @@ from cdpjax.errors import ConfigError
 STRATEGIES = ("params", "flops", "blocks", "memory")
 
 
-def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name: str = "model") -> tuple[int, ...]:
+def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name: str = "model",
+                 input_dtype: str = "float32") -> tuple[int, ...]:
     """Block indices where stages 1..L-1 start.
 
-    `spec` is a number of stages (balanced by `strategy`) or explicit split points.
+    `spec` is a number of stages (balanced by `strategy`) or explicit split points;
+    `input_dtype` is what the first block reads (int32 token ids for a language model).
     """
     n = len(blocks)
     if isinstance(spec, (list, tuple)):
@@ -61,8 +63,8 @@ def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name:
     if strategy == "blocks" or stages in (1, n):  # nothing to balance
         return even_points(n, stages)
     if strategy == "memory":
-        return memory_points(blocks, input_shape, stages)
-    return balanced_points(block_costs(blocks, input_shape, strategy), stages)
+        return memory_points(blocks, input_shape, stages, input_dtype)
+    return balanced_points(block_costs(blocks, input_shape, strategy, input_dtype), stages)
 
 
 def _held_peaks(outputs: Sequence[float], stages: int) -> tuple[float, float]:
@@ -74,12 +76,12 @@ def _held_peaks(outputs: Sequence[float], stages: int) -> tuple[float, float]:
     return cdp.activation_stats(outputs)["total_peak_bytes"], dp.activation_stats(outputs)["total_peak_bytes"]
 
 
-def memory_points(blocks: Sequence, input_shape, stages: int) -> tuple[int, ...]:
+def memory_points(blocks: Sequence, input_shape, stages: int, input_dtype: str = "float32") -> tuple[int, ...]:
     """The cut of `blocks` into `stages` stages whose cyclic schedule holds the fewest activation
     bytes at its busiest tick (ties: the most even stage outputs); every cut is tried."""
     import itertools
 
-    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape)[1:]]
+    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape, input_dtype=input_dtype)[1:]]
     n = len(blocks)
     best = None
     for points in itertools.combinations(range(1, n), stages - 1):
@@ -90,10 +92,10 @@ def memory_points(blocks: Sequence, input_shape, stages: int) -> tuple[int, ...]
     return tuple(best[1])
 
 
-def memory_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+def memory_report(blocks: Sequence, points: Sequence[int], input_shape, input_dtype: str = "float32") -> dict:
     """Activation bytes (per example) a cut holds at the busiest tick over N = L workers, CDP's and
     DP's, their ratio (the unit model says 0.5 for every cut), and each stage's output bytes."""
-    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape)[1:]]
+    outputs = [float(np.prod(s)) * 4 for s in block_shapes(blocks, input_shape, input_dtype=input_dtype)[1:]]
     stage_out = [outputs[b - 1] for b in (*tuple(points), len(blocks))]
     cdp, dp = _held_peaks(stage_out, len(stage_out))
     return {"points": list(points), "stage_output_bytes": stage_out, "cdp_peak_bytes": cdp, "dp_peak_bytes": dp,
@@ -143,42 +145,42 @@ def balanced_points(costs: Sequence[float], stages: int) -> tuple[int, ...]:
 
 
 def _cached(fn):
-    """Memoise per (block, input shape); blocks are frozen dataclasses, so equal blocks share costs."""
+    """Memoise per (block, input shape, input dtype); blocks are frozen dataclasses, so equal blocks
+    share costs."""
     cached = functools.lru_cache(maxsize=None)(fn)
 
     @functools.wraps(fn)
-    def wrapper(block, shape):
+    def wrapper(block, shape, dtype="float32"):
         try:
-            return cached(block, shape)
+            return cached(block, shape, str(dtype))
         except TypeError:  # an unhashable block: compute without the cache
-            return fn(block, shape)
+            return fn(block, shape, dtype)
 
     return wrapper
 
 
-def _abstract_init(block, shape):
+def _abstract_init(block, shape, dtype="float32"):
     import jax
-    import jax.numpy as jnp
 
-    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    x = jax.ShapeDtypeStruct(shape, dtype)
     y, variables = jax.eval_shape(lambda v: block.init_with_output(jax.random.key(0), v, train=False), x)
     return x, y, variables
 
 
 @_cached
-def _params_and_output(block, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+def _params_and_output(block, shape: tuple[int, ...], dtype="float32") -> tuple[int, tuple[int, ...]]:
     import jax
 
-    _, y, variables = _abstract_init(block, shape)
+    _, y, variables = _abstract_init(block, shape, dtype)
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(variables.get("params", {})))
     return count, tuple(y.shape)
 
 
 @_cached
-def _flops(block, shape: tuple[int, ...]) -> float:
+def _flops(block, shape: tuple[int, ...], dtype="float32") -> float:
     import jax
 
-    x, _, variables = _abstract_init(block, shape)
+    x, _, variables = _abstract_init(block, shape, dtype)
     lowered = jax.jit(lambda v, a: block.apply(v, a, train=False)).lower(variables, x)
     # Cost analysis of the lowered module avoids a compile where the backend offers it.
     cost = _first(lowered.cost_analysis())
@@ -191,24 +193,30 @@ def _first(cost):
     return cost[0] if isinstance(cost, (list, tuple)) and cost else cost
 
 
-def block_shapes(blocks: Sequence, input_shape, batch_size: int = 1) -> list[tuple[int, ...]]:
+def _input_dtypes(blocks: Sequence, input_dtype: str) -> list[str]:
+    """What each block reads: the model's input dtype, then float32 activations."""
+    return [input_dtype] + ["float32"] * (len(blocks) - 1)
+
+
+def block_shapes(blocks: Sequence, input_shape, batch_size: int = 1, input_dtype: str = "float32"
+                 ) -> list[tuple[int, ...]]:
     """The input shape of every block, then the model's output shape (len(blocks) + 1 entries)."""
     shapes = [(batch_size, *tuple(input_shape))]
-    for block in blocks:
-        shapes.append(_params_and_output(block, shapes[-1])[1])
+    for block, dtype in zip(blocks, _input_dtypes(blocks, input_dtype)):
+        shapes.append(_params_and_output(block, shapes[-1], dtype)[1])
     return shapes
 
 
-def block_costs(blocks: Sequence, input_shape, metric: str) -> list[float]:
+def block_costs(blocks: Sequence, input_shape, metric: str, input_dtype: str = "float32") -> list[float]:
     """Per-block cost: `params` (parameter count), `flops` (forward FLOPs at batch 1) or `blocks` (1 each)."""
     if metric == "blocks":
         return [1.0] * len(blocks)
     if metric not in STRATEGIES:
         raise ConfigError(f"partition={metric!r} is not one of {', '.join(STRATEGIES)}")
-    shapes = block_shapes(blocks, input_shape)
+    shapes, dtypes = block_shapes(blocks, input_shape, input_dtype=input_dtype), _input_dtypes(blocks, input_dtype)
     if metric == "params":
-        return [float(_params_and_output(b, s)[0]) for b, s in zip(blocks, shapes)]
-    return [_flops(b, s) for b, s in zip(blocks, shapes)]
+        return [float(_params_and_output(b, s, d)[0]) for b, s, d in zip(blocks, shapes, dtypes)]
+    return [_flops(b, s, d) for b, s, d in zip(blocks, shapes, dtypes)]
 
 
 def _imbalance(costs: Sequence[float]) -> float:
@@ -216,14 +224,14 @@ def _imbalance(costs: Sequence[float]) -> float:
     return float(np.max(costs)) / mean if mean > 0 else 1.0
 
 
-def balance_report(blocks: Sequence, points: Sequence[int], input_shape) -> dict:
+def balance_report(blocks: Sequence, points: Sequence[int], input_shape, input_dtype: str = "float32") -> dict:
     """Per-stage parameter counts and forward FLOPs (batch 1) of a partition, and the
     imbalance of each: the largest stage over the mean stage (1.0 is perfect)."""
     points = tuple(points)
     bounds = list(zip((0, *points), (*points, len(blocks))))
     report = {"bounds": bounds}
     for metric in ("params", "flops"):
-        costs = block_costs(blocks, input_shape, metric)
+        costs = block_costs(blocks, input_shape, metric, input_dtype)
         per_stage = [float(sum(costs[a:b])) for a, b in bounds]
         report[metric] = [int(c) for c in per_stage] if metric == "params" else per_stage
         report[f"{metric}_imbalance"] = _imbalance(per_stage)

@@ -46,8 +46,10 @@ class StagedNet:
       name: the model's registry name.
       blocks: every block of the model, in order.
       bounds: for each stage, the half-open range of block indices it holds.
-      input_shape: one example's shape (H, W, C).
+      input_shape: one example's shape ((H, W, C) images, (T,) token ids).
       num_classes: logits of the last block.
+      input_dtype: the dtype the first stage receives ('float32' images, 'int32' token ids): `init`
+        and `stage_output_shapes` trace the stages with inputs of this dtype.
     """
 
     name: str
@@ -55,6 +57,7 @@ class StagedNet:
     bounds: tuple[tuple[int, int], ...]
     input_shape: tuple[int, ...]
     num_classes: int
+    input_dtype: str = "float32"
 
     @property
     def num_stages(self) -> int:
@@ -66,7 +69,7 @@ class StagedNet:
 
     def init(self, rng, batch_size: int = 2) -> tuple[list[Params], list[State]]:
         """Per-stage parameters and state, each stage initialised from its own key."""
-        x = jnp.zeros((batch_size, *self.input_shape), jnp.float32)
+        x = jnp.zeros((batch_size, *self.input_shape), self.input_dtype)
         params, state = [], []
         for j, stage in enumerate(self.stages):
             variables = stage.init(jax.random.fold_in(rng, j), x, train=False)
@@ -96,7 +99,7 @@ class StagedNet:
     def stage_output_shapes(self, batch_size: int = 1) -> list[tuple[int, ...]]:
         """Shape of each stage's output (abstract evaluation, nothing computed)."""
         params, state = jax.eval_shape(lambda: self.init(jax.random.key(0), batch_size))
-        shapes, x = [], jax.ShapeDtypeStruct((batch_size, *self.input_shape), jnp.float32)
+        shapes, x = [], jax.ShapeDtypeStruct((batch_size, *self.input_shape), self.input_dtype)
         for j in range(self.num_stages):
             x = jax.eval_shape(lambda p, s, v, j=j: self.apply_stage(j, p, s, v, False)[0], params[j], state[j], x)
             shapes.append(tuple(x.shape))

@@ -46,18 +46,21 @@ class PatchEmbedding(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x)); with `causal`, token t
+    attends to tokens 0..t only (a decoder block: `cdpjax.models.gpt`)."""
 
     heads: int
     mlp_dim: int
     dtype: Any = None
+    causal: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         d = x.shape[-1]
         y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32)) if self.causal else None  # [B, 1, T, T]
         y = nn.MultiHeadDotProductAttention(num_heads=self.heads, kernel_init=dense_init, dtype=self.dtype)(
-            y, y, deterministic=True)
+            y, y, mask=mask, deterministic=True)
         x = x + y
         y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
         y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=dense_init, dtype=self.dtype)(y))

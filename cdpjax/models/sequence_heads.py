@@ -1,0 +1,91 @@
+"""Auxiliary heads for local learning on a language model: per-token logits from a module's tokens.
+
+In local learning (`local`, `ppll`) each local module but the last trains on the loss of
+its own small head. On a language model a module's output is a token sequence
+`[B, T, D]` and its local loss is the task's own (`cdpjax.tasks`: the per-token
+cross-entropy of the next token, averaged over the tokens, then over the examples):
+
+    logits, _ = head.apply(variables, features)      # [B, T, vocab], float32
+    local_loss = task.loss(logits, labels)           # labels [B, T]: the next tokens
+
+The last module needs no head: its outputs are the network's logits. Heads return
+`(logits, None)`, as the image heads of `cdpjax.models.aux_heads` do (the second entry
+is their reconstruction, which sequences have none of).
+
+- `TokenLinearHead`: one linear layer applied to every token (the "greedy" head of a
+  sequence: no pooling, one prediction per position).
+- `TokenBlocksHead`: PPLL's ViT head made for sequences: `depth` fresh decoder
+  blocks of the network's own shape, then LayerNorm and a per-token linear layer.
+  The blocks are causal, as the network's are: position t of a module's output holds
+  tokens 0..t only, and a head that attended to t+1 would read the very token it is
+  asked to predict (its input is the label at t), so its local loss would fall
+  without the module learning anything. `ppll_depth(j)` gives PPLL's depths by
+  module (2, 2, 2, 1, 1, 1, then 0: deeper modules get shallower heads).
+
+Heads compute in float32 (as every auxiliary head here) and keep no state.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from cdpjax.errors import ConfigError
+from cdpjax.models.aux_heads import PPLL_VIT_BLOCKS
+from cdpjax.models.gpt import decoder_block
+from cdpjax.models.vit import EncoderBlock
+
+
+def _tokens(features):
+    if features.ndim != 3:
+        raise ConfigError(f"a sequence head reads token features [B, T, D]; a local module gives "
+                          f"{list(features.shape)}")
+    return features
+
+
+class TokenLinearHead(nn.Module):
+    """Per-token logits [B, T, vocab] from features [B, T, D] by one linear layer."""
+
+    vocab: int
+
+    @nn.compact
+    def __call__(self, features, train: bool = False):
+        return nn.Dense(self.vocab)(_tokens(features)).astype(jnp.float32), None
+
+
+class TokenBlocksHead(nn.Module):
+    """`depth` fresh causal decoder blocks, LayerNorm, per-token linear logits [B, T, vocab]."""
+
+    vocab: int
+    depth: int
+    heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, features, train: bool = False):
+        y = _tokens(features)
+        for _ in range(self.depth):
+            y = decoder_block(self.heads, self.mlp_dim)(y)
+        y = nn.LayerNorm(epsilon=1e-6)(y)
+        return nn.Dense(self.vocab)(y).astype(jnp.float32), None
+
+
+def ppll_depth(j: int, blocks=PPLL_VIT_BLOCKS) -> int:
+    """Fresh blocks in the head of local module j: PPLL's (2, 2, 2, 1, 1, 1), then 0."""
+    return int(blocks[j]) if j < len(blocks) else 0
+
+
+def decoder_shape(net, width: int) -> tuple[int, int]:
+    """Attention heads and MLP width of the network's own decoder blocks (else 64-wide heads, MLP 4x)."""
+    for block in net.blocks:
+        if isinstance(block, EncoderBlock) and block.causal:
+            return block.heads, block.mlp_dim
+    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width
+
+
+def token_blocks_head(net, j: int, width: int, vocab: int, depth: int | None = None) -> TokenBlocksHead:
+    """The head of local module j of `net` (a StagedNet of `gpt`), whose output tokens are `width` wide."""
+    heads, mlp_dim = decoder_shape(net, width)
+    return TokenBlocksHead(vocab, ppll_depth(j) if depth is None else int(depth), heads, mlp_dim)
+
+
+__all__ = ["TokenBlocksHead", "TokenLinearHead", "decoder_shape", "ppll_depth", "token_blocks_head"]

@@ -1,0 +1,89 @@
+"""Sequence auxiliary heads: shapes, causality, PPLL's depths, and a local module of a GPT trained on
+its head's per-token loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cdpjax import data, tasks
+from cdpjax.config import default_config
+from cdpjax.errors import ConfigError
+from cdpjax.models import build
+from cdpjax.models.sequence_heads import TokenBlocksHead, TokenLinearHead, ppll_depth, token_blocks_head
+
+B, T, D, V = 2, 7, 16, 11
+
+
+def features(seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(B, T, D)), jnp.float32)
+
+
+@pytest.mark.parametrize("head", [TokenLinearHead(V), TokenBlocksHead(V, depth=2, heads=2, mlp_dim=32),
+                                  TokenBlocksHead(V, depth=0, heads=2, mlp_dim=32)])
+def test_per_token_logits_of_every_position(head):
+    variables = head.init(jax.random.key(0), features())
+    logits, extra = head.apply(variables, features())
+    assert logits.shape == (B, T, V) and logits.dtype == jnp.float32 and extra is None
+    params = variables["params"]
+    assert params[sorted(k for k in params if k.startswith("Dense"))[-1]]["kernel"].shape == (D, V)
+    blocks = [k for k in params if k.startswith("EncoderBlock")]  # causal ones (vit.EncoderBlock)
+    assert len(blocks) == getattr(head, "depth", 0)
+
+
+@pytest.mark.parametrize("head", [TokenLinearHead(V), TokenBlocksHead(V, depth=1, heads=2, mlp_dim=32)])
+def test_a_later_position_changes_no_earlier_logit(head):
+    """Position t's logits must not read positions after t (its features there hold the token
+    it predicts)."""
+    x = features()
+    variables = head.init(jax.random.key(0), x)
+    a, _ = head.apply(variables, x)
+    b, _ = head.apply(variables, x.at[:, 4].set(features(1)[:, 4]))  # not a shift: LayerNorm removes those
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    assert np.abs(np.asarray(a[:, 4] - b[:, 4])).max() > 1e-4
+
+
+def test_ppll_depths_and_the_networks_own_block_shape():
+    assert [ppll_depth(j) for j in range(8)] == [2, 2, 2, 1, 1, 1, 0, 0]
+    c = default_config()
+    c.model, c.stages, c.model_kwargs = "gpt", 2, {"width": D, "depth": 2, "heads": 4, "mlp_dim": 24}
+    net = build(c, (T,), V, input_dtype="int32")
+    head = token_blocks_head(net, 0, D, V)
+    assert (head.depth, head.heads, head.mlp_dim, head.vocab) == (2, 4, 24, V)
+    with pytest.raises(ConfigError, match=r"token features \[B, T, D\]"):
+        TokenLinearHead(V).init(jax.random.key(0), jnp.zeros((B, D)))
+
+
+def test_first_local_module_of_a_gpt_learns_from_its_head():
+    """Module 0 of a two-module GPT and its head, trained on the head's per-token loss (the
+    task's loss on the head's outputs) and nothing else: the loss falls well below its start,
+    about log(vocabulary) for untrained weights."""
+    ds = data.REGISTRY["coriolanus"](window=T)
+    c = default_config()
+    c.model, c.stages, c.model_kwargs = "gpt", 2, {"width": D, "depth": 2, "heads": 2}
+    net = build(c, (T,), ds.num_classes, input_dtype="int32")
+    params, state = net.init(jax.random.key(0))
+    width = net.stage_output_shapes(1)[0][-1]
+    head = token_blocks_head(net, 0, width, ds.num_classes, depth=1)
+    head_params = head.init(jax.random.key(1), jnp.zeros((1, T, width)))["params"]
+    task, tx = tasks.LANGUAGE_MODELLING, optax.adam(3e-3)
+
+    def local_loss(trained, ids, labels):
+        module_params, own_head = trained
+        tokens, _ = net.apply_stage(0, module_params, state[0], ids, True)
+        return task.loss(head.apply({"params": own_head}, tokens)[0], labels)
+
+    @jax.jit
+    def step(trained, opt_state, ids, labels):
+        loss, grads = jax.value_and_grad(local_loss)(trained, ids, labels)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(trained, updates), opt_state, loss
+
+    trained = (params[0], head_params)
+    opt_state, losses = tx.init(trained), []
+    for k in range(40):
+        batch = ds.train_batch(k, 32, 0)
+        trained, opt_state, loss = step(trained, opt_state, batch["image"], batch["label"])
+        losses.append(float(loss))
+    assert losses[0] > 0.9 * np.log(ds.num_classes)
+    assert np.mean(losses[-5:]) < 0.85 * losses[0]
