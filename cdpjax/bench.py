@@ -253,17 +253,19 @@ def micro_batch(method, config, mesh) -> int:
     return max(B // max(per_step, 1), 1)
 
 
-def program_sizes(method, micro: int) -> dict[str, list[float]]:
+def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     """Per-stage bytes that price a program's `Size`s: parameters, model state, the heads', one
     micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images."""
+    from cdpjax import tasks
     from cdpjax.methods.stage_ops import StageOps
 
+    task = task or tasks.CLASSIFICATION
     net = method.net
     params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     L = net.num_stages
-    image = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.float32)
+    image = jax.ShapeDtypeStruct((micro, *net.input_shape), net.input_dtype)
     inputs = [image] + [jax.ShapeDtypeStruct(s, jnp.float32) for s in net.stage_output_shapes(micro)[:-1]]
-    labels = jax.ShapeDtypeStruct((micro,), jnp.int32)
+    labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.int32)
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
            "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L}
@@ -272,7 +274,7 @@ def program_sizes(method, micro: int) -> dict[str, list[float]]:
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
     if method.program is not None and method.program.residuals == "carry":
-        shapes = StageOps(net).residual_shapes(params, state, inputs, labels,
+        shapes = StageOps(net, task=task).residual_shapes(params, state, inputs, labels,
                                                lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
         out["residual"] = [tree_bytes(r) for r in shapes]
     return {k: [float(x) for x in v] for k, v in out.items()}
@@ -304,8 +306,10 @@ def _prepare(config, devices=None) -> dict:
     # A step that is a Python wrapper around jitted pieces (not a jit itself) is jitted whole here.
     step = method.train_step if hasattr(method.train_step, "lower") else jax.jit(method.train_step)
     compiled = step.lower(state, batch).compile()
+    from cdpjax import tasks
+
     return {"config": config, "mesh": mesh, "method": method, "compiled": compiled, "state": state,
-            "batch": batch, "compile_seconds": time.perf_counter() - t0}
+            "batch": batch, "compile_seconds": time.perf_counter() - t0, "task": tasks.resolve(config, dataset)}
 
 
 def _record(run: dict, step_seconds: float) -> dict[str, Any]:
@@ -319,7 +323,7 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         table = table_for(config, int(mesh.devices.size), method.net.num_stages)
     micro = micro_batch(method, config, mesh)
     sizes = stage_sizes(method.net, micro)
-    priced = program_sizes(method, micro)
+    priced = program_sizes(method, micro, run["task"])
     devices = int(mesh.devices.size)
     hlo = compiled.as_text()
     sent = traffic(hlo, devices)
@@ -355,7 +359,7 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         record.update(_program_sends(method.program, priced))
     from cdpjax import cost, optim
 
-    record["cost"] = cost.step_cost(method, compiled, micro, optim.make(config), devices)
+    record["cost"] = cost.step_cost(method, compiled, micro, optim.make(config), devices, run["task"])
     record["memory_model"] = memory_model(method, config, table, sizes, devices, priced)
     return record
 

@@ -33,19 +33,22 @@ def _priced(fn, *args) -> dict[str, float]:
     return xla_cost(jax.jit(fn).lower(*args).compile())
 
 
-def piece_costs(method, micro: int, tx) -> dict[tuple[str, int], dict[str, float]]:
+def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict[str, float]]:
     """(kind, stage) -> XLA's cost of one op of that kind on one micro-batch of `micro` examples,
     as the program's runtime computes it (recomputed or from kept residuals), and ('update', j)
     of stage j's optimizer update."""
     from cdpjax.methods.local import stage_grads
     from cdpjax.methods.stage_ops import StageOps
 
+    from cdpjax import tasks
+
     program, net = method.program, method.net
-    ops = StageOps(net, 1.0)
+    task = task or tasks.CLASSIFICATION
+    ops = StageOps(net, 1.0, task=task)
     carry = program.residuals == "carry"
     params, state = net.init(jax.random.key(0))
-    x = image = jnp.zeros((micro, *net.input_shape), jnp.float32)
-    labels = jnp.zeros((micro,), jnp.int32)
+    x = image = jnp.zeros((micro, *net.input_shape), net.input_dtype)
+    labels = jnp.zeros((micro, *task.label_shape(tuple(net.input_shape))), jnp.int32)
     if "FB" in program.kinds:
         heads = method.heads
         head_params, head_state = heads.init(jax.random.key(1))
@@ -117,9 +120,9 @@ def program_ops(program) -> list[list[tuple[str, int]]]:
     return per
 
 
-def program_cost(method, micro: int, tx) -> dict[str, Any]:
+def program_cost(method, micro: int, tx, task=None) -> dict[str, Any]:
     """The cost per device of one call (one step) of `method`'s program, counted from its ops."""
-    costs = piece_costs(method, micro, tx)
+    costs = piece_costs(method, micro, tx, task)
     per = program_ops(method.program)
     flops = np.array([sum(costs[key]["flops"] for key in ops) for ops in per])
     accessed = np.array([sum(costs[key]["bytes_accessed"] for key in ops) for ops in per])
@@ -130,11 +133,11 @@ def program_cost(method, micro: int, tx) -> dict[str, Any]:
                        "(XLA counts a loop body once and a conditional as its costliest branch)"}
 
 
-def step_cost(method, compiled, micro: int, tx, devices: int) -> dict[str, Any]:
+def step_cost(method, compiled, micro: int, tx, devices: int, task=None) -> dict[str, Any]:
     """`cost` of a bench record: from the program where the method has one, else XLA's own (per
     device: an SPMD program's cost analysis is of the per-device module)."""
     if method.program is not None:
-        return program_cost(method, micro, tx)
+        return program_cost(method, micro, tx, task)
     out = xla_cost(compiled)
     return {**out, "flops_max_device": out["flops"], "bytes_accessed_max_device": out["bytes_accessed"],
             "flops_total": out["flops"] * max(int(method.devices or devices), 1),

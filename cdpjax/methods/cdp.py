@@ -64,11 +64,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import models, optim
+from cdpjax import optim
 from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import TICKS, V2_RULES, cdp_table
 from cdpjax.methods import ring
-from cdpjax.methods.common import Context, Method, tree_select
+from cdpjax.methods.common import Context, Method, step_metrics, tree_select
 from cdpjax.timetable import TimeTable
 
 AXIS = "data"
@@ -143,13 +143,16 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     replicated = NamedSharding(mesh, P())
     stale = jax.device_put(np.asarray(table.stale), NamedSharding(mesh, P(AXIS)))
 
+    task = ctx.task
+
     def worker_loss(current, previous, stale_row, model_state, images, labels):
         params = [tree_select(stale_row[j], previous[j], current[j]) for j in range(L)]
-        logits, new_state = net.apply(params, model_state, images, True)
-        return models.cross_entropy(logits, labels), (new_state, models.accuracy(logits, labels))
+        outputs, new_state = net.apply(params, model_state, images, True)
+        return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
 
     def by_worker(images, labels):
-        return images.reshape(per_device, -1, *images.shape[1:]), labels.reshape(per_device, -1)
+        return (images.reshape(per_device, -1, *images.shape[1:]),
+                labels.reshape(per_device, -1, *labels.shape[1:]))
 
     def local_losses(state, stale_rows, images, labels):
         images, labels = by_worker(images, labels)
@@ -163,13 +166,13 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
             # dividing by N makes that sum the mean over workers.
             return losses.sum() / workers, (losses, aux)
 
-        (_, (losses, (model_state, acc))), (g_cur, g_prev) = jax.value_and_grad(
+        (_, (losses, (model_state, sums))), (g_cur, g_prev) = jax.value_and_grad(
             total, argnums=(0, 1), has_aux=True)(state["params"], state["previous"])
         grads = jax.tree.map(jnp.add, g_cur, g_prev)
         params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
         model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
         new = {"params": params, "previous": state["params"], "model_state": model_state, "opt_state": opt_state}
-        metrics = {"loss": lax.psum(losses.sum(), AXIS) / workers, "accuracy": lax.psum(acc.sum(), AXIS) / workers}
+        metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
         return new, metrics
 
     sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),

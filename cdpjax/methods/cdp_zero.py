@@ -225,7 +225,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
     carry = residuals == "carry"
-    stages = ring.make_stages(net, N, micro, mesh, residuals)
+    stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     layout = FlatLayout.from_trees(shapes)
     period = ZeroPeriod(stages, program, tx, carry, layout)
@@ -237,11 +237,11 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
 
     def local_step(state, images, labels, feeding):
         s, sums = period(squeeze(state), images, labels, feeding)
-        return jax.tree.map(lambda a: a[None], s), ring._metrics(sums)
+        return jax.tree.map(lambda a: a[None], s), ring.reported(stages, sums)
 
     def local_run(state, images, labels, feeding):
         s, sums = lax.scan(lambda s, xs: period(s, *xs), squeeze(state), (images, labels, feeding))
-        return jax.tree.map(lambda a: a[None], s), jax.vmap(ring._metrics)(sums)
+        return jax.tree.map(lambda a: a[None], s), jax.vmap(lambda x: ring.reported(stages, x))(sums)
 
     one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
                                out_specs=(P(AXIS), P()), check_vma=True)
@@ -273,8 +273,8 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         return run(state, batches["image"], batches["label"], jnp.ones((batches["label"].shape[0],), bool))
 
     def flush(state):
-        images = jnp.zeros((batch, *net.input_shape), jnp.float32, device=per_worker)
-        labels = jnp.zeros((batch,), jnp.int32, device=per_worker)
+        images = jnp.zeros((batch, *net.input_shape), stages.input_dtype, device=per_worker)
+        labels = jnp.zeros((batch, *stages.label_shape), jnp.int32, device=per_worker)
         for _ in range(z.max_lag):
             state = step(state, images, labels, False)[0]
         return state

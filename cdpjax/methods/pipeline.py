@@ -67,7 +67,7 @@ from cdpjax import optim
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
-from cdpjax.methods.stage_ops import METRICS, StageOps
+from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
 from cdpjax.program.stage_axis import CODE, lower_stage_axis
 from cdpjax.timetable import TimeTable
@@ -256,8 +256,8 @@ def local_piece(rt: "_Runtime", u: int):
         out["ms"] = lay.model_state.pack_one(u, new_states)
         out["hs"] = lay.head_state.pack_one(u, new_head_states)
         out["stage_loss"] = stage_loss
-        if last:
-            out["metrics"] = jnp.stack([loss, acc, jnp.ones((), jnp.float32)])
+        if last:  # x: the network's outputs
+            out["metrics"] = rt.ops.metrics(x, ops["label"])
         else:
             out["act"] = lay.acts.pack_one(u + 1, x)
         return out
@@ -281,7 +281,8 @@ class _Runtime:
         self.data = "data" in self.mesh.axis_names
         self.axes = ("stage", "data") if self.data else ("stage",)
         self.carry = rules.residuals == "carry"
-        self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes))
+        self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes), ctx.task)
+        self.label_shape = tuple(ctx.task.label_shape(tuple(net.input_shape)))
         place = program.placement
         self.units, self.U, self.V, self.D = place.units, len(place.units), place.chunks, place.devices
         # unit at (device, chunk), -1 where a device holds fewer units
@@ -289,7 +290,7 @@ class _Runtime:
         for u in range(self.U):
             self.unit_at[place.device[u], place.chunk[u]] = u
         self.chunk_of = np.asarray(place.chunk, np.int32)
-        self.input_spec = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.float32)
+        self.input_spec = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.dtype(net.input_dtype))
         self.layouts = self._layouts()
         self.lag = program.lag
 
@@ -317,7 +318,7 @@ class _Runtime:
     def residual_sizes(self) -> list[int]:
         """Per unit, the elements of one micro-batch's kept residuals."""
         params, state = jax.eval_shape(lambda: self.net.init(jax.random.key(0)))
-        labels = jax.ShapeDtypeStruct((self.micro,), jnp.int32)
+        labels = jax.ShapeDtypeStruct((self.micro, *self.label_shape), jnp.int32)
 
         def trace_inside(probe):
             def fn():
@@ -351,7 +352,7 @@ class _Runtime:
         out = {"act": jnp.zeros((mb, lay.acts.width), jnp.float32), "cot": jnp.zeros((mb, lay.acts.width), jnp.float32),
                "residual": jnp.zeros((lay.residual_width,), jnp.float32),
                "grad": {"body": jnp.zeros((lay.params.width,), jnp.float32)},
-               "metrics": jnp.zeros((len(METRICS),), jnp.float32), "stage_loss": jnp.zeros((L,), jnp.float32),
+               "metrics": self.ops.no_metrics(), "stage_loss": jnp.zeros((L,), jnp.float32),
                "stage_valid": jnp.zeros((L,), jnp.float32), "ms": ops["ms"], "hs": ops["hs"]}
         if lay.head is not None:
             out["grad"]["head"] = jnp.zeros((lay.head.width,), jnp.float32)
@@ -523,7 +524,7 @@ class _Runtime:
         if self.lag:
             state["fed"] = jnp.zeros((self.lag,), bool)
             # the labels of the last `lag` batches: an op of an earlier step reads them here
-            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size), jnp.int32)
+            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.label_shape), jnp.int32)
             state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype) for k, a in self.buffer_shapes().items()}
         if prog.grads_in_flight:
             state["grads"] = {name: jnp.zeros((self.D, self.groups, *r.shape[1:]), jnp.float32)
@@ -574,15 +575,15 @@ class _Runtime:
             c["buffers"] = varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.buffer_shapes()),
                                    self.axes)
             c["fed"] = jnp.zeros((0,), bool)
-            c["labels"] = jnp.zeros((0, M, mb), jnp.int32)
+            c["labels"] = jnp.zeros((0, M, mb, *self.label_shape), jnp.int32)
         if not self.program.grads_in_flight:  # every gradient of the period is applied within it
             c["grads"] = varying({n: jnp.zeros_like(r) for n, r in s["rows"].items()}, self.axes)
         L = self.net.num_stages
-        c["metrics"] = varying(jnp.zeros((len(METRICS),), jnp.float32), self.axes)
+        c["metrics"] = varying(self.ops.no_metrics(), self.axes)
         c["stage_loss"] = varying(jnp.zeros((L,), jnp.float32), self.axes)
         c["stage_valid"] = varying(jnp.zeros((L,), jnp.float32), self.axes)
         batch_images = images_p.reshape(M, mb, *images_p.shape[1:])
-        labels_now = jnp.concatenate([labels_p.reshape(M, mb)[None], c["labels"]])
+        labels_now = jnp.concatenate([labels_p.reshape(M, mb, *self.label_shape)[None], c["labels"]])
         xs = jax.tree.map(jnp.asarray, self.ticks.arrays())
         c, _ = lax.scan(lambda c, x: self._tick(c, x, fed_now, batch_images, labels_now, branches, apply_updates),
                         c, xs)
@@ -592,13 +593,11 @@ class _Runtime:
         if self.lag:
             c["fed"] = jnp.concatenate([fed_now[None], c["fed"][:-1]])
             c["labels"] = labels_now[:-1]
-        loss, correct, counted = lax.psum(metrics, self.axes)
-        counted = jnp.maximum(counted, 1.0)
+        sums = lax.psum(metrics, self.axes)
         stage_loss, stage_valid = lax.psum((stage_loss, stage_valid), "stage")
         if self.data:
             stage_loss, stage_valid = lax.pmean((stage_loss, stage_valid), "data")
-        out = {"loss": loss / counted, "accuracy": correct / counted, "stage_loss": stage_loss,
-               "stage_valid": stage_valid > 0}
+        out = {**self.ops.finish(sums), "stage_loss": stage_loss, "stage_valid": stage_valid > 0}
         if not apply_updates:
             out["grads"] = lax.pmean(c["grads"], "data") if self.data else c["grads"]
         if not self.lag:
@@ -615,7 +614,7 @@ class _Runtime:
         s = jax.tree.map(lambda a: a[0], s)
         if self.lag:
             s["buffers"] = {k: a[0][:, 0] if k == "residual" else a[0] for k, a in state["buffers"].items()}
-            s["fed"], s["labels"] = state["fed"], state["labels"].reshape(self.lag, M, mb)
+            s["fed"], s["labels"] = state["fed"], state["labels"].reshape(self.lag, M, mb, *self.label_shape)
         if self.program.grads_in_flight:
             s["grads"] = jax.tree.map(lambda a: a[0, 0], state["grads"])
         s, metrics = lax.scan(lambda s, step: self._period(s, step, branches, apply_updates), s,
@@ -625,7 +624,7 @@ class _Runtime:
                if k not in ("buffers", "grads", "fed", "labels")}
         if self.lag:
             new["buffers"] = {k: a[None][:, :, None] if k == "residual" else a[None] for k, a in s["buffers"].items()}
-            new["fed"], new["labels"] = s["fed"], s["labels"].reshape(self.lag, M * mb)
+            new["fed"], new["labels"] = s["fed"], s["labels"].reshape(self.lag, M * mb, *self.label_shape)
         if self.program.grads_in_flight:
             new["grads"] = jax.tree.map(lambda a: a[None, None], s["grads"])
         if grads is not None:
@@ -636,7 +635,7 @@ class _Runtime:
         """S periods in one program: images [S, B, ...], labels [S, B], feeding [S] bool."""
         specs = self.specs(state)
         batch = P(None, "data") if self.data else P()
-        metric_specs = {"loss": P(), "accuracy": P(), "stage_loss": P(), "stage_valid": P()}
+        metric_specs = {name: P() for name in (*self.ctx.task.metric_names, "metric_sums", "stage_loss", "stage_valid")}
         if not apply_updates:
             metric_specs["grads"] = jax.tree.map(lambda _: P("stage"), state["rows"])
         sharded = jax.shard_map(lambda s, x, y, f: self.local_run(s, x, y, f, apply_updates), mesh=self.mesh,
@@ -654,10 +653,8 @@ class _Runtime:
         B = cfg.global_batch_size
 
         def summary(metrics):
-            out = {"loss": metrics["loss"], "accuracy": metrics["accuracy"]}
-            if self.rules.local:
-                out.update(stage_loss=metrics["stage_loss"], stage_valid=metrics["stage_valid"])
-            return out
+            drop = ("grads",) if self.rules.local else ("grads", "stage_loss", "stage_valid")
+            return {k: v for k, v in metrics.items() if k not in drop}
 
         @functools.partial(jax.jit, donate_argnums=0)
         def train_step(state, batch):
@@ -674,8 +671,8 @@ class _Runtime:
         flush = None
         if self.lag:
             def flush(state):
-                images = np.zeros((self.lag, B, *self.net.input_shape), np.float32)
-                labels = np.zeros((self.lag, B), np.int32)
+                images = np.zeros((self.lag, B, *self.net.input_shape), self.input_spec.dtype)
+                labels = np.zeros((self.lag, B, *self.label_shape), np.int32)
                 return run(state, images, labels, np.zeros((self.lag,), bool))[0]
 
         def export(state):

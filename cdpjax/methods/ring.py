@@ -87,16 +87,19 @@ class Stages:
     inputs: tuple
     outputs: tuple
     residuals: tuple | None = None
+    input_dtype: Any = jnp.float32
+    label_shape: tuple = ()
 
     @property
     def L(self) -> int:
         return self.ops.net.num_stages
 
 
-def make_stages(net, workers: int, micro: int, mesh, residuals: str) -> Stages:
+def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> Stages:
     outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
     inputs = ((micro, *net.input_shape), *outputs[:-1])
-    stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS)), micro, inputs, outputs)
+    stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS), task), micro, inputs, outputs,
+                    input_dtype=jnp.dtype(net.input_dtype), label_shape=tuple(task.label_shape(tuple(net.input_shape))))
     if residuals == "recompute":
         return stages
     params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
@@ -107,9 +110,9 @@ def make_stages(net, workers: int, micro: int, mesh, residuals: str) -> Stages:
             return varying(jnp.zeros((1,)), AXIS)
         jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=(), out_specs=P(AXIS), check_vma=True))
 
-    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in inputs]
-    found = stages.ops.residual_shapes(params, state, shapes, jax.ShapeDtypeStruct((micro,), jnp.int32),
-                                       trace_inside)
+    shapes = [jax.ShapeDtypeStruct(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(inputs)]
+    labels = jax.ShapeDtypeStruct((micro, *stages.label_shape), jnp.int32)
+    found = stages.ops.residual_shapes(params, state, shapes, labels, trace_inside)
     return dataclasses.replace(stages, residuals=found)
 
 
@@ -446,8 +449,10 @@ def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
     """A worker's per-stage buffers in natural shapes: model state, each stage's input, each
     stage's output cotangent, the labels of its micro-batch, and (carry) kept residuals."""
     zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
-    out = {"model_state": model_state, "acts": [zeros(s) for s in stages.inputs],
-           "cots": [zeros(s) for s in stages.outputs[:-1]], "labels": zeros((stages.micro,), jnp.int32)}
+    out = {"model_state": model_state,
+           "acts": [zeros(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(stages.inputs)],
+           "cots": [zeros(s) for s in stages.outputs[:-1]],
+           "labels": zeros((stages.micro, *stages.label_shape), jnp.int32)}
     if carry:
         out["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
     return out
@@ -470,7 +475,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
     carry = residuals == "carry"
-    stages = make_stages(net, N, micro, mesh, residuals)
+    stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
     period = Period(stages, program, tx, carry)
     per_worker = NamedSharding(mesh, P(AXIS))
 
@@ -479,14 +484,14 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
 
     def local_step(state, images, labels, feeding):
         s, sums = period(squeeze(state), images, labels, feeding)
-        return jax.tree.map(lambda a: a[None], s), _metrics(sums)
+        return jax.tree.map(lambda a: a[None], s), reported(stages, sums)
 
     def local_run(state, images, labels, feeding):
         def one(s, xs):
             return period(s, *xs)
 
         s, sums = lax.scan(one, squeeze(state), (images, labels, feeding))
-        return jax.tree.map(lambda a: a[None], s), jax.vmap(_metrics)(sums)
+        return jax.tree.map(lambda a: a[None], s), jax.vmap(lambda x: reported(stages, x))(sums)
 
     one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
                                out_specs=(P(AXIS), P()), check_vma=True)
@@ -509,8 +514,8 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
         return run(state, batches["image"], batches["label"], feeding)
 
     def flush(state):
-        images = jnp.zeros((batch, *net.input_shape), jnp.float32, device=per_worker)
-        labels = jnp.zeros((batch,), jnp.int32, device=per_worker)
+        images = jnp.zeros((batch, *net.input_shape), stages.input_dtype, device=per_worker)
+        labels = jnp.zeros((batch, *stages.label_shape), jnp.int32, device=per_worker)
         for _ in range(ticks.max_lag):
             state = step(state, images, labels, False)[0]
         return state
@@ -529,7 +534,6 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
                   report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole")})
 
 
-def _metrics(sums):
-    loss, correct, counted = lax.psum(sums, AXIS)  # three scalars: the only all-reduce
-    counted = jnp.maximum(counted, 1.0)
-    return {"loss": loss / counted, "accuracy": correct / counted}
+def reported(stages: Stages, sums) -> dict:
+    """The step's metrics from each worker's metric sums (a few scalars: the only all-reduce)."""
+    return stages.ops.finish(lax.psum(sums, AXIS))

@@ -5,9 +5,11 @@ The SPMD engines (`cdpjax.methods.pipeline`: stages behind padded carrier rows;
 parameters, inputs and gradients are kept; what one op computes is this module's:
 
 - `run`: the stage's forward on one micro-batch; the last stage returns its share
-  of the step's mean loss (the loss times `loss_scale`, so that the engine's sum of
-  gradients over micro-batches or workers is the gradient of the mean) and the
-  metrics of the micro-batch (`METRICS`).
+  of the step's mean loss (the task's loss times `loss_scale`, so that the engine's
+  sum of gradients over micro-batches or workers is the gradient of the mean) and
+  the task's metric sums of the micro-batch (`cdpjax.tasks`: they add over
+  micro-batches and devices, and `task.finish` turns their total into the step's
+  loss, accuracy, perplexity...).
 - `vjp`: `jax.vjp` of `run` with respect to the parameters and the input (the
   first stage's input, the batch, gets no cotangent).
 - `backward`: the parameter gradient and the input cotangent of one micro-batch,
@@ -28,41 +30,43 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from cdpjax import models
-
-METRICS = ("loss", "correct", "counted")  # per micro-batch: its mean loss, mean accuracy, 1
+from cdpjax import tasks
 
 
 @dataclasses.dataclass(frozen=True)
 class StageOps:
-    """The ops of `net`'s stages; the last stage's loss is scaled by `loss_scale`. `vary` makes a
-    constant device-varying the way the engine's values are inside its `shard_map` (the loss's
-    starting cotangent must be)."""
+    """The ops of `net`'s stages for `task`; the last stage's loss is scaled by `loss_scale`. `vary`
+    makes a constant device-varying the way the engine's values are inside its `shard_map` (the
+    loss's starting cotangent must be)."""
 
     net: Any
     loss_scale: float = 1.0
     vary: Callable = lambda x: x
+    task: tasks.Task = tasks.CLASSIFICATION
 
     @property
     def last(self) -> int:
         return self.net.num_stages - 1
 
     def metrics(self, outputs, labels):
-        """The micro-batch's [loss, accuracy, 1]: summed over micro-batches, then divided by the
-        count, they give the step's means."""
-        return jnp.stack([models.cross_entropy(outputs, labels), models.accuracy(outputs, labels),
-                          jnp.ones((), jnp.float32)])
+        """The micro-batch's metric sums (the task's)."""
+        return self.task.metric_sums(outputs, labels)
 
     def no_metrics(self):
-        return jnp.zeros((len(METRICS),), jnp.float32)
+        return jnp.zeros((len(self.task.sum_names),), jnp.float32)
+
+    def finish(self, sums) -> dict:
+        """A step's metrics from its summed metric sums (`methods.common.step_metrics`)."""
+        from cdpjax.methods.common import step_metrics
+
+        return step_metrics(self.task, self.task.finish(sums)["loss"], sums)
 
     def run(self, j, p, s, x, labels):
         """Stage j on x: (output, or the last stage's scaled loss), (new model state, metrics)."""
         y, new_state = self.net.apply_stage(j, p, s, x, True)
         if j < self.last:
             return y, (new_state, self.no_metrics())
-        metrics = self.metrics(y, labels)
-        return metrics[0] * self.loss_scale, (new_state, metrics)
+        return self.task.loss(y, labels) * self.loss_scale, (new_state, self.metrics(y, labels))
 
     def vjp(self, j, p, s, x, labels):
         """(out, pullback, (new state, metrics)) of stage j; the pullback (a pytree: its leaves are
@@ -132,4 +136,4 @@ class StageOps:
         return tuple(found)
 
 
-__all__ = ["METRICS", "StageOps"]
+__all__ = ["StageOps"]

@@ -32,8 +32,10 @@ def metric_sums(logits, labels, mask=None):
 
 
 def finish(sums) -> dict:
-    """{'loss': mean loss, 'accuracy': fraction correct} of the counted examples."""
-    return {"loss": sums[0] / sums[2], "accuracy": sums[1] / sums[2]}
+    """{'loss': mean loss, 'accuracy': fraction correct} of the counted examples (0 where none is: a
+    pipeline's fill ticks finish no micro-batch)."""
+    count = sums[2] + (sums[2] == 0)
+    return {"loss": sums[0] / count, "accuracy": sums[1] / count}
 
 
 @register("classification")

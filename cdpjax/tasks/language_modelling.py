@@ -43,9 +43,10 @@ def metric_sums(logits, labels, mask=None):
 
 def finish(sums) -> dict:
     """{'loss': per-token loss, 'perplexity': exp(loss), 'token_accuracy'} of the counted tokens."""
-    loss = sums[0] / sums[2]
+    count = sums[2] + (sums[2] == 0)  # none counted (a pipeline's fill ticks): 0, not NaN
+    loss = sums[0] / count
     exp = jnp.exp if isinstance(loss, jax.Array) else np.exp  # float64 stays float64 on the host
-    return {"loss": loss, "perplexity": exp(loss), "token_accuracy": sums[1] / sums[2]}
+    return {"loss": loss, "perplexity": exp(loss), "token_accuracy": sums[1] / count}
 
 
 @register("language_modelling")
