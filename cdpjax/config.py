@@ -68,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
     # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
     c.cdp_rule = "cdp-v2"
     # Local learning / PPLL.
-    c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
+    c.aux_head = "greedy"  # a registered head kind (cdpjax.models.aux_heads: greedy, dgl, infopro, man, vit, ...)
     c.aux_kwargs = ml_collections.ConfigDict()
     c.microbatches = 4  # micro-batches per step of the backprop pipelines (gpipe, 1f1b, interleaved-1f1b)
     c.chunks = 2  # interleaved-1f1b: stages per device (V); the stage axis has stages / chunks devices
@@ -124,7 +124,6 @@ _CHOICES = {
     "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
-    "aux_head": ("greedy", "dgl", "infopro", "vit"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),
 }

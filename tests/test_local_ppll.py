@@ -198,13 +198,15 @@ def test_run_ticks_equals_train_steps():
 
 def test_heads_fit_their_stages():
     """Every head kind builds from its stage's output shape and gives a scalar loss and a state of
-    the structure it started with (abstractly evaluated: shapes only); the last stage has no head."""
+    the structure it started with (abstractly evaluated: shapes only); the last stage has no head.
+    A head's module returns logits, or InfoPro's (logits, image logits or None)."""
     from cdpjax import models
 
     for model, kind, kwargs in [("resnet_tiny", "greedy", {}), ("resnet_tiny", "dgl", {}),
                                 ("resnet_tiny", "infopro", {"reconstruction": True}), ("vit_tiny", "vit", {}),
                                 ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {}),
-                                ("vit_tiny", "infopro", {"arch": "2c2f"})]:
+                                ("vit_tiny", "infopro", {"arch": "2c2f"}), ("resnet_tiny", "man", {"reconstruction": True}),
+                                ("mlp", "man", {})]:
         net = models.build(_config("local", model, stages=3), (8, 8, 1), 10)
         heads = aux_heads.build(kind, net, 10, kwargs)
         params, state = jax.eval_shape(heads.init, jax.random.key(0))
@@ -212,8 +214,9 @@ def test_heads_fit_their_stages():
         labels, images = jnp.zeros(2, jnp.int32), jnp.ones((2, 8, 8, 1))
         for j, shape in enumerate(heads.feature_shapes[:-1]):
             y = jnp.ones((2, *shape))
-            logits, recon = jax.eval_shape(lambda p, s, y: heads.modules[j].apply({"params": p, **s}, y),
-                                           params[j], state[j], y)
+            out = jax.eval_shape(lambda p, s, y: heads.modules[j].apply({"params": {**p, **s.get("ema", {})}, **{
+                k: v for k, v in s.items() if k != "ema"}}, y), params[j], state[j], y)
+            logits, recon = out if isinstance(out, tuple) else (out, None)
             assert logits.shape == (2, 10)
             assert (recon is not None) == bool(kwargs.get("reconstruction"))
             if recon is not None:
