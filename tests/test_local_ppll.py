@@ -84,6 +84,61 @@ def test_ppll_with_modules_grouped_on_devices_equals_local(case):
     assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
 
 
+MOMENTUM_CASES = {  # model, norm, K, module groups (None: one module per device), aux_kwargs
+    # boundaries 0 -> 1 and 2 -> 3 within a device (EMA), 1 -> 2 across (the copy trained)
+    "mlp-K4-groups-2-2": ("mlp", "none", 4, [2, 2], {"ema_decay": 0.5}),
+}
+MOMENTUM_HEAVY = {
+    "mlp-K4-one-per-device": ("mlp", "none", 4, None, {}),
+    # BatchNorm in the copies, InfoPro's decoder, weights by stage index
+    "resnet-K3-groups-2-1-reconstruction": ("resnet_tiny", "batch", 3, [2, 1], {
+        "ema_decay": 0.5, "reconstruction": True, "ixx_1": 1.0, "ixy_1": 1.0, "weight_by": "stage", "weight_k": 6}),
+}
+
+
+@pytest.mark.parametrize("case", list(MOMENTUM_CASES) + [pytest.param(c, marks=pytest.mark.heavy)
+                                                         for c in MOMENTUM_HEAVY])
+def test_ppll_equals_local_with_momentum_heads(case):
+    """`man` heads: a copy of the next module follows it by EMA where the two share a device and is
+    trained where they do not. With the same module groups, ppll's bodies, heads and head states
+    (EMA copies included) after T batches and a flush are local's; every EMA copy moved."""
+    model, norm, K, groups, kwargs = {**MOMENTUM_CASES, **MOMENTUM_HEAVY}[case]
+    kw = {"aux_kwargs": kwargs, "stages": K, "module_groups": groups}
+    local = build(_config("local", model, norm=norm, head="man", **kw), {"data": 1})
+    ppll = build(_config("ppll", model, norm=norm, head="man", **kw), {"stage": len(groups or [1] * K)})
+    batches = random_batches(3, BATCH)
+    s_local, s_ppll = run(local, batches), run(ppll, batches)
+    assert_trees_close(ppll.export(s_ppll), local.export(s_local))
+    assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
+    states = local.info["export_head_state"](s_local)
+    follows = [j for j in range(K - 1) if j + 1 < sum((groups or [1] * K)[:1 + [
+        d for d, end in enumerate(np.cumsum(groups or [1] * K)) if j < end][0]])]
+    assert [j for j, st in enumerate(states) if "ema" in st] == follows
+    if follows:
+        assert_trees_close(ppll.info["export_head_state"](s_ppll), states)
+        start = local.info["export_head_state"](local.init(jax.random.key(0)))
+        for j in follows:
+            moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                                 states[j]["ema"], start[j]["ema"])
+            assert min(jax.tree.leaves(moved)) > 1e-6
+
+
+def test_local_momentum_copy_is_the_moving_average_of_the_next_module():
+    """Written out: ema_{t+1} = m ema_t + (1 - m) theta_{j+1, t}, theta_{j+1, t} module j+1's parameters
+    when batch t reaches it (before its own update on t); every module on one device (groups [3])."""
+    m, K = 0.8, 3
+    local = build(_config("local", head="man", stages=K, module_groups=[K], aux_kwargs={"ema_decay": m}),
+                  {"data": 1})
+    state = local.init(jax.random.key(0))
+    ema = [jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]) for j in range(K - 1)]
+    for batch in random_batches(3, BATCH):
+        before = jax.device_get(state["params"]["body"])
+        state, _ = local.train_step(state, batch)
+        ema = [jax.tree.map(lambda e, p: m * e + (1 - m) * p, ema[j], before[j + 1]["blocks_0"]) for j in range(K - 1)]
+    for j in range(K - 1):
+        assert_trees_close(jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]), ema[j])
+
+
 def test_ppll_losses_are_locals_delayed_by_the_pipeline():
     """Stage j's loss at tick t is local's stage-j loss on batch t-j; fill ticks report nothing."""
     stages = 4
@@ -269,6 +324,8 @@ def test_adaptive_pool_is_pytorchs():
     ({"norm": "batch", "bn_cross_device": True}, {"stage": 2, "data": 2}, "bn_cross_device"),
     ({"global_batch_size": 9}, {"stage": 2, "data": 2}, "global_batch_size=9"),
     ({}, {"data": 2}, "stage"),
+    ({"stages": 4, "aux_head": "man"}, {"stage": 2}, "give module_groups \\(e.g. \\[2, 2\\]\\) for mesh.stage=2"),
+    ({"stages": 4, "aux_head": "man", "module_groups": [1, 2]}, {"stage": 2}, "add up to the 4 local modules"),
 ])
 def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     c = _config("ppll", **changes)
