@@ -111,8 +111,8 @@ def test_ppll_equals_local_with_momentum_heads(case):
     assert_trees_close(ppll.export(s_ppll), local.export(s_local))
     assert_trees_close(ppll.info["export_heads"](s_ppll), local.info["export_heads"](s_local))
     states = local.info["export_head_state"](s_local)
-    follows = [j for j in range(K - 1) if j + 1 < sum((groups or [1] * K)[:1 + [
-        d for d, end in enumerate(np.cumsum(groups or [1] * K)) if j < end][0]])]
+    follows = {"mlp-K4-groups-2-2": [0, 2], "mlp-K4-one-per-device": [],  # modules whose next shares the device
+               "resnet-K3-groups-2-1-reconstruction": [0]}[case]
     assert [j for j, st in enumerate(states) if "ema" in st] == follows
     if follows:
         assert_trees_close(ppll.info["export_head_state"](s_ppll), states)

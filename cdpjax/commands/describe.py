@@ -1,6 +1,7 @@
 """`cdpjax describe`: the model as a run of the config cuts it, without compiling anything.
 
-    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16 --config.module_groups=[9,3,2,2]
+    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16      # PPLL's 15 modules on 4 GPUs
+    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16,recipe=infopro --config.module_groups=[9,3,2,2]
     cdpjax describe --config experiments/configs/ppll_vit.py --json
 
 Per stage (local module): its blocks, parameter count, output shape, activation

@@ -2,7 +2,7 @@
 
 Timing (`cdpjax.layouts.ppll.ppll_table`): K local modules (the config's stages,
 each with its auxiliary head and its own optimizer state) on D devices, in
-contiguous groups (`config.module_groups`, e.g. [9, 3, 2, 2] for K = 16 on 4;
+contiguous groups (`config.module_groups`, e.g. PPLL's [8, 3, 2, 2] for its 15 ResNet-32 modules on 4;
 without it, one module per device when the mesh leaves `stage` out, else groups
 balanced by the modules' measured time, heads included). At tick t device d runs
 batch t-d through its modules one after another: each module's forward, its local
