@@ -32,6 +32,8 @@ CASES = {
     # Data groups: heads without BatchNorm (with it, ppll's statistics are per data group, local's not).
     "vit-K4xdata2-vit": ("vit_tiny", 4, 2, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
     "resnet-K2-infopro-reconstruction": ("resnet_tiny", 2, 1, "none", "infopro", {"reconstruction": True}),
+    # InfoPro's supervised contrastive loss on 2c2f embeddings
+    "mlp-K2-infopro-contrast": ("mlp", 2, 1, "none", "infopro", {"arch": "2c2f", "loss": "contrast", "feature_dim": 8}),
 }
 HEAVY = {
     "resnet-K2-greedy-batchnorm": ("resnet_tiny", 2, 1, "batch", "greedy", {}),
