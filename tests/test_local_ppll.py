@@ -262,8 +262,8 @@ def test_heads_fit_their_stages():
     for model, kind, kwargs in [("resnet_tiny", "greedy", {}), ("resnet_tiny", "dgl", {}),
                                 ("resnet_tiny", "infopro", {"reconstruction": True}), ("vit_tiny", "vit", {}),
                                 ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {}),
-                                ("vit_tiny", "infopro", {"arch": "2c2f"}), ("resnet_tiny", "man", {"reconstruction": True}),
-                                ("mlp", "man", {})]:
+                                ("vit_tiny", "infopro", {"arch": "2c2f"}),
+                                ("resnet_tiny", "man", {"reconstruction": True}), ("mlp", "man", {})]:
         net = models.build(_config("local", model, stages=3), (8, 8, 1), 10)
         heads = aux_heads.build(kind, net, 10, kwargs)
         params, state = jax.eval_shape(heads.init, jax.random.key(0))
@@ -336,15 +336,19 @@ def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 
-def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):
+@pytest.mark.parametrize("head", ["greedy", "man"])
+def test_ppll_resume_equals_uninterrupted(head, digits_config, tmp_path):
     """The pipeline's queues are part of the checkpointed state: a run killed mid-way and resumed
-    ends with the parameters and metrics of an uninterrupted one (flushed once, at the end)."""
+    ends with the parameters and metrics of an uninterrupted one (flushed once, at the end). With
+    `man` heads (4 modules as [2, 2]) their EMA copies are checkpointed state too."""
     from cdpjax import train
     from cdpjax.checkpoint import Checkpointer
 
     c = digits_config
     c.method, c.model, c.stages, c.num_steps, c.checkpoint_every, c.eval_every = "ppll", "mlp", 2, 8, 4, 4
     c.mesh = {"stage": 2, "data": -1}
+    if head == "man":
+        c.aux_head, c.stages, c.module_groups = "man", 4, [2, 2]
     full = train.train(c, str(tmp_path / "full"), progress=False)
     part = tmp_path / "part"
     assert train.train(c, str(part), progress=False, stop_after=6) == {"stopped_at": 6}
@@ -356,7 +360,7 @@ def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):
         ckpt = Checkpointer(str(workdir))
         state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(c.seed)))
         ckpt.close()
-        return jax.device_get(method.export(state)[0])
+        return jax.device_get((method.export(state)[0], method.info["export_head_state"](state)))
 
     jax.tree.map(np.testing.assert_array_equal, final(part), final(tmp_path / "full"))
     from metrics_lines import without_timing  # metrics.jsonl less its timing fields

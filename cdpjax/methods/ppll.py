@@ -2,9 +2,9 @@
 
 Timing (`cdpjax.layouts.ppll.ppll_table`): K local modules (the config's stages,
 each with its auxiliary head and its own optimizer state) on D devices, in
-contiguous groups (`config.module_groups`, e.g. PPLL's [8, 3, 2, 2] for its 15 ResNet-32 modules on 4;
-without it, one module per device when the mesh leaves `stage` out, else groups
-balanced by the modules' measured time, heads included). At tick t device d runs
+contiguous groups (`config.module_groups`, e.g. PPLL's [8, 3, 2, 2] for its 15
+ResNet-32 modules on 4; without it, one module per device when the mesh leaves
+`stage` out, else groups balanced by the modules' measured time, heads included). At tick t device d runs
 batch t-d through its modules one after another: each module's forward, its local
 loss through its auxiliary head, its own update; the last module's output goes on
 to device d+1 with the batch's labels (and its image, for heads that reconstruct

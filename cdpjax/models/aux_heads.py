@@ -351,7 +351,8 @@ def block_stages(outputs) -> tuple[int, ...]:
     spatial maps."""
     stages, stage = [], 1
     for k, shape in enumerate(outputs):
-        if k and len(shape) == 4 and len(outputs[k - 1]) == 4 and math.prod(shape[1:3]) < math.prod(outputs[k - 1][1:3]):
+        previous = outputs[k - 1] if k else shape
+        if len(shape) == 4 and len(previous) == 4 and math.prod(shape[1:3]) < math.prod(previous[1:3]):
             stage += 1
         stages.append(stage)
     return tuple(stages)

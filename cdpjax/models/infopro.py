@@ -310,7 +310,8 @@ def infopro_weights(kwargs: dict, num_stages: int, next_stages=None) -> list[tup
     for p in positions:
         ratio = p / (span - 2) if span > 2 else 0.0
         weights.append((ixx_1 * (1 - ratio) + ixx_2 * ratio, ixy_1 * (1 - ratio) + ixy_2 * ratio))
-    given = f"aux_kwargs ixx_1={ixx_1}, ixy_1={ixy_1}, ixx_2={ixx_2}, ixy_2={ixy_2}, weight_by={rule!r}, weight_k={span}"
+    given = (f"aux_kwargs ixx_1={ixx_1}, ixy_1={ixy_1}, ixx_2={ixx_2}, ixy_2={ixy_2}, weight_by={rule!r}, "
+             f"weight_k={span}")
     for j, (ixx, ixy) in enumerate(weights):
         if ixx < 0 or ixy < 0:
             raise ConfigError(f"{given} give local module {j} of {num_stages} the loss weights ({ixx:g}, {ixy:g}) "
