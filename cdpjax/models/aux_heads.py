@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any, Callable
 
@@ -198,9 +199,10 @@ REGISTRY: Registry[HeadKind] = Registry("auxiliary head")
 def register(name: str, *, loss: LocalLoss | None = None, options=None, grouped: bool = False):
     """Decorator: `@aux_heads.register("my_head")` on a factory `factory(ctx, **options)`
     (module docstring); `loss` is its local loss (default: cross-entropy of logits), `options`
-    its `aux_kwargs` (default: the factory's keyword arguments)."""
+    its `aux_kwargs` (default: the factory's arguments after the first, the context)."""
     def add(factory):
-        opts = tuple(options) if options is not None else tuple(sorted(declared_options(factory, ("ctx",))))
+        context = next(iter(inspect.signature(factory).parameters), None)  # the first argument: the context
+        opts = tuple(options) if options is not None else tuple(sorted(declared_options(factory, (context,))))
         REGISTRY.add(name, HeadKind(name, factory, loss or classification_loss, opts, grouped))
         return factory
     return add
