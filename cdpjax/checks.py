@@ -38,11 +38,15 @@ def check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
 
 
 def validate(config) -> None:
-    """`config.validate`, then the method, model and dataset names and their options."""
+    """`config.validate`, then the method, model, dataset and auxiliary head names and their options."""
     from cdpjax import data, layouts, models  # the registries (models and data import JAX)
+    from cdpjax.models import aux_heads
 
     cfg_lib.validate(config)
     layouts.LAYOUTS.lookup(config.method)
+    if not isinstance(config.get("aux_head", "greedy"), str):
+        raise ConfigError(f"aux_head must be a string, got {config.aux_head!r}")
+    aux_heads.check_options(config.get("aux_head", "greedy"), dict(config.get("aux_kwargs", {}) or {}))
     model = models.REGISTRY.lookup(config.model)
     dataset = data.REGISTRY.lookup(config.dataset)
     check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",

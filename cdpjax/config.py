@@ -70,11 +70,12 @@ def default_config() -> ml_collections.ConfigDict:
     # 'paper-code' (the authors' released rule: current iff stage >= L-1-worker, for any N and L);
     # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
     c.cdp_rule = "cdp-v2"
-    # CDP's op sequence: 'whole' backwards (F, B: 2L ticks a step, the paper's figure) or 'split'
-    # ones (F, B, W: 3L ticks of about equal cost, so a lockstep tick waits for no whole backward).
+    # CDP's ops per tick (cdpjax.layouts.cdp): 'whole' (F, B: 2L ticks a step, the paper's figure),
+    # 'split' (F, B, W: 3L ticks) or 'paired' (two forwards a tick, whole backwards: every tick costs
+    # about one backward, so a lockstep tick does not wait on a backward while others run forwards).
     c.cdp_ticks = "whole"
     # Local learning / PPLL.
-    c.aux_head = "greedy"  # 'greedy' | 'dgl' | 'infopro' | 'vit'
+    c.aux_head = "greedy"  # a registered head kind (cdpjax.models.aux_heads: greedy, dgl, infopro, man, vit, ...)
     c.aux_kwargs = ml_collections.ConfigDict()
     c.microbatches = 4  # micro-batches per step of the backprop pipelines (gpipe, 1f1b, interleaved-1f1b)
     c.chunks = 2  # interleaved-1f1b: stages per device (V); the stage axis has stages / chunks devices
@@ -130,8 +131,7 @@ _CHOICES = {
     "partition": ("params", "flops", "blocks", "memory"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
-    "cdp_ticks": ("whole", "split"),
-    "aux_head": ("greedy", "dgl", "infopro", "vit"),
+    "cdp_ticks": ("whole", "split", "paired"),
     "residuals": ("recompute", "carry"),
     "nonfinite": ("stop", "skip"),
 }

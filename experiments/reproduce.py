@@ -60,6 +60,16 @@ PPLL_VARIANTS = (
     ("gpipe", "gpipe M=1 (plain model parallelism)", ("microbatches=1",)),
     ("gpipe", "gpipe M=4", ("microbatches=4",)),
 )
+# Head and recipe variants of local learning, each run as local and ppll and read against its own
+# local row: (variant, config-file arguments, config overrides). Tiny: the heads of issue 17 on the
+# digits MLP at K = 4 (PPLL's momentum heads, InfoPro's 2c2f, InfoPro's contrastive loss); paper
+# configs: InfoPro's recipe beside PPLL's (experiments/configs/ppll_resnet32.py).
+PPLL_HEAD_VARIANTS = (
+    ("man", "", ("aux_head=man",)),
+    ("infopro 2c2f", "", ("aux_head=infopro", "aux_kwargs.arch=2c2f")),
+    ("infopro contrast", "", ("aux_head=infopro", "aux_kwargs.loss=contrast", "aux_kwargs.feature_dim=128")),
+)
+PPLL_RECIPE_VARIANTS = (("InfoPro's recipe", "recipe=infopro", ()),)
 PIPELINES = ("ppll", "gpipe")
 TINY_STEPS = 600  # what experiments/configs/digits.py documents its expectations for
 BENCH_REPEATS = {True: 20, False: 10}  # timed steps per bench record (tiny, full): medians of many
@@ -76,6 +86,7 @@ class Row:
     config: str
     label: str = ""  # what the table calls it (default: the method)
     overrides: tuple = ()  # KEY=VALUE applied to the config: what makes the row this variant
+    variant: str = ""  # local learning's head or recipe variant: its rows are read against its own local row
 
 
 def cdp_rows(tiny: bool) -> list[Row]:
@@ -90,13 +101,14 @@ def cdp_rows(tiny: bool) -> list[Row]:
 
 
 def ppll_rows(tiny: bool) -> list[Row]:
-    if tiny:
-        groups = [("mlp", (2, 4), "digits.py:method={method},stages={K}")]
+    if tiny:  # model, the K of its rows, the K of its variants' rows, the config, the variants
+        groups = [("mlp", (2, 4), (4,), "digits.py:method={method},stages={K}", PPLL_HEAD_VARIANTS)]
     else:
-        groups = [("resnet32", (2, 4, 8, 16), "ppll_resnet32.py:K={K},method={method}"),
-                  ("vit", (4,), "ppll_vit.py:K={K},method={method}")]
+        groups = [("resnet32", (2, 4, 8, 16), (2, 4, 8, 16), "ppll_resnet32.py:K={K},method={method}",
+                   PPLL_RECIPE_VARIANTS),
+                  ("vit", (4,), (), "ppll_vit.py:K={K},method={method}", ())]
     rows = []
-    for model, ks, spec in groups:
+    for model, ks, variant_ks, spec, variants in groups:
         # e2e does not depend on K: one row per model.
         rows.append(Row("ppll", f"ppll-{model}-e2e", (model, None), "e2e", spec.format(method="e2e", K=ks[-1])))
         for K in ks:
@@ -104,6 +116,14 @@ def ppll_rows(tiny: bool) -> list[Row]:
                 suffix = "".join(f"-{o.split('=')[0][:1].upper()}{o.split('=')[1]}" for o in overrides)
                 rows.append(Row("ppll", f"ppll-{model}-K{K}-{method}{suffix}", (model, K), method,
                                 spec.format(method=method, K=K), label, overrides))
+            if K not in variant_ks:
+                continue
+            for variant, args, overrides in variants:
+                slug = variant.replace("'s", "").replace(" ", "-").lower()
+                for method in ("local", "ppll"):
+                    config = spec.format(method=method, K=K) + (f",{args}" if args else "")
+                    rows.append(Row("ppll", f"ppll-{model}-K{K}-{method}-{slug}", (model, K), method, config,
+                                    f"{method} ({variant})", overrides, variant))
     return rows
 
 
@@ -179,7 +199,8 @@ def run_row(row: Row, out: str, steps: int | None, overrides=(), bandwidth: floa
     from cdpjax.errors import ConfigError
 
     record = {"table": row.table, "name": row.name, "group": list(row.group), "method": row.method,
-              "config": row.config, "label": row.label or row.method, "overrides": list(row.overrides)}
+              "config": row.config, "label": row.label or row.method, "overrides": list(row.overrides),
+              "variant": row.variant}
     if row.method not in methods.REGISTRY:
         return {**record, "status": "not registered", "note": "not registered"}
     workdir = os.path.join(out, row.name)
@@ -302,8 +323,13 @@ PPLL_HEAD = ["model", "K", "method", "devices", "steps", "test acc", "speed, x l
              "predicted speedup on K devices", "memory / device", "x local's memory"]
 
 
+def _reference(record: dict) -> tuple:
+    """The key of the local row a row is read against: its group and its head or recipe variant."""
+    return (*record["group"], record.get("variant", ""))
+
+
 def _local_speed(records: list[dict]) -> dict:
-    return {tuple(r["group"]): r["bench"]["images_per_second"] for r in records
+    return {_reference(r): r["bench"]["images_per_second"] for r in records
             if r["status"] == "ok" and r["method"] == "local"}
 
 
@@ -315,7 +341,7 @@ def _device_memory(record: dict) -> int:
 
 def ppll_markdown(records: list[dict]) -> str:
     local = _local_speed(records)
-    local_memory = {tuple(r["group"]): _device_memory(r) for r in records
+    local_memory = {_reference(r): _device_memory(r) for r in records
                     if r["status"] == "ok" and r["method"] == "local"}
     rows = []
     for r in records:
@@ -326,9 +352,9 @@ def ppll_markdown(records: list[dict]) -> str:
             rows.append([model, k, label, "-", "-", r["note"]] + ["-"] * (len(PPLL_HEAD) - 6))
             continue
         ips = r["bench"]["images_per_second"]
-        ref = local.get((model, K))
+        ref = local.get(_reference(r))
         pred = r.get("prediction", {})
-        memory, ref_memory = _device_memory(r), local_memory.get((model, K))
+        memory, ref_memory = _device_memory(r), local_memory.get(_reference(r))
         rows.append([
             model, k, label, str(r["bench"]["devices"]), str(r["summary"]["steps"]),
             f"{100 * r['summary']['test_accuracy']:.1f}%",
@@ -348,6 +374,8 @@ def ppll_markdown(records: list[dict]) -> str:
         "against; gpipe M=4 cuts each batch into 4 micro-batches (GPipe).",
         "memory / device: temporaries + arguments of the compiled step on one device (XLA memory analysis); "
         "x local's memory: over `local` on one device (PPLL's paper: about 0.9).",
+        "variants in brackets (heads, recipes): local and ppll with that head or recipe; speed and memory "
+        "against the local row of the same variant.",
     ]
     return _markdown(PPLL_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
@@ -443,8 +471,8 @@ def ppll_figures(records: list[dict], out: str) -> list[str]:
         for label in labels:
             pred = [(r["group"][1], r["prediction"]["speedup"]) for r in rs
                     if r.get("label") == label and "speedup" in r.get("prediction", {})]
-            here = [(r["group"][1], r["bench"]["images_per_second"] / local[tuple(r["group"])]) for r in rs
-                    if r.get("label") == label and tuple(r["group"]) in local]
+            here = [(r["group"][1], r["bench"]["images_per_second"] / local[_reference(r)]) for r in rs
+                    if r.get("label") == label and _reference(r) in local]
             if pred:
                 ax.plot(*zip(*pred), marker="o", label=f"{label}, predicted on K devices")
             if here:

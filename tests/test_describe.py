@@ -78,8 +78,9 @@ def _resnet32_params():
 def test_ppll_resnet32_k4_as_infopro_cuts_it(capsys):
     """K = 4: InfoPro's cuts after [stage 1, block 2], [stage 2, block 1], [stage 3, block 0];
     module parameters from the layer list; InfoPro's 1c2f heads and decoders (widths 32/64/64,
-    FC 128); one module per device."""
-    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4", "--json"], capsys)
+    FC 128) in its recipe; one module per device."""
+    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4,recipe=infopro", "--json"],
+                        capsys)
     assert rc == 0, err
     d = json.loads(out)
     per_block = _resnet32_params()
@@ -93,12 +94,71 @@ def test_ppll_resnet32_k4_as_infopro_cuts_it(capsys):
     assert [s["head_params"] for s in d["stages"]] == head + [0]
     assert [s["decoder_params"] for s in d["stages"]] == decoder + [0]
     assert [s["device"] for s in d["stages"]] == [0, 1, 2, 3]
-    rc, out, _ = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4"], capsys)
+    rc, out, _ = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4,recipe=infopro"], capsys)
     assert rc == 0 and "466,906" in out and "decoder" in out
 
 
-def test_module_groups_place_several_modules_on_a_device(capsys):
+def _infopro_2c2f(c, classes=10):
+    """InfoPro's AuxClassifier(c, '2c2f'): conv3x3 c -> w (stride 2 below 64 channels), BN, conv3x3
+    w -> w, BN, pool, Linear(w, 128), Linear(128, classes); w = 32, 64, 64 for c = 16, 32, 64."""
+    w = {16: 32, 32: 64, 64: 64}[c]
+    return 9 * c * w + 2 * w + 9 * w * w + 2 * w + (w + 1) * 128 + 129 * classes
+
+
+def _decoder(c):
+    return 9 * c * 12 + 12 + 2 * 12 + 9 * 12 * 3 + 3
+
+
+def test_infopro_2c2f_heads_on_the_ppll_recipe(capsys):
+    """`describe --config ppll_resnet32.py:K=4 --config.aux_kwargs.arch=2c2f --config.aux_head=infopro`:
+    the released configs' classifier on every module's output, InfoPro's layer list."""
+    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4",
+                         "--config.aux_kwargs.arch=2c2f", "--config.aux_head=infopro", "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [s["head_params"] for s in d["stages"]] == [_infopro_2c2f(c) for c in (16, 32, 64)] + [0]
+    assert [s["decoder_params"] for s in d["stages"]] == [_decoder(c) for c in (16, 32, 64)] + [0]
+    assert [s["ema_params"] for s in d["stages"]] == [0, 0, 0, 0] and d["aux_head"] == "infopro"
+
+
+def test_momentum_heads_show_trained_and_ema_parameters_apart(capsys):
+    """PPLL's K = 16 recipe: 15 modules grouped [8, 3, 2, 2]. Module j's head copies module j+1's first
+    block twice: within a group one copy is trained and one follows by EMA (state), at a group's end
+    (modules 7, 10, 12) both are trained. Then 2c2f on the copy's channels. Figures from the layer list."""
     path = os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=16"
+    rc, out, err = _cli(["--config", path, "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    per_block = _resnet32_params()
+    assert d["aux_head"] == "man" and d["module_groups"] == [8, 3, 2, 2] and len(d["stages"]) == 15
+    ends = {7, 10, 12}
+    for j, s in enumerate(d["stages"][:-1]):
+        first = d["stages"][j + 1]["blocks"][0]  # the block the head copies
+        block, channels = per_block[first], (16, 32, 64)[(first - 1) // 5]
+        assert s["ema_params"] == (0 if j in ends else block), j
+        assert s["head_params"] == (2 if j in ends else 1) * block + _infopro_2c2f(channels), j
+        assert s["decoder_params"] == _decoder(channels)
+    rc, text, _ = _cli(["--config", path], capsys)
+    header = text.splitlines()[1].split()
+    assert rc == 0 and header[-5:] == ["head", "decoder", "EMA", "head", "FLOPs"]
+
+
+def test_methods_without_heads_report_none():
+    """cdp-v2 (the default) trains no auxiliary head: none reported, no head columns in the text."""
+    from cdpjax.commands.describe import format_text
+
+    d = describe(default_config())
+    assert d["method"] == "cdp-v2" and d["aux_head"] is None
+    assert all(s[k] == 0 for s in d["stages"] for k in ("head_params", "decoder_params", "ema_params", "head_flops"))
+    text = format_text(d)
+    assert "no auxiliary heads" in text and "head" not in text.splitlines()[1]
+    c = default_config()
+    c.method = "local"
+    assert describe(c)["aux_head"] == "greedy" and describe(c)["stages"][0]["head_params"] > 0
+
+
+def test_module_groups_place_several_modules_on_a_device(capsys):
+    path = os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=16,recipe=infopro"  # 16 modules, the stem alone
     rc, out, err = _cli(["--config", path, "--config.module_groups=[9,3,2,2]", "--json"], capsys)
     assert rc == 0, err
     d = json.loads(out)
@@ -121,6 +181,10 @@ def test_data_axis_and_one_device_methods_put_every_stage_on_device_0():
     (["--config.module_groups=[0,4]"], "module_groups=\\[0, 4\\] must be a list of positive integers"),
     (["--config.model=resnet9"], "resnet9"),
     (["--config.aux_head=vit", "--config.method=ppll"], "token outputs"),
+    (["--config.aux_head=man", "--config.aux_kwargs.ema_decay=1.0"], "ema_decay=1.0 must be in \\[0, 1\\)"),
+    (["--config.aux_head=man", "--config.aux_kwargs.copy_depth=2"], "copy_depth=2 copies past local module 1"),
+    (["--config.aux_head=infopro", "--config.aux_kwargs.loss='contrast'"], "give aux_kwargs.feature_dim"),
+    (["--config.aux_head=mine"], "unknown auxiliary head 'mine'; registered: dgl, greedy, infopro, man"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, match, capsys, compiles):
     rc, out, err = _cli(["--config.method=ppll", *argv], capsys)

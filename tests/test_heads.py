@@ -255,3 +255,140 @@ def test_reconstruction_needs_pixel_statistics():
 def test_bad_head_options_are_named(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         aux_heads.build("infopro", resnet32(2, norm="none"), 10, {"reconstruction": True, **kwargs})
+
+
+# ------------------------------------------------------------------ PPLL's momentum heads (man)
+
+
+def basic_block(cin, cout):
+    """The released code's BasicBlock: conv3x3-BN-ReLU-conv3x3-BN, plus a 1x1 conv-BN shortcut where
+    the shape changes (stride 2 or other widths)."""
+    own = conv(3, cin, cout) + bn(cout) + conv(3, cout, cout) + bn(cout)
+    return own + (conv(1, cin, cout) + bn(cout) if cin != cout else 0)
+
+
+def test_man_heads_have_the_released_parameters():
+    """`models/resnetInfoPro_gxy_ppll.py` at K = 4 (InfoPro's cuts after [1, 2], [2, 1], [3, 0]):
+    head j = LB and EMA_Net, copies of module j+1's first block ([1, 3], [2, 2], [3, 1]: 16, 32, 64
+    channels), then AuxClassifier('2c2f') and Decoder of those channels. The EMA copy is trained
+    where module j+1 is on another device, held as state where it shares the device."""
+    net = resnet32(4)
+    copies = [basic_block(16, 16), basic_block(32, 32), basic_block(64, 64)]
+    classifier = [infopro_classifier("2c2f", c) for c in (16, 32, 64)]
+    kwargs = {"reconstruction": True}
+    apart = aux_heads.build("man", net, 10, kwargs)  # one module per device: every copy trained
+    assert counts(apart) == ([2 * b + c for b, c in zip(copies, classifier)] + [0],
+                             [infopro_decoder(c) for c in (16, 32, 64)] + [0])
+    assert [c["ema_params"] for c in apart.param_counts()] == [0, 0, 0, 0]
+    grouped = aux_heads.build("man", net, 10, kwargs, groups=[2, 2])  # 0 -> 1 and 2 -> 3 on one device
+    assert counts(grouped)[0] == [copies[0] + classifier[0], 2 * copies[1] + classifier[1],
+                                  copies[2] + classifier[2], 0]
+    assert [c["ema_params"] for c in grouped.param_counts()] == [copies[0], 0, copies[2], 0]
+
+
+def test_man_copies_a_downsampling_block_and_deeper():
+    """K = 8 cuts after [1, 4]: module 3 starts with [2, 0] (16 -> 32 channels, stride 2, projection):
+    its copy is that block and the classifier reads 32 channels; copy_depth=2 copies [2, 0] and [2, 1]."""
+    net = resnet32(8)
+    head = counts(aux_heads.build("man", net, 10, {}, groups=[8]))[0][2]
+    assert head == basic_block(16, 32) + infopro_classifier("2c2f", 32)
+    deeper = aux_heads.build("man", net, 10, {"copy_depth": 2}, groups=[8]).param_counts()[2]
+    assert deeper["ema_params"] == basic_block(16, 32) + basic_block(32, 32)
+    assert deeper["head_params"] == deeper["ema_params"] + infopro_classifier("2c2f", 32)
+
+
+def test_ema_follows_the_next_module_by_the_released_rule():
+    """paramEMA <- m paramEMA + (1 - m) paramEncoder, parameters of module j+1's first block only;
+    heads with nothing to follow keep their state."""
+    net = resnet32(4, norm="none")
+    heads = aux_heads.build("man", net, 10, {"ema_decay": 0.75}, groups=[2, 2])
+    body, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    nxt = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), body[1])
+    params, state = jax.tree.map(np.asarray, jax.jit(heads.init)(jax.random.key(0, impl="rbg")))
+    new = heads.follow(0, params[0], state[0], nxt)
+    expect = jax.tree.map(lambda e, p: 0.75 * e + 0.25 * p, state[0]["ema"]["momentum_copy"]["blocks_0"],
+                          nxt["blocks_0"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), new["ema"]["momentum_copy"]["blocks_0"],
+                 expect)
+    assert heads.follow(1, params[1], state[1], nxt) is state[1]  # module 2 is on the next device
+
+
+# InfoPro's ResNet-32 table of PPLL's K = 16 (models/config.py): module i ends after block [g, b]; the
+# block after it is in stage lo = g + 1 if b == 4 else g (`forward_features`).
+PPLL_K16_TABLE = [[1, 0], [1, 1], [1, 2], [1, 3], [1, 4], [2, 0], [2, 1], [2, 2], [2, 3], [2, 4],
+                  [3, 0], [3, 1], [3, 2], [3, 3]]
+
+
+def test_weights_by_stage_index_as_ppll():
+    """PPLL's rule: ratio = lo / (local_module_num - 2), (ixx, ixy) = (5 (1 - r), 0.5 (1 - r)) with its
+    (5, 0.5, 0, 0); K = 16 is 15 modules (the stem merged) and local_module_num 16."""
+    c = ml_collections.ConfigDict({"model": "resnet32", "model_kwargs": {}, "norm": "batch",
+                                   "stages": infopro_points(16)[1:], "partition": "params"})
+    net = models.build(c, CIFAR, 10)
+    kwargs = {"reconstruction": True, "ixx_1": 5, "ixy_1": 0.5, "ixx_2": 0, "ixy_2": 0, "weight_by": "stage",
+              "weight_k": 16}
+    lo = [g + 1 if b == 4 else g for g, b in PPLL_K16_TABLE]
+    expect = [(5 * (1 - s / 14), 0.5 * (1 - s / 14)) for s in lo] + [(0.0, 1.0)]
+    for kind in ("infopro", "man"):
+        np.testing.assert_allclose(aux_heads.build(kind, net, 10, kwargs).weights, expect)
+
+
+def test_weights_that_leave_a_module_without_loss_or_negative_are_refused():
+    """At K = 4 PPLL's rule with local_module_num 4 gives module 1 (0, 0) (lo = 2, ratio 1) and module 2
+    negative weights; its K = 4 config's local_module_num 8 gives every head a positive loss."""
+    ppll = {"reconstruction": True, "ixx_1": 5, "ixy_1": 0.5, "ixx_2": 0, "ixy_2": 0, "weight_by": "stage"}
+    with pytest.raises(ConfigError, match="local module 1 of 4 .* never train"):
+        aux_heads.build("man", resnet32(4), 10, ppll)
+    weights = aux_heads.build("man", resnet32(4), 10, {**ppll, "weight_k": 8}).weights
+    np.testing.assert_allclose(weights, [(5 * (1 - s / 6), 0.5 * (1 - s / 6)) for s in (1, 2, 3)] + [(0, 1)])
+    with pytest.raises(ConfigError, match="local module 2 of 4 .* climb its own loss"):
+        aux_heads.infopro_weights({"ixy_1": 1.0, "ixy_2": 0.25, "weight_k": 3}, 4)  # ratio 2: -1 + 0.5 < 0
+
+
+def test_supervised_contrastive_loss_by_hand():
+    """Three orthonormal embeddings, labels (0, 0, 1): every logit off the diagonal is 0 against 1/T on
+    it, so log p(k | i) = -ln 2 for each other k; anchors 0 and 1 have one positive, anchor 2 none
+    (counts 0): loss = -(ln(1/2) + ln(1/2) + 0) / 3 = (2/3) ln 2, whatever the scale of the features."""
+    features = jnp.asarray(np.diag([3.0, 0.5, 2.0]))
+    np.testing.assert_allclose(aux_heads.supcon_loss(features, jnp.array([0, 0, 1])), 2 / 3 * math.log(2), rtol=1e-6)
+    # Two examples of one label, identical features, and one other at 90 degrees, temperature 1: the
+    # positive pair's logit is 1, the other's 0: log p = 1 - ln(e + 1) for anchors 0 and 1, anchor 2 counts 0.
+    same = jnp.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    expect = -(2 * (1 - math.log(math.e + 1))) / 3
+    np.testing.assert_allclose(aux_heads.supcon_loss(same, jnp.array([0, 0, 1]), 1.0, 1.0), expect, rtol=1e-6)
+
+
+def test_contrastive_heads_output_feature_dim_embeddings():
+    """loss='contrast': the classifier's last layer outputs feature_dim (InfoPro: fc_out_channels =
+    feature_dim), so 1c2f on 16 channels has Linear(128 -> 64) where cross-entropy has Linear(128 -> 10)."""
+    heads = aux_heads.build("infopro", resnet32(4), 10, {"loss": "contrast", "feature_dim": 64})
+    assert counts(heads)[0][0] == infopro_classifier("1c2f", 16, classes=64, feature_dim=64)
+
+
+@pytest.mark.parametrize("kind,kwargs,match", [
+    ("man", {"ema_decay": 1.0}, "ema_decay=1.0 must be in \\[0, 1\\)"),
+    ("man", {"ema_decay": -0.1}, "ema_decay=-0.1 must be a number >= 0"),
+    ("man", {"copy_depth": 5}, "copy_depth=5 copies past local module 1, which has 4 block"),
+    ("infopro", {"loss": "contrast"}, "give aux_kwargs.feature_dim"),
+    ("man", {"loss": "contrast"}, "give aux_kwargs.feature_dim"),
+    ("infopro", {"loss": "hinge"}, "loss='hinge' is not one of"),
+    ("infopro", {"weight_by": "depth"}, "weight_by='depth' is not one of module, stage"),
+    ("man", {"mid_ema": 1}, "mid_ema=1 must be True or False"),
+])
+def test_bad_momentum_and_contrast_options_are_named(kind, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        aux_heads.build(kind, resnet32(4, norm="none"), 10, kwargs)
+
+
+def test_released_middle_parts_keep_their_copies_with_mid_ema_false():
+    """`InfoProResNet_mid` never updates its EMA copies: with mid_ema=False the copies of the middle
+    groups' modules (not each group's last) are state that never moves; the first and last groups'
+    follow; every group's last module trains its copy (groups [1, 3, 4] of K = 8)."""
+    heads = aux_heads.build("man", resnet32(8), 10, {"mid_ema": False}, groups=[1, 3, 4])
+    kept = [bool(h.ema) for h in heads.heads[:-1]]
+    moving = [h.follow is not None for h in heads.heads[:-1]]
+    assert kept == [False, True, True, False, True, True, True]
+    assert moving == [False, False, False, False, True, True, True]
+    assert [h.follow is not None for h in aux_heads.build("man", resnet32(8), 10, {}, groups=[1, 3, 4]).heads[:-1]] \
+        == kept  # by default every copy that shares its next module's device follows it

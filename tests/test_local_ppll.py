@@ -32,6 +32,8 @@ CASES = {
     # Data groups: heads without BatchNorm (with it, ppll's statistics are per data group, local's not).
     "vit-K4xdata2-vit": ("vit_tiny", 4, 2, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
     "resnet-K2-infopro-reconstruction": ("resnet_tiny", 2, 1, "none", "infopro", {"reconstruction": True}),
+    # InfoPro's supervised contrastive loss on 2c2f embeddings
+    "mlp-K2-infopro-contrast": ("mlp", 2, 1, "none", "infopro", {"arch": "2c2f", "loss": "contrast", "feature_dim": 8}),
 }
 HEAVY = {
     "resnet-K2-greedy-batchnorm": ("resnet_tiny", 2, 1, "batch", "greedy", {}),
@@ -82,6 +84,61 @@ def test_ppll_with_modules_grouped_on_devices_equals_local(case):
     s_local, s_ppll = run(local, batches), run(ppll, batches)
     assert_trees_close(ppll.export(s_ppll), local.export(s_local))
     assert_trees_close(ppll.export_heads(s_ppll), local.export_heads(s_local))
+
+
+MOMENTUM_CASES = {  # model, norm, K, module groups (None: one module per device), aux_kwargs
+    # boundaries 0 -> 1 and 2 -> 3 within a device (EMA), 1 -> 2 across (the copy trained)
+    "mlp-K4-groups-2-2": ("mlp", "none", 4, [2, 2], {"ema_decay": 0.5}),
+}
+MOMENTUM_HEAVY = {
+    "mlp-K4-one-per-device": ("mlp", "none", 4, None, {}),
+    # BatchNorm in the copies, InfoPro's decoder, weights by stage index
+    "resnet-K3-groups-2-1-reconstruction": ("resnet_tiny", "batch", 3, [2, 1], {
+        "ema_decay": 0.5, "reconstruction": True, "ixx_1": 1.0, "ixy_1": 1.0, "weight_by": "stage", "weight_k": 6}),
+}
+
+
+@pytest.mark.parametrize("case", list(MOMENTUM_CASES) + [pytest.param(c, marks=pytest.mark.heavy)
+                                                         for c in MOMENTUM_HEAVY])
+def test_ppll_equals_local_with_momentum_heads(case):
+    """`man` heads: a copy of the next module follows it by EMA where the two share a device and is
+    trained where they do not. With the same module groups, ppll's bodies, heads and head states
+    (EMA copies included) after T batches and a flush are local's; every EMA copy moved."""
+    model, norm, K, groups, kwargs = {**MOMENTUM_CASES, **MOMENTUM_HEAVY}[case]
+    kw = {"aux_kwargs": kwargs, "stages": K, "module_groups": groups}
+    local = build(_config("local", model, norm=norm, head="man", **kw), {"data": 1})
+    ppll = build(_config("ppll", model, norm=norm, head="man", **kw), {"stage": len(groups or [1] * K)})
+    batches = random_batches(3, BATCH)
+    s_local, s_ppll = run(local, batches), run(ppll, batches)
+    assert_trees_close(ppll.export(s_ppll), local.export(s_local))
+    assert_trees_close(ppll.export_heads(s_ppll), local.export_heads(s_local))
+    states = local.export_head_state(s_local)
+    follows = {"mlp-K4-groups-2-2": [0, 2], "mlp-K4-one-per-device": [],  # modules whose next shares the device
+               "resnet-K3-groups-2-1-reconstruction": [0]}[case]
+    assert [j for j, st in enumerate(states) if "ema" in st] == follows
+    if follows:
+        assert_trees_close(ppll.export_head_state(s_ppll), states)
+        start = local.export_head_state(local.init(jax.random.key(0)))
+        for j in follows:
+            moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                                 states[j]["ema"], start[j]["ema"])
+            assert min(jax.tree.leaves(moved)) > 1e-6
+
+
+def test_local_momentum_copy_is_the_moving_average_of_the_next_module():
+    """Written out: ema_{t+1} = m ema_t + (1 - m) theta_{j+1, t}, theta_{j+1, t} module j+1's parameters
+    when batch t reaches it (before its own update on t); every module on one device (groups [3])."""
+    m, K = 0.8, 3
+    local = build(_config("local", head="man", stages=K, module_groups=[K], aux_kwargs={"ema_decay": m}),
+                  {"data": 1})
+    state = local.init(jax.random.key(0))
+    ema = [jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]) for j in range(K - 1)]
+    for batch in random_batches(3, BATCH):
+        before = jax.device_get(state["params"]["body"])
+        state, _ = local.train_step(state, batch)
+        ema = [jax.tree.map(lambda e, p: m * e + (1 - m) * p, ema[j], before[j + 1]["blocks_0"]) for j in range(K - 1)]
+    for j in range(K - 1):
+        assert_trees_close(jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]), ema[j])
 
 
 def test_ppll_losses_are_locals_delayed_by_the_pipeline():
@@ -198,13 +255,15 @@ def test_run_ticks_equals_train_steps():
 
 def test_heads_fit_their_stages():
     """Every head kind builds from its stage's output shape and gives a scalar loss and a state of
-    the structure it started with (abstractly evaluated: shapes only); the last stage has no head."""
+    the structure it started with (abstractly evaluated: shapes only); the last stage has no head.
+    A head's module returns logits, or InfoPro's (logits, image logits or None)."""
     from cdpjax import models
 
     for model, kind, kwargs in [("resnet_tiny", "greedy", {}), ("resnet_tiny", "dgl", {}),
                                 ("resnet_tiny", "infopro", {"reconstruction": True}), ("vit_tiny", "vit", {}),
                                 ("mlp", "greedy", {}), ("mlp", "dgl", {}), ("mlp", "infopro", {}),
-                                ("vit_tiny", "infopro", {"arch": "2c2f"})]:
+                                ("vit_tiny", "infopro", {"arch": "2c2f"}),
+                                ("resnet_tiny", "man", {"reconstruction": True}), ("mlp", "man", {})]:
         net = models.build(_config("local", model, stages=3), (8, 8, 1), 10)
         heads = aux_heads.build(kind, net, 10, kwargs)
         params, state = jax.eval_shape(heads.init, jax.random.key(0))
@@ -212,8 +271,9 @@ def test_heads_fit_their_stages():
         labels, images = jnp.zeros(2, jnp.int32), jnp.ones((2, 8, 8, 1))
         for j, shape in enumerate(heads.feature_shapes[:-1]):
             y = jnp.ones((2, *shape))
-            logits, recon = jax.eval_shape(lambda p, s, y: heads.modules[j].apply({"params": p, **s}, y),
-                                           params[j], state[j], y)
+            out = jax.eval_shape(lambda p, s, y: heads.modules[j].apply({"params": {**p, **s.get("ema", {})}, **{
+                k: v for k, v in s.items() if k != "ema"}}, y), params[j], state[j], y)
+            logits, recon = out if isinstance(out, tuple) else (out, None)
             assert logits.shape == (2, 10)
             assert (recon is not None) == bool(kwargs.get("reconstruction"))
             if recon is not None:
@@ -266,6 +326,8 @@ def test_adaptive_pool_is_pytorchs():
     ({"norm": "batch", "bn_cross_device": True}, {"stage": 2, "data": 2}, "bn_cross_device"),
     ({"global_batch_size": 9}, {"stage": 2, "data": 2}, "global_batch_size=9"),
     ({}, {"data": 2}, "stage"),
+    ({"stages": 4, "aux_head": "man"}, {"stage": 2}, "give module_groups \\(e.g. \\[2, 2\\]\\) for mesh.stage=2"),
+    ({"stages": 4, "aux_head": "man", "module_groups": [1, 2]}, {"stage": 2}, "add up to the 4 local modules"),
 ])
 def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     c = _config("ppll", **changes)
@@ -274,15 +336,19 @@ def test_bad_config_fails_early(changes, mesh_axes, match, compiles):
     assert not [e for e in compiles if e[0] == "backend"], compiles  # refused before compiling anything
 
 
-def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):
+@pytest.mark.parametrize("head", ["greedy", "man"])
+def test_ppll_resume_equals_uninterrupted(head, digits_config, tmp_path):
     """The pipeline's queues are part of the checkpointed state: a run killed mid-way and resumed
-    ends with the parameters and metrics of an uninterrupted one (flushed once, at the end)."""
+    ends with the parameters and metrics of an uninterrupted one (flushed once, at the end). With
+    `man` heads (4 modules as [2, 2]) their EMA copies are checkpointed state too."""
     from cdpjax import train
     from cdpjax.checkpoint import Checkpointer
 
     c = digits_config
     c.method, c.model, c.stages, c.num_steps, c.checkpoint_every, c.eval_every = "ppll", "mlp", 2, 8, 4, 4
     c.mesh = {"stage": 2, "data": -1}
+    if head == "man":
+        c.aux_head, c.stages, c.module_groups = "man", 4, [2, 2]
     full = train.train(c, str(tmp_path / "full"), progress=False)
     part = tmp_path / "part"
     assert train.train(c, str(part), progress=False, stop_after=6) == {"stopped_at": 6}
@@ -294,7 +360,7 @@ def test_ppll_resume_equals_uninterrupted(digits_config, tmp_path):
         ckpt = Checkpointer(str(workdir))
         state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(c.seed)))
         ckpt.close()
-        return jax.device_get(method.export(state)[0])
+        return jax.device_get((method.export(state)[0], method.export_head_state(state)))
 
     jax.tree.map(np.testing.assert_array_equal, final(part), final(tmp_path / "full"))
     from metrics_lines import without_timing  # metrics.jsonl less its timing fields

@@ -1,13 +1,18 @@
 """`cdpjax describe`: the model as a run of the config cuts it, without compiling anything.
 
-    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16 --config.module_groups=[9,3,2,2]
+    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16      # PPLL's 15 modules on 4 GPUs
+    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16,recipe=infopro --config.module_groups=[9,3,2,2]
     cdpjax describe --config experiments/configs/ppll_vit.py --json
 
 Per stage (local module): its blocks, parameter count, output shape, activation
 bytes per example (its output, what it hands on), forward FLOPs at batch 1, the
-device it lands on, and its auxiliary head's parameter count (`head_params`; InfoPro's
-decoder apart, `decoder_params`) and forward FLOPs. Users check a split before
-spending GPU hours on it.
+device it lands on, and, for methods that train auxiliary heads (local learning:
+`local`, `ppll`), its head's trained parameter count (`head_params`; InfoPro's
+decoder apart, `decoder_params`), the parameters it keeps as a moving average of
+the next module's instead of training them (`ema_params`, `aux_head='man'` where
+the next module shares the device; heads are built for `config.module_groups`)
+and its forward FLOPs. Other methods have no heads: `aux_head` is None and the
+head figures are 0. Users check a split before spending GPU hours on it.
 
 Nothing is computed on a device: shapes and parameter counts come from abstract
 evaluation (`jax.eval_shape`) and FLOPs from XLA's cost analysis of lowered,
@@ -26,7 +31,8 @@ import json
 import math
 
 JSON_STAGE_KEYS = ("blocks", "params", "output_shape", "activation_bytes", "flops", "device", "head_params",
-                   "decoder_params", "head_flops")
+                   "decoder_params", "ema_params", "head_flops")
+LOCAL_BUILDER = "cdpjax.methods.local:build"  # the one-device method that trains heads (no time table)
 
 
 def _input_spec(config) -> tuple[tuple[int, ...], int, str]:
@@ -55,6 +61,17 @@ def stage_devices(config, num_stages: int) -> list[int]:
     return list(range(num_stages))
 
 
+def has_heads(config) -> bool:
+    """Whether the config's method trains auxiliary heads: its time table has local-learning
+    ('FB') ops, or it is sequential local learning (`LOCAL_BUILDER`, no table)."""
+    from cdpjax.layouts import LAYOUTS
+
+    layout = LAYOUTS.lookup(config.method)
+    if layout.table is None:
+        return layout.builder == LOCAL_BUILDER
+    return any(op.kind == "FB" for op in layout.make_table().ops)
+
+
 def _count(tree) -> int:
     import jax
 
@@ -71,8 +88,9 @@ def _stages(net, heads) -> list[dict]:
     outputs = [jax.ShapeDtypeStruct(s, "float32") for s in net.stage_output_shapes(1)]
     block_flops = partition.block_costs(net.blocks, net.input_shape, "flops", net.input_dtype)
     stages = []
-    for j, ((a, b), out, counts) in enumerate(zip(net.bounds, outputs, heads.param_counts())):
-        module = heads.modules[j]
+    counts_of = heads.param_counts() if heads is not None else [{}] * net.num_stages
+    for j, ((a, b), out, counts) in enumerate(zip(net.bounds, outputs, counts_of)):
+        module = heads.modules[j] if heads is not None else None
         # Cost analysis of the head's lowered forward at batch 1, like the blocks' (no compile).
         head_flops = partition._flops(module, tuple(out.shape)) if module is not None else 0.0
         stages.append({
@@ -82,8 +100,9 @@ def _stages(net, heads) -> list[dict]:
             "output_shape": list(out.shape[1:]),
             "activation_bytes": math.prod(out.shape[1:]) * out.dtype.itemsize,
             "flops": int(sum(block_flops[a:b])),
-            "head_params": counts["head_params"],
-            "decoder_params": counts["decoder_params"],
+            "head_params": counts.get("head_params", 0),
+            "decoder_params": counts.get("decoder_params", 0),
+            "ema_params": counts.get("ema_params", 0),
             "head_flops": int(head_flops),
         })
     return stages
@@ -99,11 +118,14 @@ def describe(config) -> dict:
     checks.validate(config)
     input_shape, num_classes, input_dtype = _input_spec(config)
     net = models.build(config, input_shape, num_classes, input_dtype=input_dtype)
-    heads = aux_heads.build(config.aux_head, net, num_classes, dict(config.get("aux_kwargs", {}) or {}))
+    heads = None
+    if has_heads(config):
+        heads = aux_heads.build(config.aux_head, net, num_classes, dict(config.get("aux_kwargs", {}) or {}),
+                                groups=config.get("module_groups", None))
     stages = _stages(net, heads)
     for stage, device in zip(stages, stage_devices(config, net.num_stages)):
         stage["device"] = device
-    summed = ("params", "flops", "head_params", "decoder_params", "head_flops")
+    summed = ("params", "flops", "head_params", "decoder_params", "ema_params", "head_flops")
     per_device = []
     for d in sorted({s["device"] for s in stages}):
         mine = [s for s in stages if s["device"] == d]
@@ -119,7 +141,7 @@ def describe(config) -> dict:
         "mesh": layouts.mesh_for(config),
         "devices_needed": layouts.devices_needed(config),
         "partition": config.get("partition", "params"),
-        "aux_head": config.aux_head,
+        "aux_head": config.aux_head if heads is not None else None,
         "module_groups": list(groups) if groups else None,
         "num_blocks": len(net.blocks),
         "stages": stages,
@@ -136,28 +158,38 @@ def _si(x: float) -> str:
 
 
 def format_text(d: dict) -> str:
-    """The description as a table, one row a stage, then the totals."""
+    """The description as a table, one row a stage, then the totals (head columns only for
+    methods with auxiliary heads, the EMA column only where a head has EMA parameters)."""
     shape = "x".join(map(str, d["input_shape"]))
+    heads, ema = d["aux_head"] is not None, any(s["ema_params"] for s in d["stages"])
     lines = [f"{d['model']} on {d['dataset']} ({shape}, {d['num_classes']} classes): {len(d['stages'])} stages "
-             f"of {d['num_blocks']} blocks for method {d['method']}, mesh {d['mesh']}, aux head {d['aux_head']}"
-             + (f", module groups {d['module_groups']}" if d["module_groups"] else ""),
-             f"{'stage':>5} {'blocks':>7} {'device':>6} {'params':>9} {'output':>12} {'act/example':>11} "
-             f"{'FLOPs':>9} {'head':>9} {'decoder':>9} {'head FLOPs':>10}"]
+             f"of {d['num_blocks']} blocks for method {d['method']}, mesh {d['mesh']}, "
+             + (f"aux head {d['aux_head']}" if heads else "no auxiliary heads")
+             + (f", module groups {d['module_groups']}" if d["module_groups"] else "")]
+    head_cols = [("head", "head_params"), ("decoder", "decoder_params")] + ([("EMA", "ema_params")] if ema else [])
+
+    def row(label, blocks, device, s, output, act):
+        text = f"{label:>5} {blocks:>7} {device:>6} {s['params']:>9,} {output:>12} {act:>11} {_si(s['flops']):>9}"
+        if heads:
+            text += "".join(f" {s[key]:>9,}" for _, key in head_cols) + f" {_si(s['head_flops']):>10}"
+        return text
+
+    lines.append(f"{'stage':>5} {'blocks':>7} {'device':>6} {'params':>9} {'output':>12} {'act/example':>11} "
+                 f"{'FLOPs':>9}" + ("".join(f" {name:>9}" for name, _ in head_cols) + f" {'head FLOPs':>10}"
+                                    if heads else ""))
     for s in d["stages"]:
         a, b = s["blocks"]
-        lines.append(f"{s['stage']:>5} {f'{a}-{b - 1}':>7} {s['device']:>6} {s['params']:>9,} "
-                     f"{'x'.join(map(str, s['output_shape'])):>12} {_si(s['activation_bytes']) + 'B':>11} "
-                     f"{_si(s['flops']):>9} {s['head_params']:>9,} {s['decoder_params']:>9,} "
-                     f"{_si(s['head_flops']):>10}")
-    t = d["totals"]
-    lines.append(f"{'total':>5} {'':>7} {'':>6} {t['params']:>9,} {'':>12} {'':>11} {_si(t['flops']):>9} "
-                 f"{t['head_params']:>9,} {t['decoder_params']:>9,} {_si(t['head_flops']):>10}")
+        lines.append(row(s["stage"], f"{a}-{b - 1}", s["device"], s, "x".join(map(str, s["output_shape"])),
+                         _si(s["activation_bytes"]) + "B"))
+    lines.append(row("total", "", "", d["totals"], "", ""))
     if len(d["devices"]) > 1:
         lines.append("per device: " + "; ".join(
-            f"{e['device']}: stages {e['stages']}, {_si(e['flops'] + e['head_flops'])} FLOPs with heads"
-            for e in d["devices"]))
+            f"{e['device']}: stages {e['stages']}, {_si(e['flops'] + e['head_flops'])} FLOPs"
+            + (" with heads" if heads else "") for e in d["devices"]))
     lines.append("blocks: first-last block index; FLOPs: forward at batch 1 (XLA cost analysis); "
-                 "act/example: the stage's output for one example")
+                 "act/example: the stage's output for one example"
+                 + ("; head: trained head parameters (decoder apart)" if heads else "")
+                 + ("; EMA: head parameters that follow the next module by EMA, not trained" if ema else ""))
     return "\n".join(lines)
 
 
@@ -176,4 +208,4 @@ def run(args, overrides=()) -> int:
     return 0
 
 
-__all__ = ["JSON_STAGE_KEYS", "add_parser", "describe", "format_text", "run", "stage_devices"]
+__all__ = ["JSON_STAGE_KEYS", "add_parser", "describe", "format_text", "has_heads", "run", "stage_devices"]

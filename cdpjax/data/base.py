@@ -117,10 +117,19 @@ def stream_indices(step: int, global_batch: int, num_examples: int, seed: int) -
     return out
 
 
-def random_crop_flip(images: np.ndarray, rng: np.random.Generator, pad: int = 4, flip: bool = True) -> np.ndarray:
-    """Random crop with zero padding `pad` and random horizontal flip (the CIFAR recipe)."""
+PADDING_MODES = ("zeros", "reflect")
+
+
+def random_crop_flip(images: np.ndarray, rng: np.random.Generator, pad: int = 4, flip: bool = True,
+                     mode: str = "zeros") -> np.ndarray:
+    """Random crop of the image padded by `pad` on every side, and random horizontal flip (the
+    CIFAR recipe). `mode`: 'zeros' (torchvision's `RandomCrop(padding=pad)`) or 'reflect' (the
+    border mirrored without repeating the edge pixel, PyTorch's `F.pad(mode='reflect')`, which
+    PPLL's and InfoPro's CIFAR code apply before `RandomCrop`)."""
+    if mode not in PADDING_MODES:
+        raise ValueError(f"padding mode {mode!r} is not one of {', '.join(PADDING_MODES)}")
     n, h, w, _ = images.shape
-    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="constant" if mode == "zeros" else "reflect")
     dy = rng.integers(0, 2 * pad + 1, n)
     dx = rng.integers(0, 2 * pad + 1, n)
     out = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])

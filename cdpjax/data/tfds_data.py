@@ -20,6 +20,12 @@ Augmentation, as in the papers' code:
 | stl10 (96x96) | random crop, zero padding 12; horizontal flip | as is |
 | imagenet2012 | random resized crop 224 (area 0.08-1, aspect 3/4-4/3); flip | shorter side 256, centre 224 |
 
+The crop's padding is a loader option for the fixed-size datasets:
+`dataset_kwargs.crop_padding` (pixels on every side; default as above) and
+`dataset_kwargs.padding_mode` ('zeros', default, or 'reflect': PPLL's and InfoPro's
+CIFAR-10 code pad with `F.pad(mode='reflect')`, and their SVHN code crops with zero
+padding 2; `experiments/configs/ppll_resnet32.py` sets them).
+
 (ImageNet resizing is bilinear with PIL's antialiasing, as torchvision on PIL images.)
 
 ImageNet images differ in size, so `read` decodes and resizes (to the test
@@ -40,7 +46,7 @@ import os
 import numpy as np
 
 from cdpjax.errors import ConfigError
-from cdpjax.data.base import Dataset, random_crop_flip
+from cdpjax.data.base import PADDING_MODES, Dataset, random_crop_flip
 
 IMAGENET_CROP = 224
 IMAGENET_RESIZE = 256
@@ -192,10 +198,18 @@ def _builder(name: str):
     spec = SPECS[name]
 
     def build(data_dir: str | None = None, train_split: str = "train", test_split: str | None = None,
-              **unknown) -> Dataset:
+              crop_padding: int | None = None, padding_mode: str = "zeros", **unknown) -> Dataset:
         if unknown:
             raise ConfigError(f"unknown dataset_kwargs {sorted(unknown)} for {name!r}; "
-                              "accepted: data_dir, train_split, test_split")
+                              "accepted: data_dir, train_split, test_split, crop_padding, padding_mode")
+        pad = spec.pad if crop_padding is None else crop_padding
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise ConfigError(f"dataset_kwargs.crop_padding={crop_padding!r} must be an integer >= 0 (pixels)")
+        if padding_mode not in PADDING_MODES:
+            raise ConfigError(f"dataset_kwargs.padding_mode={padding_mode!r} is not one of {', '.join(PADDING_MODES)}")
+        if name == "imagenet2012" and (crop_padding is not None or padding_mode != "zeros"):
+            raise ConfigError("imagenet2012 is augmented by random resized crops: it takes no crop_padding or "
+                              "padding_mode")
         sources = _open(name, {"train": train_split, "test": test_split or spec.test_split}, data_dir or None)
         if name == "imagenet2012":
             read, read_augmented = _imagenet_readers(sources)
@@ -204,7 +218,7 @@ def _builder(name: str):
             read, read_augmented = _read_fixed(sources, spec.image_shape), None
 
             def augment(images, rng):
-                return random_crop_flip(images, rng, pad=spec.pad, flip=spec.flip)
+                return random_crop_flip(images, rng, pad=pad, flip=spec.flip, mode=padding_mode)
 
         return Dataset(
             name=name,

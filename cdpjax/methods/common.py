@@ -96,7 +96,8 @@ class Method:
       carrier: the layouts its state is stored in (a `StageCarrier`, or the ring's), for
         padding and memory reports.
       padding: the carrier's stored / real ratios (`carrier.format_report`), None without one.
-      heads, export_heads: local learning's auxiliary heads and `state -> head parameters`.
+      heads, export_heads, export_head_state: local learning's auxiliary heads, `state -> head
+        parameters` and `state -> head state` (BatchNorm averages, EMA copies), per module.
       module_groups: local modules per device (ppll).
       stale: CDP's `[workers, stages]` matrix of pairs that read the previous version; a
         checkpoint written under another one is refused.
@@ -127,6 +128,7 @@ class Method:
     padding: dict | None = None
     heads: Any = None
     export_heads: Callable | None = None
+    export_head_state: Callable | None = None
     module_groups: tuple[int, ...] | None = None
     stale: Any = None
     stored_versions: int = 1

@@ -16,11 +16,17 @@ config's optimizer; the heads' learning rate is scaled by
 `aux_kwargs.head_lr_scale` (via `optax.partition`). No gradient crosses a
 stage boundary. BatchNorm in bodies and heads normalises with the batch's own
 statistics and updates its running averages (`model_state`, `head_state`).
+A head that follows the next stage (`aux_head='man'`) then moves its EMA copy
+towards body_{j+1} as it is before stage j+1's update on the same batch
+(`AuxHeads.follow`), where the two stages share a device in `ppll`: heads are
+built for `config.module_groups` (one stage per device when not given), the
+grouping `ppll` runs, so that the two methods stay equal.
 
 Train state: `{'params': {'body': [per stage], 'head': [per stage]},
 'model_state': [per stage], 'head_state': [per stage], 'opt_state': [per
 stage]}`; `export` gives the bodies (the plain network),
-`Method.export_heads` the heads' parameters.
+`Method.export_heads` the heads' parameters, `Method.export_head_state` their
+state (BatchNorm averages and EMA copies).
 """
 from __future__ import annotations
 
@@ -38,18 +44,21 @@ from cdpjax.models import aux_heads
 HEADS_KEY = 1 << 20  # folded into the run's key for the heads, so the bodies start as in every other method
 
 
-def setup(ctx: Context, stages=None):
-    """The net, its heads and the body / head optimizers shared by `local` and `ppll`."""
+def setup(ctx: Context, stages=None, groups=None):
+    """The net, its heads (built for `groups`, default `config.module_groups`) and the body /
+    head optimizers shared by `local` and `ppll`."""
     cfg = ctx.config
     kwargs = dict(cfg.get("aux_kwargs", {}) or {})
     kind = cfg.get("aux_head", "greedy")
     aux_heads.check_options(kind, kwargs)
     scale = aux_heads.head_lr_scale(kwargs)
     net = ctx.net(stages=stages)
-    if kind == "infopro" and kwargs.get("reconstruction") and not {"pixel_mean", "pixel_std"} <= set(kwargs):
+    takes_pixels = "pixel_mean" in aux_heads.REGISTRY.lookup(kind).options
+    if takes_pixels and kwargs.get("reconstruction") and not {"pixel_mean", "pixel_std"} <= set(kwargs):
         for key, value in pixel_stats(cfg).items():
             kwargs.setdefault(key, value)
-    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs)
+    groups = cfg.get("module_groups", None) if groups is None else groups
+    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs, groups=groups)
     return net, heads, ctx.optimizer(), optim.make(cfg, learning_rate_scale=scale)
 
 
@@ -107,6 +116,8 @@ def build(ctx: Context) -> Method:
         for j in range(num_stages):
             g_body, g_head, y, model_state[j], head_state[j], loss, acc = stage_grads(
                 net, heads, j, body[j], head[j], model_state[j], head_state[j], x, batch["label"], batch["image"])
+            if j + 1 < num_stages:  # body[j + 1] before its update on this batch
+                head_state[j] = heads.follow(j, head[j], head_state[j], body[j + 1])
             theta = {"body": body[j], "head": head[j]}
             theta, opt_state[j] = optim.apply(tx, theta, opt_state[j], {"body": g_body, "head": g_head})
             body[j], head[j] = theta["body"], theta["head"]
@@ -124,5 +135,6 @@ def build(ctx: Context) -> Method:
 
     return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, devices=1, heads=heads,
                   export_heads=lambda state: state["params"]["head"],
+                  export_head_state=lambda state: state["head_state"],
                   input_sharding=SingleDeviceSharding(device))
 

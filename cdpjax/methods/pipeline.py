@@ -246,6 +246,8 @@ def local_piece(rt: "_Runtime", u: int):
             g_body, g_head, x, s, hs, loss, acc = stage_grads(
                 rt.net, rt.heads, j, bodies[k], heads[k], states[k], head_states[k], x, ops["label"],
                 ops["image"])
+            if k + 1 < len(stages):  # the next module runs here: its head may follow it (pre-update)
+                hs = rt.heads.follow(j, heads[k], hs, bodies[k + 1])
             grads_body.append(g_body)
             grads_head.append(g_head)
             new_states.append(s)

@@ -1,47 +1,68 @@
 """ViT-B-shaped (768 wide, 12 heads, 12 blocks), blocks as local modules: e2e / local / ppll / gpipe.
 
-Reproduces the ViT rows of PPLL (Guo et al., arXiv 2411.12780) with the recipe of
-its public code: SGD lr 8e-4, batch 128, PPLL auxiliary heads (fresh transformer
-blocks, 2,2,2,1,1,1,0,... deep by module, then LayerNorm and a linear
-classifier); 32x32 inputs (patch 4) for CIFAR-10 / SVHN, 96x96 (patch 12) for
-STL-10. The public summary does not give the epoch count; 200 is used here.
-
-K local modules of 12 / K encoder blocks each (the patch embedding joins the
-first, the classifier the last); PPLL's own setting is one module per encoder
-block, K = 12, grouped on 4 GPUs (`devices=4`: 3 modules per GPU).
-
-    cdpjax train --config experiments/configs/ppll_vit.py:K=4,method=ppll,dataset=svhn_cropped
-    cdpjax train --config experiments/configs/ppll_vit.py:K=12,devices=4,method=ppll
+    cdpjax train --config experiments/configs/ppll_vit.py:method=ppll                       # K=12 on 4 GPUs
+    cdpjax train --config experiments/configs/ppll_vit.py:method=ppll,devices=2,dataset=svhn_cropped
+    cdpjax train --config experiments/configs/ppll_vit.py:K=4,recipe=infopro,method=ppll
     cdpjax describe --config experiments/configs/ppll_vit.py:K=12,devices=4
 
-Hardware: one GPU per device of the pipeline (K, or `devices`). Expected: PPLL
-2.62x sequential local learning and 1.25x model parallelism on 4 GPUs, accuracy
-comparable to e2e.
+`recipe=ppll` (default): PPLL's released ViT code (gxy233/Faster-Multi-GPU-Training-with-PPLL;
+the differences that remain, and why, are in docs/ppll.md), each value from:
+
+- 12 one-block local modules (K=12; the patch embedding joins the first, the classifier
+  the last), grouped [2, 3, 3, 4] on 4 GPUs (`configs/k4_vit_224_p16.yaml`: the parts'
+  `aux_depth_list`s of 2, 3, 3, 4 entries) and [5, 7] on 2 (`configs/k2_vit_224_p16.yaml`);
+  other device counts: even contiguous groups (no released file);
+- heads `vit`: fresh encoder blocks 2, 2, 2, 1, 1, 1, then 0, LayerNorm and a linear
+  classifier on the class token (`models/vit_model.py`: `AuxClassifier`, `get_block_count`
+  = 2 - aux_depth + 1 with the configs' aux depths 1, 1, 1, 2, 2, 2, 3, ...);
+- SGD lr 8e-4, momentum 0.9 (no Nesterov), weight decay 5e-5, batch 128, 50 epochs: the
+  configs' `lr: 0.0008`, `momentum: 0.9`, `weight_decay: 0.00005`, `batch_size: 128`,
+  `epochs: 50`, with `util/get_optimizer.py` (plain `optim.SGD`); a constant rate: the
+  configs' `milestones: [80, 120]` are never reached in 50 epochs;
+- no augmentation: `dataloader/load_data.py` (ToTensor and Normalize only);
+- patch 16 at 32x32 (`k4_vit_224_p16.yaml`, `img_size: 32`, `patch_size: 16`; `patch=4`:
+  `k4_vit_224_p4.yaml`), patch 16 at 96x96 for STL-10 (`k4_vit_224_p16_stl.yaml`).
+
+`recipe=infopro`: the recipe cdpjax ran before: K=4 modules of 3 blocks by default, SGD
+8e-4 with momentum 0.9, weight decay 0, a cosine schedule over 200 epochs, crop and flip,
+patch 4 at 32x32 and 12 at 96x96.
+
+Arguments: K, devices (PPLL's GPUs: default 4 for recipe=ppll, one per module for
+infopro), method, dataset, epochs, recipe, patch.
+
+Hardware: one GPU per device of the pipeline (`devices`). Expected: PPLL's paper, 2.62x
+sequential local learning and 1.25x model parallelism on 4 GPUs, accuracy comparable to e2e.
 """
-from cdpjax.config import default_config, parse_arg
+from cdpjax.config import ConfigError, default_config, parse_arg
 
 TRAIN_SIZES = {"cifar10": 50_000, "svhn_cropped": 73_257, "stl10": 5_000}
 DEPTH = 12
+# GPUs -> modules per GPU of PPLL's K=12 configs (the length of each part's aux_depth_list).
+PPLL_GROUPS = {4: [2, 3, 3, 4], 2: [5, 7]}
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, K=4, devices=0, method="ppll", dataset="cifar10", epochs=200)
+    a = parse_arg(arg, K=0, devices=0, method="ppll", dataset="cifar10", epochs=0, recipe="ppll", patch=0)
+    if a["recipe"] not in ("ppll", "infopro"):
+        raise ConfigError(f"recipe={a['recipe']!r} is not one of ppll, infopro")
+    ppll = a["recipe"] == "ppll"
     c = default_config()
     c.method, c.model, c.dataset = a["method"], "vit", a["dataset"]
-    patch = 12 if c.dataset == "stl10" else 4
+    patch = int(a["patch"]) or (16 if ppll else 12 if c.dataset == "stl10" else 4)
     c.model_kwargs = {"dim": 768, "depth": DEPTH, "heads": 12, "mlp_dim": 3072, "patch": patch}
     c.norm = "none"
     c.global_batch_size = 128
     # Blocks: [patch embedding, encoder 1..12, classifier]; module k starts at encoder block 1 + 12k/K.
-    k = int(a["K"])
+    k = int(a["K"]) or (DEPTH if ppll else 4)
     c.stages = [1 + DEPTH * i // k for i in range(1, k)]
-    devices = int(a["devices"])
-    if devices and devices != k:  # contiguous, as even as the counts allow
-        c.module_groups = [k // devices + (d < k % devices) for d in range(devices)]
+    devices = int(a["devices"]) or (4 if ppll else k)
+    if devices != k:  # contiguous, as even as the counts allow where PPLL has no file
+        c.module_groups = (PPLL_GROUPS.get(devices) if ppll and k == DEPTH else None) or [
+            k // devices + (d < k % devices) for d in range(devices)]
     c.aux_head = "vit"
-    c.optimizer, c.learning_rate, c.momentum, c.weight_decay = "sgd", 8e-4, 0.9, 0.0
-    c.schedule = "cosine"
+    c.optimizer, c.learning_rate, c.momentum = "sgd", 8e-4, 0.9
+    c.weight_decay, c.schedule, c.augment = (5e-5, "constant", False) if ppll else (0.0, "cosine", True)
     steps_per_epoch = TRAIN_SIZES[c.dataset] // 128 + 1
-    c.num_steps = a["epochs"] * steps_per_epoch
-    c.eval_every = c.checkpoint_every = 10 * steps_per_epoch
+    c.num_steps = (int(a["epochs"]) or (50 if ppll else 200)) * steps_per_epoch
+    c.eval_every = c.checkpoint_every = (5 if ppll else 10) * steps_per_epoch
     return c
