@@ -23,8 +23,8 @@ def features(seed=0):
                                   TokenBlocksHead(V, depth=0, heads=2, mlp_dim=32)])
 def test_per_token_logits_of_every_position(head):
     variables = head.init(jax.random.key(0), features())
-    logits, extra = head.apply(variables, features())
-    assert logits.shape == (B, T, V) and logits.dtype == jnp.float32 and extra is None
+    logits = head.apply(variables, features())
+    assert logits.shape == (B, T, V) and logits.dtype == jnp.float32
     params = variables["params"]
     assert params[sorted(k for k in params if k.startswith("Dense"))[-1]]["kernel"].shape == (D, V)
     blocks = [k for k in params if k.startswith("EncoderBlock")]  # causal ones (vit.EncoderBlock)
@@ -37,8 +37,8 @@ def test_a_later_position_changes_no_earlier_logit(head):
     it predicts)."""
     x = features()
     variables = head.init(jax.random.key(0), x)
-    a, _ = head.apply(variables, x)
-    b, _ = head.apply(variables, x.at[:, 4].set(features(1)[:, 4]))  # not a shift: LayerNorm removes those
+    a = head.apply(variables, x)
+    b = head.apply(variables, x.at[:, 4].set(features(1)[:, 4]))  # not a shift: LayerNorm removes those
     np.testing.assert_array_equal(a[:, :4], b[:, :4])
     assert np.abs(np.asarray(a[:, 4] - b[:, 4])).max() > 1e-4
 
@@ -71,7 +71,7 @@ def test_first_local_module_of_a_gpt_learns_from_its_head():
     def local_loss(trained, ids, labels):
         module_params, own_head = trained
         tokens, _ = net.apply_stage(0, module_params, state[0], ids, True)
-        return task.loss(head.apply({"params": own_head}, tokens)[0], labels)
+        return task.loss(head.apply({"params": own_head}, tokens), labels)
 
     @jax.jit
     def step(trained, opt_state, ids, labels):

@@ -5,12 +5,14 @@ its own small head. On a language model a module's output is a token sequence
 `[B, T, D]` and its local loss is the task's own (`cdpjax.tasks`: the per-token
 cross-entropy of the next token, averaged over the tokens, then over the examples):
 
-    logits, _ = head.apply(variables, features)      # [B, T, vocab], float32
+    logits = head.apply(variables, features)         # [B, T, vocab], float32
     local_loss = task.loss(logits, labels)           # labels [B, T]: the next tokens
 
-The last module needs no head: its outputs are the network's logits. Heads return
-`(logits, None)`, as the image heads of `cdpjax.models.aux_heads` do (the second entry
-is their reconstruction, which sequences have none of).
+The last module needs no head: its outputs are the network's logits. Both heads are
+registered kinds of `cdpjax.models.aux_heads` (`aux_head='token_linear'` and
+`'token_blocks'`), whose default local loss, the mean cross-entropy of the logits
+against the labels, is the language-modelling task's loss on them: every window has T
+tokens, so the mean over tokens of the batch is the mean over windows of their means.
 
 - `TokenLinearHead`: one linear layer applied to every token (the "greedy" head of a
   sequence: no pooling, one prediction per position).
@@ -30,7 +32,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from cdpjax.errors import ConfigError
-from cdpjax.models.aux_heads import PPLL_VIT_BLOCKS
+from cdpjax.models.aux_heads import PPLL_VIT_BLOCKS, register
 from cdpjax.models.gpt import decoder_block
 from cdpjax.models.vit import EncoderBlock
 
@@ -49,7 +51,7 @@ class TokenLinearHead(nn.Module):
 
     @nn.compact
     def __call__(self, features, train: bool = False):
-        return nn.Dense(self.vocab)(_tokens(features)).astype(jnp.float32), None
+        return nn.Dense(self.vocab)(_tokens(features)).astype(jnp.float32)
 
 
 class TokenBlocksHead(nn.Module):
@@ -66,7 +68,7 @@ class TokenBlocksHead(nn.Module):
         for _ in range(self.depth):
             y = decoder_block(self.heads, self.mlp_dim)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
-        return nn.Dense(self.vocab)(y).astype(jnp.float32), None
+        return nn.Dense(self.vocab)(y).astype(jnp.float32)
 
 
 def ppll_depth(j: int, blocks=PPLL_VIT_BLOCKS) -> int:
@@ -88,4 +90,23 @@ def token_blocks_head(net, j: int, width: int, vocab: int, depth: int | None = N
     return TokenBlocksHead(vocab, ppll_depth(j) if depth is None else int(depth), heads, mlp_dim)
 
 
-__all__ = ["TokenBlocksHead", "TokenLinearHead", "decoder_shape", "ppll_depth", "token_blocks_head"]
+@register("token_linear")
+def token_linear(ctx):
+    """A per-token linear head for local module j of a language model."""
+    if len(ctx.feature_shape) != 2:
+        raise ConfigError(f"aux_head='token_linear' needs token outputs [T, D]; module {ctx.index} of "
+                          f"{ctx.net.name!r} gives {list(ctx.feature_shape)}")
+    return TokenLinearHead(ctx.num_classes)
+
+
+@register("token_blocks")
+def token_blocks(ctx, *, depth: int | None = None):
+    """PPLL's ViT head for sequences: fresh causal blocks (PPLL's depths by module), LayerNorm, logits."""
+    if len(ctx.feature_shape) != 2:
+        raise ConfigError(f"aux_head='token_blocks' needs token outputs [T, D]; module {ctx.index} of "
+                          f"{ctx.net.name!r} gives {list(ctx.feature_shape)}")
+    return token_blocks_head(ctx.net, ctx.index, ctx.feature_shape[-1], ctx.num_classes, depth)
+
+
+__all__ = ["TokenBlocksHead", "TokenLinearHead", "decoder_shape", "ppll_depth", "token_blocks", "token_blocks_head",
+           "token_linear"]

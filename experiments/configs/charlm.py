@@ -37,4 +37,5 @@ def get_config(arg=None):
     c.log_every = 20
     c.optimizer, c.learning_rate, c.weight_decay = "adam", 3e-3, 0.0
     c.schedule = "cosine"
+    c.aux_head = "token_linear"  # local, ppll: a per-token linear head on each module's tokens
     return c
