@@ -21,8 +21,10 @@ same work on one device is the framework's own overhead.
 """
 from __future__ import annotations
 
+import os
 import re
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -355,6 +357,8 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         **_padded_figures(method, sizes),
         "report": method_report(method),
     }
+    if run.get("timing_note"):
+        record["timing_note"] = run["timing_note"]
     if method.program is not None:  # what the program sends: exactly the runtime's messages
         record.update(_program_sends(method.program, priced))
     from cdpjax import cost, optim
@@ -404,6 +408,11 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> l
     devices = devices or [None] * len(configs)
     runs = [_prepare(c, d) for c, d in zip(configs, devices)]
     for run in runs:
+        warning = oversubscribed(run["mesh"])
+        if warning:
+            print(f"cdpjax bench: {run['config'].method}: {warning}", file=sys.stderr, flush=True)
+            run["timing_note"] = warning
+    for run in runs:
         for _ in range(warmup):
             run["state"], _ = run["compiled"](run["state"], run["batch"])
         jax.block_until_ready(run["state"])
@@ -415,6 +424,17 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> l
             jax.block_until_ready((run["state"], out))
             ts.append(time.perf_counter() - t0)
     return [_record(run, statistics.median(ts)) for run, ts in zip(runs, times)]
+
+
+def oversubscribed(mesh) -> str | None:
+    """A warning when the mesh has more simulated CPU devices than the machine has cores: its step
+    time then measures how the devices share the cores, not the method (None otherwise)."""
+    devices = list(mesh.devices.flat)
+    cores = os.cpu_count() or 1
+    if devices and devices[0].platform == "cpu" and len(devices) > cores:
+        return (f"{len(devices)} simulated CPU devices on {cores} cores: the step time measures how they share "
+                f"the cores; compare times at {cores} devices or fewer (cost.flops does not move with load)")
+    return None
 
 
 def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:

@@ -139,18 +139,32 @@ def evaluate(eval_fn, params, state, dataset, batch_size: int, task: tasks.Task 
 
 
 def window_entry(metrics) -> list | dict:
-    """What a train step adds to the logging window: its `metric_sums` (a list, JSON for the
-    checkpoint), or for a method that reports none its `loss` and `accuracy`."""
-    if "metric_sums" in metrics:
-        return [float(v) for v in np.asarray(metrics["metric_sums"], np.float64)]
-    return {k: float(metrics[k]) for k in ("loss", "accuracy") if k in metrics}
+    """What a train step adds to the logging window (a list of numbers, JSON for the checkpoint):
+    its `metric_sums`, then for local learning each module's (loss, 1 if it ran); for a method
+    that reports no sums, its `loss` and `accuracy`."""
+    if "metric_sums" not in metrics:
+        return {k: float(metrics[k]) for k in ("loss", "accuracy") if k in metrics}
+    entry = [float(v) for v in np.asarray(metrics["metric_sums"], np.float64)]
+    if "stage_loss" in metrics and "stage_valid" in metrics:
+        for loss, valid in zip(np.asarray(metrics["stage_loss"], np.float64), np.asarray(metrics["stage_valid"])):
+            entry += [float(loss) if valid else 0.0, float(bool(valid))]
+    return entry
 
 
 def window_metrics(task: tasks.Task, window: list) -> dict:
-    """The task's metrics of a logging window: `finish` of its steps' sums added up, or (methods
-    without sums) the mean of each step's loss and accuracy."""
+    """The task's metrics of a logging window: `finish` of its steps' sums added up, and each local
+    module's mean loss over the steps it ran (`loss_module_<k>`); or (methods without sums) the
+    mean of each step's loss and accuracy."""
     if window and all(isinstance(entry, list) for entry in window):
-        return {k: float(v) for k, v in task.finish(np.sum(np.asarray(window, np.float64), axis=0)).items()}
+        n = len(task.sum_names)
+        rows = np.asarray(window, np.float64)
+        out = {k: float(v) for k, v in task.finish(rows[:, :n].sum(axis=0)).items()}
+        modules = rows[:, n:].reshape(len(window), -1, 2)
+        for k in range(modules.shape[1]):
+            ran = modules[:, k, 1].sum()
+            if ran:
+                out[f"loss_module_{k}"] = float(modules[:, k, 0].sum() / ran)
+        return out
     return {k: float(np.mean([m[k] for m in window])) for k in window[0] if all(k in m for m in window)}
 
 

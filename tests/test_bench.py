@@ -323,3 +323,31 @@ def test_predict_for_config_says_its_model():
     assert "error" in wrong and wrong["model"] == "lockstep"
     with pytest.raises(ConfigError, match="lockstep or async"):
         speedup.predict_for_config(c, 2, 1e15, model="eager")
+
+
+def test_pipeline_sends_each_boundarys_real_bytes(tmp_path):
+    """gpipe on a two-stage MLP (64 -> 16 -> 16 -> 16 -> 10, cut after two blocks), M = 4 micro-batches
+    of 16: each micro-batch's forward sends its 16-wide hidden layer to device 1 once and its
+    backward sends the same-sized cotangent back once, 2 x 4 x 16 x 16 x 4 bytes a step over the two
+    devices (counted by hand); the same messages padded to the carrier's rows would be as wide as
+    the 8x8x1 image (64 floats)."""
+    path = tmp_path / "b.json"
+    assert main(["bench", "--methods", "gpipe", "--cpu-devices", "2", "--repeats", "1", "--config.stages=[2]",
+                 "--config.model_kwargs.width=16", "--config.microbatches=4", "--config.global_batch_size=64",
+                 "--json", str(path)]) == 0
+    (r,) = json.loads(path.read_text())
+    by_hand = 2 * 4 * 16 * 16 * 4 / 2  # per device: the mean over the two
+    assert r["sent_bytes_per_device_per_step"] == by_hand
+    assert r["sent_bytes_padded_per_device_per_step"] == by_hand * 64 / 16
+    assert r["sent_bytes_per_device_per_step"] <= 1.05 * by_hand
+
+
+def test_bench_warns_when_simulated_devices_outnumber_cores(monkeypatch):
+    import os
+    import types
+
+    fake = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")] * 4))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert "4 simulated CPU devices on 2 cores" in bench.oversubscribed(fake)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert bench.oversubscribed(fake) is None

@@ -38,7 +38,7 @@ from jax.sharding import SingleDeviceSharding
 
 from cdpjax import optim
 from cdpjax.errors import ConfigError
-from cdpjax.methods.common import Context, Method
+from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.models import aux_heads
 
 HEADS_KEY = 1 << 20  # folded into the run's key for the heads, so the bodies start as in every other method
@@ -126,8 +126,10 @@ def build(ctx: Context) -> Method:
             accs.append(acc)
         new = {"params": {"body": body, "head": head}, "model_state": model_state, "head_state": head_state,
                "opt_state": opt_state}
-        metrics = {"loss": losses[-1], "accuracy": accs[-1], "stage_loss": jnp.stack(losses),
-                   "stage_accuracy": jnp.stack(accs)}
+        # x: the network's outputs; its metrics are the task's, every module's loss logged beside them
+        metrics = {**step_metrics(ctx.task, losses[-1], ctx.task.metric_sums(x, batch["label"])),
+                   "stage_loss": jnp.stack(losses), "stage_accuracy": jnp.stack(accs),
+                   "stage_valid": jnp.ones((num_stages,), bool)}
         return new, metrics
 
     def export(state):
