@@ -70,6 +70,7 @@ def delivery(ops, updates, completer, N, L, steps, T, capacity: int = 1):
     send (at most `capacity` 'sum' sends and receives per worker per tick, counted modulo T
     so that the plans of consecutive steps share the ticks too), holders that have applied
     first."""
+    # Long on purpose: one list scheduler, its state (pending readers, holders, busy ticks) read by each step.
     from collections import Counter
 
     win = windows(ops, updates, completer)

@@ -138,6 +138,7 @@ def _init_state(net, tx, rng):
 
 
 def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Method:
+    # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     mesh, tx, L = ctx.mesh, ctx.optimizer(), net.num_stages
     per_device = workers // ctx.axis(AXIS)
     replicated = NamedSharding(mesh, P())

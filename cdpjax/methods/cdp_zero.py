@@ -219,6 +219,7 @@ def _unnamed(b, state, z: ZeroTicks, carry: bool) -> dict:
 
 
 def _method(ctx: Context, net, table, program: Program, residuals: str) -> Method:
+    # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     z: ZeroTicks = program.ticks
     mesh, tx, N, L = ctx.mesh, ctx.optimizer(), z.workers, z.stages

@@ -468,6 +468,7 @@ def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool):
 
 def build(ctx, name: str, net, table, residuals: str) -> Method:
     """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
+    # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     program = lower_ring(table, residuals)  # refuses a read the ring cannot serve
     ticks: RingTicks = program.ticks

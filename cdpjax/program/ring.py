@@ -138,6 +138,7 @@ def ring_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> Ri
 
 
 def _ring_window(table, m):
+    # Long on purpose: one pass over the window's ops and messages fills every event list of its ticks.
     T = table.period
     grad = gradient_kind(any(o.kind == "W" for o in table.ops))
     lo, hi = m * T, (m + 1) * T

@@ -152,41 +152,7 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     slots = {name: _slots(life, periodic) for name, life in lives.items()}
     slot_of = {name: s[0] for name, s in slots.items()}
     count = {name: max(s[1], 1) for name, s in slots.items()}
-
-    shape = (P, D)
-    arrays = {k: np.full(shape, -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
-    arrays.update({k: np.zeros(shape, np.int32) for k in ("kind", "unit", "micro", "rel", "version")})
-    boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
-    sends = {k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")}
-    recvs = {k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")}
-    messages = []
-    for o in ops:
-        if not lo <= o.tick < hi:
-            continue
-        t, d, u = o.tick - lo, o.device, unit_of[o.stage]
-        if arrays["kind"][t, d] != IDLE:
-            raise ConfigError(f"{table.method}: device {d} runs two units in tick {o.tick}")
-        key = (d, (u, o.micro, o.step))
-        arrays["kind"][t, d] = CODE[o.kind]
-        arrays["unit"][t, d] = u
-        arrays["micro"][t, d] = o.micro
-        arrays["rel"][t, d] = o.step - m
-        arrays["version"][t, d] = int(o.slot == "previous")
-        for name in ("act", "input", "residual"):
-            arrays[f"{name}_slot"][t, d] = slot_of[name].get(key, -1)
-        if o.kind in ("B", "W"):
-            arrays["cot_slot"][t, d] = slot_of["cot"].get(key, -1)
-        if o.kind in FORWARD_KINDS and u == 0 and o.step != m:
-            raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
-                              f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
-        if o.kind in FORWARD_KINDS and u + 1 < U:  # its output goes to the next unit's device
-            sends["send_act"][t, u] = 1
-            recvs["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
-        if o.kind == "B" and u > 0:  # the cotangent of its input goes back
-            sends["send_cot"][t, u - 1] = 1
-            recvs["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
+    arrays, messages = _tick_arrays(table, ops, place, slot_of, m, carry_image)
     update = np.zeros((P, D, place.chunks), bool)
     update_rel = np.zeros((P, D, place.chunks), np.int32)
     for up in table.updates:
@@ -196,7 +162,8 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
             update_rel[up.tick - lo, place.device[u], place.chunk[u]] = up.step - m
     ticks = StageTicks(update=update, update_rel=update_rel, any_update=update.any(axis=(1, 2)).astype(np.int32),
                        act_slots=count["act"], input_slots=count["input"], cot_slots=count["cot"],
-                       residual_slots=count["residual"], boundaries=boundaries, **arrays, **sends, **recvs)
+                       residual_slots=count["residual"],
+                       boundaries=tuple((place.device[u], place.device[u + 1]) for u in range(U - 1)), **arrays)
     microbatches = max(o.micro for o in ops) + 1
     versions = 2 if any(o.slot == "previous" for o in ops) else 1
     in_flight = _grads_in_flight(ticks, place, P)
@@ -204,6 +171,45 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
                        backprop=any(o.kind in ("B", "W") for o in ops))
     return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
                    in_flight, place, buffers, tuple(messages), ticks)
+
+
+def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list]:
+    """The [tick, device] op arrays and the [tick, boundary] send arrays of the period of step m,
+    with the messages they send."""
+    unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
+    lo, hi = m * P, (m + 1) * P
+    arrays = {k: np.full((P, D), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
+    arrays.update({k: np.zeros((P, D), np.int32) for k in ("kind", "unit", "micro", "rel", "version")})
+    arrays.update({k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")})
+    arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
+    boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
+    messages = []
+    for o in ops:
+        if not lo <= o.tick < hi:
+            continue
+        t, d, u = o.tick - lo, o.device, unit_of[o.stage]
+        if arrays["kind"][t, d] != IDLE:
+            raise ConfigError(f"{table.method}: device {d} runs two units in tick {o.tick}")
+        key = (d, (u, o.micro, o.step))
+        for name, value in (("kind", CODE[o.kind]), ("unit", u), ("micro", o.micro), ("rel", o.step - m),
+                            ("version", int(o.slot == "previous"))):
+            arrays[name][t, d] = value
+        for name in ("act", "input", "residual"):
+            arrays[f"{name}_slot"][t, d] = slot_of[name].get(key, -1)
+        if o.kind in ("B", "W"):
+            arrays["cot_slot"][t, d] = slot_of["cot"].get(key, -1)
+        if o.kind in FORWARD_KINDS and u == 0 and o.step != m:
+            raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
+                              f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
+        if o.kind in FORWARD_KINDS and u + 1 < U:  # its output goes to the next unit's device
+            arrays["send_act"][t, u] = 1
+            arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
+            messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
+        if o.kind == "B" and u > 0:  # the cotangent of its input goes back
+            arrays["send_cot"][t, u - 1] = 1
+            arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
+            messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
+    return arrays, messages
 
 
 def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict[str, dict]:

@@ -90,109 +90,115 @@ def _circular_slots(arcs: dict, period: int) -> tuple[dict, int]:
     return out, max(len([r for r in taken if taken[r]]), 1)
 
 
+class _PeriodRows:
+    """The rows of one steady period [lo, hi) of a plan: gradient rows (`grad_row`), relay rows
+    (`relay_row`), each event's row the same in every period (circular colouring of the arcs that
+    start in the period; an event of another step is one of those shifted by whole periods)."""
+
+    def __init__(self, plan, grad_kind: str, lo: int, hi: int):
+        self.plan, self.lo, self.T = plan, lo, hi - lo
+        owners = plan.owners
+        self.grad_op = {(o.device, o.stage, o.step): o.tick for o in plan.table.ops if o.kind == grad_kind}
+        # Gradient arcs, per worker and sum, from its first to its last tick in a row. A message lands
+        # at the end of its tick (after the ops and sends), so a row it fills is taken from the next
+        # tick; an update reads its rows after the landings, so a row it reads stays taken into the next.
+        self.grad_arcs = defaultdict(dict)
+        self.incoming = {}  # (worker, stage, step) -> the key of the row its received partial sum is in
+        for h in plan.hops:
+            u = plan.update_tick[(h.stage, h.step)]
+            last = u + 1 if h.dst == owners[h.stage] else self.grad_op[(h.dst, h.stage, h.step)]
+            key = ("in", "sum", h.stage, h.step)
+            self.grad_arcs[h.dst][key] = (h.tick + 1, max(last, h.tick + 1))
+            self.incoming[(h.dst, h.stage, h.step)] = key
+        for (w, j, k), t in self.grad_op.items():
+            u = plan.update_tick[(j, k)]
+            if self.early_owner(w, j, k):  # the owner's own contribution, waiting for the others'
+                self.grad_arcs[w][("own", j, k)] = (t, u + 1)
+            elif (w, j, k) not in self.incoming:  # a sum it starts: sent at the end of the tick, or applied
+                self.grad_arcs[w][("start", j, k)] = (t, t + 1 if w == owners[j] else t)
+        # Relay arcs: a worker's relayed visits, known by (stage, first op's kind, step), one row each
+        # while it lasts (two where paired forwards visit two stages in one tick).
+        self.relay_arcs = defaultdict(dict)
+        for v in plan.visits:
+            if v.worker != owners[v.stage]:
+                self.relay_arcs[v.worker][(v.stage, v.kinds[0], v.step)] = (v.ticks[0], v.ticks[-1])
+        self.grad_rows = self._colour(self.grad_arcs)
+        self.relay_rows = self._colour(self.relay_arcs)
+
+    def _colour(self, arcs) -> dict:
+        return {w: _circular_slots({k: x for k, x in a.items() if self.lo <= x[0] < self.lo + self.T}, self.T)
+                for w, a in arcs.items()}
+
+    def count(self, rows) -> int:
+        return max((n for _, n in rows.values()), default=1)
+
+    def _row(self, rows, arcs, w, key):
+        shift = -((arcs[w][key][0] - self.lo) // self.T)  # whole periods that bring its start into the period
+        return rows[w][0][key[:-1] + (key[-1] + shift,)]
+
+    def grad_row(self, w, key) -> int:
+        return self._row(self.grad_rows, self.grad_arcs, w, key)
+
+    def relay_row(self, v) -> int:
+        return self._row(self.relay_rows, self.relay_arcs, v.worker, (v.stage, v.kinds[0], v.step))
+
+    def early_owner(self, w, j, k) -> bool:
+        """The owner's own gradient op comes before the others' are all in."""
+        return w == self.plan.owners[j] and self.grad_op[(w, j, k)] != self.plan.update_tick[(j, k)]
+
+    def op_rows(self, w, j, k) -> tuple[int, int]:
+        """(row it adds to or -1, row its sum goes to) of worker w's gradient op of (j, k)."""
+        if self.early_owner(w, j, k):
+            return -1, self.grad_row(w, ("own", j, k))
+        if (w, j, k) in self.incoming:
+            r = self.grad_row(w, self.incoming[(w, j, k)])
+            return r, r
+        return -1, self.grad_row(w, ("start", j, k))
+
+    def applied_rows(self, j, k) -> tuple[int, ...]:
+        """The owner's rows an update sums: the others' sum and its own contribution, or (it finished
+        last and added the others' sum in its op) its op's row."""
+        o = self.plan.owners[j]
+        if self.early_owner(o, j, k):
+            return self.grad_row(o, self.incoming[(o, j, k)]), self.grad_row(o, ("own", j, k))
+        return (self.op_rows(o, j, k)[1],)
+
+
 @functools.lru_cache(maxsize=64)
 def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> ZeroTicks:
+    """The per-tick events of one steady period of cdp-zero's plan (module docstring)."""
     plan = zero_plan(rule, workers, stages, ticks)
-    base = plan.table
-    T, N, L = base.period, workers, stages
-    m = 3  # a steady period: steps m-1..m+1 are laid out whole around it
+    base, owners = plan.table, plan.owners
+    T, m = base.period, 3  # a steady period: steps m-1..m+1 are laid out whole around it
     lo, hi = m * T, (m + 1) * T
-    owners = plan.owners
-    local = tuple(sorted(j2 for j2 in range(L) if owners[j2] == owners[j]).index(j) for j in range(L))
-    owned = max(local) + 1
+    local = tuple(sorted(j2 for j2 in range(stages) if owners[j2] == owners[j]).index(j) for j in range(stages))
     grad = gradient_kind(ticks == "split")
-    grad_op = {(o.device, o.stage, o.step): o.tick for o in base.ops if o.kind == grad}
-    # Gradient rows: an arc per worker and sum from its first to its last tick there.
-    arcs = defaultdict(dict)  # worker -> key -> (start, end)
-    incoming = {}  # (worker, stage, step) -> key of the row its received partial sum is in
-    # Ticks: a message lands at the end of its tick (after the ops and sends), so a row it fills
-    # is taken from the next tick; an update reads its rows after the landings at the end of its
-    # tick, so a row it reads stays taken into the next tick.
-    for h in plan.hops:
-        key = ("sum", h.stage, h.step)
-        u = plan.update_tick[(h.stage, h.step)]
-        last = u + 1 if h.dst == owners[h.stage] else grad_op[(h.dst, h.stage, h.step)]
-        arcs[h.dst][("in",) + key] = (h.tick + 1, max(last, h.tick + 1))
-        incoming[(h.dst, h.stage, h.step)] = ("in",) + key
-    for (w, j, k), t in grad_op.items():  # a gradient op's sum lives in a row to the end of its tick
-        u = plan.update_tick[(j, k)]
-        if w == owners[j] and t != u:  # the owner's own, waiting for the others'
-            arcs[w][("own", j, k)] = (t, u + 1)
-        elif (w, j, k) not in incoming:  # a sum it starts: sent at the end of the tick, or applied
-            arcs[w][("start", j, k)] = (t, t + 1 if w == owners[j] else t)
-    # One arc per periodic event: those starting in the period; the same event of another step
-    # is this one shifted by whole periods, and has its row.
-    rows = {w: _circular_slots({k: v for k, v in a.items() if lo <= v[0] < hi}, T) for w, a in arcs.items()}
-    G = max((n for _, n in rows.values()), default=1)
-
-    class _Rows(dict):
-        def __missing__(self, wkey):
-            w, key = wkey
-            start = arcs[w][key][0]
-            shift = -((start - lo) // T)  # whole periods that bring its start into the period
-            return rows[w][0][key[:-1] + (key[-1] + shift,)]
-
-    row_of = _Rows()
-
-    def early_owner(w, j, k):  # the owner's own gradient op before the others are all in
-        return w == owners[j] and grad_op[(w, j, k)] != plan.update_tick[(j, k)]
-
-    def rows_of_op(w, j, k):
-        """(row it adds to or -1, row its sum goes to) of worker w's gradient op of (j, k)."""
-        if early_owner(w, j, k):
-            return -1, row_of[(w, ("own", j, k))]
-        if (w, j, k) in incoming:
-            r = row_of[(w, incoming[(w, j, k)])]
-            return r, r
-        return -1, row_of[(w, ("start", j, k))]
-
-    # Relay rows: a worker's relayed visits, one row each while it lasts (two where paired
-    # forwards visit two stages in one tick).
-    spans = defaultdict(dict)  # a visit is known by (stage, its first op's kind, step)
+    rows = _PeriodRows(plan, grad, lo, hi)
+    events = [dict(refreshes=[], ops=[], sends=[], applies=[]) for _ in range(T)]
+    visit_of = {(v.worker, t, v.stage): v for v in plan.visits for t in v.ticks}
     for v in plan.visits:
-        if v.worker != owners[v.stage]:
-            spans[v.worker][(v.stage, v.kinds[0], v.step)] = (v.ticks[0], v.ticks[-1])
-    relay = {w: _circular_slots({k: x for k, x in a.items() if lo <= x[0] < hi}, T) for w, a in spans.items()}
-    R = max((n for _, n in relay.values()), default=1)
-
-    def relay_row(v):
-        start = spans[v.worker][(v.stage, v.kinds[0], v.step)][0]
-        return relay[v.worker][0][(v.stage, v.kinds[0], v.step - (start - lo) // T)]
-
-    ticks = [dict(refreshes=[], ops=[], sends=[], applies=[]) for _ in range(T)]
-    visit_of = {}
-    for v in plan.visits:
-        for t in v.ticks:
-            visit_of[(v.worker, t, v.stage)] = v
         if lo <= v.ticks[0] < hi and v.worker != owners[v.stage]:
-            ticks[v.ticks[0] - lo]["refreshes"].append((v.stage, owners[v.stage], v.worker, local[v.stage], v.row,
-                                                        relay_row(v)))
+            events[v.ticks[0] - lo]["refreshes"].append((v.stage, owners[v.stage], v.worker, local[v.stage], v.row,
+                                                         rows.relay_row(v)))
     for o in base.ops:
-        if not lo <= o.tick < hi:
-            continue
-        v = visit_of[(o.device, o.tick, o.stage)]
-        params = ("master", local[o.stage], v.row) if o.device == owners[o.stage] else ("relay", relay_row(v))
-        g_in = g_out = -1
-        if o.kind == grad:
-            g_in, g_out = rows_of_op(o.device, o.stage, o.step)
-        ticks[o.tick - lo]["ops"].append(ZeroOp(o.device, o.kind, o.stage, m - o.step, params, g_in, g_out))
+        if lo <= o.tick < hi:
+            v = visit_of[(o.device, o.tick, o.stage)]
+            params = ("master", local[o.stage], v.row) if o.device == owners[o.stage] else ("relay", rows.relay_row(v))
+            g_in, g_out = rows.op_rows(o.device, o.stage, o.step) if o.kind == grad else (-1, -1)
+            events[o.tick - lo]["ops"].append(ZeroOp(o.device, o.kind, o.stage, m - o.step, params, g_in, g_out))
     for h in plan.hops:
         if lo <= h.tick < hi:
-            src_row = rows_of_op(h.src, h.stage, h.step)[1]
-            dst_row = row_of[(h.dst, incoming[(h.dst, h.stage, h.step)])]
-            ticks[h.tick - lo]["sends"].append((h.stage, h.src, h.dst, src_row, dst_row))
+            dst_row = rows.grad_row(h.dst, rows.incoming[(h.dst, h.stage, h.step)])
+            events[h.tick - lo]["sends"].append((h.stage, h.src, h.dst, rows.op_rows(h.src, h.stage, h.step)[1],
+                                                 dst_row))
     for (j, k), u in plan.update_tick.items():
         if lo <= u < hi:
-            o = owners[j]
-            if early_owner(o, j, k):  # the others' sum arrives now; its own waited since its gradient op
-                summed = (row_of[(o, incoming[(o, j, k)])], row_of[(o, ("own", j, k))])
-            else:  # it finished last and added the others' sum in its op
-                summed = (rows_of_op(o, j, k)[1],)
-            ticks[u - lo]["applies"].append((j, o, m - k, local[j], summed))
-    events = tuple(ZeroTick(tuple(t["refreshes"]), tuple(sorted(t["ops"], key=lambda z: (z.worker, z.kind))),
-                            tuple(t["sends"]), tuple(t["applies"])) for t in ticks)
-    lags = [op.lag for tk in events for op in tk.ops] + [a[2] for tk in events for a in tk.applies]
-    return ZeroTicks(rule, N, L, events, owners, local, owned, plan.versions, G, R, max(lags))
+            events[u - lo]["applies"].append((j, owners[j], m - k, local[j], rows.applied_rows(j, k)))
+    out = tuple(ZeroTick(tuple(e["refreshes"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind))),
+                         tuple(e["sends"]), tuple(e["applies"])) for e in events)
+    lags = [op.lag for tk in out for op in tk.ops] + [a[2] for tk in out for a in tk.applies]
+    return ZeroTicks(rule, workers, stages, out, owners, local, max(local) + 1, plan.versions,
+                     rows.count(rows.grad_rows), rows.count(rows.relay_rows), max(lags))
 
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
