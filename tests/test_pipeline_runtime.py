@@ -215,6 +215,18 @@ def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys, monkeypatch
         record = bench.bench_method(c, devices=jax.devices()[:3], warmup=1, repeats=1)
         assert record["method"] == "toy-lifo" and record["devices"] == 3
         assert record["busy_fraction"] == pytest.approx(2 / 4)  # M / (M + K - 1)
+        # Memory and bytes from the toy's lowered program alone, counted by hand: the mlp of width 16
+        # (64 -> 16 -> 16 -> 16 -> 10) cut into 3 stages, micro-batches of 16 / 2 = 8 examples.
+        # Wherever the 3 stages are cut, the model's blocks are these and both boundaries are 16 wide.
+        blocks = [4 * (64 * 16 + 16), 4 * (16 * 16 + 16), 4 * (16 * 16 + 16), 4 * (16 * 10 + 10)]
+        assert sum(record["stage_param_bytes"]) == sum(blocks)
+        model = record["memory_model"]["arguments"]
+        # each device holds one row as long as the largest stage, and its momentum
+        assert model["parameters"] == model["optimizer_state"] == max(record["stage_param_bytes"])
+        assert model["gradients_in_flight"] == 0  # flushed every step
+        # per step: 2 boundaries x M = 2 micro-batches x (the activation forward, its cotangent back)
+        # of 8 x 16 float32, over 3 devices
+        assert record["sent_bytes_per_device_per_step"] == pytest.approx(2 * 2 * 2 * 8 * 16 * 4 / 3)
         predicted = speedup.predict_for_config(c, 3, 1e15)
         assert "error" not in predicted and predicted["devices"] == 3
     assert "toy-lifo" not in LAYOUTS
