@@ -221,8 +221,9 @@ def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys, monkeypatch
         blocks = [4 * (64 * 16 + 16), 4 * (16 * 16 + 16), 4 * (16 * 16 + 16), 4 * (16 * 10 + 10)]
         assert sum(record["stage_param_bytes"]) == sum(blocks)
         model = record["memory_model"]["arguments"]
-        # each device holds one row as long as the largest stage, and its momentum
-        assert model["parameters"] == model["optimizer_state"] == max(record["stage_param_bytes"])
+        # each device holds one row as long as the largest stage, and its momentum (and step counts)
+        assert model["parameters"] == max(record["stage_param_bytes"])
+        assert model["optimizer_state"] == pytest.approx(model["parameters"], rel=0.01)
         assert model["gradients_in_flight"] == 0  # flushed every step
         # per step: 2 boundaries x M = 2 micro-batches x (the activation forward, its cotangent back)
         # of 8 x 16 float32, over 3 devices
