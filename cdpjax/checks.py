@@ -5,6 +5,7 @@ any device is touched or anything compiles. The trainer, `bench` and `reproduce.
 from __future__ import annotations
 
 import inspect
+import math
 
 from cdpjax import config as cfg_lib
 from cdpjax.errors import ConfigError
@@ -37,6 +38,70 @@ def check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
                               f"{', '.join(sorted(known)) or 'none'}")
 
 
+def _kind(default) -> str | None:
+    """What a factory's option takes, read off its default: None where the default says nothing."""
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, int):
+        return "int"
+    if isinstance(default, float):
+        return "number"
+    if isinstance(default, str):
+        return "str"
+    if isinstance(default, (list, tuple)):
+        return "sequence"
+    return None
+
+
+def _fits(value, kind: str) -> bool:
+    finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    return {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": finite,
+        "str": lambda v: isinstance(v, str),
+        "sequence": lambda v: isinstance(v, (list, tuple)) and all(finite(x) or isinstance(x, str) for x in v),
+    }[kind](value)
+
+
+_KIND_WORDS = {"bool": "True or False", "int": "an integer", "number": "a finite number", "str": "a string",
+               "sequence": "a list of numbers"}
+
+
+def check_values(key: str, kwargs, fn, owner: str) -> None:
+    """Each value of `kwargs` must be of the kind of `fn`'s default for it (an integer where the
+    default is an integer...); what the default does not say is left to `try_model`."""
+    params = inspect.signature(fn).parameters
+    for name, value in dict(kwargs).items():
+        kind = _kind(params[name].default) if name in params else None
+        if kind is not None and not _fits(value, kind):
+            raise ConfigError(f"{key}.{name}={value!r}: {owner} takes {_KIND_WORDS[kind]} there (its default is "
+                              f"{params[name].default!r})")
+
+
+def try_model(config, input_shape, num_classes) -> None:
+    """The model with the config's `model_kwargs`, built and initialised abstractly at batch 1
+    (`jax.eval_shape`: nothing runs or compiles), so that an option its factory cannot work
+    with (a width of 0) is a ConfigError here, not an error deep inside JAX later."""
+    kwargs = dict(config.get("model_kwargs", {}) or {})
+    if not kwargs:
+        return
+    import jax
+
+    from cdpjax import models
+
+    try:
+        net = models.build(config, input_shape, num_classes, stages=1)
+        jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's options: one line naming them
+        text = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"model {config.model!r} with model_kwargs {kwargs} cannot be built for "
+                          f"{tuple(input_shape)} inputs and {num_classes} classes ({type(e).__name__}: {text}): "
+                          f"fix those options") from None
+
+
 def validate(config) -> None:
     """`config.validate`, then the method, model and dataset names and their options."""
     from cdpjax import data, layouts, models  # the registries (models and data import JAX)
@@ -47,6 +112,7 @@ def validate(config) -> None:
     dataset = data.REGISTRY.lookup(config.dataset)
     check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",
                  MODEL_RESERVED)
+    check_values("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}")
     dtype = config.get("dtype", "float32")
     if dtype != "float32" and not takes_dtype(model):
         raise ConfigError(f"dtype={dtype!r}: model {config.model!r} computes in float32 only (its factory takes "
@@ -56,4 +122,4 @@ def validate(config) -> None:
                  f"dataset {config.dataset!r}", ("data_dir",))
 
 
-__all__ = ["MODEL_RESERVED", "check_kwargs", "options", "takes_dtype", "validate"]
+__all__ = ["MODEL_RESERVED", "check_kwargs", "check_values", "options", "takes_dtype", "try_model", "validate"]

@@ -1,15 +1,23 @@
-"""`cdpjax`: the command line (train, schedule, bench, plot).
+"""`cdpjax`: the command line (train, schedule, bench, plot, describe).
 
 JAX's backends start only after `--cpu-devices` is applied, so that the simulated
 device count takes effect. Bad input exits with status 2 and a one-line message,
-without a traceback.
+without a traceback; so does a file that cannot be written (disk full, quota, read-only).
+Ctrl-C and SIGTERM end any command at any moment with one line and status 130 or 143
+(`cdpjax.shutdown`, installed first); a non-finite training step exits 3; in a
+multi-process run, a process that vanished is named in one line, status 4, by each of
+the others (`cdpjax.supervisor`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from cdpjax.errors import ConfigError
+from cdpjax import shutdown
+from cdpjax.errors import ConfigError, storage_problem
+
+# Simulated CPU devices beyond this are refused (each is a thread pool and a client of XLA's).
+MAX_CPU_DEVICES = 1024
 
 
 def _split_config_overrides(argv):
@@ -51,18 +59,37 @@ def _cpu_devices(args, config) -> tuple[int, str]:
         why = f"what the mesh {mesh} needs"
         if count is None:
             count, why = 8, f"the default; the mesh {mesh} takes every device"
+    check_cpu_devices(count, why)
     setup_devices(count)
     return count, why
 
 
+def check_cpu_devices(count: int, why: str) -> None:
+    if not 1 <= count <= MAX_CPU_DEVICES:
+        raise ConfigError(f"{count} simulated CPU devices ({why}): cdpjax simulates 1 to {MAX_CPU_DEVICES}; "
+                          f"give a smaller mesh or --cpu-devices")
+
+
 def cmd_train(args, overrides) -> int:
+    from cdpjax import supervisor
+
+    if supervisor.supervised():
+        supervisor.die_with_supervisor()
     config = _load(args, overrides)
+    from cdpjax import config as cfg_lib
+    from cdpjax import distributed
+
+    cfg_lib.validate(config)
+    settings = distributed.settings(config)
+    if settings is not None and not supervisor.supervised():
+        # A multi-process run: this process watches the one that trains (cdpjax.supervisor).
+        if not args.workdir:
+            raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
+        return supervisor.run(args.argv, settings, args.workdir, int(config.distributed.timeout_s))
     from cdpjax import checks
 
     checks.validate(config)  # every key and name, before devices are set up
     device_note = _cpu_devices(args, config)
-    from cdpjax import distributed
-
     # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
     joined = distributed.initialize(config)
     from cdpjax import train
@@ -109,7 +136,19 @@ def _runner(module):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    uninstall = shutdown.install()  # first: a signal at any later moment ends in one line
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        uninstall()
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n"))
+
+
+def _main(argv: list[str]) -> int:
+    original = list(argv)
     overrides, argv = _split_config_overrides(argv)
     parser = argparse.ArgumentParser(prog="cdpjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,10 +183,11 @@ def main(argv=None) -> int:
         module.add_parser(sub)
         commands[name] = _runner(module)
     args = parser.parse_args(argv)
+    args.argv = original
     try:
         return int(commands[args.command](args, overrides) or 0)
     except ConfigError as e:
-        print(f"cdpjax: error: {e}", file=sys.stderr)
+        print(f"cdpjax: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         from cdpjax.train import Interrupted
@@ -162,8 +202,13 @@ def main(argv=None) -> int:
         from cdpjax.errors import NonFiniteError
 
         if isinstance(e, NonFiniteError):
-            print(f"cdpjax: error: {e}", file=sys.stderr)
+            print(f"cdpjax: error: {_one_line(e)}", file=sys.stderr)
             return 3
+        reason = storage_problem(e)
+        if reason is not None:  # a write the command made itself (a figure, a JSON file)
+            print(f"cdpjax: error: cannot write {getattr(e, 'filename', None) or 'a file'}: {reason}",
+                  file=sys.stderr)
+            return 2
         raise
 
 
