@@ -1,4 +1,6 @@
-"""TensorBoard event files of a run's metrics, written with tensorboardX into WORKDIR.
+"""TensorBoard event files of a run's metrics, written with tensorboardX into WORKDIR; and
+metrics.jsonl read back (`read_metrics`: the lines that are metrics records, and why the
+others are not), by the trainer on resume and by `cdpjax plot`.
 
 `tensorboard --logdir WORKDIR` (or a folder of work directories) shows them: one
 scalar per numeric field of each metrics.jsonl line, tagged `<split>/<field>`
@@ -15,6 +17,7 @@ which file in one line.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -41,6 +44,44 @@ def event_files(workdir: str) -> list[str]:
             raise ConfigError(f"{path} is named like a TensorBoard event file but is not a file: the run rewrites "
                               f"its event files, so move it away")
     return paths
+
+
+def metrics_record(line: bytes):
+    """A metrics.jsonl line as its record, or why it is not one (a str)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except (json.JSONDecodeError, RecursionError):
+        return "not JSON (cut short by a crash?)"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"its step is {json.dumps(step)[:40]}, not a count of steps"
+    if record.get("split") not in ("train", "test"):
+        return f"its split is {json.dumps(record.get('split'))[:40]}, not 'train' or 'test'"
+    return record
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[str]]:
+    """The records of a metrics.jsonl and, for each line that is not one, where and why; a path
+    that is not a file is a ConfigError."""
+    if not os.path.exists(path):
+        return [], []
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a file: the run appends its metrics there, so move it away")
+    records, dropped = [], []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = metrics_record(line)
+            if isinstance(record, str):
+                dropped.append(f"line {number}: {record}")
+            else:
+                records.append(record)
+    return records, dropped
 
 
 class EventLog:
@@ -72,4 +113,4 @@ class EventLog:
         self.writer.close()
 
 
-__all__ = ["EVENTS_PREFIX", "EventLog", "event_files", "scalars"]
+__all__ = ["EVENTS_PREFIX", "EventLog", "event_files", "metrics_record", "read_metrics", "scalars"]

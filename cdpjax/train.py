@@ -67,7 +67,7 @@ from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
 from cdpjax.checkpoint import TMP_MARK, Checkpointer, Damaged
 from cdpjax.errors import ConfigError, NonFiniteError, StorageError, storage_problem
-from cdpjax.events import EventLog, event_files
+from cdpjax.events import EventLog, event_files, read_metrics
 from cdpjax.mesh import make_mesh
 from cdpjax.methods.common import tree_select
 
@@ -270,44 +270,6 @@ def describe_nonfinite(metrics, flags) -> str:
         return (f"the in-flight state (activations, gradients or partial sums of a batch still in "
                 f"flight), every stage's parameters still finite; loss {loss:.4g}")
     return f"the loss ({loss}), every stage's parameters still finite"
-
-
-def metrics_record(line: bytes):
-    """A metrics.jsonl line as its record, or why it is not one (a str)."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "not UTF-8 text"
-    except (json.JSONDecodeError, RecursionError):
-        return "not JSON (cut short by a crash?)"
-    if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object"
-    step = record.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return f"its step is {json.dumps(step)[:40]}, not a count of steps"
-    if record.get("split") not in ("train", "test"):
-        return f"its split is {json.dumps(record.get('split'))[:40]}, not 'train' or 'test'"
-    return record
-
-
-def read_metrics(path: str) -> tuple[list[dict], list[str]]:
-    """The records of a metrics.jsonl and, for each line that is not one, where and why; a path
-    that is not a file is a ConfigError."""
-    if not os.path.exists(path):
-        return [], []
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path} is not a file: the run appends its metrics there, so move it away")
-    records, dropped = [], []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = metrics_record(line)
-            if isinstance(record, str):
-                dropped.append(f"line {number}: {record}")
-            else:
-                records.append(record)
-    return records, dropped
 
 
 class MetricsLog:

@@ -1,0 +1,28 @@
+"""Files the commands write (figures, JSON), checked before any work: `check_output`."""
+from __future__ import annotations
+
+import os
+
+from cdpjax.errors import ConfigError
+
+FIGURE_SUFFIXES = (".png", ".svg")
+
+
+def check_output(path: str, flag: str, suffixes: tuple[str, ...] | None = None) -> str:
+    """`path` as a file this process can write: its folder exists (no folder is created
+    elsewhere on the way), it is not a directory, it is writable, and it ends in one of
+    `suffixes` when given. ConfigError naming the flag and what is wrong."""
+    if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
+        raise ConfigError(f"{flag} {path!r} must end in {' or '.join(suffixes)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist: create it first, or write elsewhere")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: give a file name")
+    target = path if os.path.exists(path) else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path}: {'the file' if target == path else 'its folder'} is not writable")
+    return path
+
+
+__all__ = ["FIGURE_SUFFIXES", "check_output"]
