@@ -12,7 +12,7 @@ fails (a full disk) removes its own temporary directory.
 
 Next to the state, each checkpoint holds a small JSON `meta` (method, mesh shape, skipped
 steps, the partial logging window), which says whether the state fits a run before it is
-restored, and what guards the bytes: `tree`, every array's path, shape and dtype;
+restored, and what guards the bytes: `tree`, every array's path, shape and dtype (paths and shapes must match the run's);
 `checksums`, per array two sums of its bits taken on the devices (`array_checksums`: the
 sum and the position-weighted sum of its 32-bit words, modulo 2**32, so a flipped bit
 always shows and the figure does not depend on the sharding or the device count); and
@@ -197,6 +197,9 @@ class Checkpointer:
         meta = {**meta, "tree": tree_signature(state), "checksums": array_checksums(state)}
         meta["digest"] = _digest(meta)
         with shutdown.critical():
+            if os.path.lexists(self.path(step)):  # orbax would replace it (force=True): never another's
+                raise ConfigError(f"checkpoint {step} exists already in {self.directory}, which this run did not "
+                                  f"write (another run writes into this directory); it is left as it is")
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -274,13 +277,14 @@ class Checkpointer:
         not what was written are `Damaged`."""
         meta = self.read_meta(step)
         tree = meta.get("tree")
-        if tree is not None:
-            here = tree_signature(like)
-            if here != tree:
-                there = {r[0]: r[1:] for r in tree}
-                diff = next(([p, *rest] for p, *rest in here if there.get(p) != rest), None)
-                what = (f"array {diff[0]} is {there.get(diff[0], 'absent')} there, {diff[1:]} here" if diff
-                        else f"{len(tree)} arrays there, {len(here)} here")
+        if tree is not None:  # paths and shapes must agree (orbax casts dtypes, as it restores them)
+            here = {path: shape for path, shape, _ in tree_signature(like)}
+            there = {r[0]: r[1] for r in tree}
+            if here != there:
+                diff = next((p for p in here if there.get(p) != here[p]), None)
+                what = (f"array {diff} has shape {there[diff]} there, {here[diff]} here" if diff in there
+                        else f"array {diff} is not there" if diff
+                        else f"{len(there)} arrays there, {len(here)} here")
                 e = ValueError(f"the checkpoint's train state does not match this run's: {what}")
                 raise (explain(e) if explain else ConfigError(
                     f"checkpoint {step} in {self.directory} holds another train state ({what}): it was written "

@@ -343,7 +343,10 @@ def _check_number(key: str, v, kind, lo, hi) -> None:
     if not math.isfinite(v):
         raise ConfigError(f"{key}={v!r} must be a finite number")
     if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        if kind is int:  # an integer's upper bound is a limit of the implementation, said apart
+            rng = f">= {lo}" if v < lo else f"<= {hi}"
+        else:
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
 
 
@@ -388,14 +391,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"stages must be a number of stages or a list of split points, got {stages!r}")
     if isinstance(stages, int) and stages < 1:
         raise ConfigError(f"stages={stages} must be >= 1")
+    if isinstance(stages, int) and stages > TABLE_SIZE_LIMIT or \
+            isinstance(stages, (list, tuple)) and len(stages) >= TABLE_SIZE_LIMIT:
+        count = stages if isinstance(stages, int) else len(stages) + 1
+        raise ConfigError(f"stages: {count} stages, more than the {TABLE_SIZE_LIMIT} a time table can lay out here")
     if isinstance(stages, (list, tuple)):
         if any(isinstance(p, bool) or not isinstance(p, int) for p in stages):
             raise ConfigError(f"stages={list(stages)!r}: split points must be integers (block indices)")
         if any(b <= a for a, b in zip((0, *stages), stages)):
             raise ConfigError(f"stages={list(stages)!r}: split points must be strictly increasing and >= 1")
     groups = config.get("module_groups", None)
-    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups
-                               or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
+    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups or len(groups) > TABLE_SIZE_LIMIT
+                               or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= TABLE_SIZE_LIMIT
+                                      for g in groups)):
         raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
                           f"device, adding up to the stages) or None")
     _check_combinations(config)

@@ -101,7 +101,8 @@ def _end(signum: int, signals: set[int]) -> None:
     abandoned = False
     while not _critical.acquire(timeout=0.2):
         again = signal.sigtimedwait(signals, 0)
-        if (again is not None and again.si_signo == signal.SIGINT) or time.monotonic() > deadline:
+        if (again is not None and again.si_signo == signal.SIGINT and signum == signal.SIGINT) or \
+                time.monotonic() > deadline:
             abandoned = True
             break
     how = HOW.get(signum, f"stopped by signal {signum}")
@@ -137,7 +138,7 @@ class _Watcher:
                 info = signal.sigtimedwait(self.signals, 0.2)
             except InterruptedError:
                 continue
-            if info is None:
+            if info is None or info.si_signo not in self.signals:  # (a stopped process continued: signo 0)
                 continue
             pid = _state["forward"]
             if pid is not None:

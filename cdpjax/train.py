@@ -856,6 +856,7 @@ def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
         with shutdown.critical():
             if os.environ.get(WAIT_IN_CHECKPOINT_ENV) == str(step):
                 _wait_for_release(os.environ[WAIT_FILE_ENV])
+            p.check_lock()  # again: a process frozen until now may have lost the directory meanwhile
             p.ckpt.save(step, p.state, meta)
             p.intact = step
     except Exception:
