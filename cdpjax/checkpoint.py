@@ -23,8 +23,10 @@ for the digest. A checkpoint written before these fields existed restores unveri
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -144,6 +146,36 @@ def check_meta(meta) -> str | None:
     return None
 
 
+class _HeldErrors(logging.Filter):
+    """Orbax's own error logs (with their tracebacks, from its threads) while a save or restore
+    runs: held, and logged after all only if it succeeds; a failure is said in one line by the
+    caller instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.held.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _errors_held():
+    logger, held = logging.getLogger("absl"), _HeldErrors()
+    logger.addFilter(held)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        logger.removeFilter(held)
+        for record in held.held if ok else ():
+            logger.handle(record)
+
+
 def _check_directory(directory: str) -> None:
     if os.path.islink(directory) and not os.path.exists(directory):
         raise ConfigError(f"checkpoint path {directory!r} is a symbolic link that leads nowhere (a loop, or a "
@@ -201,9 +233,10 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {step} exists already in {self.directory}, which this run did not "
                                   f"write (another run writes into this directory); it is left as it is")
             try:
-                saved = self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-                self.manager.wait_until_finished()
+                with _errors_held():
+                    saved = self.manager.save(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+                    self.manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001 - cleaned up, then said in one line if it is the disk
                 self.remove_unfinished(step)
                 reason = storage_problem(e)
@@ -257,7 +290,8 @@ class Checkpointer:
         """The JSON meta saved with checkpoint `step`; `Damaged` if it cannot be read or is not
         what was written."""
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            with _errors_held():
+                out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             meta = out["meta"] if out["meta"] is not None else {}
         except Exception as e:  # noqa: BLE001 - any failure to read is a damaged (or vanished) checkpoint
             if not os.path.isdir(self.path(step)):
@@ -291,8 +325,9 @@ class Checkpointer:
                     f"by another method, model or mesh; use a fresh --workdir")) from None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            with _errors_held():
+                out = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - corrupt, vanished, or (unverified checkpoints) another layout
             if not os.path.isdir(self.path(step)):
                 raise Damaged(step, self.directory, "was removed while it was read") from None

@@ -157,6 +157,37 @@ class _Watcher:
         _Watcher.current = None
 
 
+def _closed_loop(kind, value) -> bool:
+    """A RuntimeError('Event loop is closed'): tensorstore handing a result to orbax's event loop
+    after a failed save closed it, from a C++ thread; noise after the one line that says why."""
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def quiet_closed_loops() -> Callable[[], None]:
+    """Drops those errors wherever Python would print them (sys.excepthook, threading.excepthook,
+    sys.unraisablehook); returns the function that puts the hooks back."""
+    previous = sys.excepthook, threading.excepthook, sys.unraisablehook
+
+    def excepthook(kind, value, tb):
+        if not _closed_loop(kind, value):
+            previous[0](kind, value, tb)
+
+    def thread_hook(args):
+        if not _closed_loop(args.exc_type, args.exc_value):
+            previous[1](args)
+
+    def unraisable(args):
+        if not _closed_loop(args.exc_type, args.exc_value):
+            previous[2](args)
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable
+
+    def restore() -> None:
+        sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+
+    return restore
+
+
 def install() -> Callable[[], None]:
     """Blocks SIGINT and SIGTERM and starts the watcher (main thread only; once); returns the
     function that undoes it (for `main` called in-process, as the tests do)."""
@@ -167,9 +198,11 @@ def install() -> Callable[[], None]:
         return lambda: None
     _Watcher.current = _Watcher(signals)
     watcher = _Watcher.current
+    hooks = quiet_closed_loops()
 
     def uninstall() -> None:
         watcher.close()
+        hooks()
         _cleanups.clear()
         _state.update(message=None, forward=None, received=None)
 

@@ -92,10 +92,10 @@ def the_line(err: str, start: str = "cdpjax") -> str:
     return lines[0]
 
 
-def fails(args, capsys, compiles=None, code=2) -> str:
+def fails(args, capfd, compiles=None, code=2) -> str:
     """`cdpjax ARGS` in this process: the exit status, one line, nothing compiled."""
     got = main(args)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert got == code, err
     line = the_line(err)
     if compiles is not None:
@@ -198,7 +198,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
 def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_intact_one(damage, runs, tmp_path,
-                                                                                      capsys):
+                                                                                      capfd):
     """Checkpoint 8, the newest, damaged on disk (one bit of an array, 16 bytes, a meta field of
     the wrong type or a plausible edit, orbax's manifest gone): the same command names it in one
     line, sets it aside (renamed, kept) and resumes from checkpoint 4, saying so; the run ends
@@ -206,7 +206,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_intac
     work = copy_of(runs, tmp_path)
     DAMAGE[damage](work / "checkpoints" / "8")
     assert main(cli_train(work)) == 0
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "Traceback" not in err and "Event loop is closed" not in err, err
     named = [line for line in err.splitlines() if "checkpoint 8" in line]
     assert len(named) == 1 and "damaged" in named[0] and "resuming from checkpoint 4, the newest intact one" in \
@@ -296,17 +296,22 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
 # 3. Signals ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("signals", [
-    [(0.05, signal.SIGTERM)], [(0.5, signal.SIGTERM)], [(1.5, signal.SIGINT)], [(3.0, signal.SIGTERM)],
-    [(5.0, signal.SIGINT), (5.1, signal.SIGINT)], [(8.0, signal.SIGTERM)], [(12.0, signal.SIGINT)],
+    [(0.0, signal.SIGTERM)], [(0.3, signal.SIGINT)], [(1.0, signal.SIGTERM)], [(2.0, signal.SIGINT)],
+    [(3.0, signal.SIGINT), (3.1, signal.SIGINT)], [(5.0, signal.SIGTERM)], [(8.0, signal.SIGTERM)],
+    [(12.0, signal.SIGINT)],
 ], ids=lambda s: "+".join(f"{signal.Signals(n).name}@{t}s" for t, n in s))
 def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
-    """SIGTERM or Ctrl-C (once or twice) at moments from the interpreter's first lines through
-    the imports, JAX's start, the checks and compilation into training: exit status 143 or 130,
-    one line (no traceback, no crash, nothing swallowed: the run does not go on), no lock left."""
+    """SIGTERM or Ctrl-C (once or twice) at moments from the first line of `main` (the process
+    says when it calls it) through the imports, JAX's start, the checks and compilation into
+    training: exit status 143 or 130, one line (no traceback, no crash, nothing swallowed: the
+    run does not go on), no lock left."""
     work = tmp_path / "run"
-    proc = subprocess.Popen(subprocess_command(work, overrides=[*OVERRIDES[:1], "--config.num_steps=100000",
-                                                                "--config.checkpoint_every=50"]),
-                            env=env_without_device_flag(), stderr=subprocess.PIPE, text=True)
+    command = subprocess_command(work, overrides=[*OVERRIDES[:1], "--config.num_steps=100000",
+                                                  "--config.checkpoint_every=50"])
+    command[2] = command[2].replace("sys.exit(main())", "print('main', flush=True); sys.exit(main())")
+    proc = subprocess.Popen(command, env=env_without_device_flag(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "main\n"
     start = time.time()
     for at, sig in signals:
         time.sleep(max(at - (time.time() - start), 0))
@@ -320,7 +325,7 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert len(lines) == 1 and lines[0].startswith("cdpjax: " + ("terminated (SIGTERM)" if first == signal.SIGTERM
                                                                   else "interrupted")), err
-    assert "run the same command" in lines[0]
+    assert "the same command" in lines[0]
     assert not (work / "lock.json").exists()
 
 
@@ -393,7 +398,7 @@ def test_a_tmpfs_too_small_ends_in_one_line(size, tmp_path):
     ("checkpoint", errno.ENOSPC), ("checkpoint", errno.EDQUOT), ("metrics", errno.ENOSPC),
     ("metrics", errno.EROFS), ("lock", errno.ENOSPC), ("config", errno.EDQUOT),
 ])
-def test_disk_errors_are_one_line(where, error, runs, tmp_path, capsys, monkeypatch):
+def test_disk_errors_are_one_line(where, error, runs, tmp_path, capfd, monkeypatch):
     """The same without a small file system: the write that fails raises the OSError a full disk
     (ENOSPC), a quota (EDQUOT) or a read-only file system (EROFS) gives. One line, exit 2,
     naming the file and the last complete checkpoint; no temporary file left."""
@@ -427,7 +432,7 @@ def test_disk_errors_are_one_line(where, error, runs, tmp_path, capsys, monkeypa
             return handle
 
         monkeypatch.setattr(builtins, "open", failing_open)
-    line = fails(cli_train(work), capsys)
+    line = fails(cli_train(work), capfd)
     assert "cannot write" in line and words in line, line
     if where == "checkpoint":
         assert f"{work}/checkpoints/12" in line and "last complete checkpoint: step 8" in line, line
@@ -508,9 +513,9 @@ def test_an_unreachable_coordinator_is_one_line(tmp_path):
     ("host:12:34", "must be HOST:PORT"),
     ("[::1]:80:x", "must be HOST:PORT"),
 ])
-def test_bad_coordinator_addresses_are_config_errors(address, message, tmp_path, capsys):
+def test_bad_coordinator_addresses_are_config_errors(address, message, tmp_path, capfd):
     line = fails(["train", "--workdir", str(tmp_path), f"--config.distributed.coordinator_address='{address}'",
-                  "--config.distributed.num_processes=2", "--config.distributed.process_id=0"], capsys)
+                  "--config.distributed.num_processes=2", "--config.distributed.process_id=0"], capfd)
     assert message in line and repr(address) in line, line
 
 
@@ -584,8 +589,8 @@ HOSTILE_OVERRIDES = [
 
 
 @pytest.mark.parametrize("override,message", HOSTILE_OVERRIDES, ids=[o for o, _ in HOSTILE_OVERRIDES])
-def test_hostile_overrides_are_one_line(override, message, tmp_path, capsys, compiles):
-    line = fails(cli_train(tmp_path / "w", *override.split()), capsys, compiles)
+def test_hostile_overrides_are_one_line(override, message, tmp_path, capfd, compiles):
+    line = fails(cli_train(tmp_path / "w", *override.split()), capfd, compiles)
     assert message in line, line
     assert not (tmp_path / "w").exists()  # nothing left behind
 
@@ -596,20 +601,20 @@ def test_hostile_overrides_are_one_line(override, message, tmp_path, capsys, com
     (["--cpu-devices", "100000"], "100000 simulated CPU devices (--cpu-devices 100000)"),
     (["--cpu-devices", "0"], "0 simulated CPU devices"),
 ])
-def test_simulated_devices_are_bounded(args, message, tmp_path, capsys, compiles):
+def test_simulated_devices_are_bounded(args, message, tmp_path, capfd, compiles):
     """Without --cpu-devices the mesh says how many CPU devices to simulate: a billion is refused
     before JAX is asked for them (here JAX already runs, which is why it must be refused first)."""
-    line = fails(["train", "--no-progress", "--workdir", str(tmp_path / "w"), "--config.method=dp", *args], capsys,
+    line = fails(["train", "--no-progress", "--workdir", str(tmp_path / "w"), "--config.method=dp", *args], capfd,
                  compiles)
     assert message in line, line
 
 
 @pytest.mark.parametrize("key", ["learning_rate", "momentum", "weight_decay"])
-def test_nan_from_a_config_file_is_refused(key, tmp_path, capsys, compiles):
+def test_nan_from_a_config_file_is_refused(key, tmp_path, capfd, compiles):
     path = tmp_path / "nan.py"
     path.write_text("from cdpjax.config import default_config\n\ndef get_config():\n"
                     f"    c = default_config()\n    c.method = 'dp'\n    c.{key} = float('nan')\n    return c\n")
-    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(path)], capsys, compiles)
+    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(path)], capfd, compiles)
     assert f"{key}=nan must be a finite number" in line, line
 
 
@@ -635,11 +640,11 @@ CONFIG_FILES = {
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES, ids=list(CONFIG_FILES))
-def test_hostile_config_files_are_one_line(name, tmp_path, capsys, compiles):
+def test_hostile_config_files_are_one_line(name, tmp_path, capfd, compiles):
     text, message = CONFIG_FILES[name]
     path = tmp_path / f"{name}.py"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(path)], capsys, compiles)
+    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(path)], capfd, compiles)
     assert f"config file {str(path)!r}" in line and message in line, line
 
 
@@ -649,11 +654,11 @@ def test_hostile_config_files_are_one_line(name, tmp_path, capsys, compiles):
     ("digits.py:stages=1.5", "config argument stages='1.5' must be an integer"),
     ("digits.py:nosuch=1", "config argument 'nosuch' is not one of"),
 ])
-def test_config_file_arguments_are_checked(spec, message, tmp_path, capsys, compiles):
+def test_config_file_arguments_are_checked(spec, message, tmp_path, capfd, compiles):
     (tmp_path / "noarg.py").write_text("from cdpjax.config import default_config\n\ndef get_config():\n"
                                        "    return default_config()\n")
     shutil.copy(ROOT / "experiments" / "configs" / "digits.py", tmp_path / "digits.py")
-    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(tmp_path / spec)], capsys, compiles)
+    line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(tmp_path / spec)], capfd, compiles)
     assert message in line, line
 
 
@@ -669,14 +674,14 @@ GARBLED_METRICS = {
 
 
 @pytest.mark.parametrize("name", GARBLED_METRICS, ids=list(GARBLED_METRICS))
-def test_a_garbled_metrics_line_is_dropped_saying_so(name, runs, tmp_path, capsys):
+def test_a_garbled_metrics_line_is_dropped_saying_so(name, runs, tmp_path, capfd):
     """A line of metrics.jsonl that is not a metrics record (after the resumed step): the run
     resumes, says in one line which line it dropped and why, and ends as the uninterrupted run."""
     work = copy_of(runs, tmp_path)
     with open(work / "metrics.jsonl", "ab") as f:
         f.write(GARBLED_METRICS[name])
     assert main(cli_train(work)) == 0
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "Traceback" not in err
     dropped = [line for line in err.splitlines() if "metrics.jsonl: dropped 1 line" in line]
     assert len(dropped) == 1 and "line 6:" in dropped[0], err
@@ -711,14 +716,14 @@ DAMAGED_FILES = {
 
 
 @pytest.mark.parametrize("name", DAMAGED_FILES, ids=list(DAMAGED_FILES))
-def test_damaged_workdir_files_are_one_line(name, runs, tmp_path, capsys, compiles):
+def test_damaged_workdir_files_are_one_line(name, runs, tmp_path, capfd, compiles):
     """A file the resumed run reads or rewrites, damaged: one line naming it and what to do, exit 2,
     nothing compiled. (A fresh unreadable lock is refused for a while, as a lock being written
     is; an old one is taken over: test_workdir.py.)"""
     work = copy_of(runs, tmp_path)
     damage, message = DAMAGED_FILES[name]
     damage(work)
-    line = fails(cli_train(work), capsys, compiles)
+    line = fails(cli_train(work), capfd, compiles)
     assert message in line, line
 
 
@@ -760,26 +765,26 @@ HOSTILE_TABLES = {
 
 
 @pytest.mark.parametrize("name", HOSTILE_TABLES, ids=list(HOSTILE_TABLES))
-def test_hostile_time_tables_are_one_line(name, tmp_path, capsys):
+def test_hostile_time_tables_are_one_line(name, tmp_path, capfd):
     data, message = HOSTILE_TABLES[name]
     path = tmp_path / "table.json"
     path.write_bytes(data)
     t0 = time.time()
-    line = fails(["schedule", "--from-json", str(path), "--out", str(tmp_path / "t.png")], capsys)
+    line = fails(["schedule", "--from-json", str(path), "--out", str(tmp_path / "t.png")], capfd)
     assert time.time() - t0 < 120 and "not a cdpjax time table" in line and message in line, line
     assert not (tmp_path / "t.png").exists()
 
 
-def test_a_time_table_too_large_to_lay_out_is_refused_at_once(capsys):
+def test_a_time_table_too_large_to_lay_out_is_refused_at_once(capfd):
     t0 = time.time()
     line = fails(["schedule", "--method", "cdp-v2", "--workers", "1024", "--stages", "512", "--steps", "100000"],
-                 capsys)
+                 capfd)
     assert time.time() - t0 < 60 and "ops, more than" in line, line
 
 
 # 11. plot, bench, schedule --out ---------------------------------------------------------------------
 
-def test_plot_of_damaged_run_files(runs, tmp_path, capsys):
+def test_plot_of_damaged_run_files(runs, tmp_path, capfd):
     """config.json a list, metrics.jsonl with a non-UTF-8 line and a line that is not an object:
     the figure is drawn, the dropped lines said in one line, the label falls back to the name."""
     work = copy_of(runs, tmp_path)
@@ -788,7 +793,7 @@ def test_plot_of_damaged_run_files(runs, tmp_path, capsys):
         f.write(b"\xff\xfe\n[1, 2]\n")
     out = tmp_path / "curves.png"
     assert main(["plot", str(work), "--out", str(out)]) == 0
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "Traceback" not in err and out.stat().st_size > 0
     assert "left out 2 lines that are not a metrics record (line 6: not UTF-8 text)" in err, err
 
@@ -805,18 +810,18 @@ def test_plot_of_damaged_run_files(runs, tmp_path, capsys):
     (["bench", "--methods", "dp", "--predict", "-1"], "--predict -1 must be >= 0"),
     (["bench", "--methods", " , "], "names no method"),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else None)
-def test_command_arguments_and_output_paths_are_checked_first(args, message, runs, tmp_path, capsys, compiles):
+def test_command_arguments_and_output_paths_are_checked_first(args, message, runs, tmp_path, capfd, compiles):
     """Before any work (nothing compiled, no folder created): the output path's folder must exist,
     the path be a file of the right kind; bench's repeats, bandwidth and predict in range."""
     work = copy_of(runs, tmp_path)
     (tmp_path / "folder.png").mkdir()
     fill = {"work": str(work), "tmp": str(tmp_path)}
-    line = fails([a.format(**fill) for a in args], capsys, compiles)
+    line = fails([a.format(**fill) for a in args], capfd, compiles)
     assert message.format(**fill) in line, line
     assert not (tmp_path / "no").exists()
 
 
-def test_a_figure_that_cannot_be_written_is_one_line(runs, tmp_path, capsys, monkeypatch):
+def test_a_figure_that_cannot_be_written_is_one_line(runs, tmp_path, capfd, monkeypatch):
     """The write itself refused (a read-only file system, which a test cannot make here):
     one line naming the file, exit 2."""
     from matplotlib.figure import Figure
@@ -826,7 +831,7 @@ def test_a_figure_that_cannot_be_written_is_one_line(runs, tmp_path, capsys, mon
 
     monkeypatch.setattr(Figure, "savefig", refuse)
     out = tmp_path / "curves.png"
-    line = fails(["plot", str(runs["full"]), "--out", str(out)], capsys)
+    line = fails(["plot", str(runs["full"]), "--out", str(out)], capfd)
     assert line == f"cdpjax: error: cannot write {out}: the file system is read-only", line
 
 
