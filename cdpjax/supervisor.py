@@ -9,7 +9,9 @@ aborts (SIGABRT) with some hundred lines of C++ logs and stack. So `cdpjax train
 multi-process run, runs its process as a child and watches it (`run`):
 
 - the child's stderr passes through, less JAX's C++ log lines, their stack traces and
-  gloo's connection notices (kept aside; `CDPJAX_RAW_STDERR=1` shows them);
+  gloo's connection notices (kept aside; `CDPJAX_RAW_STDERR=1` shows them); a Python
+  traceback is held until the child ends: shown if it was a failure of the child's own,
+  dropped if a vanished process caused it (a collective of orbax's that lost its peer);
 - SIGINT and SIGTERM are handed on to the child (which is in its own process group, so a
   Ctrl-C reaches it once), whose own handling (`cdpjax.shutdown`) says where it stopped;
 - when the child dies of a signal, the supervisor reads the lines kept aside to tell what
@@ -44,7 +46,9 @@ PEER_LOST_STATUS = 4
 # them up to the next line of another kind; check-failure stacks; gloo's notices.
 _ABSL = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+\s+\S+:\d+\]")
 _NOISE = (b"*** Check failure stack trace", b"    @ ", b"[Gloo] ", b"terminate called after", b"  what():")
-_NOT_CONTINUATION = (b"cdpjax", b"Traceback", b"\r", b"\n")
+_NOT_CONTINUATION = (b"cdpjax", b"Traceback", b"\r")
+_TRACEBACK = b"Traceback (most recent call last):"
+_CHAINED = (b"During handling of the above exception", b"The above exception was the direct cause")
 _KEEP = 256 * 1024  # bytes of C++ log kept to tell what happened
 
 
@@ -73,6 +77,8 @@ class _Filter(threading.Thread):
         self.noise = collections.deque()
         self.noise_bytes = 0
         self.in_block = False
+        self.tracebacks: list[bytes] = []  # held until the child ends
+        self.in_traceback = False
 
     def _keep(self, line: bytes) -> None:
         self.noise.append(line)
@@ -86,10 +92,27 @@ class _Filter(threading.Thread):
             return True
         if line.startswith(_NOISE):
             return True
-        if self.in_block and not line.startswith(_NOT_CONTINUATION) and line.strip():
+        if self.in_block and not line.startswith(_NOT_CONTINUATION):
             return True
         self.in_block = False
         return False
+
+    def _is_traceback(self, line: bytes) -> bool:
+        """Whether `line` belongs to a Python traceback (from its first line to the exception's)."""
+        if line.startswith(_TRACEBACK) or line.startswith(_CHAINED):
+            self.in_traceback = True
+            return True
+        if self.in_traceback:
+            self.in_traceback = line.startswith(b" ") or not line.strip()
+            return True
+        return False
+
+    def release_tracebacks(self) -> None:
+        """Shows the held tracebacks (the child's own failure)."""
+        if self.tracebacks:
+            sys.stderr.buffer.write(b"".join(self.tracebacks))
+            sys.stderr.buffer.flush()
+            self.tracebacks = []
 
     def run(self) -> None:
         out = sys.stderr.buffer
@@ -105,8 +128,12 @@ class _Filter(threading.Thread):
                 continue
             lines, pending = re.split(rb"(?<=[\n\r])", pending[:cut + 1]), pending[cut + 1:]
             for line in filter(None, lines):
-                if not self.raw and self._is_noise(line):
+                if self.raw:
+                    out.write(line)
+                elif self._is_noise(line):
                     self._keep(line)
+                elif self._is_traceback(line):
+                    self.tracebacks.append(line)
                 else:
                     out.write(line)
             out.flush()
@@ -186,20 +213,24 @@ def run(argv: list[str], settings: dict, workdir: str, timeout_s: int) -> int:
     finally:
         relay.join()
         shutdown.forward_to(None)
-    if status >= 0:
+    what = diagnose(relay.text(), settings, timeout_s)
+    # The child's own ends: done, bad input, non-finite, a signal it said; or a failure of its own.
+    if status in (0, 2, 3, 130, 143) or (status > 0 and what is None):
+        relay.release_tracebacks()
         return status
-    _release_lock(workdir, child.pid)
     n, me = settings.get("num_processes"), settings.get("process_id")
     this = f"process {me} of {n}" if me is not None and n else "this process"
     asked = shutdown.received()
+    _release_lock(workdir, child.pid)
     if asked is not None:
         shutdown.write_line(f"{shutdown.HOW.get(asked, 'stopped')}: {this} ended ({_signal_name(-status)}); "
-                             f"{_last_checkpoint(workdir)}; run the same command on every process to resume")
+                            f"{_last_checkpoint(workdir)}; run the same command on every process to resume")
         return shutdown.EXIT_STATUS.get(asked, 128 + asked)
-    what = diagnose(relay.text(), settings, timeout_s) or (
-        f"{this} ended by {_signal_name(-status)} (JAX's own report is hidden: {RAW_ENV}=1 shows it)")
+    if what is None:
+        relay.release_tracebacks()
+        what = f"{this} ended by {_signal_name(-status)} (JAX's own report is hidden: {RAW_ENV}=1 shows it)"
     shutdown.write_line(f"error: {what}; {this} stopped too; {_last_checkpoint(workdir)}; run the same command "
-                         f"on every process to resume")
+                        f"on every process to resume")
     return PEER_LOST_STATUS
 
 

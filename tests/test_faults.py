@@ -262,7 +262,7 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
     train.train(c, str(reference), progress=False)
     work = tmp_path / "run"
     old = subprocess.Popen(subprocess_command(work, overrides=FORCE_OVERRIDES),
-                           env=env_without_device_flag(**{train.DELAY_ENV: 0.05}),
+                           env=env_without_device_flag(**{train.DELAY_ENV: 0.1}),
                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + WAIT_S
     while not (work / "checkpoints").is_dir() or len(steps(work)) < 2:
