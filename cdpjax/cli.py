@@ -104,9 +104,9 @@ def cmd_train(args, overrides) -> int:
     summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
                           force=args.force, device_note=device_note)
     if jax.process_index() == 0 and not summary.get("already_finished"):
-        print(f"cdpjax: test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
-              f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
-              f"summary in {workdir}/summary.json", file=sys.stderr)
+        shutdown.write_line(f"test accuracy {summary['test_accuracy']:.4f} after {summary['steps']} steps, "
+                            f"{summary['images_per_second']:.0f} images/s on {summary['devices']} device(s); "
+                            f"summary in {workdir}/summary.json")
     return 0
 
 
@@ -187,27 +187,26 @@ def _main(argv: list[str]) -> int:
     try:
         return int(commands[args.command](args, overrides) or 0)
     except ConfigError as e:
-        print(f"cdpjax: error: {_one_line(e)}", file=sys.stderr)
+        shutdown.write_line(f"error: {_one_line(e)}")
         return 2
     except KeyboardInterrupt as e:
         from cdpjax.train import Interrupted
         from cdpjax.workdir import Terminated
 
         if isinstance(e, Interrupted):  # during training: where the run stands, on its own line
-            print(f"cdpjax: {e}", file=sys.stderr)
+            shutdown.write_line(str(e))
             return e.exit_status
-        print("cdpjax: interrupted before training began; run the same command to start it", file=sys.stderr)
+        shutdown.write_line("interrupted before training began; run the same command to start it")
         return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # noqa: BLE001 - a training failure: one line, not a traceback
         from cdpjax.errors import NonFiniteError
 
         if isinstance(e, NonFiniteError):
-            print(f"cdpjax: error: {_one_line(e)}", file=sys.stderr)
+            shutdown.write_line(f"error: {_one_line(e)}")
             return 3
         reason = storage_problem(e)
         if reason is not None:  # a write the command made itself (a figure, a JSON file)
-            print(f"cdpjax: error: cannot write {getattr(e, 'filename', None) or 'a file'}: {reason}",
-                  file=sys.stderr)
+            shutdown.write_line(f"error: cannot write {getattr(e, 'filename', None) or 'a file'}: {reason}")
             return 2
         raise
 

@@ -26,6 +26,7 @@ Python's KeyboardInterrupt.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -87,7 +88,11 @@ def active() -> bool:
 
 
 def write_line(line: str) -> None:
-    """`cdpjax: line` on stderr, for the last word of a process."""
+    """`cdpjax: line` on stderr, for the last word of a process. (From the main thread it waits
+    for a signal being handled to end the process first: its line is the last word then.)"""
+    if threading.current_thread() is threading.main_thread():
+        _critical.acquire()  # held by the watcher once it ends the process: then this never returns
+        _critical.release()
     try:
         sys.stderr.write(f"cdpjax: {line}\n")
         sys.stderr.flush()
@@ -163,10 +168,22 @@ def _closed_loop(kind, value) -> bool:
     return kind is RuntimeError and str(value) == "Event loop is closed"
 
 
+class _OrbaxTasks(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for orbax's write tasks of a failed save
+    (logged when they are collected, after the save's one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Task exception was never retrieved")
+                    and "orbax" in record.getMessage())
+
+
 def quiet_closed_loops() -> Callable[[], None]:
     """Drops those errors wherever Python would print them (sys.excepthook, threading.excepthook,
-    sys.unraisablehook); returns the function that puts the hooks back."""
+    sys.unraisablehook), and orbax's unretrieved task errors; returns the function that puts the
+    hooks back."""
     previous = sys.excepthook, threading.excepthook, sys.unraisablehook
+    tasks = _OrbaxTasks()
+    logging.getLogger("asyncio").addFilter(tasks)
 
     def excepthook(kind, value, tb):
         if not _closed_loop(kind, value):
@@ -184,6 +201,7 @@ def quiet_closed_loops() -> Callable[[], None]:
 
     def restore() -> None:
         sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+        logging.getLogger("asyncio").removeFilter(tasks)
 
     return restore
 

@@ -170,11 +170,14 @@ def diagnose(noise: str, settings: dict, timeout_s: int) -> str | None:
                     f"{timeout_s} s: start process 0 (the same command with process id 0), or correct the address")
         return (f"not every process of the run ({n or '?'}) joined within distributed.timeout_s={timeout_s} s "
                 f"(coordinator {address}): start them all with the same command")
+    coordinator = f"process 0 (the coordinator, {address}) vanished"
     if "leader task" in noise or "Failed to send RPC to coordination service" in noise or (
             "coordination" in noise.lower() and ("Socket closed" in noise or "UNAVAILABLE" in noise)):
-        return f"process 0 (the coordinator, {address}) vanished"
-    if "gloo" in noise.lower():
-        return "another process of the run vanished during a collective (gloo)"
+        return coordinator
+    if "gloo" in noise.lower():  # a collective broke before the heartbeats told who stopped
+        if n == 2 and me in (0, 1):  # of two, the other one
+            return f"{coordinator if me == 1 else 'process 1 of the run vanished'} (a collective with it broke)"
+        return "another process of the run vanished (a collective with it broke)"
     return None
 
 

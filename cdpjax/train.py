@@ -103,7 +103,8 @@ def say(line: str) -> None:
     if jax.process_index() == 0:
         from tqdm.auto import tqdm
 
-        tqdm.write(f"cdpjax: {line}", file=sys.stderr)
+        with shutdown.critical():  # not after the line of a signal that is ending the process
+            tqdm.write(f"cdpjax: {line}", file=sys.stderr)
 
 
 def batch_sharding(mesh) -> NamedSharding:
