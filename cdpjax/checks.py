@@ -5,7 +5,6 @@ any device is touched or anything compiles. The trainer, `bench` and `reproduce.
 from __future__ import annotations
 
 import inspect
-import math
 
 from cdpjax import config as cfg_lib
 from cdpjax.errors import ConfigError
@@ -38,45 +37,15 @@ def check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
                               f"{', '.join(sorted(known)) or 'none'}")
 
 
-def _kind(default) -> str | None:
-    """What a factory's option takes, read off its default: None where the default says nothing."""
-    if isinstance(default, bool):
-        return "bool"
-    if isinstance(default, int):
-        return "int"
-    if isinstance(default, float):
-        return "number"
-    if isinstance(default, str):
-        return "str"
-    if isinstance(default, (list, tuple)):
-        return "sequence"
-    return None
-
-
-def _fits(value, kind: str) -> bool:
-    finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-    return {
-        "bool": lambda v: isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": finite,
-        "str": lambda v: isinstance(v, str),
-        "sequence": lambda v: isinstance(v, (list, tuple)) and all(finite(x) or isinstance(x, str) for x in v),
-    }[kind](value)
-
-
-_KIND_WORDS = {"bool": "True or False", "int": "an integer", "number": "a finite number", "str": "a string",
-               "sequence": "a list of numbers"}
-
-
 def check_values(key: str, kwargs, fn, owner: str) -> None:
     """Each value of `kwargs` must be of the kind of `fn`'s default for it (an integer where the
     default is an integer...); what the default does not say is left to `try_model`."""
     params = inspect.signature(fn).parameters
     for name, value in dict(kwargs).items():
-        kind = _kind(params[name].default) if name in params else None
-        if kind is not None and not _fits(value, kind):
-            raise ConfigError(f"{key}.{name}={value!r}: {owner} takes {_KIND_WORDS[kind]} there (its default is "
-                              f"{params[name].default!r})")
+        kind = cfg_lib.kind_of(params[name].default) if name in params else None
+        if kind is not None and not cfg_lib.is_kind(value, kind):
+            raise ConfigError(f"{key}.{name}={value!r}: {owner} takes {cfg_lib.KIND_WORDS[kind]} there (its "
+                              f"default is {params[name].default!r})")
 
 
 def try_model(config, input_shape, num_classes) -> None:

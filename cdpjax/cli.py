@@ -148,6 +148,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def _main(argv: list[str]) -> int:
+    """Parses and runs a command, every failure that is the input's or the machine's one line.
+    (Over 60 lines: the parser's flags and the exit statuses belong together, in one place.)"""
     original = list(argv)
     overrides, argv = _split_config_overrides(argv)
     parser = argparse.ArgumentParser(prog="cdpjax", description=__doc__.splitlines()[0])

@@ -227,37 +227,47 @@ def parse_arg(arg: str | None, **defaults) -> dict:
         if key not in defaults:
             raise ConfigError(f"config argument {key!r} is not one of {', '.join(defaults)}")
         value, default = _parse_value(text), defaults[key]
-        kind = _kind_of(default)
-        if kind is not None and not _is_kind(value, kind):
-            raise ConfigError(f"config argument {key}={text!r} must be {_KIND_WORDS[kind]} (its default is "
+        kind = kind_of(default)
+        if kind is not None and not is_kind(value, kind):
+            raise ConfigError(f"config argument {key}={text!r} must be {KIND_WORDS[kind]} (its default is "
                               f"{default!r})")
         out[key] = value
     return out
 
 
-def _kind_of(value) -> str | None:
-    if isinstance(value, bool):
+def kind_of(default) -> str | None:
+    """What a value must be, read off a default of that place: 'bool', 'int', 'number', 'str',
+    'sequence', or None where the default says nothing (None, a dict...)."""
+    if isinstance(default, bool):
         return "bool"
-    if isinstance(value, int):
+    if isinstance(default, int):
         return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
+    if isinstance(default, float):
+        return "number"
+    if isinstance(default, str):
         return "str"
+    if isinstance(default, (list, tuple)):
+        return "sequence"
     return None
 
 
-_KIND_WORDS = {"bool": "True or False", "int": "an integer", "float": "a finite number", "str": "a string"}
+KIND_WORDS = {"bool": "True or False", "int": "an integer", "number": "a finite number", "str": "a string",
+              "sequence": "a list of numbers"}
 
 
-def _is_kind(value, kind: str) -> bool:
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, str)
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_kind(value, kind: str) -> bool:
+    """Whether `value` is of `kind` (`kind_of`): an int is a number, a bool is not an int."""
+    return {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": _finite,
+        "str": lambda v: isinstance(v, str),
+        "sequence": lambda v: isinstance(v, (list, tuple)) and all(_finite(x) or isinstance(x, str) for x in v),
+    }[kind](value)
 
 
 def _parse_value(text: str) -> Any:

@@ -877,7 +877,10 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     Step timing: a step is timed from reading its batch to its metrics being on the host;
     logging, evaluation and checkpoints are outside it. `stop_after` ends this call after that
     many steps, as if killed (returns {'stopped_at': step}). The lock is checked at every step
-    and before every write (a run forced out of WORKDIR writes nothing more)."""
+    and before every write (a run forced out of WORKDIR writes nothing more).
+
+    One function over 60 lines on purpose: a step's order (check, step, log, evaluate,
+    checkpoint) reads top to bottom here, and each piece it calls is small."""
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
     p.check_lock()

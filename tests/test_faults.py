@@ -37,6 +37,7 @@ from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from metrics_lines import without_timing
+from xla_cache import compilation_cache  # noqa: F401 - a fixture: each program compiles once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -124,25 +125,6 @@ def leftovers(workdir):
     """Temporary files and directories a write left behind."""
     return [str(p) for p in pathlib.Path(workdir).rglob("*")
             if re.search(r"\.tmp$|\.tmp-\d+$|orbax-checkpoint-tmp", p.name)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """The module's in-process runs share their programs: JAX's persistent compilation cache (a
-    temporary directory, this module only) compiles each once."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla-cache")),
-            "jax_persistent_cache_min_compile_time_secs": 0.0,
-            "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: getattr(jax.config, k) for k in keys}
-    cc.reset_cache()
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")
@@ -329,19 +311,25 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     assert not (work / "lock.json").exists()
 
 
-def test_sigterm_during_a_checkpoint_write_keeps_the_checkpoint(runs, tmp_path):
-    """SIGTERM while checkpoint 8 is being written (the write held open by a test hook): the
-    process waits for the write to end (it is still alive while the write is held), then exits
-    143 naming checkpoint 8 as the last complete one; the checkpoint restores (every checksum
-    holds) and the run resumed from it ends as the uninterrupted one."""
-    work = tmp_path / "run"
-    release = tmp_path / "release"
-    env = env_without_device_flag(**{train.WAIT_IN_CHECKPOINT_ENV: 8, train.WAIT_FILE_ENV: release})
+def held_in_checkpoint_write(work, step, release):
+    """`cdpjax train` in WORKDIR `work`, once it is held inside the write of checkpoint `step`
+    (the trainer's test hook: it waits there until `release` exists)."""
+    env = env_without_device_flag(**{train.WAIT_IN_CHECKPOINT_ENV: step, train.WAIT_FILE_ENV: release})
     proc = subprocess.Popen(subprocess_command(work), env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + WAIT_S
     while not pathlib.Path(f"{release}.waiting").exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_during_a_checkpoint_write_keeps_the_checkpoint(runs, tmp_path):
+    """SIGTERM while checkpoint 8 is being written (the write held open by a test hook): the
+    process waits for the write to end (it is still alive while the write is held), then exits
+    143 naming checkpoint 8 as the last complete one; the checkpoint restores (every checksum
+    holds) and the run resumed from it ends as the uninterrupted one."""
+    work, release = tmp_path / "run", tmp_path / "release"
+    proc = held_in_checkpoint_write(work, 8, release)
     proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert proc.poll() is None  # the write in progress is waited for
@@ -537,12 +525,7 @@ def test_a_thawed_run_that_lost_its_directory_writes_nothing(runs, tmp_path):
     with one line (exit 2); the directory holds the new run's checkpoints only, nothing of the
     old one's, and the new run's end equals the uninterrupted run's."""
     work, release = tmp_path / "run", tmp_path / "release"
-    env = env_without_device_flag(**{train.WAIT_IN_CHECKPOINT_ENV: 8, train.WAIT_FILE_ENV: release})
-    old = subprocess.Popen(subprocess_command(work), env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + WAIT_S
-    while not pathlib.Path(f"{release}.waiting").exists():
-        assert old.poll() is None and time.time() < deadline, old.communicate()[1][-3000:]
-        time.sleep(0.05)
+    old = held_in_checkpoint_write(work, 8, release)
     old.send_signal(signal.SIGSTOP)
     try:
         record = json.loads((work / "lock.json").read_text())

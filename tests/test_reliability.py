@@ -34,6 +34,10 @@ from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.data.base import Dataset, stream_indices
 from metrics_lines import events_of, expected_events, without_timing
+# The module's runs share their programs: each compiles once. (The SIGKILL test's subprocesses
+# compile afresh, so the cross-process comparisons there also show that compiling again gives
+# the same bits.)
+from xla_cache import compilation_cache  # noqa: F401 - a fixture
 
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
@@ -169,27 +173,6 @@ def final_state(config, workdir, devices):
     state, meta = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(config.seed)))
     ckpt.close()
     return jax.device_get(state), jax.device_get(method.export(state)[0]), meta
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """The module's runs differ in their state, not in their programs: JAX's persistent
-    compilation cache (in a temporary directory, for this module only) compiles each program
-    once. (The SIGKILL test's subprocesses compile afresh, so the cross-process comparisons
-    there also show that compiling again gives the same bits.)"""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla-cache")),
-            "jax_persistent_cache_min_compile_time_secs": 0.0,
-            "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: getattr(jax.config, k) for k in keys}
-    cc.reset_cache()
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")

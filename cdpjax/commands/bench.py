@@ -6,13 +6,11 @@ file in a folder that exists (so that a bench's results are never lost at the en
 """
 from __future__ import annotations
 
-import argparse
 import json
-import textwrap
 import math
 import sys
 
-from cdpjax.commands.output import check_output
+from cdpjax.commands.common import check_output, config_parser
 from cdpjax.errors import ConfigError
 
 EPILOG = """\
@@ -24,16 +22,14 @@ a method may be NAME@KEY=VALUE[@...], a variant benched beside the others (cdp-v
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser(
-        "bench", help="compare methods: compile/step time, memory, collectives, tables",
-        description=textwrap.fill("Compare methods on the same model and batch, side by side in one process: compile "
-                    "and step time, XLA memory, the collectives in the compiled HLO, bytes sent, and the time "
-                    "tables' figures; --predict models real devices.", 96),
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... [--cpu-devices N] "
-              "[--json OUT] [--repeats R] [--predict K [--bandwidth B] [--no-heads]] [--keep-mesh]")
-    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default); then "
-                                    "--config.KEY=VALUE overrides any key")
+    p = config_parser(
+        subparsers, "bench", help="compare methods: compile/step time, memory, collectives, tables",
+        description="Compare methods on the same model and batch, side by side in one process: compile and step "
+                    "time, XLA memory, the collectives in the compiled HLO, bytes sent, and the time tables' "
+                    "figures; --predict models real devices.",
+        epilog=EPILOG, usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... "
+                             "[--cpu-devices N] [--json OUT] [--repeats R] [--predict K [--bandwidth B] [--no-heads]] "
+                             "[--keep-mesh]")
     p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
                    help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "
                         "(e.g. cdp-v2@residuals=carry) beside the others")

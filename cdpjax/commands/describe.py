@@ -23,7 +23,6 @@ group (`cdpjax.layouts.ppll.module_devices`); 0 on data-axis and one-device layo
 from __future__ import annotations
 
 import json
-import textwrap
 import math
 
 JSON_STAGE_KEYS = ("blocks", "params", "output_shape", "activation_bytes", "flops", "device", "head_params",
@@ -170,17 +169,14 @@ then any key overridden with --config.KEY=VALUE (e.g. --config.module_groups=[9,
 
 
 def add_parser(subparsers):
-    import argparse
+    from cdpjax.commands.common import config_parser
 
-    p = subparsers.add_parser(
-        "describe", help="the model as the config's run cuts it (no compile, no device)",
-        description=textwrap.fill("Print the model as the config's run cuts it: per stage (local module) its blocks, "
-                    "parameters, output shape, activation bytes per example, forward FLOPs, device and "
-                    "auxiliary head; then per-device and total sums.", 96),
-        epilog=DESCRIBE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="cdpjax describe [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--json]")
-    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default); then "
-                                    "--config.KEY=VALUE overrides any key")
+    p = config_parser(
+        subparsers, "describe", help="the model as the config's run cuts it (no compile, no device)",
+        description="Print the model as the config's run cuts it: per stage (local module) its blocks, "
+                    "parameters, output shape, activation bytes per example, forward FLOPs, device and auxiliary "
+                    "head; then per-device and total sums.",
+        epilog=DESCRIBE_EPILOG, usage="cdpjax describe [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--json]")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     return p
 

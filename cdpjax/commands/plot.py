@@ -18,7 +18,7 @@ import os
 import sys
 
 from cdpjax import events
-from cdpjax.commands.output import FIGURE_SUFFIXES, check_output
+from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 
 PANELS = (("train", "loss"), ("test", "loss"), ("train", "accuracy"), ("test", "accuracy"))

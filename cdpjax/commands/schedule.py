@@ -25,7 +25,7 @@ import os
 import sys
 
 from cdpjax import table_json
-from cdpjax.commands.output import FIGURE_SUFFIXES, check_output
+from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import LAYOUTS
 

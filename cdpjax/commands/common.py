@@ -1,7 +1,10 @@
-"""Files the commands write (figures, JSON), checked before any work: `check_output`."""
+"""What the commands share: the parser of a command that reads a config (`config_parser`), and
+the files they write (figures, JSON) checked before any work (`check_output`)."""
 from __future__ import annotations
 
+import argparse
 import os
+import textwrap
 
 from cdpjax.errors import ConfigError
 
@@ -25,4 +28,14 @@ def check_output(path: str, flag: str, suffixes: tuple[str, ...] | None = None) 
     return path
 
 
-__all__ = ["FIGURE_SUFFIXES", "check_output"]
+def config_parser(subparsers, name: str, help: str, description: str, epilog: str, usage: str):
+    """The sub-command `name`, taking `--config FILE[:ARG]` (then --config.KEY=VALUE overrides, which
+    the command line sets apart), its help saying so."""
+    p = subparsers.add_parser(name, help=help, description=textwrap.fill(description, 96), epilog=epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter, usage=usage)
+    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default); then "
+                                    "--config.KEY=VALUE overrides any key")
+    return p
+
+
+__all__ = ["FIGURE_SUFFIXES", "check_output", "config_parser"]
