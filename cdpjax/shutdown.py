@@ -140,7 +140,7 @@ class _Watcher:
     def _watch(self) -> None:
         while not self.stop.is_set():
             try:
-                info = signal.sigtimedwait(self.signals, 0.2)
+                info = signal.sigtimedwait(self.signals, 0.05)  # also how soon `close` returns
             except InterruptedError:
                 continue
             if info is None or info.si_signo not in self.signals:  # (a stopped process continued: signo 0)
