@@ -250,12 +250,19 @@ class Checkpointer:
                               f"into this directory): move it away and run the same command again")
 
     def remove_unfinished(self, step: int) -> None:
-        """Removes this process's temporary directory of checkpoint `step` (a save that failed)."""
+        """Removes this process's temporary directory of checkpoint `step` (a save that failed),
+        once orbax's own threads of that save are done (they may still make directories)."""
+        with contextlib.suppress(Exception), _errors_held():
+            self.manager.wait_until_finished()
         if jax.process_index() != 0 or not os.path.isdir(self.directory):
             return
-        for name in os.listdir(self.directory):
-            if name.startswith(f"{step}{TMP_MARK}"):
+        for _ in range(5):
+            left = [n for n in os.listdir(self.directory) if n.startswith(f"{step}{TMP_MARK}")]
+            if not left:
+                return
+            for name in left:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            time.sleep(0.1)
 
     def discard(self, step: int) -> None:
         """Removes checkpoint `step`, which this process has just written (a run that lost the

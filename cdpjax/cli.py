@@ -190,6 +190,7 @@ def _main(argv: list[str]) -> int:
         return int(commands[args.command](args, overrides) or 0)
     except ConfigError as e:
         shutdown.write_line(f"error: {_one_line(e)}")
+        shutdown.quiet_from_now()
         return 2
     except KeyboardInterrupt as e:
         from cdpjax.train import Interrupted
@@ -205,10 +206,12 @@ def _main(argv: list[str]) -> int:
 
         if isinstance(e, NonFiniteError):
             shutdown.write_line(f"error: {_one_line(e)}")
+            shutdown.quiet_from_now()
             return 3
         reason = storage_problem(e)
         if reason is not None:  # a write the command made itself (a figure, a JSON file)
             shutdown.write_line(f"error: cannot write {getattr(e, 'filename', None) or 'a file'}: {reason}")
+            shutdown.quiet_from_now()
             return 2
         raise
 

@@ -28,11 +28,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
+
+from cdpjax.errors import storage_problem
 
 # The longest a signal waits for a critical section (a checkpoint write) to end.
 GRACE_S = 120.0
@@ -169,12 +173,16 @@ def _closed_loop(kind, value) -> bool:
 
 
 class _OrbaxTasks(logging.Filter):
-    """asyncio's "Task exception was never retrieved" for orbax's write tasks of a failed save
-    (logged when they are collected, after the save's one line)."""
+    """asyncio's "Task (or Future) exception was never retrieved" for orbax's write tasks of a
+    failed save (logged when they are collected, after the save's one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("Task exception was never retrieved")
-                    and "orbax" in record.getMessage())
+        message = record.getMessage()
+        if not re.match(r"\w+ exception was never retrieved", message):  # Task, Future, _GatheringFuture...
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        text = message + ("".join(traceback.format_exception(error)) if error is not None else "")
+        return not ("orbax" in text or (error is not None and storage_problem(error)))
 
 
 def quiet_closed_loops() -> Callable[[], None]:
@@ -206,6 +214,14 @@ def quiet_closed_loops() -> Callable[[], None]:
     return restore
 
 
+def quiet_from_now() -> None:
+    """After the process's last word (a failure said in one line): the errors its libraries log
+    while it unwinds (asyncio's unretrieved futures of a failed save, orbax's threads) are not
+    printed. Undone by `install`'s undo."""
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).disabled = True
+
+
 def install() -> Callable[[], None]:
     """Blocks SIGINT and SIGTERM and starts the watcher (main thread only; once); returns the
     function that undoes it (for `main` called in-process, as the tests do)."""
@@ -221,6 +237,8 @@ def install() -> Callable[[], None]:
     def uninstall() -> None:
         watcher.close()
         hooks()
+        for name in ("asyncio", "absl"):
+            logging.getLogger(name).disabled = False
         _cleanups.clear()
         _state.update(message=None, forward=None, received=None)
 
