@@ -16,10 +16,14 @@ restored, and what guards the bytes: `tree`, every array's path, shape and dtype
 `checksums`, per array two sums of its bits taken on the devices (`array_checksums`: the
 sum and the position-weighted sum of its 32-bit words, modulo 2**32, so a flipped bit
 always shows and the figure does not depend on the sharding or the device count); and
-`digest`, a SHA-256 of the rest of the meta. Orbax itself verifies none of this (its zarr
-chunks carry no checksum: a flipped bit restores silently), so `restore` recomputes the
-checksums of what it read and raises `Damaged` when anything differs, and `read_meta` does
-for the digest. A checkpoint written before these fields existed restores unverified.
+`digest`, a SHA-256 of the rest of the meta. Orbax itself verifies none of this (the
+arrays it writes through tensorstore carry no checksum of the data, only zarr3's shard
+index has a crc32c: one flipped bit of a checkpoint restored silently), so `restore`
+recomputes the checksums of what it read and raises `Damaged` when anything differs, and
+`read_meta` does for the digest. A checkpoint written before these fields existed
+restores unverified. `save` never replaces a checkpoint that exists (orbax would: its
+manager saves with force=True), so that a run that lost the directory while frozen
+cannot overwrite the new owner's.
 """
 from __future__ import annotations
 

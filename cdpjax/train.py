@@ -2,15 +2,20 @@
 
 `train(config, workdir)` takes WORKDIR's lock (`cdpjax.workdir`: one run per work
 directory), validates the config, builds the data, the mesh and the method,
-checks a first batch against the model and restores the latest complete
+checks a first batch against the model and restores the newest intact
 checkpoint in WORKDIR if there is one (`prepare`: everything that can fail, before
-anything compiles); then it says what it will do ("training ... in DIR", or
+anything compiles; a damaged newer checkpoint is named, set aside and skipped,
+`cdpjax.checkpoint`); then it says what it will do ("training ... in DIR", or
 "resuming ... from step N"), runs the train steps up to `num_steps` with a
 progress bar, evaluates every `eval_every` steps, appends metrics to
 WORKDIR/metrics.jsonl and TensorBoard events (`cdpjax.events`), checkpoints every
 `checkpoint_every` steps, flushes pipelines at the end, and writes
 WORKDIR/summary.json. A finished run started again changes no file and says so.
-Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint.
+Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint (from the
+command line, `cdpjax.shutdown` says it, after a checkpoint being written is finished).
+The lock is checked at every step and before every write: a run that another took
+WORKDIR from (`--force`) stops, writing nothing more. A write the disk refuses (full, a
+quota, read-only) is a StorageError naming the file and the last complete checkpoint.
 
 Each metrics line holds `step`, `split`, `loss`, `accuracy`; train lines also
 `lr` (the optax schedule's value for that step's update) and `images_per_second`
