@@ -37,6 +37,40 @@ def check_kwargs(key: str, kwargs, fn, owner: str, reserved=()) -> None:
                               f"{', '.join(sorted(known)) or 'none'}")
 
 
+def check_values(key: str, kwargs, fn, owner: str) -> None:
+    """Each value of `kwargs` must be of the kind of `fn`'s default for it (an integer where the
+    default is an integer...); what the default does not say is left to `try_model`."""
+    params = inspect.signature(fn).parameters
+    for name, value in dict(kwargs).items():
+        kind = cfg_lib.kind_of(params[name].default) if name in params else None
+        if kind is not None and not cfg_lib.is_kind(value, kind):
+            raise ConfigError(f"{key}.{name}={value!r}: {owner} takes {cfg_lib.KIND_WORDS[kind]} there (its "
+                              f"default is {params[name].default!r})")
+
+
+def try_model(config, input_shape, num_classes) -> None:
+    """The model with the config's `model_kwargs`, built and initialised abstractly at batch 1
+    (`jax.eval_shape`: nothing runs or compiles), so that an option its factory cannot work
+    with (a width of 0) is a ConfigError here, not an error deep inside JAX later."""
+    kwargs = dict(config.get("model_kwargs", {}) or {})
+    if not kwargs:
+        return
+    import jax
+
+    from cdpjax import models
+
+    try:
+        net = models.build(config, input_shape, num_classes, stages=1)
+        jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's options: one line naming them
+        text = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"model {config.model!r} with model_kwargs {kwargs} cannot be built for "
+                          f"{tuple(input_shape)} inputs and {num_classes} classes ({type(e).__name__}: {text}): "
+                          f"fix those options") from None
+
+
 def validate(config) -> None:
     """`config.validate`, then the method, model, dataset and auxiliary head names and their options."""
     from cdpjax import data, layouts, models  # the registries (models and data import JAX)
@@ -51,6 +85,7 @@ def validate(config) -> None:
     dataset = data.REGISTRY.lookup(config.dataset)
     check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",
                  MODEL_RESERVED)
+    check_values("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}")
     dtype = config.get("dtype", "float32")
     if dtype != "float32" and not takes_dtype(model):
         raise ConfigError(f"dtype={dtype!r}: model {config.model!r} computes in float32 only (its factory takes "
@@ -60,4 +95,4 @@ def validate(config) -> None:
                  f"dataset {config.dataset!r}", ("data_dir",))
 
 
-__all__ = ["MODEL_RESERVED", "check_kwargs", "options", "takes_dtype", "validate"]
+__all__ = ["MODEL_RESERVED", "check_kwargs", "check_values", "options", "takes_dtype", "try_model", "validate"]

@@ -1,15 +1,23 @@
-"""`cdpjax`: the command line (train, schedule, bench, plot).
+"""`cdpjax`: the command line (train, schedule, bench, plot, describe).
 
 JAX's backends start only after `--cpu-devices` is applied, so that the simulated
 device count takes effect. Bad input exits with status 2 and a one-line message,
-without a traceback.
+without a traceback; so does a file that cannot be written (disk full, quota, read-only).
+Ctrl-C and SIGTERM end any command at any moment with one line and status 130 or 143
+(`cdpjax.shutdown`, installed first); a non-finite training step exits 3; in a
+multi-process run, a process that vanished is named in one line, status 4, by each of
+the others (`cdpjax.supervisor`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from cdpjax.errors import ConfigError
+from cdpjax import shutdown
+from cdpjax.errors import ConfigError, storage_problem
+
+# Simulated CPU devices beyond this are refused (each is a thread pool and a client of XLA's).
+MAX_CPU_DEVICES = 1024
 
 
 def _split_config_overrides(argv):
@@ -51,18 +59,37 @@ def _cpu_devices(args, config) -> tuple[int, str]:
         why = f"what the mesh {mesh} needs"
         if count is None:
             count, why = 8, f"the default; the mesh {mesh} takes every device"
+    check_cpu_devices(count, why)
     setup_devices(count)
     return count, why
 
 
+def check_cpu_devices(count: int, why: str) -> None:
+    if not 1 <= count <= MAX_CPU_DEVICES:
+        raise ConfigError(f"{count} simulated CPU devices ({why}): cdpjax simulates 1 to {MAX_CPU_DEVICES}; "
+                          f"give a smaller mesh or --cpu-devices")
+
+
 def cmd_train(args, overrides) -> int:
+    from cdpjax import supervisor
+
+    if supervisor.supervised():
+        supervisor.die_with_supervisor()
     config = _load(args, overrides)
+    from cdpjax import config as cfg_lib
+    from cdpjax import distributed
+
+    cfg_lib.validate(config)
+    settings = distributed.settings(config)
+    if settings is not None and not supervisor.supervised():
+        # A multi-process run: this process watches the one that trains (cdpjax.supervisor).
+        if not args.workdir:
+            raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
+        return supervisor.run(args.argv, settings, args.workdir, int(config.distributed.timeout_s))
     from cdpjax import checks
 
     checks.validate(config)  # every key and name, before devices are set up
     device_note = _cpu_devices(args, config)
-    from cdpjax import distributed
-
     # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
     joined = distributed.initialize(config)
     from cdpjax import train
@@ -77,9 +104,9 @@ def cmd_train(args, overrides) -> int:
     summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
                           force=args.force, device_note=device_note)
     if jax.process_index() == 0 and not summary.get("already_finished"):
-        print(f"cdpjax: {train.result_words(summary)} after {summary['steps']} steps, "
-              f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
-              f"summary in {workdir}/summary.json", file=sys.stderr)
+        shutdown.write_line(f"{train.result_words(summary)} after {summary['steps']} steps, "
+                            f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
+                            f"summary in {workdir}/summary.json")
     return 0
 
 
@@ -109,7 +136,21 @@ def _runner(module):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    uninstall = shutdown.install()  # first: a signal at any later moment ends in one line
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        uninstall()
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n"))
+
+
+def _main(argv: list[str]) -> int:
+    """Parses and runs a command, every failure that is the input's or the machine's one line.
+    (Over 60 lines: the parser's flags and the exit statuses belong together, in one place.)"""
+    original = list(argv)
     overrides, argv = _split_config_overrides(argv)
     parser = argparse.ArgumentParser(prog="cdpjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,26 +185,34 @@ def main(argv=None) -> int:
         module.add_parser(sub)
         commands[name] = _runner(module)
     args = parser.parse_args(argv)
+    args.argv = original
     try:
         return int(commands[args.command](args, overrides) or 0)
     except ConfigError as e:
-        print(f"cdpjax: error: {e}", file=sys.stderr)
+        shutdown.write_line(f"error: {_one_line(e)}")
+        shutdown.quiet_from_now()
         return 2
     except KeyboardInterrupt as e:
         from cdpjax.train import Interrupted
         from cdpjax.workdir import Terminated
 
         if isinstance(e, Interrupted):  # during training: where the run stands, on its own line
-            print(f"cdpjax: {e}", file=sys.stderr)
+            shutdown.write_line(str(e))
             return e.exit_status
-        print("cdpjax: interrupted before training began; run the same command to start it", file=sys.stderr)
+        shutdown.write_line("interrupted before training began; run the same command to start it")
         return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # noqa: BLE001 - a training failure: one line, not a traceback
         from cdpjax.errors import NonFiniteError
 
         if isinstance(e, NonFiniteError):
-            print(f"cdpjax: error: {e}", file=sys.stderr)
+            shutdown.write_line(f"error: {_one_line(e)}")
+            shutdown.quiet_from_now()
             return 3
+        reason = storage_problem(e)
+        if reason is not None:  # a write the command made itself (a figure, a JSON file)
+            shutdown.write_line(f"error: cannot write {getattr(e, 'filename', None) or 'a file'}: {reason}")
+            shutdown.quiet_from_now()
+            return 2
         raise
 
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
+import math
 import os
+import re
 import sys
+import traceback
 from typing import Any, Iterable
 
 import ml_collections
@@ -95,23 +99,29 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+# Step counts fit the optimizers' int32 step counter (optax); seeds the 32 bits a JAX key takes
+# without x64 (2**32 would be seed 0 again); sizes that lay out a time table stay small enough
+# for it to fit in memory.
+STEP_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**32 - 1
+TABLE_SIZE_LIMIT = 4096
 # Keys whose values must be numbers, and the range each accepts.
 _NUMERIC = {
-    "global_batch_size": (int, 1, None),
-    "num_steps": (int, 1, None),
-    "eval_every": (int, 0, None),
-    "checkpoint_every": (int, 0, None),
-    "log_every": (int, 1, None),
-    "seed": (int, 0, None),
+    "global_batch_size": (int, 1, STEP_LIMIT),
+    "num_steps": (int, 1, STEP_LIMIT),
+    "eval_every": (int, 0, STEP_LIMIT),
+    "checkpoint_every": (int, 0, STEP_LIMIT),
+    "log_every": (int, 1, STEP_LIMIT),
+    "seed": (int, 0, SEED_LIMIT),
     "learning_rate": (float, 0.0, None),
     "momentum": (float, 0.0, 1.0),
     "weight_decay": (float, 0.0, None),
-    "warmup_steps": (int, 0, None),
-    "decay_every": (int, 0, None),
+    "warmup_steps": (int, 0, STEP_LIMIT),
+    "decay_every": (int, 0, STEP_LIMIT),
     "decay_factor": (float, 0.0, 1.0),
-    "workers": (int, 0, None),
-    "microbatches": (int, 1, None),
-    "chunks": (int, 1, None),
+    "workers": (int, 0, TABLE_SIZE_LIMIT),
+    "microbatches": (int, 1, TABLE_SIZE_LIMIT),
+    "chunks": (int, 1, TABLE_SIZE_LIMIT),
 }
 # config.dtype: the Flax modules' `dtype` (the dtype they compute in), passed by
 # `cdpjax.models.build` to every model factory that takes a `dtype` argument (mlp, the
@@ -148,6 +158,10 @@ def load_file(path: str) -> ml_collections.ConfigDict:
     (and registers its model); afterwards it stays on `sys.path`, moved to the end, so that
     what the model module imports later (in the trainer's later steps) is still found,
     without the folder's files shadowing installed packages of the same names.
+
+    Anything that goes wrong in the file (a syntax error, an exception, a missing import, a
+    get_config that returns something else than a ConfigDict) is a ConfigError naming the
+    file and the line.
     """
     arg = None
     if not os.path.isfile(path) and ":" in path:
@@ -155,35 +169,121 @@ def load_file(path: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     folder = os.path.dirname(os.path.abspath(path))
-    spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
-    module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ConfigError(f"config file {path!r} defines no get_config()")
-        return module.get_config() if arg is None else module.get_config(arg)
+        config = _run_config_file(path, arg)
     finally:
         sys.path.remove(folder)  # the first occurrence: the one inserted above
         if folder not in sys.path:
             sys.path.append(folder)
+    if isinstance(config, ml_collections.FrozenConfigDict) or not isinstance(config, ml_collections.ConfigDict):
+        kind = type(config).__name__ if config is not None else "None"
+        raise ConfigError(f"config file {path!r}: get_config() returned {kind}; it must return an "
+                          f"ml_collections.ConfigDict (not frozen: overrides change it), e.g. "
+                          f"cdpjax.config.default_config() with its keys set")
+    return config
+
+
+def _run_config_file(path: str, arg: str | None):
+    """The file's get_config() (or get_config(arg)); ConfigError, with the line, for any failure."""
+    try:
+        spec = importlib.util.spec_from_file_location("_cdpjax_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        if not callable(get_config):
+            raise ConfigError(f"config file {path!r} defines no get_config()")
+        if arg is not None and not _takes_an_argument(get_config):
+            raise ConfigError(f"config file {path!r}: its get_config() takes no argument, but {path}:{arg} "
+                              f"gives it {arg!r}; leave out ':{arg}'")
+        return get_config() if arg is None else get_config(arg)
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's file: one line with where it broke
+        raise ConfigError(f"config file {path!r}{_where(e, path)}: {type(e).__name__}: "
+                          f"{_short(e)}") from None
+
+
+def _takes_an_argument(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+
+
+def _where(e: BaseException, path: str) -> str:
+    """' line N' where the error arose in the file `path` (its last frame there), or ''."""
+    if isinstance(e, SyntaxError) and e.lineno and os.path.abspath(e.filename or "") == os.path.abspath(path):
+        return f" line {e.lineno}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(path)]
+    return f" line {frames[-1].lineno}" if frames else ""
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def parse_arg(arg: str | None, **defaults) -> dict:
-    """`"a=1,b=x"` -> {'a': 1, 'b': 'x'} over `defaults`; unknown keys are refused."""
+    """`"a=1,b=x"` -> {'a': 1, 'b': 'x'} over `defaults`; unknown keys are refused, and so is a
+    value of another kind than its default (an integer default takes integers only)."""
     out = dict(defaults)
     for item in filter(None, (arg or "").split(",")):
         key, _, text = item.partition("=")
         if key not in defaults:
             raise ConfigError(f"config argument {key!r} is not one of {', '.join(defaults)}")
-        out[key] = _parse_value(text)
+        value, default = _parse_value(text), defaults[key]
+        kind = kind_of(default)
+        if kind is not None and not is_kind(value, kind):
+            raise ConfigError(f"config argument {key}={text!r} must be {KIND_WORDS[kind]} (its default is "
+                              f"{default!r})")
+        out[key] = value
     return out
 
 
+def kind_of(default) -> str | None:
+    """What a value must be, read off a default of that place: 'bool', 'int', 'number', 'str',
+    'sequence', or None where the default says nothing (None, a dict...)."""
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, int):
+        return "int"
+    if isinstance(default, float):
+        return "number"
+    if isinstance(default, str):
+        return "str"
+    if isinstance(default, (list, tuple)):
+        return "sequence"
+    return None
+
+
+KIND_WORDS = {"bool": "True or False", "int": "an integer", "number": "a finite number", "str": "a string",
+              "sequence": "a list of numbers"}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_kind(value, kind: str) -> bool:
+    """Whether `value` is of `kind` (`kind_of`): an int is a number, a bool is not an int."""
+    return {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": _finite,
+        "str": lambda v: isinstance(v, str),
+        "sequence": lambda v: isinstance(v, (list, tuple)) and all(_finite(x) or isinstance(x, str) for x in v),
+    }[kind](value)
+
+
 def _parse_value(text: str) -> Any:
+    """A Python literal, else the text itself (a bare word is a string)."""
+    if len(text) > 100_000:
+        raise ConfigError(f"override value of {len(text)} characters: too long for a config value")
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
 
 
@@ -199,10 +299,15 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str])
 def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = config
-    for p in parents:
+    for depth, p in enumerate(parents):
         if p not in node:
             raise ConfigError(f"unknown config key {key!r}")
         node = node[p]
+        if not isinstance(node, (ml_collections.ConfigDict, dict)):
+            where = ".".join(parents[:depth + 1])
+            raise ConfigError(f"{key}: {where} is {node!r}, not a dict of options, so it has no key "
+                              f"{'.'.join(parents[depth + 1:] + [leaf])!r}; set {where} itself "
+                              f"(--config.{where}=VALUE)")
     if leaf not in node and not isinstance(node, ml_collections.ConfigDict):
         raise ConfigError(f"unknown config key {key!r}")
     if leaf not in node and node is config:
@@ -227,18 +332,38 @@ _STRINGS = ("method", "model", "dataset", "data_dir", "task")
 _DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed")
 _DISTRIBUTED = {
     "coordinator_address": str,
-    "num_processes": (int, 0, None),
-    "process_id": (int, -1, None),
+    "num_processes": (int, 0, 2**20),
+    "process_id": (int, -1, 2**20),
     "auto_detect": bool,
-    "timeout_s": (int, 1, None),
+    "timeout_s": (int, 1, 7 * 24 * 3600),
 }
+# HOST:PORT: a host name or IPv4 address, or an IPv6 address in brackets, and a port number.
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+def check_address(address, name: str = "distributed.coordinator_address") -> tuple[str, int]:
+    """(host, port) of a HOST:PORT address; ConfigError naming what is wrong with it."""
+    m = _ADDRESS.match(address) if isinstance(address, str) else None
+    if m is None:
+        raise ConfigError(f"{name}={address!r} must be HOST:PORT (process 0's host name or address, an IPv6 "
+                          f"address in brackets, and a free port), e.g. node1:12355")
+    port = int(m.group("port"))
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{name}={address!r}: port {port} is not in 1..65535")
+    return m.group("host"), port
 
 
 def _check_number(key: str, v, kind, lo, hi) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
+    """An integer (not 6.0: counts and sizes are integers) or a finite number, in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
         raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if not math.isfinite(v):
+        raise ConfigError(f"{key}={v!r} must be a finite number")
     if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        if kind is int:  # an integer's upper bound is a limit of the implementation, said apart
+            rng = f">= {lo}" if v < lo else f"<= {hi}"
+        else:
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ConfigError(f"{key}={v!r} is out of range: must be {rng}")
 
 
@@ -283,14 +408,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"stages must be a number of stages or a list of split points, got {stages!r}")
     if isinstance(stages, int) and stages < 1:
         raise ConfigError(f"stages={stages} must be >= 1")
+    if isinstance(stages, int) and stages > TABLE_SIZE_LIMIT or \
+            isinstance(stages, (list, tuple)) and len(stages) >= TABLE_SIZE_LIMIT:
+        count = stages if isinstance(stages, int) else len(stages) + 1
+        raise ConfigError(f"stages: {count} stages, more than the {TABLE_SIZE_LIMIT} a time table can lay out here")
     if isinstance(stages, (list, tuple)):
         if any(isinstance(p, bool) or not isinstance(p, int) for p in stages):
             raise ConfigError(f"stages={list(stages)!r}: split points must be integers (block indices)")
         if any(b <= a for a, b in zip((0, *stages), stages)):
             raise ConfigError(f"stages={list(stages)!r}: split points must be strictly increasing and >= 1")
     groups = config.get("module_groups", None)
-    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups
-                               or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
+    if groups is not None and (not isinstance(groups, (list, tuple)) or not groups or len(groups) > TABLE_SIZE_LIMIT
+                               or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= TABLE_SIZE_LIMIT
+                                      for g in groups)):
         raise ConfigError(f"module_groups={groups!r} must be a list of positive integers (local modules per "
                           f"device, adding up to the stages) or None")
     _check_combinations(config)
@@ -334,3 +464,5 @@ def _check_distributed(d) -> None:
             raise ConfigError(f"distributed.{key} must be True or False, got {v!r}")
         elif rule is str and not isinstance(v, str):
             raise ConfigError(f"distributed.{key} must be a string (HOST:PORT), got {v!r}")
+        elif rule is str and v:
+            check_address(v, f"distributed.{key}")

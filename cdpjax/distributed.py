@@ -10,7 +10,13 @@ coordinator address, process count and process id come, in this order, from
    without arguments and JAX takes them from SLURM (`distributed.auto_detect`).
 
 With none of these, or a single process, nothing is started. On CPU the
-cross-process collectives go through gloo. After initialisation `jax.devices()`
+cross-process collectives go through gloo. An address must be HOST:PORT (a port in
+1..65535, a host name that resolves, an IPv6 address in brackets): anything else is a
+ConfigError before JAX is asked. `distributed.timeout_s` bounds how long the processes
+wait for each other at start-up and how long a silent process is waited for later (JAX's
+heartbeat timeout, at most its default of 100 s), after which JAX's coordination service
+ends every process; `cdpjax.supervisor` turns that end into one line naming the process
+that vanished. After initialisation `jax.devices()`
 lists every process's devices and the mesh spans them all; each process reads its
 own contiguous slice of every global batch (`cdpjax.data.base`), the trainer
 assembles global arrays from these slices, every process takes part in each
@@ -18,9 +24,12 @@ checkpoint, and process 0 alone writes config.json, metrics.jsonl and summary.js
 """
 from __future__ import annotations
 
+import inspect
 import os
+import socket
 from typing import Mapping
 
+from cdpjax.config import check_address
 from cdpjax.errors import ConfigError
 
 ENV_COORDINATOR = "CDPJAX_COORDINATOR"
@@ -44,9 +53,24 @@ def slurm_tasks(environ: Mapping[str, str]) -> int:
 
 def _int(value, name: str) -> int:
     try:
+        if isinstance(value, float) and value != int(value):
+            raise ValueError
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name}={value!r} must be an integer") from None
+
+
+HEARTBEAT_LIMIT_S = 100  # JAX's own default heartbeat timeout, kept when timeout_s is longer
+
+
+def resolve(address: str, name: str = "distributed.coordinator_address") -> None:
+    """ConfigError if the host of `address` does not resolve (a typo, a name of another network)."""
+    host, port = check_address(address, name)
+    try:
+        socket.getaddrinfo(host.strip("[]"), port)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"{name}={address!r}: host {host!r} cannot be resolved ({e}): give process 0's "
+                          f"host name or address") from None
 
 
 def settings(config, environ: Mapping[str, str] | None = None) -> dict | None:
@@ -58,16 +82,14 @@ def settings(config, environ: Mapping[str, str] | None = None) -> dict | None:
     address = d.get("coordinator_address", "") or environ.get(ENV_COORDINATOR, "")
     count = d.get("num_processes", 0) or environ.get(ENV_NUM_PROCESSES, 0)
     pid = d.get("process_id", -1)
-    if pid is None or int(pid) < 0:
+    if pid is None or _int(pid, "distributed.process_id") < 0:
         pid = environ.get(ENV_PROCESS_ID, -1)
     source = "config" if d.get("coordinator_address", "") else "environment"
     count = _int(count, "distributed.num_processes")
     pid = _int(pid, "distributed.process_id")
     timeout = _int(d.get("timeout_s", 300), "distributed.timeout_s")
     if address:
-        if ":" not in address:
-            raise ConfigError(f"distributed.coordinator_address={address!r} must be HOST:PORT "
-                              f"(process 0's host and a free port)")
+        check_address(address, "distributed.coordinator_address" if source == "config" else ENV_COORDINATOR)
         if count < 1:
             raise ConfigError(f"a coordinator address ({address}) needs the process count: set "
                               f"distributed.num_processes or {ENV_NUM_PROCESSES}")
@@ -100,7 +122,14 @@ def initialize(config, environ: Mapping[str, str] | None = None) -> dict | None:
     if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
         # Cross-process collectives on CPU devices (the simulated ones included) need gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "coordinator_address" in args:
+        resolve(args["coordinator_address"])
     kwargs = {k: v for k, v in args.items() if k != "source"}
+    timeout = int(args["initialization_timeout"])
+    extra = {"heartbeat_timeout_seconds": min(timeout, HEARTBEAT_LIMIT_S), "shutdown_timeout_seconds": timeout}
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    kwargs.update({k: v for k, v in extra.items() if takes_any or k in accepted})
     try:
         jax.distributed.initialize(**kwargs)
     except RuntimeError as e:

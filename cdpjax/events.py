@@ -1,4 +1,6 @@
-"""TensorBoard event files of a run's metrics, written with tensorboardX into WORKDIR.
+"""TensorBoard event files of a run's metrics, written with tensorboardX into WORKDIR; and
+metrics.jsonl read back (`read_metrics`: the lines that are metrics records, and why the
+others are not), by the trainer on resume and by `cdpjax plot`.
 
 `tensorboard --logdir WORKDIR` (or a folder of work directories) shows them: one
 scalar per numeric field of each metrics.jsonl line, tagged `<split>/<field>`
@@ -7,10 +9,19 @@ scalar per numeric field of each metrics.jsonl line, tagged `<split>/<field>`
 time. The events are a copy of metrics.jsonl: when a run resumes, the old event
 files are removed and the lines metrics.jsonl keeps are written again first, so a
 resumed run shows no step twice. TensorBoard stores the values as float32.
+
+The events are written and flushed in the caller's thread, one metrics line at a time
+(tensorboardX's `EventsWriter`, not its `SummaryWriter`, whose writer thread would meet a
+full disk where no one can answer it): a failure to write reaches the trainer, which says
+which file in one line.
 """
 from __future__ import annotations
 
+import json
 import os
+import time
+
+from cdpjax.errors import ConfigError
 
 EVENTS_PREFIX = "events.out.tfevents."
 # Fields of a metrics line that are not curves: its position, and wall time (TensorBoard's own).
@@ -25,25 +36,81 @@ def scalars(record: dict) -> list[tuple[str, float]]:
             if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
+def event_files(workdir: str) -> list[str]:
+    """The event files in WORKDIR; ConfigError for an entry of that name that is not a file."""
+    paths = [os.path.join(workdir, n) for n in sorted(os.listdir(workdir)) if n.startswith(EVENTS_PREFIX)]
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise ConfigError(f"{path} is named like a TensorBoard event file but is not a file: the run rewrites "
+                              f"its event files, so move it away")
+    return paths
+
+
+def metrics_record(line: bytes):
+    """A metrics.jsonl line as its record, or why it is not one (a str)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except (json.JSONDecodeError, RecursionError):
+        return "not JSON (cut short by a crash?)"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"its step is {json.dumps(step)[:40]}, not a count of steps"
+    if record.get("split") not in ("train", "test"):
+        return f"its split is {json.dumps(record.get('split'))[:40]}, not 'train' or 'test'"
+    return record
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[str]]:
+    """The records of a metrics.jsonl and, for each line that is not one, where and why; a path
+    that is not a file is a ConfigError."""
+    if not os.path.exists(path):
+        return [], []
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a file: the run appends its metrics there, so move it away")
+    records, dropped = [], []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = metrics_record(line)
+            if isinstance(record, str):
+                dropped.append(f"line {number}: {record}")
+            else:
+                records.append(record)
+    return records, dropped
+
+
 class EventLog:
     """The run's TensorBoard events; written by process 0 only (`MetricsLog` owns it)."""
 
     def __init__(self, workdir: str, records=()):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
-        for name in os.listdir(workdir):
-            if name.startswith(EVENTS_PREFIX):
-                os.unlink(os.path.join(workdir, name))
-        self.writer = SummaryWriter(workdir, flush_secs=10)
+        for path in event_files(workdir):
+            os.unlink(path)
+        self.writer = EventsWriter(os.path.join(workdir, "events"))
         for record in records:
-            self.write(record)
+            self._add(record)
+        self.writer.flush()
+
+    def _add(self, record: dict) -> None:
+        from tensorboardX.proto import event_pb2
+        from tensorboardX.summary import scalar
+
+        for tag, value in scalars(record):
+            self.writer.write_event(event_pb2.Event(summary=scalar(tag, value), step=int(record["step"]),
+                                                    wall_time=time.time()))
 
     def write(self, record: dict) -> None:
-        for tag, value in scalars(record):
-            self.writer.add_scalar(tag, value, int(record["step"]))
+        self._add(record)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
 
 
-__all__ = ["EVENTS_PREFIX", "EventLog", "scalars"]
+__all__ = ["EVENTS_PREFIX", "EventLog", "event_files", "metrics_record", "read_metrics", "scalars"]

@@ -295,22 +295,15 @@ class TimeTable:
         return json.dumps(self.to_json(stage_bytes))
 
     @classmethod
-    def from_json(cls, data: dict | str) -> "TimeTable":
-        """The table `to_json` wrote (a dict, or its JSON text); derived figures are recomputed."""
-        d = json.loads(data) if isinstance(data, str) else dict(data)
-        try:
-            meta = {k: d[k] for k in d.get("meta_keys", [])}
-            return cls(
-                method=d["method"], workers=int(d["workers"]), stages=int(d["stages"]), steps=int(d["steps"]),
-                num_ticks=int(d["num_ticks"]), devices=int(d["devices"]), period=int(d["period"]),
-                ops=tuple(Op(**o) for o in d["ops"]), updates=tuple(Update(**u) for u in d["updates"]),
-                messages=tuple(Message(**m) for m in d.get("messages", [])),
-                offsets=tuple(d.get("offsets", ())), microbatches=int(d.get("microbatches", 1)),
-                steady=tuple(d.get("steady", (0, int(d["num_ticks"])))), meta=meta,
-                notes=tuple(d.get("notes", ())))
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"not a cdpjax time table ({type(e).__name__}: {e}); write one with "
-                              f"TimeTable.to_json or `cdpjax schedule --json`") from None
+    def from_json(cls, data: dict | str | bytes) -> "TimeTable":
+        """The table `to_json` wrote (a dict, or its JSON text); derived figures are recomputed.
+
+        The data is checked against what `to_json` writes, field by field, with the sizes
+        bounded (`cdpjax.table_json`): anything else is a ConfigError naming the first field
+        that is wrong, before any table is built."""
+        from cdpjax.table_json import table_fields  # late: it reads this module's record types
+
+        return cls(**table_fields(data))
 
 
 def table(method: str, **sizes) -> TimeTable:

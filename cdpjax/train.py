@@ -2,15 +2,20 @@
 
 `train(config, workdir)` takes WORKDIR's lock (`cdpjax.workdir`: one run per work
 directory), validates the config, builds the data, the mesh and the method,
-checks a first batch against the model and restores the latest complete
+checks a first batch against the model and restores the newest intact
 checkpoint in WORKDIR if there is one (`prepare`: everything that can fail, before
-anything compiles); then it says what it will do ("training ... in DIR", or
+anything compiles; a damaged newer checkpoint is named, set aside and skipped,
+`cdpjax.checkpoint`); then it says what it will do ("training ... in DIR", or
 "resuming ... from step N"), runs the train steps up to `num_steps` with a
 progress bar, evaluates every `eval_every` steps, appends metrics to
 WORKDIR/metrics.jsonl and TensorBoard events (`cdpjax.events`), checkpoints every
 `checkpoint_every` steps, flushes pipelines at the end, and writes
 WORKDIR/summary.json. A finished run started again changes no file and says so.
-Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint.
+Ctrl-C or SIGTERM stop it with a line saying the last complete checkpoint (from the
+command line, `cdpjax.shutdown` says it, after a checkpoint being written is finished).
+The lock is checked at every step and before every write: a run that another took
+WORKDIR from (`--force`) stops, writing nothing more. A write the disk refuses (full, a
+quota, read-only) is a StorageError naming the file and the last complete checkpoint.
 
 Each metrics line holds `step`, `split` and the task's metrics (`cdpjax.tasks`:
 `loss`, `accuracy` for classification; `loss` per token, `perplexity`,
@@ -64,13 +69,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, layouts, models, optim, tasks
+from cdpjax import checks, layouts, models, optim, shutdown, tasks
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
-from cdpjax.checkpoint import Checkpointer
-from cdpjax.errors import ConfigError, NonFiniteError
-from cdpjax.events import EventLog
+from cdpjax.checkpoint import TMP_MARK, Checkpointer, Damaged
+from cdpjax.errors import ConfigError, NonFiniteError, StorageError, storage_problem
+from cdpjax.events import EventLog, event_files, read_metrics
 from cdpjax.mesh import make_mesh
 from cdpjax.methods.common import tree_select
 
@@ -78,6 +83,8 @@ from cdpjax.methods.common import tree_select
 # or, after this step, it creates WAIT_FILE + ".waiting" and waits until WAIT_FILE exists.
 KILL_ENV = "CDPJAX_TEST_KILL_AT_STEP"
 WAIT_ENV, WAIT_FILE_ENV = "CDPJAX_TEST_WAIT_AT_STEP", "CDPJAX_TEST_WAIT_FILE"
+# ... or it waits so inside the write of this step's checkpoint; or it sleeps this long after each step.
+WAIT_IN_CHECKPOINT_ENV, DELAY_ENV = "CDPJAX_TEST_WAIT_IN_CHECKPOINT", "CDPJAX_TEST_STEP_DELAY_S"
 # Fields of a metrics.jsonl line that differ between two runs of the same config.
 TIMING_FIELDS = ("images_per_second", "tokens_per_second", "time")
 # Methods whose train states are the same pytree with the same meaning, so that a checkpoint
@@ -104,7 +111,8 @@ def say(line: str) -> None:
     if jax.process_index() == 0:
         from tqdm.auto import tqdm
 
-        tqdm.write(f"cdpjax: {line}", file=sys.stderr)
+        with shutdown.critical():  # not after the line of a signal that is ending the process
+            tqdm.write(f"cdpjax: {line}", file=sys.stderr)
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -225,9 +233,14 @@ def setup(config, devices=None):
     """Validated config -> (dataset, mesh, method); everything that can fail before compiling."""
     checks.validate(config)
     dataset = data_lib.build(config)
+    if config.global_batch_size > dataset.num_train:
+        raise ConfigError(f"global_batch_size={config.global_batch_size} is larger than the training set of "
+                          f"{dataset.name!r} ({dataset.num_train} examples): each example is used once per "
+                          f"epoch, so a batch must fit in it")
     if config.global_batch_size % jax.process_count():
         raise ConfigError(f"global_batch_size={config.global_batch_size} is not divisible by the "
                           f"{jax.process_count()} processes")
+    checks.try_model(config, tuple(dataset.image_shape), dataset.num_classes)
     mesh = make_mesh(layouts.mesh_for(config), devices)
     ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype,
                               tasks.resolve(config, dataset))
@@ -307,32 +320,30 @@ class MetricsLog:
     """metrics.jsonl and its TensorBoard copy: one JSON object per line; on resume, lines past the
     resumed step are dropped (and, when a finished run is completed again, its final test line,
     which is written again) so that a resumed run's log equals an uninterrupted run's, timing
-    fields aside. Written by process 0 only."""
+    fields aside, and so are lines that are not metrics records (said in one line). Written by
+    process 0 only; each line whole (a signal waits for it)."""
 
     def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True):
         self.path, self.enabled, self.events = os.path.join(workdir, "metrics.jsonl"), write, None
         if not write:
             return
-        records = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by a crash
-                    step = rec.get("step", 0)
-                    final_test = step == final_step and rec.get("split") == "test"
-                    if step <= resume_step and not final_test:
-                        records.append(rec)
+        records, dropped = read_metrics(self.path)
+        if dropped:
+            say(f"{self.path}: dropped {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
+                f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]}"
+                f"{'; ...' if len(dropped) > 1 else ''})")
+        records = [r for r in records if r["step"] <= resume_step
+                   and not (r["step"] == final_step and r["split"] == "test")]
         _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
-        self.events = EventLog(workdir, records)
+        with writing(workdir):
+            self.events = EventLog(workdir, records)
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            self.events.write(record)
+            with shutdown.critical(), writing(self.path):
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                self.events.write(record)
 
     def close(self) -> None:
         if self.events is not None:
@@ -354,12 +365,38 @@ def _jsonable(x):
     return x.tolist() if isinstance(x, (np.ndarray, np.generic)) else str(x)
 
 
+class writing:
+    """Around a write: a failure of the disk (full, quota, read-only, permission) becomes a
+    StorageError naming `path`, to which the trainer adds the last complete checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, ConfigError) or not isinstance(e, Exception):
+            return False
+        reason = storage_problem(e)
+        if reason is None:
+            return False
+        raise StorageError(getattr(e, "filename", None) or self.path, reason) from None
+
+
 def _write_atomic(path: str, text: str) -> None:
-    """Readers (other processes, a resumed run) see the old file or the new one, never half."""
+    """Readers (other processes, a resumed run) see the old file or the new one, never half; a
+    failure leaves neither a temporary file nor half a file."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    with shutdown.critical(), writing(path):
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isfile(tmp):
+                os.unlink(tmp)
+            raise
 
 
 def default_workdir(config) -> str:
@@ -378,13 +415,9 @@ def _interchangeable(a: str, b: str) -> bool:
 def check_resume_config(workdir: str, config) -> None:
     """A resumed run must be the same run: the keys of RESUME_KEYS as in WORKDIR/config.json."""
     path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    saved = read_saved_config(path)
+    if saved is None:
         return
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return  # the checkpoint's own meta still guards the method and the mesh
     now = json.loads(config.to_json_best_effort())
     changed = [k for k in RESUME_KEYS if k in saved and k in now and saved[k] != now[k]]
     if saved.get("method") and not _interchangeable(saved["method"], config.method):
@@ -395,8 +428,35 @@ def check_resume_config(workdir: str, config) -> None:
                           f"with the config it started with: restore those values, or use a fresh --workdir")
 
 
+def read_saved_config(path: str) -> dict | None:
+    """WORKDIR/config.json as the run wrote it (None if absent); ConfigError if it is something
+    else (it is rewritten by every run: a damaged one would hide a changed config)."""
+    if not os.path.lexists(path):
+        return None
+    fix = "move it away (the run writes it again) and run the same command again"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a file: {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path} is not the JSON config a run writes ({type(e).__name__}): {fix}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} holds a JSON {type(saved).__name__}, not the config a run writes: {fix}")
+    return saved
+
+
 def _stale(method) -> list:
     return np.asarray(method.stale).astype(int).tolist()
+
+
+def _every_process(ok: bool) -> bool:
+    """Whether `ok` holds in every process of the run (itself alone in a one-process run)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
@@ -438,11 +498,29 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     return ckpt.restore(step, state, explain)
 
 
-def learning_rates(config) -> np.ndarray:
+class LearningRates:
     """The optax schedule's value for each update 0 .. num_steps-1 (float32, as the optimizer
-    reads it); step N's update is update N-1."""
-    schedule = optim.schedule(config)
-    return np.asarray(jax.vmap(schedule)(jnp.arange(config.num_steps)), np.float32)
+    reads it); step N's update is update N-1. Computed a block of `BLOCK` updates at a time, the
+    blocks always starting at multiples of BLOCK (a resumed run logs the same values), so that
+    memory does not grow with num_steps."""
+
+    BLOCK = 4096
+
+    def __init__(self, config):
+        self.schedule, self.num_steps = optim.schedule(config), int(config.num_steps)
+        self.start, self.values = None, None
+
+    def __getitem__(self, update: int) -> np.float32:
+        start = update - update % self.BLOCK
+        if start != self.start:
+            stop = min(start + self.BLOCK, self.num_steps)
+            self.values = np.asarray(jax.vmap(self.schedule)(jnp.arange(start, stop)), np.float32)
+            self.start = start
+        return self.values[update - start]
+
+
+def learning_rates(config) -> LearningRates:
+    return LearningRates(config)
 
 
 def _shortest(x) -> float:
@@ -457,10 +535,12 @@ def finished_summary(workdir: str, config, latest: int | None) -> dict | None:
     if latest != config.num_steps or not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             summary = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return None  # written again at the end of the run
+    if not isinstance(summary, dict) or not isinstance(summary.get("test_accuracy"), (int, float)):
+        return None
     return summary if summary.get("steps") == config.num_steps else None
 
 
@@ -486,10 +566,23 @@ class Prepared:
     flushed: bool = False
     window: list = dataclasses.field(default_factory=list)
     elapsed: float = 0.0  # run time recorded by the checkpoint resumed from
+    intact: int | None = None  # the newest checkpoint known whole: verified on restore, or written here
+    training: bool = False  # past the "training ..." line
 
     def clock(self) -> float:
         """`time` of a metrics line: seconds since the run started."""
         return self.elapsed + time.perf_counter() - self.t0
+
+    def check_lock(self) -> None:
+        """Before anything is written: ConfigError if another run has taken WORKDIR over."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def last_checkpoint(self) -> str:
+        """Where the run can resume from, in words."""
+        if self.intact is None:
+            return "no complete checkpoint yet (the same command starts again from step 0)"
+        return f"last complete checkpoint: step {self.intact} in {self.ckpt.directory}"
 
     def close(self) -> None:
         self.ckpt.close()
@@ -498,11 +591,13 @@ class Prepared:
 
 
 def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
-    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None)."""
+    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None).
+    A lock taken from a live run (--force) is held only once that run has stopped."""
     lock, error = None, None
     if jax.process_index() == 0:
         try:
             lock = workdir_lib.Lock.acquire(workdir, force, say)
+            lock.wait_for_previous(lambda: not _being_written(workdir), say=say)
         except ConfigError as e:
             error = e
     if jax.process_count() > 1:
@@ -520,11 +615,28 @@ def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
     return lock
 
 
+def _being_written(workdir: str) -> bool:
+    directory = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(directory) and any(TMP_MARK in n for n in os.listdir(directory))
+
+
+def check_workdir_files(workdir: str) -> None:
+    """The files a run rewrites in WORKDIR must be files (or absent): ConfigError naming one that
+    is a directory or something else, before anything is written."""
+    for name in ("config.json", "summary.json", "metrics.jsonl"):
+        path = os.path.join(workdir, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ConfigError(f"{path} is not a file: the run writes it, so move it away")
+    event_files(workdir)
+
+
 def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tuple[Checkpointer, int | None]:
     """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed."""
-    ckpt = Checkpointer(workdir, remove_leftovers=lock is not None and lock.may_clean)
+    with writing(os.path.join(workdir, "checkpoints")):
+        ckpt = Checkpointer(workdir, remove_leftovers=lock is not None and lock.may_clean)
     try:
-        latest = ckpt.latest_step()
+        steps = ckpt.steps()
+        latest = steps[-1] if steps else None
         if latest is None and require_checkpoint:
             raise ConfigError(f"nothing to resume: {ckpt.directory} holds no complete checkpoint")
         if latest is not None:
@@ -542,15 +654,23 @@ def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tu
 def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False, force: bool = False) -> Prepared:
     """Everything before the first compile of the train step: the lock, the config, the
     checkpoints (a finished run stops here, with `finished` set and no file changed), the data,
-    the mesh, the method, the first batch and the restored state. Raises ConfigError for bad
-    input; the lock is released on any failure."""
+    the mesh, the method, the first batch and the restored state (the newest intact checkpoint:
+    a damaged one is set aside, saying so). Raises ConfigError for bad input; the lock is
+    released on any failure."""
     t0 = time.perf_counter()
     checks.validate(config)
     if require_checkpoint and not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ConfigError(f"nothing to resume: {os.path.join(workdir, 'checkpoints')} does not exist")
     created = _missing_dirs(workdir)
-    lock = take_lock(workdir, force)
+    cleanup = shutdown.on_exit(lambda: _remove_empty(created))
     try:
+        lock = take_lock(workdir, force)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        if jax.process_index() == 0:
+            check_workdir_files(workdir)
         ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint)
     except BaseException:
         if lock is not None:
@@ -566,6 +686,8 @@ def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False
         p.close()
         _remove_empty(created)
         raise
+    finally:
+        shutdown.forget(cleanup)
     return p
 
 
@@ -573,7 +695,7 @@ def _missing_dirs(workdir: str) -> list[str]:
     """WORKDIR/checkpoints, WORKDIR and its parents that do not exist yet, deepest first: what
     a failed start removes again when still empty, so that bad input leaves no directory behind."""
     missing, d = [], os.path.abspath(os.path.join(workdir, "checkpoints"))
-    while not os.path.exists(d):
+    while not os.path.lexists(d):
         missing, d = missing + [d], os.path.dirname(d)
     return missing
 
@@ -590,14 +712,49 @@ def _build_and_restore(p: Prepared, devices) -> None:
     config = p.config
     p.dataset, p.mesh, p.method = setup(config, devices)
     check_dataset_against_model(p.dataset, p.method.net)
+    init = p.method.init(jax.random.key(config.seed))
+    if p.latest is not None:
+        p.latest, (p.state, meta) = restore_newest_intact(p, init)
+    else:
+        p.state = init
     # The first batch this call trains on, checked before anything compiles and then used.
     p.first = check_batches(p.dataset, config, p.method.net, min(p.latest or 0, config.num_steps - 1))
-    p.state = p.method.init(jax.random.key(config.seed))
     if p.latest is not None:
-        p.state, meta = restore_state(p.ckpt, p.latest, p.state, p.method, p.mesh, config)
-        p.start = p.done = p.latest
+        p.start = p.done = p.intact = p.latest
         p.skipped, p.flushed = int(meta.get("skipped_steps", 0)), bool(meta.get("flushed", False))
         p.window, p.elapsed = list(meta.get("log_window", [])), float(meta.get("time", 0.0))
+
+
+def restore_newest_intact(p: Prepared, init) -> tuple[int | None, tuple]:
+    """(step, (state, meta)) of the newest checkpoint whose bytes are what was written. Each
+    damaged one newer than it is named in one line and set aside (renamed `<step>.damaged-*`,
+    never read again); a checkpoint that vanished while it was read (a run forced out of the
+    directory rotating its own) is skipped. With no intact one left: ConfigError (nothing is
+    set aside), or a fresh start if every checkpoint simply vanished."""
+    damaged = []
+    for step in reversed(p.ckpt.steps()):
+        try:
+            restored, error = restore_state(p.ckpt, step, init, p.method, p.mesh, p.config), None
+        except Damaged as e:
+            restored, error = None, e
+        if not _every_process(error is None):  # all agree, or they would part ways in the next collective
+            error = error or Damaged(step, p.ckpt.directory, "is damaged: another process could not read it")
+        if error is not None:
+            if "removed while it was read" in error.why:
+                say(f"{error} (by the run forced out of this directory?); trying the one before it")
+            else:
+                damaged.append(error)
+            continue
+        for e in damaged:
+            where = p.ckpt.set_aside(e.step)
+            say(f"{e}" + (f"; set aside as {where}" if where else "")
+                + f"; resuming from checkpoint {step}, the newest intact one")
+        return step, restored
+    if damaged:
+        listed = "; ".join(f"{e.step} {e.why}" for e in damaged)
+        raise ConfigError(f"every checkpoint in {p.ckpt.directory} is damaged ({listed}): move them away to "
+                          f"start again from step 0, or use a fresh --workdir")
+    return None, (init, {})
 
 
 def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
@@ -606,12 +763,13 @@ def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
     c, n = p.config, int(p.mesh.devices.size)
     if device_note is not None and jax.default_backend() == "cpu":
         asked, why = device_note
-        have = jax.device_count()
+        have = jax.local_device_count()
         reason = why if have == asked else f"JAX was already running with them; {why} asked for {asked}"
         say(f"{have} simulated CPU devices ({reason}); --cpu-devices sets them")
     what = f"{c.method} / {c.model} / {c.dataset} in {p.workdir}"
     where = (f"mesh {dict(p.mesh.shape)}, {n} device{'s' if n > 1 else ''}"
              + (f", {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    p.training = True
     if p.start:
         say(f"resuming {what} from step {p.start} (checkpoint {os.path.join(p.ckpt.directory, str(p.start))}); "
             f"training to step {c.num_steps} ({where})")
@@ -635,6 +793,7 @@ class Progress:
 
             self.bar = tqdm(total=self.total, initial=done, dynamic_ncols=True, desc=self.desc)
             self.bar.set_postfix(self.postfix, refresh=False)
+            shutdown.on_exit(self.close)  # a signal's line goes below the bar, not into it
         else:
             self.bar.update(1)
 
@@ -650,9 +809,10 @@ class Progress:
             self.bar.set_postfix(values, refresh=False)
 
     def close(self) -> None:
+        shutdown.forget(self.close)
         if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+            bar, self.bar = self.bar, None
+            bar.close()
 
 
 class Profile:
@@ -713,10 +873,15 @@ def _test_hooks(done: int) -> None:
     if os.environ.get(KILL_ENV) == str(done):
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(WAIT_ENV) == str(done):
-        release = os.environ[WAIT_FILE_ENV]
-        open(release + ".waiting", "w").close()
-        while not os.path.exists(release):
-            time.sleep(0.05)
+        _wait_for_release(os.environ[WAIT_FILE_ENV])
+    if os.environ.get(DELAY_ENV):
+        time.sleep(float(os.environ[DELAY_ENV]))
+
+
+def _wait_for_release(release: str) -> None:
+    open(release + ".waiting", "w").close()
+    while not os.path.exists(release):
+        time.sleep(0.05)
 
 
 def _nonfinite(p: Prepared, metrics, flags, skip: bool, progress: Progress) -> None:
@@ -731,11 +896,33 @@ def _nonfinite(p: Prepared, metrics, flags, skip: bool, progress: Progress) -> N
                        file=sys.stderr)
         return
     progress.close()
-    last = p.ckpt.latest_step()
-    kept = (f"the last good checkpoint (step {last}) in {p.ckpt.directory} is kept" if last is not None
+    kept = (f"the last good checkpoint (step {p.intact}) in {p.ckpt.directory} is kept" if p.intact is not None
             else "no checkpoint had been written yet")
     raise NonFiniteError(f"non-finite values at step {p.done} in {where}; training stopped, {kept} "
                          f"(--config.nonfinite=skip skips such steps instead)")
+
+
+def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
+    """Checkpoint `step`, written only while this run holds WORKDIR (checked before and after:
+    a run that lost the directory while writing removes what it wrote and stops). A signal
+    waits for the write, and for `p.intact` to name it."""
+    p.check_lock()
+    try:
+        with shutdown.critical():
+            if os.environ.get(WAIT_IN_CHECKPOINT_ENV) == str(step):
+                _wait_for_release(os.environ[WAIT_FILE_ENV])
+            p.check_lock()  # again: a process frozen until now may have lost the directory meanwhile
+            p.ckpt.save(step, p.state, meta)
+            p.intact = step
+    except Exception:
+        p.check_lock()  # another run wrote this step too: losing the directory is the news
+        raise
+    try:
+        p.check_lock()
+    except ConfigError:
+        p.ckpt.discard(step)
+        p.intact = None
+        raise
 
 
 def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
@@ -743,9 +930,14 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
 
     Step timing: a step is timed from reading its batch to its metrics being on the host;
     logging, evaluation and checkpoints are outside it. `stop_after` ends this call after that
-    many steps, as if killed (returns {'stopped_at': step})."""
+    many steps, as if killed (returns {'stopped_at': step}). The lock is checked at every step
+    and before every write (a run forced out of WORKDIR writes nothing more).
+
+    One function over 60 lines on purpose: a step's order (check, step, log, evaluate,
+    checkpoint) reads top to bottom here, and each piece it calls is small."""
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
+    p.check_lock()
     log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
@@ -762,8 +954,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
         for step in range(p.start, config.num_steps):
             if stop_after is not None and step - p.start >= stop_after:
                 return {"stopped_at": step}
-            if p.lock is not None:
-                p.lock.check()
+            p.check_lock()
             profile.before(step + 1)
             t0 = time.perf_counter()
             batch = p.first if step == p.start else p.dataset.train_batch(
@@ -783,6 +974,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             if done % config.log_every == 0 or done == config.num_steps:
                 mean = window_metrics(task, p.window)
                 ips = window_speed.rate()
+                p.check_lock()
                 log.write({"step": done, "split": "train", **mean, "lr": _shortest(lrs[done - 1]),
                            rate_key: None if ips is None else round(ips, 1),
                            "time": round(p.clock(), 3)})
@@ -792,13 +984,15 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             t_aside = time.perf_counter()
             if config.eval_every and done % config.eval_every == 0 and done < config.num_steps:
                 params, mstate = method.export(p.state)
-                log.write({"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch,
-                                                                     task), "time": round(p.clock(), 3)})
+                line = {"step": done, "split": "test", **evaluate(eval_fn, params, mstate, p.dataset, eval_batch,
+                                                                  task), "time": round(p.clock(), 3)}
+                p.check_lock()
+                log.write(line)
             if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.num_steps:
                 # The partial logging window travels with the checkpoint so that a resumed run logs
                 # exactly what an uninterrupted one does.
-                p.ckpt.save(done, p.state, {**here, "skipped_steps": p.skipped, "log_window": p.window,
-                                            "time": p.clock()})
+                save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
+                                          "time": p.clock()})
             bar.leave_out(time.perf_counter() - t_aside)
             bar.step(done)
             _test_hooks(done)
@@ -820,10 +1014,11 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         p.state = method.flush(p.state)
     params, mstate = method.export(p.state)
     final = evaluate(eval_fn, params, mstate, p.dataset, eval_batch, task)
+    p.check_lock()
     log.write({"step": config.num_steps, "split": "test", **final, "time": round(p.clock(), 3)})
     if p.latest != config.num_steps:
-        p.ckpt.save(config.num_steps, p.state, {**here, "skipped_steps": p.skipped, "flushed": True,
-                                                "time": p.clock()})
+        save_checkpoint(p, config.num_steps, {**here, "skipped_steps": p.skipped, "flushed": True,
+                                              "time": p.clock()})
     summary = {
         "method": config.method,
         "model": config.model,
@@ -844,6 +1039,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "report": method_report(method),
     }
     if jax.process_index() == 0:
+        p.check_lock()
         _write_atomic(os.path.join(p.workdir, "summary.json"), json.dumps(summary, indent=2, default=_jsonable))
     return summary
 
@@ -862,20 +1058,38 @@ def throughput_words(summary: dict) -> str:
     """'5120 images/s' or '81920 tokens/s', from a summary."""
     unit = tasks.lookup(summary.get("task", "classification")).unit
     return f"{summary.get(f'{unit}_per_second', 0.0):.0f} {unit}/s"
+def stop_line(p: Prepared | None, how: str, abandoned: bool = False) -> str:
+    """What a run stopped by a signal says: where it stands and how to go on."""
+    if p is None or not p.training:
+        return f"{how} before training began; run the same command to start it"
+    if p.intact is None:
+        line = f"{how} at step {p.done}; no complete checkpoint yet: the same command starts again from step 0"
+    else:
+        line = (f"{how} at step {p.done}; last complete checkpoint: step {p.intact} in {p.ckpt.directory}; "
+                f"run the same command to resume")
+    if abandoned:
+        line += f" (a checkpoint being written was given up after {shutdown.GRACE_S:.0f} s)"
+    return line
 
 
 def _interrupted(p: Prepared, e: KeyboardInterrupt) -> Interrupted:
     how, status = ("terminated (SIGTERM)", 143) if isinstance(e, workdir_lib.Terminated) else ("interrupted", 130)
-    try:
-        last = p.ckpt.latest_step()
-    except Exception:  # noqa: BLE001 - a checkpoint cut short by the interrupt: say what is on disk
-        steps = [int(n) for n in os.listdir(p.ckpt.directory) if n.isdigit()] if os.path.isdir(p.ckpt.directory) else []
-        last = max(steps, default=None)
-    if last is None:
-        return Interrupted(f"{how} at step {p.done}; no complete checkpoint yet: the same command starts "
-                           f"again from step 0", status)
-    return Interrupted(f"{how} at step {p.done}; last complete checkpoint: step {last} in {p.ckpt.directory}; "
-                       f"run the same command to resume", status)
+    return Interrupted(stop_line(p, how), status)
+
+
+def _with_position(p: Prepared, e: Exception) -> Exception | None:
+    """The error worded with where the run stands, or None to let it pass as it is."""
+    if isinstance(e, StorageError):
+        return StorageError(e.path, e.reason, f"{p.last_checkpoint()}; free space (or give a --workdir this run "
+                                              f"can write to) and run the same command to resume")
+    if p.lock is not None and p.lock.lost and isinstance(e, ConfigError):
+        return ConfigError(f"{p.lock.lost} at step {p.done}, writing nothing more")
+    reason = None if isinstance(e, ConfigError) else storage_problem(e)
+    if reason is not None:
+        return StorageError(f"WORKDIR {p.workdir}", reason, f"{p.last_checkpoint()}; free space (or give a "
+                                                           f"--workdir this run can write to) and run the same "
+                                                           f"command to resume")
+    return None
 
 
 def train(config, workdir: str, progress: bool = True, devices=None, stop_after: int | None = None,
@@ -889,10 +1103,23 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
     `force`: take WORKDIR's lock over even from a live run (`cdpjax.workdir`).
     `device_note`: (simulated CPU devices asked for, why), said on CPU (the command line's).
     A finished run started again returns its summary.json, with `already_finished` added.
-    Ctrl-C and SIGTERM raise `Interrupted`, whose message names the last complete checkpoint.
+    Ctrl-C and SIGTERM raise `Interrupted`, whose message names the last complete checkpoint
+    (under the command line's `cdpjax.shutdown` the same line ends the process instead).
+    A full disk (or a quota, a read-only file system) is a StorageError naming the file and
+    the last complete checkpoint; a run that lost WORKDIR to another (--force) stops with a
+    ConfigError saying who took it.
     """
     with workdir_lib.sigterm_as_interrupt():
-        p = prepare(config, workdir, devices, require_checkpoint, force)
+        shutdown.set_message(lambda how, abandoned: stop_line(None, how, abandoned))
+        try:
+            p = prepare(config, workdir, devices, require_checkpoint, force)
+        except Exception as e:  # noqa: BLE001 - a disk that refuses a write during set-up: one line
+            reason = None if isinstance(e, ConfigError) else storage_problem(e)
+            if reason is None:
+                raise
+            raise StorageError(f"WORKDIR {workdir}", reason, "free space (or give a --workdir this run can "
+                                                            "write to) and run the same command") from None
+        shutdown.set_message(lambda how, abandoned: stop_line(p, how, abandoned))
         try:
             if p.finished is not None:
                 s = p.finished
@@ -906,5 +1133,11 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
             if isinstance(e, Interrupted):
                 raise
             raise _interrupted(p, e) from None
+        except Exception as e:  # noqa: BLE001 - worded with the run's position, or passed on as it is
+            worded = _with_position(p, e)
+            if worded is None:
+                raise
+            raise worded from None
         finally:
             p.close()
+            shutdown.set_message(None)

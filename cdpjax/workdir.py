@@ -16,18 +16,24 @@ lock is there, its owner is judged:
   live while its heartbeat is younger than `STALE_AFTER_S` seconds (the hosts' clocks
   are assumed to agree to well under that, as NTP keeps them).
 
-A live owner makes `acquire` refuse with a `ConfigError` naming the directory, the
+A record that is not what a run writes (a process id that is not a positive integer
+below 2**31, a heartbeat that is not a number or lies more than `STALE_AFTER_S` in the
+future) counts as unreadable: it is judged by the file's own age, like a lock file cut
+short. A live owner makes `acquire` refuse with a `ConfigError` naming the directory, the
 owner and what to do; a stale one (SIGKILL, a lost node) is taken over, saying so
-in one line. `force=True` takes over a live owner too: that run then stops at its
-next step (its heartbeat finds the lock gone). Taking over renames the judged file
-away and checks, by its inode and modification time, that it was the one judged, so
-two restarts racing for one stale lock cannot both win.
+in one line. `force=True` takes over a live owner too: that run finds out at its next
+step (`Lock.check`, a `stat` of the file, every step) and stops before writing anything
+more, and the forcing run waits for it to be gone (`wait_for_previous`) before it reads
+the checkpoints. Taking over renames the judged file away and checks, by its inode and
+modification time, that it was the one judged, so two restarts racing for one stale lock
+cannot both win. A failed write (a full disk) leaves no temporary file behind.
 
 In a multi-process run, process 0 takes the lock for the job and the other
 processes check that the file names the token process 0 took (`check_token`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +45,8 @@ import threading
 import time
 from typing import Callable
 
-from cdpjax.errors import ConfigError
+from cdpjax import shutdown
+from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 LOCK_NAME = "lock.json"
 HEARTBEAT_S = 10.0
@@ -47,6 +54,9 @@ STALE_AFTER_S = 120.0
 # How long an unreadable lock file (a writer that died between creating and writing it, on a
 # file system without hard links) is given before it counts as stale.
 UNREADABLE_GRACE_S = 3 * HEARTBEAT_S
+# How long a run that took a live owner's lock (--force) waits for that run to stop.
+FORCE_WAIT_S = 120.0
+PID_LIMIT = 2**31  # process ids are positive and below this (Linux: at most 2**22)
 
 
 class Terminated(KeyboardInterrupt):
@@ -121,13 +131,34 @@ class Owner:
 
     @staticmethod
     def from_json(text: str) -> "Owner":
+        """The record, or ValueError when it is not what a run writes (`_RULES`)."""
         record = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(Owner)}
-        return Owner(**{k: record[k] for k in fields})
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        for name, ok in _RULES.items():
+            if name not in record or not ok(record[name]):
+                raise ValueError(f"{name}={record.get(name)!r}")
+        return Owner(**{k: record[k] for k in _RULES})
 
 
-def judge(owner: Owner, now: float | None = None) -> tuple[bool, str]:
-    """(live, why) for the owner a lock file names, by the rules of the module docstring."""
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e12
+
+
+_RULES = {
+    "host": lambda v: isinstance(v, str),
+    "boot_id": lambda v: isinstance(v, str),
+    "pid": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v < PID_LIMIT,
+    "pid_start": lambda v: v is None or isinstance(v, str),
+    "started": _finite,
+    "heartbeat": _finite,
+    "token": lambda v: isinstance(v, int) and not isinstance(v, bool),
+}
+
+
+def judge(owner: Owner, now: float | None = None, file_age: float = 0.0) -> tuple[bool, str]:
+    """(live, why) for the owner a lock file names, by the rules of the module docstring
+    (`file_age`: seconds since the file was last written, for a heartbeat from the future)."""
     now = time.time() if now is None else now
     if owner.host == socket.gethostname() and owner.boot_id == _boot_id():
         if process_running(owner.pid, owner.pid_start):
@@ -135,6 +166,10 @@ def judge(owner: Owner, now: float | None = None) -> tuple[bool, str]:
         return False, f"process {owner.pid} is gone from this host"
     age = now - owner.heartbeat
     where = "this host before it restarted" if owner.host == socket.gethostname() else f"host {owner.host}"
+    if -age > STALE_AFTER_S:  # a clock far ahead, or a damaged file: the file's own age decides
+        live = file_age <= UNREADABLE_GRACE_S
+        return live, (f"its heartbeat from {where} lies {-age:.0f} s in the future (clocks that disagree, or a "
+                      f"damaged file); the file was written {file_age:.0f} s ago")
     if age > STALE_AFTER_S:
         return False, f"its heartbeat from {where} is {age:.0f} s old (stale after {STALE_AFTER_S:.0f} s)"
     return True, f"its heartbeat from {where} is {max(age, 0.0):.0f} s old (stale after {STALE_AFTER_S:.0f} s)"
@@ -152,9 +187,15 @@ def _read(path: str) -> tuple[Owner | None, tuple | None, float]:
             text = f.read()
     except FileNotFoundError:
         return None, None, 0.0
+    except (OSError, UnicodeDecodeError):  # a directory, unreadable bytes: judged by the file's age
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None, None, 0.0
+        return None, _identity(st), max(time.time() - st.st_mtime, 0.0)
     try:
         owner = Owner.from_json(text)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         owner = None
     return owner, _identity(st), max(time.time() - st.st_mtime, 0.0)
 
@@ -187,9 +228,12 @@ class Lock:
         self.path = os.path.join(workdir, LOCK_NAME)
         self.previous, self.previous_live = previous, previous_live
         self.lost: str | None = None  # why this process no longer holds the lock, once it does not
+        self.write_error: str | None = None  # the heartbeat's last failure to write, if any
+        self._seen = _stat_identity(self.path)  # the file as this process last wrote it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="cdpjax-lock-heartbeat", daemon=True)
         self._thread.start()
+        shutdown.on_exit(self.release)  # a signal ends the process: the lock goes with it
 
     @property
     def may_clean(self) -> bool:
@@ -204,10 +248,13 @@ class Lock:
         say = say or (lambda line: print(f"cdpjax: {line}", file=sys.stderr))
         check_directory(workdir)
         try:
-            return Lock._acquire(workdir, force, say)
+            with shutdown.critical():  # no temporary lock file left half made by a signal
+                return Lock._acquire(workdir, force, say)
         except OSError as e:
-            raise ConfigError(f"WORKDIR {workdir}: its lock file cannot be written ({e.strerror}): give a "
-                              f"directory you can write to") from None
+            path = os.path.join(workdir, LOCK_NAME)
+            reason = storage_problem(e) or e.strerror or type(e).__name__
+            raise StorageError(path, reason, f"WORKDIR {workdir} must be a directory this run can write "
+                                             f"to: give another --workdir, or free space") from None
 
     @staticmethod
     def _acquire(workdir: str, force: bool, say: Callable[[str], None]) -> "Lock":
@@ -224,7 +271,7 @@ class Lock:
                 live = age <= UNREADABLE_GRACE_S
                 why = f"unreadable, written {age:.0f} s ago"
             else:
-                live, why = judge(owner)
+                live, why = judge(owner, file_age=age)
             if live and not force:
                 raise _refusal(workdir, owner, why)
             if not _take_over(path, identity):
@@ -238,22 +285,64 @@ class Lock:
         raise ConfigError(f"the lock of WORKDIR {workdir} kept changing hands while this run tried to take "
                           f"it ({path}): another run is starting there; try again, or use another --workdir")
 
+    def _lose(self, owner: Owner | None) -> None:
+        who = owner.describe() if owner else "another run (lock.json was removed or replaced)"
+        self.lost = (f"the lock of WORKDIR {self.workdir} was taken over by {who} (with --force, or because this "
+                     f"run's heartbeat looked stale); this run stops")
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             owner, _, _ = _read(self.path)
             if owner is None or owner.token != self.owner.token:
-                self.lost = (f"the lock of WORKDIR {self.workdir} was taken over by "
-                             f"{owner.describe() if owner else 'another run'} (with --force); this run stops")
+                self._lose(owner)
                 return
-            _write_replace(self.path, dataclasses.replace(self.owner, heartbeat=time.time()))
+            try:  # a full disk must not end the run from this thread: the next checkpoint says it
+                self._seen = _write_replace(self.path, dataclasses.replace(self.owner, heartbeat=time.time()))
+                self.write_error = None
+            except OSError as e:
+                self.write_error = storage_problem(e) or str(e)
 
     def check(self) -> None:
-        """Raises ConfigError if another run has taken the lock over (--force)."""
+        """Raises ConfigError if another run has taken the lock over (--force, or a heartbeat that
+        looked stale). Cheap enough for every step: one `stat` of lock.json, and a read only
+        when the file is not the one this process last wrote."""
+        if self.lost is None:
+            identity = _stat_identity(self.path)
+            if identity is None or identity != self._seen:
+                owner, identity, _ = _read(self.path)
+                if owner is not None and owner.token == self.owner.token:
+                    self._seen = identity
+                else:
+                    self._lose(owner)
         if self.lost:
             raise ConfigError(self.lost)
 
+    def wait_for_previous(self, settled: Callable[[], bool] = lambda: True, timeout: float | None = None,
+                          say: Callable[[str], None] | None = None) -> None:
+        """After taking a live owner's lock (--force): waits until that run has stopped, so that
+        it writes nothing more (a checkpoint it was writing is finished first): on this host until
+        its process is gone, on another until `settled()` (no checkpoint being written) holds,
+        at least two of its steps' worth of time; at most `timeout` seconds (FORCE_WAIT_S)."""
+        previous = self.previous
+        if previous is None or not self.previous_live:
+            return
+        timeout = FORCE_WAIT_S if timeout is None else timeout
+        deadline = time.time() + timeout
+        here = previous.host == socket.gethostname() and previous.boot_id == _boot_id()
+        earliest = time.time() + (0.0 if here else 2.0)
+        while time.time() < deadline:
+            if here and not process_running(previous.pid, previous.pid_start):
+                return
+            if not here and time.time() >= earliest and settled():
+                return
+            time.sleep(0.1)
+        if say is not None:
+            say(f"the run that held the lock ({previous.describe()}) has not stopped after {timeout:.0f} s; "
+                f"going on")
+
     def release(self) -> None:
         """Stops the heartbeat and removes lock.json if it still names this process."""
+        shutdown.forget(self.release)
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
@@ -275,13 +364,32 @@ def _tmp_path(path: str) -> str:
     return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
+def _stat_identity(path: str) -> tuple | None:
+    try:
+        return _identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _write_tmp(path: str, owner: Owner, sync: bool = False) -> str:
+    """A temporary file beside `path` holding `owner`; removed again if writing it fails."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(owner.to_json())
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
 def _create(path: str, owner: Owner) -> bool:
     """Creates the lock file holding `owner`, atomically; False if it exists."""
-    tmp = _tmp_path(path)
-    with open(tmp, "w") as f:
-        f.write(owner.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _write_tmp(path, owner, sync=True)
     try:
         os.link(tmp, path)
         return True
@@ -294,18 +402,27 @@ def _create(path: str, owner: Owner) -> bool:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(owner.to_json())
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(owner.to_json())
+        except BaseException:
+            os.unlink(path)  # ours, just made: not a lock half written
+            raise
         return True
     finally:
         os.unlink(tmp)
 
 
-def _write_replace(path: str, owner: Owner) -> None:
-    tmp = _tmp_path(path)
-    with open(tmp, "w") as f:
-        f.write(owner.to_json())
-    os.replace(tmp, path)
+def _write_replace(path: str, owner: Owner) -> tuple | None:
+    """Replaces the file at `path` with one holding `owner`; returns the new file's identity."""
+    tmp = _write_tmp(path, owner)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return _stat_identity(path)
 
 
 def _take_over(path: str, identity: tuple) -> bool:
@@ -351,7 +468,8 @@ class sigterm_as_interrupt:
 
     def __enter__(self):
         self.previous = None
-        if threading.current_thread() is threading.main_thread():
+        # Under the command line's signal watcher (`cdpjax.shutdown`) SIGTERM never reaches Python.
+        if threading.current_thread() is threading.main_thread() and not shutdown.active():
             self.previous = signal.signal(signal.SIGTERM, self._raise)
         return self
 

@@ -74,7 +74,7 @@ def test_two_processes_train_dp_as_one_process(tmp_path):
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=240))
+            outs.append(p.communicate())
     finally:
         for p in procs:
             if p.poll() is None:
@@ -153,10 +153,14 @@ def test_initialize_passes_the_settings_to_jax(monkeypatch):
     assert distributed.initialize(default_config(), {}) is None and not calls  # one process: nothing
     env = {"CDPJAX_COORDINATOR": "127.0.0.1:5", "CDPJAX_NUM_PROCESSES": "2", "CDPJAX_PROCESS_ID": "1"}
     distributed.initialize(default_config(), env)
+    # timeout_s bounds the start-up and the heartbeats (a silent process is dead after at most
+    # min(timeout_s, JAX's default 100 s)) and the wait for the others at exit.
     assert calls == [{"coordinator_address": "127.0.0.1:5", "num_processes": 2, "process_id": 1,
-                      "initialization_timeout": 300}]
+                      "initialization_timeout": 300, "heartbeat_timeout_seconds": 100,
+                      "shutdown_timeout_seconds": 300}]
     distributed.initialize(default_config(), env)
     assert len(calls) == 1  # once per process
     monkeypatch.setattr(distributed, "_started", None)
     distributed.initialize(default_config(), SLURM)
-    assert calls[-1] == {"initialization_timeout": 300}  # JAX reads the rest from SLURM
+    assert calls[-1] == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 100,
+                         "shutdown_timeout_seconds": 300}  # JAX reads the rest from SLURM

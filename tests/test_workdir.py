@@ -160,6 +160,75 @@ def test_an_unreadable_lock_is_given_time_then_taken_over(tmp_path, notices):
     assert "from an unreadable lock file" in notices[0]
 
 
+def _age_file(workdir, seconds):
+    then = time.time() - seconds
+    os.utime(workdir / "lock.json", (then, then))
+
+
+def test_a_heartbeat_from_the_future_is_judged_by_the_file_age(tmp_path, notices):
+    """Another host's heartbeat a year ahead (a clock far off, or a damaged file) is not "0 s
+    old": it is said to lie in the future and the file's own age decides, as for an unreadable
+    lock: refused while the file is fresh, taken over once it is old."""
+    write_lock(tmp_path, host="node-17.cluster", boot_id="another-kernel", age_s=-365 * 86400)
+    with pytest.raises(ConfigError) as err:
+        acquire(tmp_path, notices)
+    assert "heartbeat from host node-17.cluster lies 31536000 s in the future" in str(err.value), err.value
+    _age_file(tmp_path, 600)
+    lock = acquire(tmp_path, notices)
+    assert len(notices) == 1 and "in the future" in notices[0] and "written 600 s ago" in notices[0], notices
+    lock.release()
+
+
+@pytest.mark.parametrize("fields", [{"pid": 0}, {"pid": -1}, {"pid": "abc"}, {"pid": 2**70}, {"pid": True},
+                                    {"heartbeat": "now"}, {"started": float("inf")}, {"token": None},
+                                    {"host": 5}], ids=lambda f: f"{next(iter(f))}={next(iter(f.values()))!r}")
+def test_a_lock_record_that_no_run_writes_is_unreadable(fields, tmp_path, notices):
+    """A lock whose record is not what a run writes (process id 0, which os.kill would read as
+    this process group, a negative, text, 2**70; a heartbeat or start time that is not a finite
+    number; ...) is an unreadable lock: given time while fresh, then taken over; never judged
+    "running" and never a traceback."""
+    write_lock(tmp_path, **fields)
+    with pytest.raises(ConfigError, match="an unreadable lock file"):
+        acquire(tmp_path, notices)
+    _age_file(tmp_path, 600)
+    acquire(tmp_path, notices).release()
+    assert len(notices) == 1 and "from an unreadable lock file" in notices[0], notices
+
+
+def test_a_failed_lock_write_leaves_no_temporary_file(tmp_path, notices, monkeypatch):
+    """Writing the lock's record fails (a full disk): a one-line error naming lock.json, and no
+    lock.json.<pid>-<hex>.tmp left behind."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def full(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and str(path).endswith(".tmp"):
+            handle.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return handle
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(ConfigError, match=f"cannot write {tmp_path}/lock.json: no space left on the device"):
+        acquire(tmp_path, notices)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_old_run_finds_a_forced_takeover_at_its_next_check(tmp_path, notices):
+    """`Lock.check`, run at every step, sees a takeover at once (one stat of the file), not at the
+    next heartbeat."""
+    old = acquire(tmp_path, notices)
+    old.check()
+    new = acquire(tmp_path, notices, force=True)
+    with pytest.raises(ConfigError, match=f"was taken over by process {os.getpid()} on host {HOST}"):
+        old.check()
+    old.release()
+    assert owner_of(tmp_path)["token"] == new.owner.token
+    new.release()
+
+
 def test_two_restarts_racing_for_one_stale_lock(tmp_path, notices):
     """Both judged the same stale lock; the first takes it over; the second's takeover, which
     checks that the file it moves aside is the one it judged, puts the winner's lock back."""
@@ -206,6 +275,6 @@ def test_the_lock_is_released_on_sigint_and_sigterm(sig, tmp_path):
     assert holder.stdout.readline().strip() == "held", holder.stderr.read()
     assert owner_of(tmp_path)["pid"] == holder.pid
     holder.send_signal(sig)
-    _, err = holder.communicate(timeout=60)
+    _, err = holder.communicate()
     assert ("Terminated: SIGTERM" if sig == signal.SIGTERM else "KeyboardInterrupt") in err
     assert not (tmp_path / "lock.json").exists()

@@ -1,12 +1,35 @@
-"""`cdpjax bench`: several methods on the same model and batch, side by side in one process."""
+"""`cdpjax bench`: several methods on the same model and batch, side by side in one process.
+
+Its arguments are checked before anything is compiled: `--repeats` >= 1, `--bandwidth` a
+finite number > 0, `--predict` >= 0, `--cpu-devices` in range, and `--json` a writable
+file in a folder that exists (so that a bench's results are never lost at the end).
+"""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
+from cdpjax.commands.common import check_output, config_parser
+from cdpjax.errors import ConfigError
+
+EPILOG = """\
+Every method is compiled first, then timed in interleaved rounds (medians), so that load on a
+shared machine falls on all alike. Config: --config FILE[:ARG] as for `cdpjax train`, then any
+key overridden with --config.KEY=VALUE (e.g. --config.model=resnet_tiny --config.global_batch_size=64);
+a method may be NAME@KEY=VALUE[@...], a variant benched beside the others (cdp-v2@residuals=carry).
+"""
+
+
 def add_parser(subparsers):
-    p = subparsers.add_parser("bench", help="compare methods: compile/step time, memory, collectives, tables")
-    p.add_argument("--config", help="Python config file (default: the digits default)")
+    p = config_parser(
+        subparsers, "bench", help="compare methods: compile/step time, memory, collectives, tables",
+        description="Compare methods on the same model and batch, side by side in one process: compile and step "
+                    "time, XLA memory, the collectives in the compiled HLO, bytes sent, and the time tables' "
+                    "figures; --predict models real devices.",
+        epilog=EPILOG, usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... "
+                             "[--cpu-devices N] [--json OUT] [--repeats R] [--predict K [--bandwidth B] [--no-heads]] "
+                             "[--keep-mesh]")
     p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
                    help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "
                         "(e.g. cdp-v2@residuals=carry) beside the others")
@@ -35,10 +58,28 @@ def _devices_for(config):
     return jax.devices()[:n] if n else None
 
 
+def check_args(args) -> None:
+    """The arguments that would otherwise fail after the work (module docstring)."""
+    from cdpjax.cli import check_cpu_devices
+
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats} must be >= 1 (timed steps per method, median reported)")
+    if not math.isfinite(args.bandwidth) or args.bandwidth <= 0:
+        raise ConfigError(f"--bandwidth {args.bandwidth} must be a finite number of bytes/s > 0")
+    if args.predict < 0:
+        raise ConfigError(f"--predict {args.predict} must be >= 0 (the devices to predict for; 0: none)")
+    check_cpu_devices(args.cpu_devices, f"--cpu-devices {args.cpu_devices}")
+    if not [m for m in args.methods.split(",") if m.strip()]:
+        raise ConfigError(f"--methods {args.methods!r} names no method")
+    if args.json_out:
+        check_output(args.json_out, "--json")
+
+
 def run(args, overrides=()) -> int:
     from cdpjax.cli import _load
     from cdpjax.mesh import setup_devices
 
+    check_args(args)
     base = _load(args, overrides)
     setup_devices(args.cpu_devices)
     from cdpjax import bench, config as cfg_lib

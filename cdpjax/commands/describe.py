@@ -193,9 +193,22 @@ def format_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+DESCRIBE_EPILOG = """\
+Config: --config FILE[:ARG] as for `cdpjax train` (e.g. experiments/configs/ppll_resnet32.py:K=4),
+then any key overridden with --config.KEY=VALUE (e.g. --config.module_groups=[9,3,2,2]
+--config.stages=[2,5,9]). Nothing is compiled and no device is used.
+"""
+
+
 def add_parser(subparsers):
-    p = subparsers.add_parser("describe", help="the model as the config's run cuts it (no compile, no device)")
-    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default)")
+    from cdpjax.commands.common import config_parser
+
+    p = config_parser(
+        subparsers, "describe", help="the model as the config's run cuts it (no compile, no device)",
+        description="Print the model as the config's run cuts it: per stage (local module) its blocks, "
+                    "parameters, output shape, activation bytes per example, forward FLOPs, device and auxiliary "
+                    "head; then per-device and total sums.",
+        epilog=DESCRIBE_EPILOG, usage="cdpjax describe [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--json]")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     return p
 
@@ -203,7 +216,12 @@ def add_parser(subparsers):
 def run(args, overrides=()) -> int:
     from cdpjax.cli import _load
 
-    d = describe(_load(args, overrides))
+    from cdpjax import checks
+
+    config = _load(args, overrides)
+    checks.validate(config)
+    checks.try_model(config, *_input_spec(config))  # options the model cannot take: one line, not a traceback
+    d = describe(config)
     print(json.dumps(d) if args.json else format_text(d))
     return 0
 

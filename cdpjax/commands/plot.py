@@ -6,14 +6,20 @@ Two panels over the step for each metric the runs' metrics.jsonl lines carry
 (train, then test): loss and accuracy for classification; loss, perplexity and
 token_accuracy for language modelling; one line per work directory (labelled by
 its directory name and method). No JAX: instant. Matplotlib with the Agg
-canvas, `.png` or `.svg` by the suffix of `--out`.
+canvas, `.png` or `.svg` by the suffix of `--out`, which must be writable in a folder
+that exists (checked first). Lines of metrics.jsonl that are not metrics records
+(cut short, not UTF-8, not an object) are left out, saying so; a config.json that is not
+a run's leaves the label to the directory's name.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
+from cdpjax import events
+from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 
 # Fields of a metrics line that are not metrics (throughputs, `<unit>_per_second`, neither).
@@ -29,33 +35,40 @@ def add_parser(subparsers):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """WORKDIR/metrics.jsonl as records (a line cut short by a crash is left out)."""
+    """WORKDIR/metrics.jsonl as records (lines that are not records are left out, saying so)."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"{workdir} holds no metrics.jsonl: give work directories of cdpjax train runs")
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    try:
+        records, dropped = events.read_metrics(path)
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+    if dropped:
+        print(f"cdpjax plot: {path}: left out {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
+              f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]})", file=sys.stderr)
     return records
 
 
 def _label(workdir: str) -> str:
     name = os.path.basename(os.path.normpath(workdir))
     try:
-        with open(os.path.join(workdir, "config.json")) as f:
-            method = json.load(f).get("method")
-    except (OSError, ValueError):
+        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        method = saved.get("method") if isinstance(saved, dict) else None
+    except (OSError, ValueError, RecursionError):
         method = None
+    method = method if isinstance(method, str) else None
     return f"{name} ({method})" if method and method not in name else name
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def curves(records: list[dict], split: str, key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one field of one split, in file order."""
-    rows = [r for r in records if r.get("split") == split and r.get(key) is not None]
+    """(steps, values) of one field of one split, in file order (values that are not finite
+    numbers left out)."""
+    rows = [r for r in records if r.get("split") == split and _finite(r.get(key))]
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
@@ -91,6 +104,7 @@ def plot_curves(workdirs, out: str):
 
 
 def run(args) -> int:
+    check_output(args.out, "--out", FIGURE_SUFFIXES)
     plot_curves(args.workdirs, args.out)
     print(f"cdpjax: wrote {args.out} ({len(args.workdirs)} run{'s' if len(args.workdirs) > 1 else ''})",
           file=sys.stderr)

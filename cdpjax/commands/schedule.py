@@ -12,16 +12,27 @@
 
 Sizes a method's table does not take (ppll has no workers) are refused, by name; a
 size left out takes the table's own default (ppll lays out enough batches to reach
-its steady state).
+its steady state). Sizes are bounded so that the table fits in memory and on a screen
+(each at most `cdpjax.table_json.SIZE_LIMIT`, the ops they lay out at most `OP_LIMIT`),
+a `--from-json` file is checked field by field (`TimeTable.from_json`), and `--out` must
+name a writable .png or .svg in a folder that exists: all before any table is built.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
+import os
 import sys
 
+from cdpjax import table_json
+from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import LAYOUTS
+
+# The ops a table may lay out here: steps x stages x max(workers, micro-batches) x 3 (F, B, W).
+OP_LIMIT = 2_000_000
 
 
 def _groups(text: str) -> tuple[int, ...]:
@@ -33,9 +44,12 @@ def _groups(text: str) -> tuple[int, ...]:
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
-        return tuple(float(b) for b in text.replace("[", "").replace("]", "").split(",") if b.strip())
+        values = tuple(float(b) for b in text.replace("[", "").replace("]", "").split(",") if b.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"stage bytes {text!r} must be numbers, e.g. 3e6,1e6") from None
+    if not all(math.isfinite(v) and v >= 0 for v in values) or len(values) > table_json.SIZE_LIMIT:
+        raise argparse.ArgumentTypeError(f"stage bytes {text!r} must be finite numbers >= 0, one per stage")
+    return values
 
 
 def _costs(text: str) -> dict[str, float]:
@@ -78,19 +92,55 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _read_json(path: str) -> bytes:
+    try:
+        if os.path.getsize(path) > table_json.JSON_LIMIT:
+            raise ConfigError(f"--from-json {path!r}: {os.path.getsize(path)} bytes, more than a table's "
+                              f"{table_json.JSON_LIMIT}")
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"--from-json {path!r}: {e.strerror or e}") from None
+
+
+def check_sizes(layout, sizes: dict) -> None:
+    """Sizes small enough for the table to be laid out (module docstring): each at most
+    SIZE_LIMIT, the ops they lay out at most OP_LIMIT; a size left out counts at the table
+    function's default (steps without one: twice the stages, as ppll lays out). Sizes below 1
+    are the layouts' to refuse, in their words."""
+    for name, value in sizes.items():
+        values = value if isinstance(value, tuple) else (value,)
+        if name not in ("rule", "steps") and value is not None and any(v > table_json.SIZE_LIMIT for v in values):
+            raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))}: at most "
+                              f"{table_json.SIZE_LIMIT} here (the table would not fit a screen or the memory)")
+    defaults = {}
+    if layout.table is not None:
+        defaults = {p.name: p.default for p in inspect.signature(layout.table).parameters.values()
+                    if isinstance(p.default, int) and not isinstance(p.default, bool)}
+
+    def size(name, otherwise=1):
+        v = sizes.get(name)
+        v = sum(v) if isinstance(v, tuple) else v
+        return max(v if v is not None else defaults.get(name, otherwise), 1)
+
+    stages = size("stages")
+    ops = size("steps", 2 * stages) * stages * max(size("workers"), size("microbatches")) * size("chunks") * 3
+    if ops > OP_LIMIT:
+        raise ConfigError(f"{layout.name} with those sizes lays out about {ops:.3g} ops, more than {OP_LIMIT:.0e}: "
+                          f"give fewer --steps, --stages, --workers or --microbatches")
+
+
 def _table(args):
     if args.from_json:
         from cdpjax.timetable import TimeTable
 
-        try:
-            with open(args.from_json) as f:
-                return TimeTable.from_json(f.read())
-        except OSError as e:
-            raise ConfigError(f"--from-json {args.from_json!r}: {e.strerror}") from None
+        return TimeTable.from_json(_read_json(args.from_json))
     sizes = {"workers": args.workers, "stages": args.stages, "steps": args.steps,
              "microbatches": args.microbatches, "rule": args.rule, "chunks": args.chunks,
              "module_groups": args.module_groups}
-    return LAYOUTS.lookup(args.method).make_table(**sizes)
+    layout = LAYOUTS.lookup(args.method)
+    check_sizes(layout, sizes)
+    return layout.make_table(**sizes)
 
 
 def _lockstep_costs(args, t):
@@ -105,6 +155,8 @@ def _lockstep_costs(args, t):
 def run(args) -> int:
     """Returns 0, or 2 after a one-line message for bad sizes."""
     try:
+        if args.out:
+            check_output(args.out, "--out", FIGURE_SUFFIXES)
         t = _table(args)
         costs = _lockstep_costs(args, t)
         if args.out:

@@ -1,0 +1,41 @@
+"""What the commands share: the parser of a command that reads a config (`config_parser`), and
+the files they write (figures, JSON) checked before any work (`check_output`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+
+from cdpjax.errors import ConfigError
+
+FIGURE_SUFFIXES = (".png", ".svg")
+
+
+def check_output(path: str, flag: str, suffixes: tuple[str, ...] | None = None) -> str:
+    """`path` as a file this process can write: its folder exists (no folder is created
+    elsewhere on the way), it is not a directory, it is writable, and it ends in one of
+    `suffixes` when given. ConfigError naming the flag and what is wrong."""
+    if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
+        raise ConfigError(f"{flag} {path!r} must end in {' or '.join(suffixes)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist: create it first, or write elsewhere")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: give a file name")
+    target = path if os.path.exists(path) else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path}: {'the file' if target == path else 'its folder'} is not writable")
+    return path
+
+
+def config_parser(subparsers, name: str, help: str, description: str, epilog: str, usage: str):
+    """The sub-command `name`, taking `--config FILE[:ARG]` (then --config.KEY=VALUE overrides, which
+    the command line sets apart), its help saying so."""
+    p = subparsers.add_parser(name, help=help, description=textwrap.fill(description, 96), epilog=epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter, usage=usage)
+    p.add_argument("--config", help="Python config file[:ARG] (default: the digits default); then "
+                                    "--config.KEY=VALUE overrides any key")
+    return p
+
+
+__all__ = ["FIGURE_SUFFIXES", "check_output", "config_parser"]

@@ -1,0 +1,249 @@
+"""How a command-line run ends on Ctrl-C or SIGTERM: one line and exit status 130 or 143, at any moment.
+
+`install()`, the first thing `cdpjax.cli.main` does, blocks SIGINT and SIGTERM in the main
+thread, hence in every thread started after it (JAX's, orbax's, the lock's heartbeat), and
+starts a watcher thread that takes them with `sigtimedwait`. No exception is ever raised
+asynchronously: a KeyboardInterrupt raised inside an import, a garbage-collection callback
+or an atexit hook is swallowed or becomes a traceback, and a process unwinding through
+XLA's teardown on SIGTERM can crash. The watcher decides instead:
+
+- it waits until no critical section is open (`critical()`: a checkpoint, a metrics line,
+  a file replaced atomically being written), at most `GRACE_S` seconds, so that a
+  preemption keeps the checkpoint being written; a second Ctrl-C ends the wait (a second
+  SIGTERM does not: schedulers send it to every process of a job, and to the job too);
+- it runs the clean-ups registered with `on_exit` (the lock released, the progress bar
+  closed), newest first;
+- it writes the one line that the run's `set_message` function gives for its situation
+  (where the run stands, the last complete checkpoint, what to do) and ends the process
+  with `os._exit` (status 130 for SIGINT, 143 for SIGTERM), so that nothing else runs.
+
+A signal whose disposition was SIG_IGN when `install` ran (a job started with nohup, or in
+the background of a shell) stays ignored. `forward_to(pid)` turns the watcher into a relay
+(the multi-process supervisor of `cdpjax.supervisor` hands the signals to its child). Used
+as a library (`cdpjax.train.train` from Python), none of this is installed and Ctrl-C is
+Python's KeyboardInterrupt.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable
+
+from cdpjax.errors import storage_problem
+
+# The longest a signal waits for a critical section (a checkpoint write) to end.
+GRACE_S = 120.0
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+HOW = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+_critical = threading.RLock()
+_cleanups: list[Callable[[], None]] = []
+_state: dict = {"message": None, "forward": None, "received": None}
+
+
+def default_message(how: str, abandoned: bool) -> str:
+    return f"{how}; nothing was left half written: run the same command to start again"
+
+
+@contextlib.contextmanager
+def critical():
+    """A section that a signal lets finish (up to GRACE_S): a checkpoint, a line, a file replaced."""
+    with _critical:
+        yield
+
+
+def on_exit(fn: Callable[[], None]) -> Callable[[], None]:
+    """Registers a clean-up that the watcher runs before the process ends on a signal; returns it
+    (to pass to `forget`)."""
+    _cleanups.append(fn)
+    return fn
+
+
+def forget(fn: Callable[[], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _cleanups.remove(fn)
+
+
+def set_message(fn: Callable[[str, bool], str] | None) -> None:
+    """`fn(how, abandoned) -> line`: what the run says when a signal ends it (`how` is
+    'interrupted' or 'terminated (SIGTERM)'; `abandoned`: a critical section did not end in time)."""
+    _state["message"] = fn
+
+
+def forward_to(pid: int | None) -> None:
+    """Signals are sent on to process `pid` (and recorded in `received()`) instead of ending this one."""
+    _state["forward"] = pid
+
+
+def received() -> int | None:
+    """The signal the watcher relayed last (forwarding mode), or None."""
+    return _state["received"]
+
+
+def active() -> bool:
+    return _Watcher.current is not None
+
+
+def write_line(line: str) -> None:
+    """`cdpjax: line` on stderr, for the last word of a process. (From the main thread it waits
+    for a signal being handled to end the process first: its line is the last word then.)"""
+    if threading.current_thread() is threading.main_thread():
+        _critical.acquire()  # held by the watcher once it ends the process: then this never returns
+        _critical.release()
+    try:
+        sys.stderr.write(f"cdpjax: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _end(signum: int, signals: set[int]) -> None:
+    """Ends the process as the module docstring says."""
+    deadline = time.monotonic() + GRACE_S
+    abandoned = False
+    while not _critical.acquire(timeout=0.2):
+        again = signal.sigtimedwait(signals, 0)
+        if (again is not None and again.si_signo == signal.SIGINT and signum == signal.SIGINT) or \
+                time.monotonic() > deadline:
+            abandoned = True
+            break
+    how = HOW.get(signum, f"stopped by signal {signum}")
+    try:
+        line = (_state["message"] or default_message)(how, abandoned)
+    except Exception:  # noqa: BLE001 - the line must come, whatever the run's state
+        line = default_message(how, abandoned)
+    for fn in reversed(list(_cleanups)):
+        with contextlib.suppress(BaseException):
+            fn()
+    write_line(line)
+    os._exit(EXIT_STATUS.get(signum, 128 + signum))
+
+
+class _Watcher:
+    current: "_Watcher | None" = None
+
+    def __init__(self, signals: set[int]):
+        self.signals, self.stop = signals, threading.Event()
+        self.previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        self.thread = threading.Thread(target=self._watch, name="cdpjax-signals", daemon=True)
+        self.thread.start()
+        # A thread started before `install` may still take a signal: Python then runs its
+        # handler in the main thread, which hands the signal to the watcher.
+        self.previous_handlers = {s: signal.signal(s, self._relay) for s in signals}
+
+    def _relay(self, signum, frame):
+        signal.pthread_kill(self.thread.ident, signum)
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            try:
+                info = signal.sigtimedwait(self.signals, 0.05)  # also how soon `close` returns
+            except InterruptedError:
+                continue
+            if info is None or info.si_signo not in self.signals:  # (a stopped process continued: signo 0)
+                continue
+            pid = _state["forward"]
+            if pid is not None:
+                _state["received"] = info.si_signo
+                with contextlib.suppress(OSError):
+                    os.kill(pid, info.si_signo)
+                continue
+            _end(info.si_signo, self.signals)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for s, h in self.previous_handlers.items():
+            signal.signal(s, h)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
+        _Watcher.current = None
+
+
+def _closed_loop(kind, value) -> bool:
+    """A RuntimeError('Event loop is closed'): tensorstore handing a result to orbax's event loop
+    after a failed save closed it, from a C++ thread; noise after the one line that says why."""
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+class _OrbaxTasks(logging.Filter):
+    """asyncio's "Task (or Future) exception was never retrieved" for orbax's write tasks of a
+    failed save (logged when they are collected, after the save's one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not re.match(r"\w+ exception was never retrieved", message):  # Task, Future, _GatheringFuture...
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        text = message + ("".join(traceback.format_exception(error)) if error is not None else "")
+        return not ("orbax" in text or (error is not None and storage_problem(error)))
+
+
+def quiet_closed_loops() -> Callable[[], None]:
+    """Drops those errors wherever Python would print them (sys.excepthook, threading.excepthook,
+    sys.unraisablehook), and orbax's unretrieved task errors; returns the function that puts the
+    hooks back."""
+    previous = sys.excepthook, threading.excepthook, sys.unraisablehook
+    tasks = _OrbaxTasks()
+    logging.getLogger("asyncio").addFilter(tasks)
+
+    def excepthook(kind, value, tb):
+        if not _closed_loop(kind, value):
+            previous[0](kind, value, tb)
+
+    def thread_hook(args):
+        if not _closed_loop(args.exc_type, args.exc_value):
+            previous[1](args)
+
+    def unraisable(args):
+        if not _closed_loop(args.exc_type, args.exc_value):
+            previous[2](args)
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable
+
+    def restore() -> None:
+        sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+        logging.getLogger("asyncio").removeFilter(tasks)
+
+    return restore
+
+
+def quiet_from_now() -> None:
+    """After the process's last word (a failure said in one line): the errors its libraries log
+    while it unwinds (asyncio's unretrieved futures of a failed save, orbax's threads) are not
+    printed. Undone by `install`'s undo."""
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).disabled = True
+
+
+def install() -> Callable[[], None]:
+    """Blocks SIGINT and SIGTERM and starts the watcher (main thread only; once); returns the
+    function that undoes it (for `main` called in-process, as the tests do)."""
+    if _Watcher.current is not None or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signals = {s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN}
+    if not signals:
+        return lambda: None
+    _Watcher.current = _Watcher(signals)
+    watcher = _Watcher.current
+    hooks = quiet_closed_loops()
+
+    def uninstall() -> None:
+        watcher.close()
+        hooks()
+        for name in ("asyncio", "absl"):
+            logging.getLogger(name).disabled = False
+        _cleanups.clear()
+        _state.update(message=None, forward=None, received=None)
+
+    return uninstall
+
+
+__all__ = ["EXIT_STATUS", "GRACE_S", "HOW", "active", "critical", "forget", "forward_to", "install",
+           "on_exit", "received", "set_message", "write_line"]
