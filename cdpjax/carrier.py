@@ -22,7 +22,7 @@ a program's top level.
 
 The price is storage: every device reserves the largest stage's row and
 buffer. `padding_report` gives the ratios (padded / real); methods print it at
-set-up and put it in `Method.info`.
+set-up and put it in `Method.padding`.
 """
 from __future__ import annotations
 

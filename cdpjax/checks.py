@@ -48,7 +48,7 @@ def check_values(key: str, kwargs, fn, owner: str) -> None:
                               f"default is {params[name].default!r})")
 
 
-def try_model(config, input_shape, num_classes) -> None:
+def try_model(config, input_shape, num_classes, input_dtype: str = "float32") -> None:
     """The model with the config's `model_kwargs`, built and initialised abstractly at batch 1
     (`jax.eval_shape`: nothing runs or compiles), so that an option its factory cannot work
     with (a width of 0) is a ConfigError here, not an error deep inside JAX later."""
@@ -60,7 +60,7 @@ def try_model(config, input_shape, num_classes) -> None:
     from cdpjax import models
 
     try:
-        net = models.build(config, input_shape, num_classes, stages=1)
+        net = models.build(config, input_shape, num_classes, stages=1, input_dtype=input_dtype)
         jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
     except ConfigError:
         raise

@@ -240,7 +240,7 @@ def setup(config, devices=None):
     if config.global_batch_size % jax.process_count():
         raise ConfigError(f"global_batch_size={config.global_batch_size} is not divisible by the "
                           f"{jax.process_count()} processes")
-    checks.try_model(config, tuple(dataset.image_shape), dataset.num_classes)
+    checks.try_model(config, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype)
     mesh = make_mesh(layouts.mesh_for(config), devices)
     ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype,
                               tasks.resolve(config, dataset))
