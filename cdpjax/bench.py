@@ -407,11 +407,14 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> l
     on the machine falls on all methods alike. `devices`: one device list (or None) per config."""
     devices = devices or [None] * len(configs)
     runs = [_prepare(c, d) for c, d in zip(configs, devices)]
+    warned = set()
     for run in runs:
         warning = oversubscribed(run["mesh"])
         if warning:
-            print(f"cdpjax bench: {run['config'].method}: {warning}", file=sys.stderr, flush=True)
             run["timing_note"] = warning
+            if warning not in warned:  # once per device count, not once per method
+                print(f"cdpjax bench: {warning}", file=sys.stderr, flush=True)
+                warned.add(warning)
     for run in runs:
         for _ in range(warmup):
             run["state"], _ = run["compiled"](run["state"], run["batch"])

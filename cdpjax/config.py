@@ -27,7 +27,10 @@ from cdpjax.errors import ConfigError  # noqa: F401 - re-exported: `from cdpjax.
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """The no-argument run: CDP-v2 (ring realisation) on scikit-learn's digits, 8 workers."""
+    """The no-argument run: CDP-v2 (ring realisation) on scikit-learn's digits, 8 workers.
+
+    One flat list on purpose: every key a config may set, with its default and its meaning,
+    in one place (validation, overrides and resume checks all read these keys)."""
     c = ml_collections.ConfigDict()
     c.method = "cdp-v2"
     c.model = "mlp"
@@ -372,7 +375,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     device touched and no registry read; raises ConfigError naming the value and what is
     accepted. Names and their options are `cdpjax.checks.validate`'s; checks that need the
     model or the mesh follow in the method builders, still before anything compiles.
-    the README's "What is guaranteed" lists them all."""
+    docs/guarantees.md lists them all."""
     unknown = sorted(set(config.keys()) - set(default_config().keys()))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(default_config().keys()))}")

@@ -32,7 +32,7 @@ Runs are deterministic given the config and seed: the data position is the step
 number (see `cdpjax.data.base`), and the in-flight state of every method lives in
 its checkpointed train state, so a run killed at any point and started again
 with the same WORKDIR ends as an uninterrupted one, metrics.jsonl equal once the
-timing fields are removed (the README's "What is guaranteed").
+timing fields are removed (docs/guarantees.md).
 
 Step N is the N-th train step, as numbered in metrics.jsonl and in checkpoint
 names. Every step also checks, in the same compiled program, that the loss,
@@ -95,7 +95,8 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 # rate may change; the method only within INTERCHANGEABLE.)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
-               "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task")
+               "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task",
+               "cdp_ticks")
 
 
 class Interrupted(KeyboardInterrupt):

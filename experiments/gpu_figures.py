@@ -1,7 +1,7 @@
 """GPU figures on ONE GPU: step times, images per second, memory and speedup predictions.
 
     PYTHONPATH=. python experiments/gpu_figures.py --out out/gpu_figures.json   # what gpu_figures.sh runs
-    python experiments/gpu_figures.py --table out/gpu_figures.json              # the README's markdown
+    python experiments/gpu_figures.py --table out/gpu_figures.json              # the markdown of docs/measured.md's GPU section
     python experiments/gpu_figures.py --tiny --out /tmp/g.json                  # tiny models, any CPU
 
 Workloads (synthetic data of CIFAR shape, 32x32x3, 10 classes; no download):
@@ -239,7 +239,7 @@ def prediction_rows(doc: dict) -> list[str]:
 
 
 def table(doc: dict) -> str:
-    """The README's markdown: step times on one device, then the predictions on `devices` devices."""
+    """The markdown of docs/measured.md's GPU section: step times on one device, then the predictions on `devices` devices."""
     env, settings = doc["environment"], doc["settings"]
     lines = [f"{env['device']} x1 ({env['backend']}), JAX {env['jax']}, {env['date'][:10]}"
              f"{' (--tiny)' if settings['tiny'] else ''}", "", *step_rows(doc), "",

@@ -11,7 +11,7 @@
 # and bfloat16, cdp-v2 (simulate, 4 workers) against dp, and the per-stage times behind the
 # speedup predictions of the CDP ring and ppll on 4 GPUs. It writes $OUT/gpu_figures.json
 # (rewritten after every measurement, so a run cut short keeps what it measured),
-# $OUT/gpu_figures.md (the README's table, `gpu_figures.py --table`) and $OUT/gpu_figures.log.
+# $OUT/gpu_figures.md (docs/measured.md's GPU table, `gpu_figures.py --table`) and $OUT/gpu_figures.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"

@@ -215,7 +215,7 @@ def test_balance_by_time_beats_even_split():
 
 def test_cdp_figures_for_resnet18_cifar():
     """N = L = 4, ResNet-18 of CIFAR shape: the table figures `cdpjax bench` reports (no compile needed).
-    The comm balance depends on the stage cut (gradient sizes): the README's split [3, 6, 8] keeps it under 2."""
+    The comm balance depends on the stage cut (gradient sizes): the bench's split [3, 6, 8] (docs/measured.md) keeps it under 2."""
     from cdpjax import models
     from cdpjax.config import default_config
 
@@ -249,7 +249,7 @@ def test_memory_partition_holds_the_fewest_bytes():
     """partition='memory' on blocks whose outputs are 6, 2 and 1 floats: with two stages, cut 1
     gives stage outputs (24, 4) bytes and cut 2 (8, 4); the two-stage CDP table holds max(2 o0,
     o0 + o1) at its busiest tick (tests/test_timetable.py's example): 48 against 16, so cut 2.
-    The README's ResNet-18 cut [3, 6, 8] holds 0.86 of DP's bytes where the unit model says 0.5."""
+    The bench's ResNet-18 cut [3, 6, 8] (docs/measured.md) holds 0.86 of DP's bytes where the unit model says 0.5."""
     import flax.linen as nn
 
     from cdpjax.models import partition

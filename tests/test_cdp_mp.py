@@ -264,8 +264,9 @@ def test_bad_config_refused_before_compiling(overrides, mesh, message):
         methods.build(Context(c, make_mesh(mesh, jax.devices()[:4]), (8, 8, 1), 10))
 
 
+@pytest.mark.heavy  # a wall-clock ratio: run on a quiet machine (`pytest -m heavy`), not in CI
 def test_step_time_against_one_device():
-    """The README's framework-overhead figure for cdp-mp: a step on 4 simulated devices against the
+    """The framework-overhead figure for cdp-mp: a step on 4 simulated devices against the
     same step (N = 4 workers, the same staleness) simulated on one device. Measured 1.06x at most
     (vit_tiny, global batch 256, idle machine); CI holds it on a cheaper case with room for shared,
     loaded cores: vit_tiny of 2 blocks at global batch 64, at most 1.5x, the ratio of the medians

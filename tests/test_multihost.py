@@ -28,7 +28,7 @@ def _config():
     c.eval_every = 3
     c.log_every = 2
     # With augmentation each process draws the random crops of its own slice, so only the
-    # un-augmented stream is the same whatever the process count (the README's "What is guaranteed").
+    # un-augmented stream is the same whatever the process count (docs/guarantees.md).
     c.augment = False
     return c
 

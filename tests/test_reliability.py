@@ -1,4 +1,4 @@
-"""Reliability claims (the README's "What is guaranteed"), each method of the registry in turn.
+"""Reliability claims (docs/guarantees.md), each method of the registry in turn.
 
 A killed run resumes to the same end as an uninterrupted one (in-flight state
 included), a checkpoint continues on another mesh or is refused as a table here

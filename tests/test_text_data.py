@@ -129,7 +129,7 @@ def test_text_loaders_not_prepared_fail_fast_offline(tmp_path):
 
     thread = threading.Thread(target=attempt, daemon=True)
     thread.start()
-    thread.join(timeout=30)
+    thread.join(timeout=120)
     assert not thread.is_alive(), "the not-prepared check hung"
     for name in ("tiny_shakespeare", "lm1b"):
         assert "download_and_prepare" in results[name] and "array_record" in results[name]

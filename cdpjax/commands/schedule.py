@@ -79,6 +79,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="each stage's output bytes (one micro-batch): --json adds the activation figures in bytes "
                         "and the bytes per tick")
     p.add_argument("--chunks", type=int, default=None, help="stages per device V (interleaved pipelines)")
+    p.add_argument("--ticks", default=None, choices=("whole", "split", "paired"),
+                   help="CDP's ops per tick: whole (F, B), split (F, B, W) or paired (two forwards a tick)")
     p.add_argument("--module-groups", type=_groups, default=None, metavar="G0,G1,...",
                    help="local modules per device (ppll), e.g. 8,3,2,2")
     p.add_argument("--costs", type=_costs, default=None, metavar="F=1,B=2,W=1",
@@ -110,7 +112,7 @@ def check_sizes(layout, sizes: dict) -> None:
     are the layouts' to refuse, in their words."""
     for name, value in sizes.items():
         values = value if isinstance(value, tuple) else (value,)
-        if name not in ("rule", "steps") and value is not None and any(v > table_json.SIZE_LIMIT for v in values):
+        if name not in ("rule", "steps", "ticks") and value is not None and any(v > table_json.SIZE_LIMIT for v in values):
             raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))}: at most "
                               f"{table_json.SIZE_LIMIT} here (the table would not fit a screen or the memory)")
     defaults = {}
@@ -137,7 +139,7 @@ def _table(args):
         return TimeTable.from_json(_read_json(args.from_json))
     sizes = {"workers": args.workers, "stages": args.stages, "steps": args.steps,
              "microbatches": args.microbatches, "rule": args.rule, "chunks": args.chunks,
-             "module_groups": args.module_groups}
+             "module_groups": args.module_groups, "ticks": args.ticks}
     layout = LAYOUTS.lookup(args.method)
     check_sizes(layout, sizes)
     return layout.make_table(**sizes)

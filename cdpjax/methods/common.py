@@ -15,7 +15,7 @@ state (a pytree of arrays, checkpointed whole, so in-flight state resumes exactl
   so that the parameters account for every batch fed;
 - `input_sharding`: where the trainer places each global batch (default: over `data`).
 
-What the trainer reads besides (`cdpjax.train`, the README's "What is guaranteed"): `train_step`
+What the trainer reads besides (`cdpjax.train`, docs/guarantees.md): `train_step`
 and `export` must trace inside the trainer's own jit (it adds the finite checks
 there); `metrics['loss']` (required: the step's `ctx.task.loss`), `metrics['metric_sums']`
 (`ctx.task.metric_sums` added over the whole global batch: the trainer's train lines are

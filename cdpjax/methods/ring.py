@@ -45,10 +45,10 @@ a data dependency to the conditionals that read its old value (`Buffers`: withou
 XLA copies whole stages), each tick is fenced by an `optimization_barrier` (without,
 XLA interleaves ticks and stretches the in-flight sums' lives), the ops of a tick run
 the largest backward workspaces first and new partial sums last (`_op_order`), and a
-gradient buffer is dropped after the last tick that reads it. On the README's
+gradient buffer is dropped after the last tick that reads it. On the
 ResNet-18 bench this takes the temporaries from 94 to 80 MiB; what remains is the
 gradient sums in flight (one model's worth at every tick) plus the largest op's
-own temporaries (README, "Measured figures").
+own temporaries (docs/measured.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Model registry: each entry returns the model's blocks; `build` cuts them into stages.
 
-A model factory (the README's "Bring your own model") is called with keyword arguments
+A model factory (docs/extending.md) is called with keyword arguments
 `num_classes`, `input_shape` (one example, e.g. (32, 32, 3)), `norm` ('batch' | 'group' |
 'none', the config's), `bn_axis_name` (the mesh axis BatchNorm reduces its statistics over,
 or None), its own options from `config.model_kwargs`, and `dtype` (the computation dtype of

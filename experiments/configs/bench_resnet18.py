@@ -1,19 +1,19 @@
 """Benchmark: ResNet-18 of CIFAR shape (32x32x3, 10 classes) on synthetic data, 4 stages.
 
-The CDP bench of the README: N = L = 4 workers and stages on 4 devices,
+The CDP bench of docs/measured.md: N = L = 4 workers and stages on 4 devices,
 global batch 32 (8 images per worker), split points [3, 6, 8]: the gradient
 sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
 1.46), BatchNorm statistics per worker for dp as for CDP (the paper's code).
 
-    cdpjax bench --config experiments/configs/bench_resnet18.py --methods dp,cdp-v2,cdp-v2@residuals=carry,cdp-v1,cdp-zero,cdp-mp --cpu-devices 4 --repeats 10
+    cdpjax bench --config experiments/configs/bench_resnet18.py --methods dp,cdp-v2,cdp-v2@cdp_ticks=paired@residuals=carry,cdp-zero,cdp-mp --cpu-devices 4 --repeats 10
 
-Expected (README, "Measured figures"): the cdp-v2 ring sends dp's bytes per worker
-per step (1.00x), its largest collective-permute is one leaf of a stage (9 MiB
-against 18.5 MiB for the largest stage), its arguments are 1.64x dp's, its
-step 1.3x to 2.1x dp's on simulated CPU devices (it varies with the machine's
-load), its temporaries 1.7x dp's (lower bound 1.6x for this program on this
-bench); the table's activation peak in bytes is 0.86
-of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25` shrinks it
+Expected (docs/measured.md): the cdp-v2 ring sends dp's bytes per worker per
+step (1.00x), no collective-permute larger than its largest stage (18.5 MiB),
+FLOPs 1.33x dp's (recomputed backwards; 1.00x with `residuals=carry`), arguments
+1.64x dp's, temporaries 1.7x dp's (lower bound 1.6x for this program on this
+bench), step about 2.1x dp's (paired forwards with kept residuals: 1.4x at 2
+devices); cdp-zero sends 1.29x dp's bytes; the table's activation peak in bytes
+is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25` shrinks it
 for quick runs.
 """
 from cdpjax.config import default_config, parse_arg

@@ -1,6 +1,6 @@
 """Benchmark: ResNet-32 of CIFAR shape (32x32x3) on synthetic data, K = 4 local modules.
 
-The PPLL bench of the README: e2e, local, ppll and gpipe on the same model and
+The PPLL bench of docs/measured.md: e2e, local, ppll and gpipe on the same model and
 batch (InfoPro's K=4 split points; InfoPro's `1c2f` heads with the
 reconstruction decoder and its K=4 loss weights, as `ppll_resnet32.py`), 4
 devices for the pipelines. The synthetic images are not pixels: the decoder's
