@@ -21,6 +21,7 @@ same work on one device is the framework's own overhead.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import statistics
@@ -370,16 +371,15 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
 
 def _program_sends(program, priced) -> dict[str, Any]:
     """Bytes the program's messages carry per call, per device (mean and busiest), beside what they
-    would carry padded to the carrier's rows (every activation message as large as the largest)."""
+    would carry padded to the carrier's rows (every message as large as the largest of its kind
+    at any stage, stage 0's input included: a carrier row holds them all)."""
     from cdpjax.program import Size
 
     real = program.sent_bytes(priced)
-    widest = {}
-    for s in program.sends:
-        widest.setdefault(s.what, []).extend(s.size.groups)
     padded = np.zeros(program.devices)
     for s in program.sends:
-        size = Size(s.size.of, tuple(widest[s.what]), True, s.size.count)
+        size = Size.stages(s.size.of, range(len(priced[s.size.of])), s.size.count)
+        size = dataclasses.replace(size, padded=True)
         for src, _ in s.pairs:
             padded[src] += size.bytes(priced)
     return {"sent_bytes_per_device_per_step": float(real.mean()),

@@ -127,8 +127,9 @@ _META_RULES = {
     "workers": lambda v: v is None or (_int(v) and v >= 1),
     "stale": lambda v: isinstance(v, list) and all(isinstance(r, list) and all(_int(x) for x in r) for r in v),
     "skipped_steps": lambda v: _int(v) and v >= 0,
-    "log_window": lambda v: isinstance(v, list) and all(
-        isinstance(r, dict) and all(_number(r.get(k)) for k in ("loss", "accuracy")) for r in v),
+    "log_window": lambda v: isinstance(v, list) and (
+        all(isinstance(r, list) and len(r) == len(v[0]) and all(map(_number, r)) for r in v)
+        or all(isinstance(r, dict) and r and all(map(_number, r.values())) for r in v)),
     "time": lambda v: _number(v) and v >= 0,
     "flushed": lambda v: isinstance(v, bool),
     "checksums": lambda v: isinstance(v, dict) and all(

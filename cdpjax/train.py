@@ -177,9 +177,14 @@ def window_metrics(task: tasks.Task, window: list) -> dict:
     return {k: float(np.mean([m[k] for m in window])) for k in window[0] if all(k in m for m in window)}
 
 
-def check_dataset_against_model(dataset, net) -> None:
+def check_dataset_against_model(dataset, config, net) -> None:
+    """The dataset's inputs fit the model and the model's outputs fit the task's labels (abstract
+    shapes only: called before the parameters are initialised, so nothing has compiled yet)."""
     if tuple(dataset.image_shape) != tuple(net.input_shape):
         raise ConfigError(f"images of shape {dataset.image_shape} do not fit the model's input {net.input_shape}")
+    task = tasks.resolve(config, dataset)
+    label_shape = task.label_shape(tuple(net.input_shape))
+    task.check_outputs(net.stage_output_shapes(1)[-1][1:], label_shape, dataset.num_classes, net.name)
 
 
 def check_batches(dataset, config, net, step: int = 0) -> dict:
@@ -192,7 +197,6 @@ def check_batches(dataset, config, net, step: int = 0) -> dict:
     per_process = config.global_batch_size // pcount
     task = tasks.resolve(config, dataset)
     label_shape = task.label_shape(tuple(net.input_shape))
-    task.check_outputs(net.stage_output_shapes(1)[-1][1:], label_shape, dataset.num_classes, net.name)
     batch = dataset.train_batch(step, config.global_batch_size, config.seed, config.augment,
                                 jax.process_index(), pcount)
     want = (per_process, *net.input_shape)
@@ -712,7 +716,7 @@ def _remove_empty(directories) -> None:
 def _build_and_restore(p: Prepared, devices) -> None:
     config = p.config
     p.dataset, p.mesh, p.method = setup(config, devices)
-    check_dataset_against_model(p.dataset, p.method.net)
+    check_dataset_against_model(p.dataset, config, p.method.net)
     init = p.method.init(jax.random.key(config.seed))
     if p.latest is not None:
         p.latest, (p.state, meta) = restore_newest_intact(p, init)

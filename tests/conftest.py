@@ -9,7 +9,37 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_threefry_partitionable", True)
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+# One persistent compilation cache per test process: the tests build the same small programs
+# over and over from fresh closures (each `train` call, each reference run), which jit's
+# in-memory cache cannot see are equal; XLA's cache keys on the program. Per process (no two
+# writers share it) and never exported to the subprocesses the tests start.
+_XLA_CACHE = tempfile.mkdtemp(prefix="cdpjax-tests-xla-")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_compilation_cache():
+    yield
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """For a test that times compilation: every program compiles for real."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    cc.reset_cache()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ def _accuracy(tmp_path, method, **overrides):
     return train.train(c, str(tmp_path / method), progress=False)["test_accuracy"]
 
 
+@pytest.mark.heavy  # CI: the ring equals simulate (tests/test_cdp.py), which equals dp with the delay removed
 def test_cdp_matches_dp_on_digits(tmp_path):
     """CDP-v1 and CDP-v2 on the ring reach test accuracy within 1 point of DP after the same steps."""
     dp = _accuracy(tmp_path, "dp")

@@ -126,9 +126,9 @@ def train(m, steps=STEPS, state=None, start=0):
 
 CASES = [
     ("resnet_tiny", "recompute", "cdp-v2", "group", "whole"),  # stages of different shapes
-    ("vit_tiny", "carry", "cdp-v2", "none", "whole"),
     ("mlp", "carry", "cdp-v1", "none", "whole"),
-    ("resnet_tiny", "carry", "cdp-v2", "group", "split"),  # F, B, W: ticks of equal cost
+    pytest.param("vit_tiny", "carry", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),
+    pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "split", marks=pytest.mark.heavy),  # F, B, W
     ("mlp", "carry", "cdp-v1", "none", "split"),
     pytest.param("mlp", "recompute", "cdp-v1", "none", "whole", marks=pytest.mark.heavy),
     pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "whole", marks=pytest.mark.heavy),

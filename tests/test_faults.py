@@ -37,7 +37,6 @@ from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from metrics_lines import without_timing
-from xla_cache import compilation_cache  # noqa: F401 - a fixture: each program compiles once
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -284,13 +283,16 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
 ], ids=lambda s: "+".join(f"{signal.Signals(n).name}@{t}s" for t, n in s))
 def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     """SIGTERM or Ctrl-C (once or twice) at moments from the first line of `main` (the process
-    says when it calls it) through the imports, JAX's start, the checks and compilation into
-    training: exit status 143 or 130, one line (no traceback, no crash, nothing swallowed: the
-    run does not go on), no lock left."""
+    says when that line has run: before it, a signal has no handler but Python's, as in any
+    program) through the imports, JAX's start, the checks and compilation into training: exit
+    status 143 or 130, one line (no traceback, no crash, nothing swallowed: the run does not go
+    on), no lock left."""
     work = tmp_path / "run"
     command = subprocess_command(work, overrides=[*OVERRIDES[:1], "--config.num_steps=100000",
                                                   "--config.checkpoint_every=50"])
-    command[2] = command[2].replace("sys.exit(main())", "print('main', flush=True); sys.exit(main())")
+    said = ("from cdpjax import shutdown; first = shutdown.install; "
+            "shutdown.install = lambda: (first(), print('main', flush=True))[0]; ")
+    command[2] = command[2].replace("sys.exit(main())", said + "sys.exit(main())")
     proc = subprocess.Popen(command, env=env_without_device_flag(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline() == "main\n"

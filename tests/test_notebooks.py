@@ -61,7 +61,10 @@ def test_first_cell_installs_only_where_cdpjax_is_missing():
         assert '%pip install -q "cdpjax @ git+https://github.com/' in first.source, name
 
 
-@pytest.mark.parametrize("name", sorted(FIGURES))
+# The two longest (they train) are heavy; CI runs the diagrams and the memory notebook.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy)
+                                  if n in ("cdp_accuracy.ipynb", "ppll_vs_local_gpipe.ipynb") else n
+                                  for n in sorted(FIGURES)])
 def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
     monkeypatch.setenv("CDPJAX_TINY", "1")

@@ -34,10 +34,9 @@ from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.data.base import Dataset, stream_indices
 from metrics_lines import events_of, expected_events, without_timing
-# The module's runs share their programs: each compiles once. (The SIGKILL test's subprocesses
-# compile afresh, so the cross-process comparisons there also show that compiling again gives
-# the same bits.)
-from xla_cache import compilation_cache  # noqa: F401 - a fixture
+# The runs share their programs through the tests' compilation cache (conftest.py); the SIGKILL
+# test's subprocesses compile afresh, so the cross-process comparisons there also show that
+# compiling again gives the same bits.
 
 # Every method the project plans; those not registered yet are skipped, saying so.
 PLANNED = ("e2e", "dp", "cdp-v1", "cdp-v2", "cdp-zero", "cdp-mp", "gpipe", "local", "ppll")
@@ -412,6 +411,7 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+@pytest.mark.heavy  # CI: tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
 def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
     """`--force` on a directory whose lock names a live process (this one, as another run would
     be): the run takes the lock over, says so, resumes and finishes; the temporary checkpoint

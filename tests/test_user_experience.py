@@ -145,8 +145,10 @@ def test_a_method_refusing_its_mesh_names_the_mesh(tmp_path, capsys, compiles):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
+    # Whole ticks: a micro-batch is 2 x 3 = 6 ticks, and worker i starts 6i/N ticks in.
     assert lines[0].startswith("cdpjax: error: cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not "
-                               "divide 2*stages=6")
+                               "divide the 6 ticks of a step")
+    assert "choose workers in [1, 2, 3, 6]" in lines[0]
     assert "change --config.mesh.data or set --config.workers" in lines[0]
     assert not [c for c in compiles if c[0] == "backend"]
     assert not (tmp_path / "new").exists()
