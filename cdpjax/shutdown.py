@@ -185,13 +185,16 @@ class _OrbaxTasks(logging.Filter):
         return not ("orbax" in text or (error is not None and storage_problem(error)))
 
 
+_ORBAX_TASKS = _OrbaxTasks()
+
+
 def quiet_closed_loops() -> Callable[[], None]:
     """Drops those errors wherever Python would print them (sys.excepthook, threading.excepthook,
     sys.unraisablehook), and orbax's unretrieved task errors; returns the function that puts the
-    hooks back."""
+    hooks back. The asyncio filter stays: the futures of a failed save may be collected after
+    `main` has returned, as the interpreter exits (and it drops only those)."""
     previous = sys.excepthook, threading.excepthook, sys.unraisablehook
-    tasks = _OrbaxTasks()
-    logging.getLogger("asyncio").addFilter(tasks)
+    logging.getLogger("asyncio").addFilter(_ORBAX_TASKS)  # once: a filter already there is not added again
 
     def excepthook(kind, value, tb):
         if not _closed_loop(kind, value):
@@ -209,7 +212,6 @@ def quiet_closed_loops() -> Callable[[], None]:
 
     def restore() -> None:
         sys.excepthook, threading.excepthook, sys.unraisablehook = previous
-        logging.getLogger("asyncio").removeFilter(tasks)
 
     return restore
 

@@ -64,6 +64,7 @@ def test_cdp_v1_delay_is_real_on_the_ring():
     assert delayed > 0.01 * moved and delayed > 1e-3 and delayed > 100 * noise, (delayed, moved, noise)
 
 
+@pytest.mark.heavy  # CI: ppll equals local (tests/test_local_ppll.py)
 def test_local_and_ppll_match_each_other_and_come_close_to_e2e(tmp_path):
     """PPLL's claims on digits: ppll reaches exactly local learning's accuracy (it computes the same
     parameters), and both are within 2 points of end-to-end backprop."""

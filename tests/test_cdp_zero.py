@@ -149,8 +149,9 @@ def test_play_can_fail():
 
 
 @pytest.mark.parametrize("rule,workers,ticks,residuals", [
-    ("cdp-v2", 4, "whole", "recompute"), ("cdp-v1", 4, "whole", "recompute"), ("cdp-v2", 8, "whole", "recompute"),
-    ("cdp-v2", 4, "split", "carry"), ("cdp-v2", 2, "whole", "recompute"), ("cdp-v2", 4, "paired", "carry")])
+    ("cdp-v2", 4, "whole", "recompute"), pytest.param("cdp-v1", 4, "whole", "recompute", marks=pytest.mark.heavy),
+    ("cdp-v2", 8, "whole", "recompute"), pytest.param("cdp-v2", 4, "split", "carry", marks=pytest.mark.heavy),
+    ("cdp-v2", 2, "whole", "recompute"), ("cdp-v2", 4, "paired", "carry")])
 def test_equals_ring(rule, workers, ticks, residuals):
     stages = 4
     zero = build("zero", rule, workers, stages, ticks, residuals)

@@ -452,7 +452,8 @@ def _process(pid, port, work, count=2, timeout_s=PEER_TIMEOUT_S):
         env=env, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["process-1-killed", "coordinator-killed"])
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.heavy)],
+                         ids=["process-1-killed", "coordinator-killed"])
 def test_a_killed_peer_ends_the_survivor_in_one_line(killed, tmp_path):
     """Two processes x 4 CPU devices training dp; once both train and a checkpoint exists, one is
     killed with SIGKILL. The survivor ends within distributed.timeout_s (plus the time to say so)

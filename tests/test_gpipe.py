@@ -41,7 +41,13 @@ CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, 
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# CI runs every layout, each with a ResNet or the MLP and both residual modes; these repeat a
+# layout on the other model and run with `make test-heavy`.
+HEAVY = {"gpipe-vit-K2-M2-data2", "gpipe-resnet-K2-M2-carry", "1f1b-resnet-K4-M8", "interleaved-resnet-K4-on-2-M4",
+         "zb-h1-resnet-K4-M4", "zbv-resnet-K4-on-2-M4-carry", "looped-bfs-resnet-K6-on-2-M2-carry"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY else c for c in CASES])
 def test_gradients_and_updates_equal_e2e(case):
     """The gradient, then two updates with SGD momentum and weight decay, as e2e's."""
     method, model, stages, devices, groups, micro, residuals, check_gradient = CASES[case]

@@ -204,9 +204,10 @@ def _digits_local(model, head, kwargs, stages=3):
 
 
 @pytest.mark.parametrize("model,head,kwargs", [
-    ("resnet_tiny", "greedy", {}),
+    pytest.param("resnet_tiny", "greedy", {}, marks=pytest.mark.heavy),  # the default head: trained everywhere
     ("resnet_tiny", "dgl", {}),
-    ("resnet_tiny", "infopro", {"reconstruction": True, "ixx_1": 1.0, "ixy_1": 1.0}),
+    pytest.param("resnet_tiny", "infopro", {"reconstruction": True, "ixx_1": 1.0, "ixy_1": 1.0},
+                 marks=pytest.mark.heavy),  # CI: tests/test_local_ppll.py trains infopro with its decoder
     ("vit_tiny", "vit", {"blocks": (1, 1)}),
 ])
 def test_local_trains_on_digits_with_every_head(model, head, kwargs):

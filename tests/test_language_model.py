@@ -34,7 +34,7 @@ PIPELINE_MESH = ("--config.mesh.stage=4", "--config.mesh.data=2")  # 4 stage dev
 
 
 @pytest.mark.parametrize("method,steps,extra", [
-    pytest.param("e2e", STEPS, (), marks=pytest.mark.heavy), ("dp", STEPS, ()),
+    pytest.param("e2e", STEPS, (), marks=pytest.mark.heavy), pytest.param("dp", STEPS, (), marks=pytest.mark.heavy),
     pytest.param("local", STEPS, (), marks=pytest.mark.heavy),
     pytest.param("1f1b", STEPS, PIPELINE_MESH, marks=pytest.mark.heavy), ("ppll", STEPS, PIPELINE_MESH),
     # the delayed updates of CDP (8 workers on the ring; 4 on the cyclic pipeline) take longer; in CI,

@@ -264,7 +264,8 @@ def test_a_table_survives_json(name, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == t.format_grid().strip()
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "looped-bfs"])
+@pytest.mark.parametrize("name", [pytest.param("1f1b", marks=pytest.mark.heavy),
+                                  pytest.param("interleaved-1f1b", marks=pytest.mark.heavy), "zb-h1", "zbv", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""

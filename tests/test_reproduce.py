@@ -191,6 +191,7 @@ def tiny_ppll(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.heavy  # the PPLL table trains every K=2 row; CI: the CDP table
 def test_tiny_ppll_table_has_the_baselines_heads_and_memory(tiny_ppll):
     """The PPLL table's rows for K = 2: local learning, ppll, and both of the paper's baselines
     named as what they are; predictions with the heads timed; memory per device against local."""
@@ -216,6 +217,7 @@ def test_tiny_ppll_table_has_the_baselines_heads_and_memory(tiny_ppll):
     assert 1.0 < ppll["speedup"] <= 2.0 + 1e-6  # at most K, less by the stage imbalance
 
 
+@pytest.mark.heavy  # the PPLL table trains every K=2 row; CI: the CDP table
 def test_tiny_ppll_figures(tiny_ppll, tmp_path, monkeypatch):
     """The PPLL figures by content: drawn again from the rows' records (figures recorded), the
     speedup figure plots each pipeline's predicted speedup at K = 2 and the line y = K; the
