@@ -233,22 +233,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     per_worker = NamedSharding(mesh, P(AXIS))
     owned = [[j for j in range(L) if z.owners[j] == w] for w in range(N)]
 
-    def squeeze(tree):
-        return jax.tree.map(lambda a: a[0], tree)
-
-    def local_step(state, images, labels, feeding):
-        s, sums = period(squeeze(state), images, labels, feeding)
-        return jax.tree.map(lambda a: a[None], s), ring.reported(stages, sums)
-
-    def local_run(state, images, labels, feeding):
-        s, sums = lax.scan(lambda s, xs: period(s, *xs), squeeze(state), (images, labels, feeding))
-        return jax.tree.map(lambda a: a[None], s), jax.vmap(lambda x: ring.reported(stages, x))(sums)
-
-    one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
-                               out_specs=(P(AXIS), P()), check_vma=True)
-    step = jax.jit(one_period)
-    run = jax.jit(jax.shard_map(local_run, mesh=mesh, in_specs=(P(AXIS), P(None, AXIS), P(None, AXIS), P()),
-                                out_specs=(P(AXIS), P()), check_vma=True))
+    one_period, step, run = ring.spmd_period(period, stages, mesh)
 
     def init(rng):
         params, model_state = net.init(rng)

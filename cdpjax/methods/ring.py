@@ -466,6 +466,28 @@ def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool):
             "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 
 
+def spmd_period(period, stages, mesh):
+    """A worker's period (state without its worker axis -> state, metric sums) as the SPMD
+    program over `data`: the shard_mapped period, it jitted (one call), and a jitted scan of
+    periods over stacked batches (`run_steps`). The ring's and cdp-zero's."""
+    def squeeze(tree):
+        return jax.tree.map(lambda a: a[0], tree)
+
+    def local_step(state, images, labels, feeding):
+        s, sums = period(squeeze(state), images, labels, feeding)
+        return jax.tree.map(lambda a: a[None], s), reported(stages, sums)
+
+    def local_run(state, images, labels, feeding):
+        s, sums = lax.scan(lambda s, xs: period(s, *xs), squeeze(state), (images, labels, feeding))
+        return jax.tree.map(lambda a: a[None], s), jax.vmap(lambda x: reported(stages, x))(sums)
+
+    one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
+                               out_specs=(P(AXIS), P()), check_vma=True)
+    run = jax.jit(jax.shard_map(local_run, mesh=mesh, in_specs=(P(AXIS), P(None, AXIS), P(None, AXIS), P()),
+                                out_specs=(P(AXIS), P()), check_vma=True))
+    return one_period, jax.jit(one_period), run
+
+
 def build(ctx, name: str, net, table, residuals: str) -> Method:
     """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
@@ -479,26 +501,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
     period = Period(stages, program, tx, carry)
     per_worker = NamedSharding(mesh, P(AXIS))
-
-    def squeeze(tree):
-        return jax.tree.map(lambda a: a[0], tree)
-
-    def local_step(state, images, labels, feeding):
-        s, sums = period(squeeze(state), images, labels, feeding)
-        return jax.tree.map(lambda a: a[None], s), reported(stages, sums)
-
-    def local_run(state, images, labels, feeding):
-        def one(s, xs):
-            return period(s, *xs)
-
-        s, sums = lax.scan(one, squeeze(state), (images, labels, feeding))
-        return jax.tree.map(lambda a: a[None], s), jax.vmap(lambda x: reported(stages, x))(sums)
-
-    one_period = jax.shard_map(local_step, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
-                               out_specs=(P(AXIS), P()), check_vma=True)
-    step = jax.jit(one_period)
-    run = jax.jit(jax.shard_map(local_run, mesh=mesh, in_specs=(P(AXIS), P(None, AXIS), P(None, AXIS), P()),
-                                out_specs=(P(AXIS), P()), check_vma=True))
+    one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry)
