@@ -21,7 +21,6 @@ same work on one device is the framework's own overhead.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import statistics
@@ -378,8 +377,7 @@ def _program_sends(program, priced) -> dict[str, Any]:
     real = program.sent_bytes(priced)
     padded = np.zeros(program.devices)
     for s in program.sends:
-        size = Size.stages(s.size.of, range(len(priced[s.size.of])), s.size.count)
-        size = dataclasses.replace(size, padded=True)
+        size = Size(s.size.of, tuple((j,) for j in range(len(priced[s.size.of]))), True, s.size.count)
         for src, _ in s.pairs:
             padded[src] += size.bytes(priced)
     return {"sent_bytes_per_device_per_step": float(real.mean()),

@@ -189,10 +189,10 @@ def check_dataset_against_model(dataset, config, net) -> None:
 
 def check_batches(dataset, config, net, step: int = 0) -> dict:
     """Reads training batch `step` and a test batch and checks them against the model before
-    anything compiles (a loader whose images are not what it declares fails here, not inside
-    XLA); returns the training batch, which the loop then uses, so that it is read once.
-    The labels' shape is the task's (`config.task`, or the dataset's own) and the model's
-    outputs must fit it."""
+    the train step compiles (a loader whose images are not what it declares fails here, not
+    inside XLA); returns the training batch, which the loop then uses, so that it is read once.
+    The labels' shape is the task's (`config.task`, or the dataset's own); that the model's
+    outputs fit it is `check_dataset_against_model`'s, before the parameters exist."""
     pcount = jax.process_count()
     per_process = config.global_batch_size // pcount
     task = tasks.resolve(config, dataset)
