@@ -121,12 +121,12 @@ class ZeroPeriod:
         for j, owner, worker, k, row, r in tk.refreshes:
             size = self.layout.sizes[j]
             arrived = lax.ppermute(b[("master", k, row)][:size], AXIS, [(owner, worker)])
-            ring._pick(b, me == worker, ("relay", r), jnp.pad(arrived, (0, self.layout.width - size)))
+            _land(b, me == worker, ("relay", r), arrived)
 
     def op(self, b, op, mine, valid, images, new_labels):
         j, L = op.stage, self.z.stages
         source = op.params
-        p = self.layout.unpack_one(j, b[source])
+        row = b[source]
         pred = mine & valid
         if op.kind == "F":
             x = images if j == 0 else b[("acts", j)]
@@ -136,7 +136,8 @@ class ZeroPeriod:
                 old["kept"] = b[("kept", j)]
             writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if self.carry else []) + [("ms", j)]
             reads = [source, ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
-            new, ms, metrics = b.cond(pred, *self.fwd[j], (p, b[("ms", j)], x, labels, old), reads, writes)
+            new, ms, metrics = b.cond(pred, *self._on_row(j, *self.fwd[j]), (row, b[("ms", j)], x, labels, old),
+                                      reads, writes)
             if j < L - 1:
                 b[("acts", j + 1)] = new["next"]
             if self.carry:
@@ -152,22 +153,59 @@ class ZeroPeriod:
         seed = b[("cots", j)] if j < L - 1 else zero
         reads = [source, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if self.carry else []) \
             + ([("cots", j)] if j < L - 1 else [])
-        operands = (p, b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)])
-        gradient = None
-        if op.kind == "B":
+        operands = (b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)])
+        if op.kind == "B" and self.split:  # the input's cotangent only: no gradient row
             cot = b[("cots", j - 1)] if j > 0 else zero
-            d_params, cot = b.cond(pred, *self.bwd[j], (*operands, zero, cot), reads,
-                                   [("cots", j - 1)] if j > 0 else [])
+            _, cot = b.cond(pred, *self._on_row(j, *self.bwd[j]), (row, *operands, zero, cot), reads,
+                            [("cots", j - 1)] if j > 0 else [])
             if j > 0:
                 b[("cots", j - 1)] = cot
-            gradient = None if self.split else d_params
+            return
+        if op.kind == "B":
+            cot = b[("cots", j - 1)] if j > 0 else zero
+            operands, piece = (*operands, zero, cot), self.bwd[j][0]
         else:
-            gradient = b.cond(pred, *self.wgt[j], (*operands, zero), reads, [])
-        if gradient is not None:  # the partial sum it received (none: it starts one) plus its gradient
-            total = self.layout.pack_one(j, gradient)
-            if op.grad_in >= 0:
-                total = total + b[("grad", op.grad_in)]
-            ring._pick(b, mine, ("grad", op.grad_out), total)
+            operands, piece = (*operands, zero), self.wgt[j][0]
+        out = ("grad", op.grad_out)
+        partial = b[("grad", op.grad_in)] if op.grad_in >= 0 else None
+        writes = [out] + ([("cots", j - 1)] if op.kind == "B" and j > 0 else [])
+        total, *rest = b.cond(mine, *self._gradient_on_rows(j, piece, op.kind == "B", valid),
+                              (row, b[out], partial, *operands), reads + ([("grad", op.grad_in)] if
+                                                                          op.grad_in >= 0 else []), writes)
+        b[out] = total
+        if op.kind == "B" and j > 0:
+            b[("cots", j - 1)] = rest[0]
+
+    def _on_row(self, j, run, skip):
+        """A piece's branches taking the stage's parameters as a row, unpacked in the branch that
+        computes: no unpacked copy of them outlives the op."""
+        return (lambda row, *operands: run(self.layout.unpack_one(j, row), *operands),
+                lambda row, *operands: skip(None, *operands))
+
+    def _gradient_on_rows(self, j, piece, with_cot: bool, valid):
+        """Branches (on `mine`) of a gradient op over (row, its gradient row's old value, the partial
+        sum received or None, operands) -> (the gradient row's new value[, the input's cotangent]):
+        its gradient packed, plus the partial sum, in the branch that computes; a worker with nothing
+        fed passes the partial sum on (or starts from zeros), another keeps the row as it is."""
+        layout = self.layout
+
+        def compute(row, partial, *operands):
+            out = piece(layout.unpack_one(j, row), *operands)
+            g, rest = (out[0], out[1:]) if with_cot else (out, ())
+            total = layout.pack_one(j, g)
+            return varying((total if partial is None else total + partial, *rest), AXIS)
+
+        def idle(row, partial, *operands):
+            total = jnp.zeros((layout.width,), jnp.float32) if partial is None else partial
+            return varying((total, *operands[-1:]) if with_cot else (total,), AXIS)
+
+        def run(row, old, partial, *operands):
+            return lax.cond(valid, compute, idle, row, partial, *operands)
+
+        def keep(row, old, partial, *operands):
+            return varying((old, *operands[-1:]) if with_cot else (old,), AXIS)
+
+        return run, keep
 
     def send(self, b, tk, me):
         """The partial sums of the tick, each at its stage's size; all read before any lands."""
@@ -176,7 +214,7 @@ class ZeroPeriod:
             size = self.layout.sizes[j]
             arrived.append((dst, dst_row, size, lax.ppermute(b[("grad", src_row)][:size], AXIS, [(src, dst)])))
         for dst, dst_row, size, value in arrived:
-            ring._pick(b, me == dst, ("grad", dst_row), jnp.pad(value, (0, self.layout.width - size)))
+            _land(b, me == dst, ("grad", dst_row), value)
 
     def apply(self, b, tk, me, valid):
         """Owners whose stage's sum is complete apply its update (the previous version kept)."""
@@ -193,6 +231,17 @@ class ZeroPeriod:
             if z.versions == 2:
                 ring._pick(b, pred, ("master", k, 1), old)
             b[("master", k, 0)], b[("opt", k)] = p, o
+
+
+def _land(b: ring.Buffers, pred, name, message):
+    """A stage-sized message written into the head of row `name` where pred, its tail zeroed, in
+    place (a padded copy of the message would be a row-sized temporary per message)."""
+    size = message.shape[0]
+
+    def write(row, message):
+        return varying(row.at[:size].set(message).at[size:].set(0.0), AXIS)
+
+    b[name] = b.cond(pred, write, lambda row, message: varying(row, AXIS), (b[name], message), writes=(name,))
 
 
 def _named(state, z: ZeroTicks, carry: bool) -> dict:
