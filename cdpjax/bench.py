@@ -5,8 +5,9 @@ are meaningful on any machine; on simulated CPU devices (which share the same
 cores) absolute times are not results, but the ratio of a parallel method to the
 same work on one device is the framework's own overhead.
 
-- memory: `jax.jit(step).lower(...).compile().memory_analysis()` per device, beside
-  the per-device model of what the method must hold (`memory_model`).
+- memory: `jax.jit(step, donate_argnums=0).lower(...).compile().memory_analysis()` per
+  device (the state donated, as the trainer runs the step), `held_bytes` what a device holds at
+  once, beside the per-device model of what the method must hold (`memory_model`).
 - collectives: the compiled HLO text, per kind: static count of the ops (an op
   inside a loop body is counted once), bytes of their results, largest one; and
   the bytes they really send (`traffic`: each transfer counted as often as it
@@ -168,15 +169,19 @@ def traffic(hlo_text: str, devices: int) -> dict[str, Any]:
 
 
 def memory(compiled) -> dict[str, int]:
+    """XLA's per-device figures of a compiled step, and `held_bytes`: what the device holds at once,
+    its arguments, temporaries and the outputs not written over a donated argument."""
     m = compiled.memory_analysis()
     if m is None:
         return {}
-    return {
+    out = {
         "temp_bytes": int(m.temp_size_in_bytes),
         "argument_bytes": int(m.argument_size_in_bytes),
         "output_bytes": int(m.output_size_in_bytes),
         "alias_bytes": int(getattr(m, "alias_size_in_bytes", 0)),
     }
+    out["held_bytes"] = out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"] - out["alias_bytes"]
+    return out
 
 
 def tree_bytes(tree) -> int:
@@ -305,9 +310,9 @@ def _prepare(config, devices=None) -> dict:
                             method.input_sharding)
     state = method.init(jax.random.key(config.seed))
     t0 = time.perf_counter()
-    # A step that is a Python wrapper around jitted pieces (not a jit itself) is jitted whole here.
-    step = method.train_step if hasattr(method.train_step, "lower") else jax.jit(method.train_step)
-    compiled = step.lower(state, batch).compile()
+    # Compiled as the trainer runs it, with the state donated: the new state is written over the old,
+    # so what a device holds is XLA's arguments plus temporaries (`memory`'s `held_bytes`).
+    compiled = jax.jit(method.train_step, donate_argnums=0).lower(state, batch).compile()
     from cdpjax import tasks
 
     return {"config": config, "mesh": mesh, "method": method, "compiled": compiled, "state": state,

@@ -82,6 +82,7 @@ COLUMNS = {  # name -> (heading, cell from (record, first record))
     "step": ("step time, x first (shared cores)", lambda r, f: f"{r['step_seconds'] / f['step_seconds']:.2f}"),
     "temp": ("temp / device", lambda r, f: _mib(r["memory"].get("temp_bytes", 0))),
     "args": ("args / device", lambda r, f: _mib(r["memory"].get("argument_bytes", 0))),
+    "held": ("held / device (args + temps, the state donated)", lambda r, f: _mib(r["memory"].get("held_bytes", 0))),
     "busy": ("busy (table)", lambda r, f: f"{r['busy_fraction']:.2f}" if "busy_fraction" in r else "-"),
     "act_peak": ("activation peak, all devices (stage-acts)",
                  lambda r, f: f"{r['activation_total']['peak']:.0f}" if "activation_total" in r else "-"),
@@ -145,10 +146,10 @@ def _flops(a, b="dp"):
 
 
 def _held(a, b="dp"):
-    """(arguments + temporaries) per device of `a` over `b`'s."""
+    """What a device holds at once (`held_bytes`: arguments + temporaries, the state donated) of `a`
+    over `b`'s."""
     def held(rs):
-        return ((rs[a]["memory"]["argument_bytes"] + rs[a]["memory"]["temp_bytes"])
-                / (rs[b]["memory"]["argument_bytes"] + rs[b]["memory"]["temp_bytes"]))
+        return rs[a]["memory"]["held_bytes"] / rs[b]["memory"]["held_bytes"]
     return held
 
 
@@ -160,7 +161,8 @@ FIGURES = {
     "cdp-ring": Figure(
         "CDP's ring against DP (ResNet-18 of CIFAR shape, N = L = 4, global batch 32)",
         "bench_resnet18.py", ("dp", RING, CARRY, PAIRED, SPLIT, "cdp-zero"), 4, (), RESNET18_TINY,
-        ("devices", "step", "flops", "bytes_accessed", "temp", "args", "sent", "all_reduce", "permute", "stage"),
+        ("devices", "step", "flops", "bytes_accessed", "temp", "args", "held", "sent", "all_reduce", "permute",
+         "stage"),
         (Bound("the ring sends at most 1.05x dp's bytes per worker per step",
                _ratio("sent_bytes_per_device_per_step", RING, "dp"), 1.05),
          Bound("the ring's largest collective-permute at most its largest stage (nothing padded)",
@@ -188,7 +190,7 @@ FIGURES = {
     "cdp-ring-2": Figure(
         "CDP's ring against DP at 2 devices, with the lockstep model's prediction (ResNet-18, N = 2, L = 4)",
         "bench_resnet18.py", ("dp", RING, PAIRED), 2, (), RESNET18_TINY,
-        ("devices", "step", "flops", "temp", "args", "sent", "prediction"),
+        ("devices", "step", "flops", "temp", "args", "held", "sent", "prediction"),
         (Bound("the ring sends at most 1.05x dp's bytes per worker per step",
                _ratio("sent_bytes_per_device_per_step", RING, "dp"), 1.05),
          Bound("the default ring's step at most 1.25x dp's (a target)",
@@ -203,7 +205,8 @@ FIGURES = {
         None, ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"), 4,
         ("model=resnet_tiny", "norm=group", "global_batch_size=256", "microbatches=8", "stages=4", "chunks=2"),
         ("model=mlp", "model_kwargs.width=16", "global_batch_size=64"),
-        ("devices", "step", "flops", "temp", "args", "busy", "act_peak", "slots", "sent", "sent_hlo", "padded"),
+        ("devices", "step", "flops", "temp", "args", "held", "busy", "act_peak", "slots", "sent", "sent_hlo",
+         "padded"),
         (Bound("1F1B keeps at most K = 4 micro-batches per device, GPipe M = 8",
                lambda rs: _slots(rs["1f1b"])["act"] / _slots(rs["gpipe"])["act"], 0.5),
          Bound("1F1B's bubble is GPipe's (busy fraction over device time)",
@@ -228,7 +231,8 @@ FIGURES = {
         None, ("dp", "gpipe", "cdp-mp"), 4,
         ("model=resnet_tiny", "norm=group", "global_batch_size=256", "stages=4"),
         ("model=mlp", "model_kwargs.width=16", "global_batch_size=64"),
-        ("devices", "step", "flops", "temp", "args", "busy", "act_peak", "all_reduce", "permute", "sent"),
+        ("devices", "step", "flops", "temp", "args", "held", "busy", "act_peak", "all_reduce", "permute",
+         "sent"),
         (Bound("cdp-mp: every device busy every tick", lambda rs: rs["cdp-mp"]["busy_fraction"], 1.0, at_least=True),
          Bound("cdp-mp sends no gradient (its all-reduce is the metric scalars)",
                lambda rs: rs["cdp-mp"]["collectives"]["all-reduce"]["max_bytes"], 16),
@@ -240,13 +244,12 @@ FIGURES = {
         "bench_resnet32.py", ("local", "ppll", "gpipe", "e2e"), 4, (),
         ("model=mlp", "model_kwargs.width=16", "stages=4", "aux_head=greedy", "aux_kwargs={}",
          "dataset_kwargs.image_shape=(8,8,1)"),
-        ("devices", "step", "temp", "args", "busy"),
+        ("devices", "step", "temp", "args", "held", "busy"),
         (Bound("ppll: every device busy in steady state", lambda rs: rs["ppll"]["busy_fraction"], 1.0, at_least=True),
          Bound("ppll's time per batch at most 1.15x local's (the framework's overhead)",
                _ratio("step_seconds", "ppll", "local"), 1.15, timing=True),
          Bound("ppll's memory per device below local's on one device",
-               lambda rs: (rs["ppll"]["memory"]["temp_bytes"] + rs["ppll"]["memory"]["argument_bytes"])
-               / (rs["local"]["memory"]["temp_bytes"] + rs["local"]["memory"]["argument_bytes"]), 1.0, sized=True),
+               _held("ppll", "local"), 1.0, sized=True),
          )),
 }
 

@@ -334,9 +334,10 @@ def _local_speed(records: list[dict]) -> dict:
 
 
 def _device_memory(record: dict) -> int:
-    """Temporaries + arguments of the compiled step on one device (XLA's memory analysis)."""
+    """What one device holds of the compiled step: arguments + temporaries, the state donated (XLA's
+    memory analysis, `cdpjax.bench.memory`)."""
     mem = record["bench"]["memory"]
-    return mem.get("temp_bytes", 0) + mem.get("argument_bytes", 0) if mem else 0
+    return mem.get("held_bytes", 0) if mem else 0
 
 
 def ppll_markdown(records: list[dict]) -> str:
