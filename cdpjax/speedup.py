@@ -14,8 +14,10 @@ over running the same work sequentially on one device. Two models:
   code, torch.distributed.pipelining); for comparisons with such runtimes.
 
 Assumptions (stated, not hidden):
-- An op takes the measured time of its stage on one device, whatever else runs
-  (no contention, no kernel overlap between ops on one device). Its duration comes
+- An op takes the measured time of its stage, whatever else runs (no kernel overlap
+  between ops on one device), timed on one device with the others idle (`calibrate=
+  'alone'`, devices that share nothing) or on all K devices at once, each on its own
+  micro-batch (`'together'`: what K simulated CPU devices sharing the cores see). Its duration comes
   from its kind (`cdpjax.kinds.cost_field`): `F` the stage's forward, `B` the whole
   backward (`StageCosts.backward`) or, in a table that splits the backward, the input
   cotangent only (`backward_input`), `W` the weight gradient (`backward_weight`), `FB`
@@ -314,12 +316,17 @@ def median_seconds(fn, *args, repeats: int = 5) -> float:
 
 
 def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
-                        residuals: str = "recompute") -> StageCosts:
-    """Per-stage forward and backward on one device, the backward whole and in its two halves (the
-    vjp w.r.t. the stage's input only, and w.r.t. its parameters only), each recomputing the forward
-    inside (`residuals='recompute'`, as the recompute runtimes do) or from the residuals a forward
-    kept (`'carry'`: the pullback of `jax.vjp` alone is timed); with `heads` (local learning's
-    `AuxHeads`), each head's forward and backward too."""
+                        residuals: str = "recompute", together: int = 1) -> StageCosts:
+    """Per-stage forward and backward, the backward whole and in its two halves (the vjp w.r.t. the
+    stage's input only, and w.r.t. its parameters only), each recomputing the forward inside
+    (`residuals='recompute'`, as the recompute runtimes do) or from the residuals a forward kept
+    (`'carry'`: the pullback of `jax.vjp` alone is timed); with `heads` (local learning's
+    `AuxHeads`), each head's forward and backward too.
+
+    together: 1 times each op on one device with the others idle; K > 1 on the first K devices at
+    once, each on its own micro-batch (`_on_devices`), as a lockstep tick runs them. On devices that
+    share nothing (GPUs) the two agree; simulated CPU devices share the cores, which only the
+    second sees."""
     import jax
     import jax.numpy as jnp
 
@@ -333,27 +340,55 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
         head_params, head_state = heads.init(jax.random.key(1))
     times = defaultdict(list)
     act, grad = [], []
+    timed = _Timer(together, repeats)
     for j in range(net.num_stages):
         def stage(p, v, s=state[j], j=j):
             return net.apply_stage(j, p, s, v, True)[0]
 
         y = jax.jit(stage)(params[j], x)
-        times["forward"].append(median_seconds(jax.jit(stage), params[j], x, repeats=repeats))
+        times["forward"].append(timed(stage, params[j], x))
         for field, wrt in (("backward", (0, 1)), ("backward_input", (1,)), ("backward_weight", (0,))):
-            times[field].append(_backward_seconds(stage, params[j], x, jnp.ones_like(y), wrt, residuals, repeats))
+            pullback = _pullback(stage, wrt)
+            if residuals == "recompute":
+                times[field].append(timed(lambda p, v, ct, pb=pullback: pb(p, v)(ct), params[j], x, jnp.ones_like(y)))
+            else:  # the pullback alone, from the residuals a forward kept
+                times[field].append(timed.from_kept(pullback, (params[j], x), jnp.ones_like(y)))
         act.append(float(y.size * y.dtype.itemsize))
         grad.append(float(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[j]))))
         if heads is not None:
-            step = jax.jit(jax.grad(lambda p, s, v, j=j: heads.loss(j, p, s, v, labels, image)[0], argnums=(0, 2)))
-            times["head"].append(median_seconds(step, head_params[j], head_state[j], y, repeats=repeats))
+            step = jax.grad(lambda p, s, v, j=j: heads.loss(j, p, s, v, labels, image)[0], argnums=(0, 2))
+            times["head"].append(timed(step, head_params[j], head_state[j], y))
         x = y
     return StageCosts(tuple(times["forward"]), tuple(times["backward"]), tuple(act), tuple(grad),
                       tuple(times["head"]), tuple(times["backward_input"]), tuple(times["backward_weight"]),
                       residuals)
 
 
-def _backward_seconds(stage, p, v, cotangent, wrt: tuple[int, ...], residuals: str, repeats: int) -> float:
-    """Seconds of the vjp of `stage(p, v)` w.r.t. the arguments `wrt` (0: parameters, 1: input)."""
+def _on_devices(fn, devices: int):
+    """`fn` run on each of the first `devices` devices at once, each on its own copy of the inputs:
+    (the jitted function over stacked inputs, the stacking of one set of inputs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if len(jax.devices()) < devices:
+        raise ConfigError(f"timing ops on {devices} devices at once needs {devices} devices; "
+                          f"{len(jax.devices())} are present")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("together",))
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+    again = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+    run = jax.jit(jax.shard_map(lambda *args: again(fn(*map(first, args))), mesh=mesh,
+                                in_specs=P("together"), out_specs=P("together"), check_vma=False))
+
+    def stack(*args):
+        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (devices, *jnp.shape(a))), args),
+                              NamedSharding(mesh, P("together")))
+
+    return run, stack
+
+
+def _pullback(stage, wrt: tuple[int, ...]):
+    """(p, v) -> the vjp of `stage(p, v)` w.r.t. the arguments `wrt` (0: parameters, 1: input)."""
     import jax
 
     def pullback(p, v):
@@ -365,10 +400,32 @@ def _backward_seconds(stage, p, v, cotangent, wrt: tuple[int, ...], residuals: s
 
         return jax.vjp(of_chosen, *[(p, v)[i] for i in wrt])[1]
 
-    if residuals == "recompute":
-        return median_seconds(jax.jit(lambda p, v, ct: pullback(p, v)(ct)), p, v, cotangent, repeats=repeats)
-    kept = jax.jit(pullback)(p, v)  # the residuals, kept as the forward would keep them
-    return median_seconds(jax.jit(lambda vjp, ct: vjp(ct)), kept, cotangent, repeats=repeats)
+    return pullback
+
+
+class _Timer:
+    """Median seconds of a function, jitted, on one device (`devices=1`) or on the first `devices`
+    devices at once, each on its own copy of the inputs (`_on_devices`)."""
+
+    def __init__(self, devices: int, repeats: int):
+        self.devices, self.repeats = devices, repeats
+
+    def _compiled(self, fn):
+        if self.devices == 1:
+            import jax
+
+            return jax.jit(fn), lambda *args: args
+        return _on_devices(fn, self.devices)
+
+    def __call__(self, fn, *args) -> float:
+        run, stack = self._compiled(fn)
+        return median_seconds(run, *stack(*args), repeats=self.repeats)
+
+    def from_kept(self, pullback, primals, cotangent) -> float:
+        """The pullback alone: its residuals kept first (as the forward would keep them), then timed."""
+        keep, stack = self._compiled(pullback)
+        run, stack_ct = self._compiled(lambda vjp, ct: vjp(ct))
+        return median_seconds(run, keep(*stack(*primals)), *stack_ct(cotangent), repeats=self.repeats)
 
 
 def group_by_time(net, heads, devices: int, batch_size: int, repeats: int = 3) -> tuple[int, ...]:
@@ -386,9 +443,17 @@ def table_for(config, devices: int, stages: int, steps: int | None = None):
     return table_for_config(config, devices, stages, steps or max(6, 2 * devices))
 
 
-def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True, model: str = "lockstep") -> dict:
+CALIBRATIONS = ("alone", "together")
+
+
+def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True, model: str = "lockstep",
+                       calibrate: str = "alone") -> dict:
     """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`
     under the speedup `model` ('lockstep', the SPMD runtimes; 'async', MPMD host queues).
+
+    calibrate: 'alone' times each op on one device with the others idle (a prediction for devices
+    that share nothing); 'together' on `devices` devices at once, as a lockstep tick runs them
+    (a prediction for these devices, simulated CPU devices sharing cores included).
 
     The backwards are timed as the config runs them (`config.residuals`: recomputing the forward,
     or from kept residuals). Local learning (a table of 'FB' ops) also times each stage's
@@ -399,6 +464,8 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
 
     if model not in MODELS:
         raise ConfigError(f"speedup model {model!r}: choose {' or '.join(MODELS)}")
+    if calibrate not in CALIBRATIONS:
+        raise ConfigError(f"calibrate={calibrate!r}: choose {' or '.join(CALIBRATIONS)}")
     ds = data.build(config)
     net = models.build(config, ds.image_shape, ds.num_classes)
     method = config.method
@@ -418,7 +485,8 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
 
         aux = aux_heads.build(config.get("aux_head", "greedy"), net, ds.num_classes,
                               dict(config.get("aux_kwargs", {}) or {}))
-    costs = measure_stage_costs(net, mb, heads=aux, residuals=config.get("residuals", "recompute"))
+    costs = measure_stage_costs(net, mb, heads=aux, residuals=config.get("residuals", "recompute"),
+                                together=devices if calibrate == "together" else 1)
     if tbl.devices != devices and local and "module_groups" in LAYOUTS[method].table_sizes() \
             and not config.get("module_groups", None):
         points = _balanced([costs.local(j) for j in range(stages)], devices)
@@ -430,7 +498,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     per_stage = np.array([costs.local(j) for j in range(stages)])
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
                stage_backward_input=costs.backward_input, stage_backward_weight=costs.backward_weight,
-               backward_from=costs.residuals, split_backward=tbl.split_backward,
+               backward_from=costs.residuals, split_backward=tbl.split_backward, calibrate=calibrate,
                stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb,
                activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
@@ -492,6 +560,8 @@ def format_predictions(records: list[dict]) -> str:
             lines.append(f"  {name:>8}: {p['error']} ({p.get('model', '?')} model)")
         elif p:
             lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices "
-                         f"({p['model']} model), speedup {p['speedup']:.2f}x over one device, stage imbalance "
-                         f"{p['imbalance']:.2f}")
+                         f"({p['model']} model, ops timed {p.get('calibrate', 'alone')}), speedup "
+                         f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
+                         + (f"; measured {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
+                            if r.get("step_seconds") else ""))
     return "\n".join(lines)

@@ -188,6 +188,37 @@ def test_measured_costs_split_the_backward():
         speedup.measure_stage_costs(net, 8, repeats=1, residuals="keep")
 
 
+def test_ops_timed_together_run_on_every_device_at_once():
+    """calibrate='together' times an op on K devices at once, each on its own copy of the inputs: the
+    result has one row per device, lies on K devices, and each row is the op on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    run, stack = speedup._on_devices(lambda a, b: a @ b + 1.0, 2)
+    a, b = jnp.arange(6.0).reshape(2, 3), jnp.ones((3, 4))
+    out = run(*stack(a, b))
+    assert out.shape == (2, 2, 4) and len(out.sharding.device_set) == 2
+    np.testing.assert_allclose(out[1], np.arange(6.0).reshape(2, 3) @ np.ones((3, 4)) + 1.0)
+    with pytest.raises(ConfigError, match="needs 99 devices"):
+        speedup._on_devices(lambda a: a, 99)
+
+    from cdpjax import config as cfg_lib, data, models
+
+    c = cfg_lib.default_config()
+    c.model, c.model_kwargs, c.stages = "mlp", {"width": 16}, 2
+    ds = data.build(c)
+    net = models.build(c, ds.image_shape, ds.num_classes)
+    for residuals in ("recompute", "carry"):
+        costs = speedup.measure_stage_costs(net, 8, repeats=1, residuals=residuals, together=2)
+        for field in ("forward", "backward", "backward_input", "backward_weight"):
+            assert len(getattr(costs, field)) == 2 and min(getattr(costs, field)) > 0, field
+    c.method, c.mesh = "gpipe", {"stage": 2}
+    p = speedup.predict_for_config(c, 2, 1e15, calibrate="together")
+    assert p["calibrate"] == "together" and p["step_seconds"] > 0
+    with pytest.raises(ConfigError, match="calibrate"):
+        speedup.predict_for_config(c, 2, 1e15, calibrate="apart")
+
+
 def test_local_learning_predictions_time_the_heads():
     """An 'FB' op is the stage's body forward and backward plus its head (PPLL's heads are much of
     its work): the pipeline's step is its slowest device, now with heads; modules grouped on a
@@ -306,7 +337,7 @@ def test_a_variant_is_predicted_with_its_own_keys(tmp_path, capsys):
     assert base["prediction"]["model"] == variant["prediction"]["model"] == "lockstep"  # the default
     out = capsys.readouterr().out
     assert "gpipe@microbatches=8: step" in out
-    assert sum("(lockstep model)" in line for line in out.splitlines() if ": step" in line) == 2
+    assert sum("(lockstep model, ops timed alone)" in line for line in out.splitlines() if ": step" in line) == 2
 
 
 def test_predict_for_config_says_its_model():

@@ -73,6 +73,7 @@ def test_tiny_ring_at_two_devices_carries_predictions(tiny):
     for name, r in record["records"].items():
         assert r["devices"] == 2
         assert r["prediction"]["model"] == "lockstep" and r["prediction"]["step_seconds"] > 0, name
+        assert r["prediction"]["calibrate"] == "together" and r["prediction_alone"]["calibrate"] == "alone", name
 
 
 @pytest.mark.parametrize("figure,methods,exact", [

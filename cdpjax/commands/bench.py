@@ -28,7 +28,7 @@ def add_parser(subparsers):
                     "time, XLA memory, the collectives in the compiled HLO, bytes sent, and the time tables' "
                     "figures; --predict models real devices.",
         epilog=EPILOG, usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... "
-                             "[--cpu-devices N] [--json OUT] [--repeats R] [--predict K [--bandwidth B] [--no-heads]] "
+                             "[--cpu-devices N] [--json OUT] [--repeats R] [--predict K [--bandwidth B] [--calibrate alone|together] [--no-heads]] "
                              "[--keep-mesh]")
     p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
                    help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "
@@ -43,6 +43,9 @@ def add_parser(subparsers):
     p.add_argument("--speedup-model", choices=("lockstep", "async"), default="lockstep",
                    help="--predict's model: lockstep ticks, as cdpjax's SPMD programs run (default), or async, each "
                         "op as soon as its inputs are there (MPMD host queues); see cdpjax.speedup")
+    p.add_argument("--calibrate", choices=("alone", "together"), default="alone",
+                   help="--predict's op times: each op on one device with the others idle (default), or on K devices "
+                        "at once, as a lockstep tick runs them (devices that share cores); see cdpjax.speedup")
     p.add_argument("--no-heads", action="store_true",
                    help="--predict without the auxiliary heads' time (local learning times them by default)")
     return p
@@ -108,7 +111,7 @@ def run(args, overrides=()) -> int:
         for r, spec in zip(records, specs):
             r["prediction"] = speedup.predict_for_config(bench.variant_config(base, spec), args.predict,
                                                          args.bandwidth, heads=not args.no_heads,
-                                                         model=args.speedup_model)
+                                                         model=args.speedup_model, calibrate=args.calibrate)
     print(bench.format_table(records))
     if args.predict:
         from cdpjax import speedup
