@@ -562,6 +562,6 @@ def format_predictions(records: list[dict]) -> str:
             lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices "
                          f"({p['model']} model, ops timed {p.get('calibrate', 'alone')}), speedup "
                          f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
-                         + (f"; measured {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
+                         + (f"; {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
                             if r.get("step_seconds") else ""))
     return "\n".join(lines)

@@ -311,6 +311,12 @@ def _verdict(bound: dict, tiny: bool) -> str:
     return "FAILS"
 
 
+def _timing_note(bound: dict, figure: "Figure") -> str:
+    if figure.devices > (os.cpu_count() or 1):
+        return ", timing on shared cores"
+    return ", timing on a quiet machine" if bound.get("quiet", True) else ", timing, machine not quiet"
+
+
 def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
     import jax
 
@@ -341,7 +347,7 @@ def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", *(f"- {_verdict(b, tiny)}: {b['bound']} "
-                    f"({b['value']:.3g}, bound {b['limit']:g}{', timing on shared cores' if b['timing'] else ''}"
+                    f"({b['value']:.3g}, bound {b['limit']:g}{_timing_note(b, figure) if b['timing'] else ''}"
                     f"{', on the full sizes' if b['sized'] else ''})"
                     for b in bounds)]
     markdown = "\n".join(lines) + "\n"

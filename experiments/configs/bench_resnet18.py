@@ -10,11 +10,11 @@ sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
 Expected (docs/measured.md): the cdp-v2 ring sends dp's bytes per worker per
 step (1.00x), no collective-permute larger than its largest stage (18.5 MiB),
 FLOPs 1.33x dp's (recomputed backwards; 1.00x with `residuals=carry`), arguments
-1.64x dp's, temporaries 1.7x dp's (lower bound 1.6x for this program on this
-bench), step about 2.1x dp's (paired forwards with kept residuals: 1.4x at 2
-devices); cdp-zero sends 1.29x dp's bytes; the table's activation peak in bytes
-is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25` shrinks it
-for quick runs.
+1.64x dp's and 1.17x dp's memory held per device (the state donated), step about
+2x dp's at 2 devices (paired forwards with kept residuals: 1.1x to 1.35x); cdp-zero
+sends 1.29x dp's bytes and holds 1.22x dp's memory; the table's activation peak in
+bytes is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25`
+shrinks it for quick runs.
 """
 from cdpjax.config import default_config, parse_arg
 
