@@ -313,8 +313,8 @@ def cdp_markdown(records: list[dict]) -> str:
         "comm: gradient bytes sent per tick from the time table (1.00 = flat; dp sends one all-reduce "
         "burst per step); sent: bytes the compiled step really sends per worker per step (each transfer "
         "as often as it runs); HLO: result bytes of the compiled step's collectives, each op counted once.",
-        "temp / args per device: temporaries and arguments of the compiled step on one device (XLA "
-        "memory analysis).",
+        "temp / args per device: temporaries and arguments of the compiled step on one device, the state "
+        "donated (XLA memory analysis).",
     ]
     return _markdown(CDP_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
@@ -373,7 +373,8 @@ def ppll_markdown(records: list[dict]) -> str:
         "the same work on one device (ppll: local learning; gpipe: end-to-end backprop), steady state.",
         "baselines: gpipe M=1 is plain model parallelism, the \"conventional pipeline\" PPLL's paper compares "
         "against; gpipe M=4 cuts each batch into 4 micro-batches (GPipe).",
-        "memory / device: temporaries + arguments of the compiled step on one device (XLA memory analysis); "
+        "memory / device: temporaries + arguments of the compiled step on one device, the state donated "
+        "(XLA memory analysis); "
         "x local's memory: over `local` on one device (PPLL's paper: about 0.9).",
         "variants in brackets (heads, recipes): local and ppll with that head or recipe; speed and memory "
         "against the local row of the same variant.",
