@@ -106,6 +106,7 @@ def test_tfds_loaders_take_the_crop_padding(tmp_path):
         REGISTRY["svhn_cropped"](data_dir=str(tmp_path), crop_padding=-1)
 
 
+@pytest.mark.heavy  # 600 steps twice; `man` heads' equality with local stays in CI (tests/test_local_ppll.py)
 def test_digits_ppll_with_momentum_heads(tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=ppll --config.aux_head=man` trains
     (600 steps, 4 stages on 4 simulated devices); its test accuracy is local's with the same heads
