@@ -287,20 +287,6 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     return {k: [float(x) for x in v] for k, v in out.items()}
 
 
-def time_steps(step_fn, state, batch, warmup: int = 2, repeats: int = 5):
-    """Median seconds of `step_fn(state, batch)` after warm-up (state threaded through)."""
-    for _ in range(warmup):
-        state, out = step_fn(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, out = step_fn(state, batch)
-        jax.block_until_ready((state, out))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), state
-
-
 def _prepare(config, devices=None) -> dict:
     """Builds and compiles `config.method`'s train step; everything but its timing."""
     from cdpjax import train
