@@ -447,13 +447,14 @@ CALIBRATIONS = ("alone", "together")
 
 
 def predict_for_config(config, devices: int, bandwidth: float, heads: bool = True, model: str = "lockstep",
-                       calibrate: str = "alone") -> dict:
+                       calibrate: str = "alone", repeats: int = 5) -> dict:
     """Measures stage costs of `config`'s model here and predicts `config.method` on `devices`
     under the speedup `model` ('lockstep', the SPMD runtimes; 'async', MPMD host queues).
 
     calibrate: 'alone' times each op on one device with the others idle (a prediction for devices
     that share nothing); 'together' on `devices` devices at once, as a lockstep tick runs them
-    (a prediction for these devices, simulated CPU devices sharing cores included).
+    (a prediction for these devices, simulated CPU devices sharing cores included). `repeats`:
+    timed runs per op (median).
 
     The backwards are timed as the config runs them (`config.residuals`: recomputing the forward,
     or from kept residuals). Local learning (a table of 'FB' ops) also times each stage's
@@ -485,7 +486,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
 
         aux = aux_heads.build(config.get("aux_head", "greedy"), net, ds.num_classes,
                               dict(config.get("aux_kwargs", {}) or {}))
-    costs = measure_stage_costs(net, mb, heads=aux, residuals=config.get("residuals", "recompute"),
+    costs = measure_stage_costs(net, mb, repeats, heads=aux, residuals=config.get("residuals", "recompute"),
                                 together=devices if calibrate == "together" else 1)
     if tbl.devices != devices and local and "module_groups" in LAYOUTS[method].table_sizes() \
             and not config.get("module_groups", None):

@@ -329,7 +329,9 @@ def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
     devices = [jax.devices()[:devices_needed(c) or figure.devices] for c in configs]
     # every method compiled first, then timed in interleaved rounds: load falls on all alike
     quiet = True if tiny else wait_until_quiet(figure.devices)
-    records = dict(zip(figure.methods, bench.bench_methods(configs, devices, repeats=repeats)))
+    # the tiny run checks what holds at any size: one warm-up step and one timed step are enough
+    warmup = 1 if tiny else 2
+    records = dict(zip(figure.methods, bench.bench_methods(configs, devices, warmup=warmup, repeats=repeats)))
     if figure.predict:
         from cdpjax import speedup
 
@@ -337,8 +339,9 @@ def run_figure(name: str, tiny: bool, out: str, repeats: int) -> dict:
             # The ops timed as the lockstep ticks run them, on every device at once (the prediction for
             # these devices), and alone (for devices that share nothing), beside each other.
             records[method]["prediction"] = speedup.predict_for_config(config, figure.devices, 100e9,
-                                                                       calibrate="together")
-            records[method]["prediction_alone"] = speedup.predict_for_config(config, figure.devices, 100e9)
+                                                                       calibrate="together", repeats=repeats)
+            records[method]["prediction_alone"] = speedup.predict_for_config(config, figure.devices, 100e9,
+                                                                             repeats=repeats)
     bounds = [dict(b.check(records), quiet=quiet) for b in figure.bounds]
     first = records[figure.methods[0]]
     head = ["", *figure.methods]
@@ -364,7 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", action="append", choices=sorted(FIGURES), help="only this figure (repeatable)")
     p.add_argument("--tiny", action="store_true", help="tiny models: every exact bound, timing bounds reported only")
     p.add_argument("--out", default=os.path.join("out", "readme"), help="where the JSON and markdown go")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps per method (default 5, tiny 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps per method and per op of a prediction (default 5, tiny 1)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulated CPU devices where no accelerator is present (default: as many as the figures use; "
                         "more idle simulated devices slow the timed ones)")
@@ -373,7 +377,7 @@ def main(argv=None) -> int:
 
     names = args.only or list(FIGURES)
     setup_devices(args.cpu_devices or max(FIGURES[n].devices for n in names))
-    repeats = args.repeats or (2 if args.tiny else 5)
+    repeats = args.repeats or (1 if args.tiny else 5)
     failed = []
     for name in names:
         result = run_figure(name, args.tiny, args.out, repeats)

@@ -68,7 +68,8 @@ def train(m, steps=STEPS, state=None, start=0):
 
 def play(rule, N, L, ticks="whole", calls=5, program=None):
     """Plays cdp-zero's period on version numbers and sets of gradient contributions as the SPMD
-    tick does (refreshes, ops, sends all read before any lands, updates); each op must read the
+    tick does (refreshes, ops, sends all read before any lands, updates; a gradient row outside
+    the train state, `kept_grad_rows`, lost at every call's end); each op must read the
     version CDP's timing names (`helpers.cdp_rule`, not the table code), each update must sum
     every worker's gradient of its step, and every update must be applied in the end."""
     z = program or zero_ticks(rule, N, L, ticks)
@@ -80,6 +81,11 @@ def play(rule, N, L, ticks="whole", calls=5, program=None):
     for call in range(calls + z.max_lag):
         def valid(lag):
             return 0 <= call - lag < calls
+
+        for w in range(N):  # a row outside the train state starts each call empty: what it held is gone
+            for g in range(z.grad_rows):
+                if g not in z.kept_grad_rows:
+                    grad[w][g] = frozenset({("lost", call)})
 
         for tk in z.ticks:
             for j, owner, w, k, row, r in tk.refreshes:
@@ -129,8 +135,9 @@ def test_plan_feeds_every_op_its_version_and_every_owner_every_gradient(rule):
 
 
 def test_play_can_fail():
-    """A refresh of the wrong row, a gradient op writing the wrong row, or a send that lands in the
-    wrong row is caught by the same player."""
+    """A refresh of the wrong row, a gradient op writing the wrong row, a send that lands in the
+    wrong row, or a gradient row left out of the train state while a sum spans the call's end in
+    it is caught by the same player."""
     import dataclasses
 
     good = zero_ticks("cdp-v2", 4, 4)
@@ -143,6 +150,11 @@ def test_play_can_fail():
         program = dataclasses.replace(good, ticks=good.ticks[:t] + (bad,) + good.ticks[t + 1:])
         with pytest.raises(AssertionError):
             play("cdp-v2", 4, 4, program=program)
+    # a row some sum spans the period's end in, taken out of the train state: that sum is lost
+    for g in good.kept_grad_rows:
+        short = dataclasses.replace(good, kept_grad_rows=tuple(r for r in good.kept_grad_rows if r != g))
+        with pytest.raises(AssertionError):
+            play("cdp-v2", 4, 4, program=short)
 
 
 # ------------------------------------------------------------------ equal to the ring

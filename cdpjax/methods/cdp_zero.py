@@ -31,7 +31,8 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
 Per worker and step the messages carry about 2(N-1)/N of the model in parameters and
 (N-1)/N in gradients (ZeRO-3's all-gathers and reduce-scatter), spread over the ticks.
 Per worker it stores K (x versions) parameter rows, K optimizer-state rows, one relay row
-and a few gradient rows, each as large as the largest stage: a fraction 1/N of the ring's
+and the gradient rows a partial sum spans the end of a call in (the others are temporaries
+of the call, `cdpjax.program.zero.temporary_grad_rows`), each as large as the largest stage: a fraction 1/N of the ring's
 parameters where stages are balanced by parameters, and more where one stage dominates
 (`Method.padding`, `cdpjax bench`).
 
@@ -54,7 +55,7 @@ from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program
-from cdpjax.program.zero import ZeroTicks, lower_zero
+from cdpjax.program.zero import ZeroTicks, lower_zero, temporary_grad_rows
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = ring.AXIS
@@ -247,7 +248,10 @@ def _land(b: ring.Buffers, pred, name, message):
 def _named(state, z: ZeroTicks, carry: bool) -> dict:
     named = {("master", k, r): state["master"][k][r] for k in range(z.owned) for r in range(z.versions)}
     named.update({("opt", k): state["opt_state"][k] for k in range(z.owned)})
-    named.update({("grad", g): state["grad"][g] for g in range(z.grad_rows)})
+    named.update({("grad", g): state["grad"][i] for i, g in enumerate(z.kept_grad_rows)})
+    width = state["relay"][0].shape[-1]
+    # a row no sum spans the period's end in starts every call empty (a temporary, not state)
+    named.update({("grad", g): varying(jnp.zeros((width,), jnp.float32), AXIS) for g in temporary_grad_rows(z)})
     named.update({("relay", r): state["relay"][r] for r in range(z.relay_rows)})  # a visit may run into the next call
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
@@ -259,7 +263,7 @@ def _named(state, z: ZeroTicks, carry: bool) -> dict:
 def _unnamed(b, state, z: ZeroTicks, carry: bool) -> dict:
     new = {"master": [[b[("master", k, r)] for r in range(z.versions)] for k in range(z.owned)],
            "opt_state": [b[("opt", k)] for k in range(z.owned)],
-           "grad": [b[("grad", g)] for g in range(z.grad_rows)], "labels": b[("labels",)],
+           "grad": [b[("grad", g)] for g in z.kept_grad_rows], "labels": b[("labels",)],
            "relay": [b[("relay", r)] for r in range(z.relay_rows)]}
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
@@ -293,7 +297,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         state = {
             "master": [[m] * z.versions for m in mine],  # [N, width] each: current (, previous)
             "opt_state": [jax.vmap(tx.init)(m) for m in mine],
-            "grad": [jnp.zeros((N, layout.width), jnp.float32) for _ in range(z.grad_rows)],
+            "grad": [jnp.zeros((N, layout.width), jnp.float32) for _ in z.kept_grad_rows],
             "relay": [jnp.zeros((N, layout.width), jnp.float32) for _ in range(z.relay_rows)],
             "fed": jnp.zeros((N, max(z.max_lag, 1)), bool),
             **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash),

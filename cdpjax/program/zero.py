@@ -19,9 +19,10 @@ differs from the ring is where the parameters live, so its program names rows:
   partial sum it received, or starts one, in a gradient row), the partial sums sent
   at the end of the tick, the owners' updates at the end of their update ticks.
 
-Rows of gradient sums that span the period's end stay in the train state; a
-gradient row's index is the same for the same event in every period (circular
-interval colouring over the period).
+Rows of gradient sums that span the period's end stay in the train state
+(`kept_grad_rows`); the others are temporaries of the call, live from the first tick
+that uses them to the last (`temporary_grad_rows`). A gradient row's index is the same
+for the same event in every period (circular interval colouring over the period).
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class ZeroTicks:
     owned: int  # K: the most stages one worker owns
     versions: int  # V: rows per owned stage
     grad_rows: int  # G
+    kept_grad_rows: tuple[int, ...]  # the gradient rows some sum spans the period's end in: train state
     relay_rows: int  # R: the most stages a worker visits at once (2 with paired forwards)
     max_lag: int
 
@@ -128,6 +130,16 @@ class _PeriodRows:
     def _colour(self, arcs) -> dict:
         return {w: _circular_slots({k: x for k, x in a.items() if self.lo <= x[0] < self.lo + self.T}, self.T)
                 for w, a in arcs.items()}
+
+    def spanning(self, rows, arcs) -> tuple[int, ...]:
+        """The rows an arc runs past the period's end in (for some worker): they hold a value from
+        one call to the next; the others are empty at the end of every call. A received sum's arc
+        starts the tick after its message lands: one landing at the end of the period's last tick
+        spans it too."""
+        lo, hi = self.lo, self.lo + self.T
+        return tuple(sorted({rows[w][0][key] for w in rows for key, (start, end) in arcs[w].items()
+                             if key in rows[w][0] and lo <= start < hi
+                             and (end >= hi or start - (key[0] == "in") < lo)}))
 
     def count(self, rows) -> int:
         return max((n for _, n in rows.values()), default=1)
@@ -198,7 +210,19 @@ def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> Ze
                          tuple(e["sends"]), tuple(e["applies"])) for e in events)
     lags = [op.lag for tk in out for op in tk.ops] + [a[2] for tk in out for a in tk.applies]
     return ZeroTicks(rule, workers, stages, out, owners, local, max(local) + 1, plan.versions,
-                     rows.count(rows.grad_rows), rows.count(rows.relay_rows), max(lags))
+                     rows.count(rows.grad_rows), rows.spanning(rows.grad_rows, rows.grad_arcs),
+                     rows.count(rows.relay_rows), max(lags))
+
+
+def temporary_grad_rows(z: ZeroTicks) -> tuple[int, ...]:
+    """The gradient rows that are not train state: empty at every call's start and end."""
+    return tuple(g for g in range(z.grad_rows) if g not in z.kept_grad_rows)
+
+
+def _grad_rows_used(tk: ZeroTick) -> set[int]:
+    rows = {r for op in tk.ops for r in (op.grad_in, op.grad_out) if r >= 0}
+    rows |= {r for _, _, _, src, dst in tk.sends for r in (src, dst)}
+    return rows | {r for *_, summed in tk.applies for r in summed}
 
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
@@ -212,11 +236,14 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
     buffers = [Buffer("master", "parameters", Size("param", every, True, z.owned), True),
                Buffer("opt", "optimizer_state", Size("param", every, True, z.owned), True),
                Buffer("relay", "relayed_parameters", Size("param", every, True, z.relay_rows), True),
-               Buffer("grad", "gradients", Size("param", every, True, z.grad_rows), True),
+               Buffer("grad", "gradients", Size("param", every, True, len(z.kept_grad_rows)), True),
                Buffer("model_state", "model_state", Size.stages("model_state", stages), True),
                Buffer("acts", "activations", Size.stages("input", stages), True),
                Buffer("cots", "cotangents", Size.stages("input", range(1, L)), True),
                Buffer("labels", "labels", Size.stage("label", 0), True)]
+    for g in temporary_grad_rows(z):  # a row no sum spans the period's end in: live from its first use to its last
+        used = [t for t, tk in enumerate(z.ticks) if g in _grad_rows_used(tk)]
+        buffers.append(Buffer(f"grad{g}", "gradients", Size("param", every, True, 1), False, (used[0], used[-1])))
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", Size("param", every, True, z.owned), True))
     if residuals == "carry":
@@ -234,4 +261,4 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                    z.versions, True, placement, tuple(buffers), tuple(sends), z)
 
 
-__all__ = ["ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "zero_ticks"]
+__all__ = ["ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "temporary_grad_rows", "zero_ticks"]
