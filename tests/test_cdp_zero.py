@@ -246,8 +246,10 @@ def test_no_row_sized_copy_per_op_survives_compilation():
     a stage's row unpacked into its leaves outside the op's conditional, its gradient packed outside
     it, and every message padded to a row before landing were row-sized copies that XLA kept alive
     across the conditionals: XLA's temporaries were 3.2x what the program declares within a step on
-    this ResNet-18 (quarter width, N = L = 4), and are 2.2x with the rows unpacked, packed and landed
-    inside the branches. Bound: 2.7x, between the two."""
+    this ResNet-18 (quarter width, N = L = 4), and 2.37x with the rows unpacked, packed and landed
+    inside the branches (the gradient rows no sum spans a call's end in declared as temporaries).
+    XLA then still sent the refreshes of the first ticks at the first tick and held the messages;
+    with each refresh tied to the previous tick (`ring.zero_of`) they are 2.17x. Bound: 2.3x."""
     import pathlib
 
     from cdpjax.config import load_file
@@ -260,7 +262,7 @@ def test_no_row_sized_copy_per_op_survives_compilation():
     declared = bench.memory_model(method, c, method.table, bench.stage_sizes(method.net, micro), 4,
                                   bench.program_sizes(method, micro, run["task"]))["temporaries"]["total"]
     temp = bench.memory(run["compiled"])["temp_bytes"]
-    assert temp <= 2.7 * declared, (temp / 2**20, declared / 2**20)
+    assert temp <= 2.3 * declared, (temp / 2**20, declared / 2**20)
 
 
 # ------------------------------------------------------------------ table, schedule, errors

@@ -106,12 +106,19 @@ class ZeroPeriod:
             for k in range(z.owned):
                 b[("master", k, 1)] = jnp.where(state["fed"][0], b[("master", k, 1)], b[("master", k, 0)])
         valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, z.max_lag + 1)]
+        b[("after",)] = varying(jnp.zeros((), jnp.float32), AXIS)
         for tk in z.ticks:
+            before = dict(b.values)
             self.refresh(b, tk, me)
             for op in tk.ops:
                 self.op(b, op, (me == op.worker), valid[op.lag], images, new_labels)
             self.send(b, tk, me)
             self.apply(b, tk, me, valid)
+            # The next tick's refreshes wait for this tick: an owner's row that no tick before has
+            # changed is the same value from the call's start, and XLA would send every such
+            # refresh at the first tick and hold the messages (measured: three row-sized ones).
+            written = [v for name, v in b.values.items() if v is not before.get(name) and name != ("after",)]
+            b[("after",)] = sum((ring.zero_of(v) for v in written), b[("after",)])
             b.barrier()
         new = _unnamed(b, state, z, self.carry)
         new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
@@ -121,7 +128,7 @@ class ZeroPeriod:
         """Each visit's stage from its owner's row, at the stage's size, into the visitor's relay."""
         for j, owner, worker, k, row, r in tk.refreshes:
             size = self.layout.sizes[j]
-            arrived = lax.ppermute(b[("master", k, row)][:size], AXIS, [(owner, worker)])
+            arrived = lax.ppermute(b[("master", k, row)][:size] + b[("after",)], AXIS, [(owner, worker)])
             _land(b, me == worker, ("relay", r), arrived)
 
     def op(self, b, op, mine, valid, images, new_labels):

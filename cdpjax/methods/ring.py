@@ -242,10 +242,19 @@ class Buffers:
     def note(self, names, out):
         if not names:
             return
-        x = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
-        zero = jnp.where(jnp.isfinite(x), x, 0.0) * 0.0
+        zero = zero_of(out)
         for name in names:
             self.readers.setdefault(name, []).append(zero)
+
+
+def zero_of(value):
+    """A float32 zero computed from `value`'s first element (`where(isfinite(x), x, 0) * 0`, which no
+    simplifier folds and no NaN gets through): a data dependency on `value` that costs one element."""
+    leaves = [leaf for leaf in jax.tree.leaves(value) if leaf.size]
+    if not leaves:  # nothing computed to wait for
+        return jnp.zeros((), jnp.float32)
+    x = leaves[0].reshape(-1)[0].astype(jnp.float32)
+    return jnp.where(jnp.isfinite(x), x, 0.0) * 0.0
 
 
 def _pick(bufs: Buffers, pred, name, new):
