@@ -22,7 +22,7 @@ train: $(VENV)/.installed
 	$(BIN)/cdpjax train $(ARGS)
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 test-heavy: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m heavy $(ARGS)

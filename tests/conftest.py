@@ -29,21 +29,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# The files that take most of the suite's time, slowest first (`pytest --durations=0`, 2026-12-02).
-# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes whole files in
-# this order, so the long ones start first and the run does not end on one worker finishing a
-# long file alone (xdist's own order, by number of tests, put the few-test, long-setup files last).
-SLOW_FIRST = ("test_reliability.py", "test_faults.py", "test_readme_figures.py", "test_language_model.py",
-              "test_cdp_zero.py", "test_gpipe.py", "test_cdp_mp.py", "test_local_ppll.py", "test_cdp.py",
-              "test_foundation.py", "test_reproduce.py", "test_own_model.py", "test_pipeline_runtime.py",
-              "test_gpu_figures.py", "test_heads.py", "test_notebooks.py", "test_own_head.py", "test_multihost.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: a file's order kept
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _remove_compilation_cache():
     yield

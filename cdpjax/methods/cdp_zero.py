@@ -32,9 +32,9 @@ Per worker and step the messages carry about 2(N-1)/N of the model in parameters
 (N-1)/N in gradients (ZeRO-3's all-gathers and reduce-scatter), spread over the ticks.
 Per worker it stores K (x versions) parameter rows, K optimizer-state rows, one relay row
 and the gradient rows a partial sum spans the end of a call in (the others are temporaries
-of the call, `cdpjax.program.zero.temporary_grad_rows`), each as large as the largest stage: a fraction 1/N of the ring's
-parameters where stages are balanced by parameters, and more where one stage dominates
-(`Method.padding`, `cdpjax bench`).
+of the call, `cdpjax.program.zero.temporary_grad_rows`), each as large as the largest
+stage: a fraction 1/N of the ring's parameters where stages are balanced by parameters,
+and more where one stage dominates (`Method.padding`, `cdpjax bench`).
 
 BatchNorm running statistics (small) stay per worker for every stage, as in `ring`. After
 a flush the next fed call restarts the cycle from the flushed parameters, as the ring
