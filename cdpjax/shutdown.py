@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Callable
 
 from cdpjax.errors import storage_problem
@@ -219,9 +220,11 @@ def quiet_closed_loops() -> Callable[[], None]:
 def quiet_from_now() -> None:
     """After the process's last word (a failure said in one line): the errors its libraries log
     while it unwinds (asyncio's unretrieved futures of a failed save, orbax's threads) are not
-    printed. Undone by `install`'s undo."""
+    printed, nor Python's warning, at exit, for a coroutine of that save never awaited. Undone by
+    `install`'s undo."""
     for name in ("asyncio", "absl"):
         logging.getLogger(name).disabled = True
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def install() -> Callable[[], None]:
@@ -236,11 +239,15 @@ def install() -> Callable[[], None]:
     watcher = _Watcher.current
     hooks = quiet_closed_loops()
 
+    kept_filters = warnings.catch_warnings()  # quiet_from_now's filter is undone with the rest
+    kept_filters.__enter__()
+
     def uninstall() -> None:
         watcher.close()
         hooks()
         for name in ("asyncio", "absl"):
             logging.getLogger(name).disabled = False
+        kept_filters.__exit__(None, None, None)
         _cleanups.clear()
         _state.update(message=None, forward=None, received=None)
 
