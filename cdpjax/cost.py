@@ -35,8 +35,8 @@ def _priced(fn, *args) -> dict[str, float]:
 
 def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict[str, float]]:
     """(kind, stage) -> XLA's cost of one op of that kind on one micro-batch of `micro` examples,
-    as the program's runtime computes it (recomputed or from kept residuals), and ('update', j)
-    of stage j's optimizer update."""
+    as the program's runtime computes it (recomputed or from kept residuals), ('update', j)
+    of stage j's optimizer update and, for cdp-zero, ('update-piece', j) of one worker's 1/N of it."""
     from cdpjax.methods.local import stage_grads
     from cdpjax.methods.stage_ops import StageOps
 
@@ -75,10 +75,16 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
                 def local(p, h, s, g, x):
                     return stage_grads(net, heads, j, p, h, s, g, x, labels, image)[:3]
                 out[(kind, j)] = _priced(local, p, head_params[j], s, head_state[j], x)
-        out[("update", j)] = _priced(lambda p, o, g: jax.tree.map(jnp.add, p, tx.update(g, o, p)[0]), p,
-                                     tx.init(p), p)
+        out[("update", j)] = _priced(_update(tx), p, tx.init(p), p)
+        if program.method == "cdp-zero":  # every worker updates its 1/N piece of the stage, flattened
+            piece = jnp.zeros((-(-sum(x.size for x in jax.tree.leaves(p)) // program.devices),), jnp.float32)
+            out[("update-piece", j)] = _priced(_update(tx), piece, tx.init(piece), piece)
         x = y
     return out
+
+
+def _update(tx):
+    return lambda p, o, g: jax.tree.map(jnp.add, p, tx.update(g, o, p)[0])
 
 
 def _backward(ops, j, want, p, s, x, labels, cot, kept):
@@ -114,9 +120,9 @@ def program_ops(program) -> list[list[tuple[str, int]]]:
             else:  # the ring's (worker, kind, stage, lag)
                 per[op[0]].append((op[1], op[2]))
         for a in tk.applies:
-            # cdp-zero: (stage, owner, ...), the owner alone; the ring: (stage, lag, workers, ...), each its copy
-            for w in ((a[1],) if zero else a[2]):
-                per[w].append(("update", a[0]))
+            # cdp-zero: (stage, lag), every worker its piece; the ring: (stage, lag, workers, ...), each its copy
+            for w in (range(program.devices) if zero else a[2]):
+                per[w].append(("update-piece" if zero else "update", a[0]))
     return per
 
 

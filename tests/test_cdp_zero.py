@@ -1,8 +1,8 @@
-"""cdp-zero: the plan feeds every op the version CDP's timing names and gives every owner every
-worker's gradient (played on version numbers and sets of contributions, for many sizes, rules and
-both backwards); the SPMD run ends with the ring's parameters; its compiled step sends only
-point-to-point messages of a stage's real size, the bytes its program declares, ZeRO-3's share
-of the model; each worker stores only the rows of the stages it owns."""
+"""cdp-zero: the plan feeds every op the version CDP's timing names and gives every worker's
+running sum of its pieces every worker's gradient of the step (played on version numbers and
+multisets of contributions, for many sizes, rules and tick kinds); the SPMD run ends with the
+ring's parameters; its compiled step sends only point-to-point messages of one stage's piece,
+the bytes its program declares, ZeRO-3's share of the model; each worker stores 1/N of it."""
 import functools
 import json
 
@@ -13,7 +13,7 @@ import pytest
 from cdpjax import bench, data, methods
 from cdpjax.commands import schedule
 from cdpjax.config import ConfigError, default_config
-from cdpjax.layouts.cdp_zero import cdp_zero_table, owners_of
+from cdpjax.layouts.cdp_zero import cdp_zero_table
 from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
@@ -67,54 +67,45 @@ def train(m, steps=STEPS, state=None, start=0):
 
 
 def play(rule, N, L, ticks="whole", calls=5, program=None):
-    """Plays cdp-zero's period on version numbers and sets of gradient contributions as the SPMD
-    tick does (refreshes, ops, sends all read before any lands, updates; a gradient row outside
-    the train state, `kept_grad_rows`, lost at every call's end); each op must read the
-    version CDP's timing names (`helpers.cdp_rule`, not the table code), each update must sum
-    every worker's gradient of its step, and every update must be applied in the end."""
+    """Plays cdp-zero's period on version numbers and multisets of gradient contributions as the
+    SPMD tick does (gathers, ops, the pieces of each gradient op landing at the tick's end,
+    updates; the relay rows and the running sums kept from call to call): each op must read, in
+    every worker's piece, the version CDP's timing names (`helpers.cdp_rule`, not the table code);
+    each update must find in every worker's sum each worker's gradient of its step exactly once;
+    every update must be applied in the end."""
     z = program or zero_ticks(rule, N, L, ticks)
     want = {(w, j, k, kind): v for _, w, j, kind, k, v, _, _ in cdp_rule(rule, N, L, calls + 3, ticks)[0]}
-    master = {w: [[0] * z.versions for _ in range(z.owned)] for w in range(N)}
+    master = {u: [[0] * z.versions for _ in range(L)] for u in range(N)}  # worker u's piece of stage j, per row
     relay = {w: [None] * z.relay_rows for w in range(N)}
-    grad = {w: [frozenset()] * z.grad_rows for w in range(N)}
+    sums = {u: [[] for _ in range(L)] for u in range(N)}
     checked = 0
     for call in range(calls + z.max_lag):
         def valid(lag):
             return 0 <= call - lag < calls
 
-        for w in range(N):  # a row outside the train state starts each call empty: what it held is gone
-            for g in range(z.grad_rows):
-                if g not in z.kept_grad_rows:
-                    grad[w][g] = frozenset({("lost", call)})
-
         for tk in z.ticks:
-            for j, owner, w, k, row, r in tk.refreshes:
-                relay[w][r] = (j, master[owner][k][row])
+            for j, w, row, r in tk.gathers:
+                relay[w][r] = (j, tuple(master[u][j][row] for u in range(N)))
+            landed = []
             for op in tk.ops:
                 step = call - op.lag
-                if valid(op.lag):
-                    v = want[(op.worker, op.stage, step, op.kind)]
-                    if op.params[0] == "relay":
-                        assert relay[op.worker][op.params[1]] == (op.stage, v), (call, op, relay[op.worker], v)
-                    else:
-                        _, k, row = op.params
-                        assert z.owners[op.stage] == op.worker and master[op.worker][k][row] == v, (call, op)
-                    checked += 1
-                if op.grad_out >= 0:
-                    mine = frozenset({(op.worker, step)}) if valid(op.lag) else frozenset()
-                    before = grad[op.worker][op.grad_in] if op.grad_in >= 0 else frozenset()
-                    grad[op.worker][op.grad_out] = before | mine
-            landed = [(dst, dr, grad[src][sr]) for _, src, dst, sr, dr in tk.sends]
-            for dst, dr, value in landed:
-                grad[dst][dr] = value
-            for j, owner, lag, k, rows in tk.applies:
-                if valid(lag):
-                    total = frozenset().union(*(grad[owner][r] for r in rows))
-                    assert total == {(i, call - lag) for i in range(N)}, (rule, N, L, call, j, total)
-                    m = master[owner][k]
-                    m[:] = [m[0] + 1] + m[:-1]
-    for j in range(L):
-        assert master[z.owners[j]][z.local[j]][0] == calls  # every update applied once
+                if not valid(op.lag):
+                    continue
+                v = want[(op.worker, op.stage, step, op.kind)]
+                assert relay[op.worker][op.relay] == (op.stage, (v,) * N), (call, op, relay[op.worker], v)
+                checked += 1
+                if op.gradient:
+                    landed += [(u, op.stage, (op.worker, step)) for u in range(N)]
+            for u, j, contribution in landed:
+                sums[u][j].append(contribution)
+            for j, lag in tk.applies:
+                for u in range(N):
+                    if valid(lag):
+                        assert sorted(sums[u][j]) == [(i, call - lag) for i in range(N)], (rule, N, L, call, j, u)
+                        m = master[u][j]
+                        m[:] = [m[0] + 1] + m[:-1]
+                    sums[u][j] = []
+    assert all(master[u][j][0] == calls for u in range(N) for j in range(L))  # every update applied once
     return checked
 
 
@@ -124,37 +115,31 @@ SIZES += [(n, l, "paired") for l in range(1, 6) for n in range(1, -(-l // 2) + l
 
 
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
-def test_plan_feeds_every_op_its_version_and_every_owner_every_gradient(rule):
+def test_plan_feeds_every_op_its_version_and_every_sum_every_gradient(rule):
     for N, L, ticks in SIZES:
         assert play(rule, N, L, ticks) > 0
         z = zero_ticks(rule, N, L, ticks)
-        counts = np.bincount(np.asarray(z.owners), minlength=N)
-        assert counts.max() == z.owned == -(-L // N), (N, L, z.owners)  # at most ceil(L/N) stages each
-        # the rule: the last stages on the last workers, the last stage on the last worker
-        assert z.owners == tuple((N - L + j) % N for j in range(L)) == owners_of(N, L)
+        # a visit holds one relay row; only paired forwards visit two stages at once
+        assert z.relay_rows == 1 or (ticks == "paired" and z.relay_rows == 2), (N, L, ticks, z.relay_rows)
 
 
 def test_play_can_fail():
-    """A refresh of the wrong row, a gradient op writing the wrong row, a send that lands in the
-    wrong row, or a gradient row left out of the train state while a sum spans the call's end in
-    it is caught by the same player."""
+    """A gather of the wrong version row, a gradient op not scattered, or an update a tick early
+    is caught by the same player."""
     import dataclasses
 
     good = zero_ticks("cdp-v2", 4, 4)
-    t = next(i for i, tk in enumerate(good.ticks) if tk.refreshes and tk.sends)
-    tk = good.ticks[t]
-    bad_refresh = dataclasses.replace(tk, refreshes=tuple((j, o, w, k, 1 - row, r) for j, o, w, k, row, r in tk.refreshes))
-    bad_send = dataclasses.replace(tk, sends=tuple((j, s, d, sr, (dr + 1) % good.grad_rows)
-                                                   for j, s, d, sr, dr in tk.sends))
-    for bad in (bad_refresh, bad_send):
-        program = dataclasses.replace(good, ticks=good.ticks[:t] + (bad,) + good.ticks[t + 1:])
+    assert good.versions == 2
+    bad_gathers = tuple(dataclasses.replace(tk, gathers=tuple((j, w, 1 - row, r) for j, w, row, r in tk.gathers))
+                        for tk in good.ticks)
+    t = next(i for i, tk in enumerate(good.ticks) if any(op.gradient for op in tk.ops))
+    unscattered = dataclasses.replace(good.ticks[t], ops=tuple(dataclasses.replace(op, gradient=False)
+                                                               for op in good.ticks[t].ops))
+    early = tuple(dataclasses.replace(tk, applies=good.ticks[(i + 1) % len(good.ticks)].applies)
+                  for i, tk in enumerate(good.ticks))
+    for ticks in (bad_gathers, good.ticks[:t] + (unscattered,) + good.ticks[t + 1:], early):
         with pytest.raises(AssertionError):
-            play("cdp-v2", 4, 4, program=program)
-    # a row some sum spans the period's end in, taken out of the train state: that sum is lost
-    for g in good.kept_grad_rows:
-        short = dataclasses.replace(good, kept_grad_rows=tuple(r for r in good.kept_grad_rows if r != g))
-        with pytest.raises(AssertionError):
-            play("cdp-v2", 4, 4, program=short)
+            play("cdp-v2", 4, 4, program=dataclasses.replace(good, ticks=ticks))
 
 
 # ------------------------------------------------------------------ equal to the ring
@@ -168,7 +153,7 @@ def test_equals_ring(rule, workers, ticks, residuals):
     stages = 4
     zero = build("zero", rule, workers, stages, ticks, residuals)
     ring = build("ring", rule, workers, stages, ticks, residuals)
-    assert zero.report["owners"] == [(workers - stages + j) % workers for j in range(stages)]
+    assert zero.report["shards"] == workers
     state = train(zero)
     unflushed = params(zero, state)
     state = zero.flush(state)
@@ -196,48 +181,51 @@ def permute_sizes(hlo: str) -> dict:
 
 
 @pytest.mark.parametrize("rule", ["cdp-v2", "cdp-v1"])
-def test_messages_are_stage_sized_and_zero3_share(rule):
+def test_messages_are_pieces_and_zero3_share(rule):
     """The compiled step sends no all-gather, reduce-scatter or model-sized all-reduce; every
-    collective-permute carries exactly one stage (never a padded row); the bytes it really sends
-    are what the program declares: per worker and step 2(N-1)/N of the model in parameters (each
-    visit that is not the owner's, counted by rule below) and (N-1)/N in gradient sums."""
-    zero = build("zero", rule, 4)
+    collective-permute carries exactly one worker's piece of one stage, ceil(size / N) elements
+    (never a padded row); the bytes it really sends are what the program declares, counted by
+    rule below: per worker and step 2(N-1)/N of the model in parameters and (N-1)/N in gradients."""
+    N = 4
+    zero = build("zero", rule, N)
     state = zero.init(jax.random.key(0))
     hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
     sizes = permute_sizes(hlo)
     stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
+    piece = [-(-s // N) for s in stage]
     model = sum(stage)
     assert not sizes.get("all-gather") and not sizes.get("reduce-scatter") and not sizes.get("all-to-all")
     assert max(sizes["all-reduce"]) < 0.01 * model  # the metric scalars
-    assert set(sizes["collective-permute"]) <= set(stage)  # one stage each, at its own size
-    sent = bench.traffic(hlo, 4)["by_kind"]["collective-permute"] / 4  # per worker
-    assert zero.program.sent_bytes({"param": [4 * s for s in stage]}).mean() == pytest.approx(sent, rel=1e-6)
+    assert set(sizes["collective-permute"]) <= set(piece)  # one piece each, at its own size
+    sent = bench.traffic(hlo, N)["by_kind"]["collective-permute"] / 4  # elements per worker
+    assert zero.program.sent_bytes({"param": [4 * s for s in stage]}).mean() == pytest.approx(4 * sent, rel=1e-3)
     # By rule, N = L = 4, whole backwards: worker i visits stage j twice a step (its F, its B), the
-    # last stage once (F and B back to back); the owner's visits read its own rows. Each other visit
-    # is one message of the stage: 2 (N - 1) of stages 0..2 and N - 1 of stage 3; each stage's sum
-    # hops N - 1 times.
-    params_sent = sum(2 * 3 * s for s in stage[:3]) + 3 * stage[3]  # elements, over all workers
-    sums_sent = 3 * model
-    assert 4 * sent == pytest.approx(4 * (params_sent + sums_sent), rel=1e-6)  # bytes over the 4 workers, float32
+    # last stage once (F and B back to back), and each visit gathers the N - 1 other pieces; each of
+    # its N gradient ops sends its N - 1 other pieces.
+    params_sent = N * (N - 1) * (2 * sum(piece[:3]) + piece[3])  # elements, over all workers
+    sums_sent = N * (N - 1) * sum(piece)
+    assert N * sent == pytest.approx(params_sent + sums_sent, rel=1e-6)
     # ZeRO-3's share: at most 2(N-1)/N of the model in parameters and (N-1)/N in gradients per worker
-    assert sent <= 4 * (2 * 3 / 4 + 3 / 4) * model
+    assert sent <= (2 * 3 / 4 + 3 / 4) * model + 3 * N * len(stage)
 
 
-def test_each_worker_stores_only_its_stages():
-    """Persistent parameter and optimizer storage per device: K owned stage rows x (stored versions
-    + momentum), each row the largest stage (one shape on every device), against the ring's whole
-    model in its own shapes (one version + momentum)."""
-    zero, ring = build("zero", "cdp-v2", 4), build("ring", "cdp-v2", 4)
+def test_each_worker_stores_a_quarter_of_the_model():
+    """Persistent parameter, optimizer and gradient-sum storage per device: 1/N of every stage
+    (per stored version, momentum, the running sum), plus one relay row as long as the largest
+    stage; against the ring's whole model (one version + momentum)."""
+    N = 4
+    zero, ring = build("zero", "cdp-v2", N), build("ring", "cdp-v2", N)
     state, ring_state = zero.init(jax.random.key(0)), ring.init(jax.random.key(0))
     stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
+    piece = sum(-(-s // N) for s in stage)
 
     def per_device(tree):
-        return sum(x.nbytes for x in jax.tree.leaves(tree)) / 4  # the leading axis is the 4 workers
+        return sum(x.nbytes for x in jax.tree.leaves(tree)) / N  # the leading axis is the workers
 
-    z = zero.program.ticks
-    assert (z.owned, z.versions) == (1, 2)  # one stage each; stale reads after an update read the previous
-    rows = per_device([state["master"], state["opt_state"]])
-    assert abs(rows - (2 + 1) * max(stage) * 4) < 64  # + the optimizer's step count
+    assert zero.program.ticks.versions == 2  # stale reads after an update read the previous version
+    rows = per_device([state["master"], state["opt_state"], state["sums"]])
+    assert abs(rows - (2 + 1 + 1) * piece * 4) < 64  # + the optimizer's step counts
+    assert per_device(state["relay"]) == 4 * N * -(-max(stage) // N)
     assert abs(per_device([ring_state["params"], ring_state["opt_state"]]) - 2 * sum(stage) * 4) < 64
 
 
@@ -269,9 +257,9 @@ def test_no_row_sized_copy_per_op_survives_compilation():
 
 
 def test_table_and_schedule(capsys):
-    """The table: CDP's ops as the paper states them, with the plan's messages: one 'param' from
-    the owner before each visit that is not the owner's, N - 1 'partial' hops a stage ending at its
-    owner; `cdpjax schedule --method cdp-zero` prints them."""
+    """The table: CDP's ops as the paper states them, with the plan's messages: a 'param' piece
+    from each other worker before each visit, a 'partial' piece from each gradient op to each other
+    worker; `cdpjax schedule --method cdp-zero` prints them."""
     t = cdp_zero_table(4, 4, steps=3)
     ops, updates, stale = cdp_rule("cdp-v2", 4, 4, 3)
     assert t.method == "cdp-zero"
@@ -279,19 +267,21 @@ def test_table_and_schedule(capsys):
     assert updates == {(u.tick, u.stage, u.step) for u in t.updates}
     np.testing.assert_array_equal(t.stale, stale)
     step1 = [m for m in t.messages if m.step == 1]
-    owners = t.meta["owners"]
-    assert owners == [0, 1, 2, 3]
-    assert sum(m.kind == "param" for m in step1) == 3 * (2 * 3 + 1)  # 3 other workers, 7 visits each
-    assert all(m.src == owners[m.stage] for m in step1 if m.kind == "param")
+    params_ = [m for m in step1 if m.kind == "param"]
+    assert len(params_) == 4 * (2 * 3 + 1) * 3  # 7 visits a worker, a piece from each of the 3 others
+    assert all(m.src != m.dst for m in step1)
+    visit = {(o.tick, o.device, o.stage) for o in t.ops if o.step == 1}
+    assert all((m.tick + 1, m.dst, m.stage) in visit for m in params_)  # just before the visitor's op
     partials = [m for m in step1 if m.kind == "partial"]
-    assert len(partials) == 4 * 3 and all(m.dst == owners[m.stage] for m in partials if m.src == 3 - (m.stage == 3))
+    grads = {(o.tick, o.device, o.stage) for o in t.ops if o.step == 1 and o.kind == "B"}
+    assert len(partials) == 4 * 4 * 3 and all((m.tick, m.src, m.stage) in grads for m in partials)
     assert table("cdp-zero", workers=4, stages=4, rule="cdp-v1").meta["stored_versions"] == 2
     assert schedule.main(["--method", "cdp-zero", "--workers", "4", "--stages", "4", "--rule", "cdp-v1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("cdp-zero: N=4 workers") and "stage 0: w0" in out
+    assert out.startswith("cdp-zero: N=4 workers") and "every worker keeps 1/4 of every stage" in out
     assert schedule.main(["--method", "cdp-zero", "--workers", "8", "--stages", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["owners"] == [4, 5, 6, 7]
+    assert d["shards"] == 8
     assert schedule.main(["--method", "cdp-zero", "--workers", "3", "--stages", "4"]) == 2
     assert "choose workers in" in capsys.readouterr().err
 

@@ -1,50 +1,53 @@
-"""`cdp-zero`: cyclic data parallelism with each stage's parameters and optimizer state on one
-owner, brought point to point to each op just before it runs (ZeRO's sharding, CDP's messages).
+"""`cdp-zero`: cyclic data parallelism with every stage's parameters and optimizer state
+partitioned over the workers (ZeRO-3's partition), each stage gathered point to point just before
+a worker's ops on it and its gradient reduce-scattered point to point after them (ZeRO's sharding,
+CDP's messages).
 
-Timing and update rule: those of `cdp-v2` (or `cdp-v1`, `config.cdp_rule`; whole or split
-backwards, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.cdp`: N
-workers on the N devices of the `data` axis, the period unrolled, one `lax.cond` per op on
+Timing and update rule: those of `cdp-v2` (or `cdp-v1`, `config.cdp_rule`; whole, split or
+paired ticks, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.cdp`: N
+workers on the N devices of `data`, the period unrolled, one `lax.cond` per op on
 `axis_index == its worker`, every stage's maths `cdpjax.methods.stage_ops`'s through the
 ring's op pieces (`cdpjax.methods.ring`). After S steps and a flush the parameters equal
 the ring's (and so `simulate`'s):
 
-    theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)).
+    theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)),
+
+applied piece by piece (the optimizer must be elementwise, as `optim.make`'s are).
 
 What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the program:
 `cdpjax.program.zero`):
-- Stage j's parameters (and its previous version, where some op reads it) and its optax
-  state are kept by ONE worker, its owner, as rows as long as the largest stage; a worker
-  keeps only the stages it owns (ceil(L/N), one for N >= L).
-- At the start of each visit (a worker's consecutive ops on one stage) the owner sends the
-  version the visit reads, a message of the stage's real size, into the worker's one relay
-  row (train state: a visit may run on into the next call); the owner's own visits read
-  its rows. A stale read after the update reads the
-  owner's previous version, which the table's slots name.
-- Gradients: a running partial sum hops from worker to worker as the others finish the
-  stage's gradient op, then to the owner, who adds its own contribution and applies the
-  update at the end of the table's update tick; no sum goes back to the readers: the new
-  parameters reach them with the next visit.
-- Collectives: `ppermute`s of single (source, destination) pairs, each of its stage's size,
-  and the psum of the three metric scalars: no all-gather, reduce-scatter or all-reduce
-  of model-sized buffers.
+- Stage j's flattened parameters are cut into N equal pieces; worker i keeps piece i of
+  every stage (and of its previous version, where some op reads it), the optimizer state
+  of those pieces and a running sum of those pieces of the gradient: 1/N of the model each,
+  in the pieces' own shapes.
+- At the start of each visit (a worker's consecutive ops on one stage) every other worker
+  sends its piece of the version the visit reads (N - 1 messages of a piece's size) into
+  the visitor's relay row (train state: a visit may run on into the next call), beside
+  its own piece.
+- Gradients: after a gradient op the worker sends piece i of its gradient to worker i,
+  which adds it to its running sum; at the table's update tick (after the last worker's
+  op) every worker applies the update of its pieces and empties the sum.
+- Collectives: `ppermute`s of single (source, destination) pairs, each a piece of one
+  stage, and the psum of the three metric scalars: no all-gather, reduce-scatter or
+  all-reduce of model-sized buffers.
 
 Per worker and step the messages carry about 2(N-1)/N of the model in parameters and
 (N-1)/N in gradients (ZeRO-3's all-gathers and reduce-scatter), spread over the ticks.
-Per worker it stores K (x versions) parameter rows, K optimizer-state rows, one relay row
-and the gradient rows a partial sum spans the end of a call in (the others are temporaries
-of the call, `cdpjax.program.zero.temporary_grad_rows`), each as large as the largest
-stage: a fraction 1/N of the ring's parameters where stages are balanced by parameters,
-and more where one stage dominates (`Method.padding`, `cdpjax bench`).
+Per worker it stores 1/N of the model per version, of the optimizer state and of the
+gradient sums, and the relay rows, each as long as the largest stage.
 
 BatchNorm running statistics (small) stay per worker for every stage, as in `ring`. After
 a flush the next fed call restarts the cycle from the flushed parameters, as the ring
-does: the owners' previous versions are set to their current ones.
+does: the previous versions are set to the current ones.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
@@ -55,7 +58,7 @@ from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program
-from cdpjax.program.zero import ZeroTicks, lower_zero, temporary_grad_rows
+from cdpjax.program.zero import ZeroTicks, lower_zero
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = ring.AXIS
@@ -84,12 +87,43 @@ def build(ctx: Context) -> Method:
     return _method(ctx, net, table, lower_zero(table, residuals), residuals)
 
 
-class ZeroPeriod:
-    """One worker's period (`ring.Period`'s shape, `cdp-zero`'s storage): per tick the refreshes,
-    the ops, the partial sums sent, the owners' updates; then the tick is fenced."""
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """Each stage's flattened parameters (`FlatLayout.sizes`) cut into `parts` equal pieces of
+    `piece[j]` elements (zero-padded at the end); `width`: a relay row, the longest stage padded."""
 
-    def __init__(self, stages: ring.Stages, program: Program, tx, carry: bool, layout: FlatLayout):
-        self.stages, self.program, self.tx, self.carry, self.layout = stages, program, tx, carry, layout
+    layout: FlatLayout
+    parts: int
+
+    @property
+    def piece(self) -> tuple[int, ...]:
+        return tuple(max(-(-size // self.parts), 1) for size in self.layout.sizes)
+
+    @property
+    def width(self) -> int:
+        return max(p * self.parts for p in self.piece)
+
+    def cut(self, j: int, tree) -> jax.Array:
+        """Stage j's pytree -> [parts, piece[j]]."""
+        flat, _ = ravel_pytree(tree)
+        return jnp.pad(flat, (0, self.piece[j] * self.parts - flat.size)).reshape(self.parts, self.piece[j])
+
+    def join(self, j: int, pieces):
+        """[parts, piece[j]] (or a row starting with them) -> stage j's pytree."""
+        return self.layout.unpack_one(j, jnp.reshape(pieces, (-1,)))
+
+    def padding(self) -> float:
+        """Stored / real parameter elements."""
+        real = sum(self.layout.sizes)
+        return sum(self.piece) * self.parts / real if real else 1.0
+
+
+class ZeroPeriod:
+    """One worker's period (`ring.Period`'s shape, `cdp-zero`'s storage): per tick the gathers,
+    the ops (a gradient op's pieces sent to their keepers), the updates; then the tick is fenced."""
+
+    def __init__(self, stages: ring.Stages, program: Program, tx, carry: bool, shards: Shards):
+        self.stages, self.program, self.tx, self.carry, self.shards = stages, program, tx, carry, shards
         self.z: ZeroTicks = program.ticks
         L = self.z.stages
         split = program.split_backward
@@ -103,20 +137,19 @@ class ZeroPeriod:
         b = ring.Buffers(_named(state, z, self.carry))
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
-            for k in range(z.owned):
-                b[("master", k, 1)] = jnp.where(state["fed"][0], b[("master", k, 1)], b[("master", k, 0)])
+            for j in range(z.stages):
+                b[("master", j, 1)] = jnp.where(state["fed"][0], b[("master", j, 1)], b[("master", j, 0)])
         valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, z.max_lag + 1)]
         b[("after",)] = varying(jnp.zeros((), jnp.float32), AXIS)
         for tk in z.ticks:
             before = dict(b.values)
-            self.refresh(b, tk, me)
+            self.gather(b, tk, me)
             for op in tk.ops:
                 self.op(b, op, (me == op.worker), valid[op.lag], images, new_labels)
-            self.send(b, tk, me)
-            self.apply(b, tk, me, valid)
-            # The next tick's refreshes wait for this tick: an owner's row that no tick before has
-            # changed is the same value from the call's start, and XLA would send every such
-            # refresh at the first tick and hold the messages (measured: three row-sized ones).
+            self.apply(b, tk, valid)
+            # The next tick's gathers wait for this tick: a piece that no tick before has changed is
+            # the same value from the call's start, and XLA would send every such gather at the first
+            # tick and hold the messages (measured with whole-stage messages: three row-sized ones).
             written = [v for name, v in b.values.items() if v is not before.get(name) and name != ("after",)]
             b[("after",)] = sum((ring.zero_of(v) for v in written), b[("after",)])
             b.barrier()
@@ -124,17 +157,17 @@ class ZeroPeriod:
         new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
         return new, b[("metrics",)]
 
-    def refresh(self, b, tk, me):
-        """Each visit's stage from its owner's row, at the stage's size, into the visitor's relay."""
-        for j, owner, worker, k, row, r in tk.refreshes:
-            size = self.layout.sizes[j]
-            arrived = lax.ppermute(b[("master", k, row)][:size] + b[("after",)], AXIS, [(owner, worker)])
-            _land(b, me == worker, ("relay", r), arrived)
+    def gather(self, b, tk, me):
+        """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay row."""
+        for j, worker, row, r in tk.gathers:
+            mine = b[("master", j, row)] + b[("after",)]
+            pieces = [mine if u == worker else lax.ppermute(mine, AXIS, [(u, worker)]) for u in range(self.z.workers)]
+            _land(b, me == worker, ("relay", r), pieces)
 
     def op(self, b, op, mine, valid, images, new_labels):
         j, L = op.stage, self.z.stages
-        source = op.params
-        row = b[source]
+        row = b[("relay", op.relay)]
+        source = ("relay", op.relay)
         pred = mine & valid
         if op.kind == "F":
             x = images if j == 0 else b[("acts", j)]
@@ -162,103 +195,90 @@ class ZeroPeriod:
         reads = [source, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if self.carry else []) \
             + ([("cots", j)] if j < L - 1 else [])
         operands = (b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)])
-        if op.kind == "B" and self.split:  # the input's cotangent only: no gradient row
-            cot = b[("cots", j - 1)] if j > 0 else zero
+        with_cot = op.kind == "B" and j > 0
+        cot = b[("cots", j - 1)] if j > 0 else zero
+        if op.kind == "B" and self.split:  # the input's cotangent only: nothing to scatter
             _, cot = b.cond(pred, *self._on_row(j, *self.bwd[j]), (row, *operands, zero, cot), reads,
                             [("cots", j - 1)] if j > 0 else [])
             if j > 0:
                 b[("cots", j - 1)] = cot
             return
         if op.kind == "B":
-            cot = b[("cots", j - 1)] if j > 0 else zero
             operands, piece = (*operands, zero, cot), self.bwd[j][0]
         else:
             operands, piece = (*operands, zero), self.wgt[j][0]
-        out = ("grad", op.grad_out)
-        partial = b[("grad", op.grad_in)] if op.grad_in >= 0 else None
-        writes = [out] + ([("cots", j - 1)] if op.kind == "B" and j > 0 else [])
-        total, *rest = b.cond(mine, *self._gradient_on_rows(j, piece, op.kind == "B", valid),
-                              (row, b[out], partial, *operands), reads + ([("grad", op.grad_in)] if
-                                                                          op.grad_in >= 0 else []), writes)
-        b[out] = total
-        if op.kind == "B" and j > 0:
+        pieces, *rest = b.cond(pred, *self._gradient_on_row(j, piece, op.kind == "B"), (row, *operands), reads,
+                               [("cots", j - 1)] if with_cot else [])
+        if with_cot:
             b[("cots", j - 1)] = rest[0]
+        self.scatter(b, j, op.worker, pieces)
 
     def _on_row(self, j, run, skip):
         """A piece's branches taking the stage's parameters as a row, unpacked in the branch that
         computes: no unpacked copy of them outlives the op."""
-        return (lambda row, *operands: run(self.layout.unpack_one(j, row), *operands),
+        return (lambda row, *operands: run(self.shards.join(j, row), *operands),
                 lambda row, *operands: skip(None, *operands))
 
-    def _gradient_on_rows(self, j, piece, with_cot: bool, valid):
-        """Branches (on `mine`) of a gradient op over (row, its gradient row's old value, the partial
-        sum received or None, operands) -> (the gradient row's new value[, the input's cotangent]):
-        its gradient packed, plus the partial sum, in the branch that computes; a worker with nothing
-        fed passes the partial sum on (or starts from zeros), another keeps the row as it is."""
-        layout = self.layout
+    def _gradient_on_row(self, j, piece, with_cot: bool):
+        """Branches of a gradient op over (row, operands) -> (its gradient cut into pieces[, the
+        input's cotangent]); the worker that does not compute gives zeros (and the cotangent as it
+        is), so that what it adds to its sums is nothing."""
+        shards = self.shards
 
-        def compute(row, partial, *operands):
-            out = piece(layout.unpack_one(j, row), *operands)
+        def compute(row, *operands):
+            out = piece(shards.join(j, row), *operands)
             g, rest = (out[0], out[1:]) if with_cot else (out, ())
-            total = layout.pack_one(j, g)
-            return varying((total if partial is None else total + partial, *rest), AXIS)
+            return varying((shards.cut(j, g), *rest), AXIS)
 
-        def idle(row, partial, *operands):
-            total = jnp.zeros((layout.width,), jnp.float32) if partial is None else partial
-            return varying((total, *operands[-1:]) if with_cot else (total,), AXIS)
+        def idle(row, *operands):
+            zeros = jnp.zeros((shards.parts, shards.piece[j]), jnp.float32)
+            return varying((zeros, *operands[-1:]) if with_cot else (zeros,), AXIS)
 
-        def run(row, old, partial, *operands):
-            return lax.cond(valid, compute, idle, row, partial, *operands)
+        return compute, idle
 
-        def keep(row, old, partial, *operands):
-            return varying((old, *operands[-1:]) if with_cot else (old,), AXIS)
+    def scatter(self, b, j, worker, pieces):
+        """Piece u of `worker`'s gradient to worker u, added to its running sum (the worker's own
+        piece too); every other device receives zeros from a pair it is not in."""
+        total = b[("sums", j)]
+        for u in range(self.z.workers):
+            total = total + (pieces[u] if u == worker else lax.ppermute(pieces[u], AXIS, [(worker, u)]))
+        b[("sums", j)] = total
 
-        return run, keep
-
-    def send(self, b, tk, me):
-        """The partial sums of the tick, each at its stage's size; all read before any lands."""
-        arrived = []
-        for j, src, dst, src_row, dst_row in tk.sends:
-            size = self.layout.sizes[j]
-            arrived.append((dst, dst_row, size, lax.ppermute(b[("grad", src_row)][:size], AXIS, [(src, dst)])))
-        for dst, dst_row, size, value in arrived:
-            _land(b, me == dst, ("grad", dst_row), value)
-
-    def apply(self, b, tk, me, valid):
-        """Owners whose stage's sum is complete apply its update (the previous version kept)."""
+    def apply(self, b, tk, valid):
+        """Every worker applies the update of its pieces of the stages whose sum is complete (the
+        previous version kept), and empties the sum."""
         tx, z = self.tx, self.z
-        for j, owner, lag, k, rows in tk.applies:
-            g = b[("grad", rows[0])]
-            for r in rows[1:]:  # the others' sum and the owner's own contribution
-                g = g + b[("grad", r)]
-            pred = (me == owner) & valid[lag]
-            old = b[("master", k, 0)]
+        for j, lag in tk.applies:
+            pred = valid[lag]
+            old = b[("master", j, 0)]
             p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt", k)], g),
-                          reads=[("grad", r) for r in rows], writes=[("master", k, 0), ("opt", k)])
+                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt", j)], b[("sums", j)]),
+                          reads=[("sums", j)], writes=[("master", j, 0), ("opt", j)])
             if z.versions == 2:
-                ring._pick(b, pred, ("master", k, 1), old)
-            b[("master", k, 0)], b[("opt", k)] = p, o
+                ring._pick(b, pred, ("master", j, 1), old)
+            b[("master", j, 0)], b[("opt", j)] = p, o
+            b[("sums", j)] = varying(jnp.zeros_like(old), AXIS)
 
 
-def _land(b: ring.Buffers, pred, name, message):
-    """A stage-sized message written into the head of row `name` where pred, its tail zeroed, in
-    place (a padded copy of the message would be a row-sized temporary per message)."""
-    size = message.shape[0]
+def _land(b: ring.Buffers, pred, name, pieces):
+    """A stage's pieces written into the head of row `name` where pred, its tail zeroed, in place
+    (a joined copy of the pieces would be a row-sized temporary per gather)."""
+    size = sum(p.shape[0] for p in pieces)
 
-    def write(row, message):
-        return varying(row.at[:size].set(message).at[size:].set(0.0), AXIS)
+    def write(row, *pieces):
+        at = 0
+        for p in pieces:
+            row = row.at[at:at + p.shape[0]].set(p)
+            at += p.shape[0]
+        return varying(row.at[size:].set(0.0), AXIS)
 
-    b[name] = b.cond(pred, write, lambda row, message: varying(row, AXIS), (b[name], message), writes=(name,))
+    b[name] = b.cond(pred, write, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
 
 
 def _named(state, z: ZeroTicks, carry: bool) -> dict:
-    named = {("master", k, r): state["master"][k][r] for k in range(z.owned) for r in range(z.versions)}
-    named.update({("opt", k): state["opt_state"][k] for k in range(z.owned)})
-    named.update({("grad", g): state["grad"][i] for i, g in enumerate(z.kept_grad_rows)})
-    width = state["relay"][0].shape[-1]
-    # a row no sum spans the period's end in starts every call empty (a temporary, not state)
-    named.update({("grad", g): varying(jnp.zeros((width,), jnp.float32), AXIS) for g in temporary_grad_rows(z)})
+    named = {("master", j, r): state["master"][j][r] for j in range(z.stages) for r in range(z.versions)}
+    named.update({("opt", j): state["opt_state"][j] for j in range(z.stages)})
+    named.update({("sums", j): state["sums"][j] for j in range(z.stages)})
     named.update({("relay", r): state["relay"][r] for r in range(z.relay_rows)})  # a visit may run into the next call
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
@@ -268,9 +288,9 @@ def _named(state, z: ZeroTicks, carry: bool) -> dict:
 
 
 def _unnamed(b, state, z: ZeroTicks, carry: bool) -> dict:
-    new = {"master": [[b[("master", k, r)] for r in range(z.versions)] for k in range(z.owned)],
-           "opt_state": [b[("opt", k)] for k in range(z.owned)],
-           "grad": [b[("grad", g)] for g in z.kept_grad_rows], "labels": b[("labels",)],
+    new = {"master": [[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
+           "opt_state": [b[("opt", j)] for j in range(z.stages)],
+           "sums": [b[("sums", j)] for j in range(z.stages)], "labels": b[("labels",)],
            "relay": [b[("relay", r)] for r in range(z.relay_rows)]}
     for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
             ((("kept", "kept"),) if carry else ()):
@@ -288,24 +308,21 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     carry = residuals == "carry"
     stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
-    layout = FlatLayout.from_trees(shapes)
-    period = ZeroPeriod(stages, program, tx, carry, layout)
+    shards = Shards(FlatLayout.from_trees(shapes), N)
+    period = ZeroPeriod(stages, program, tx, carry, shards)
     per_worker = NamedSharding(mesh, P(AXIS))
-    owned = [[j for j in range(L) if z.owners[j] == w] for w in range(N)]
 
     one_period, step, run = ring.spmd_period(period, stages, mesh)
 
     def init(rng):
         params, model_state = net.init(rng)
-        rows = layout.pack(params)  # [L, width]
-        zero = jnp.zeros((layout.width,), jnp.float32)
-        mine = [jnp.stack([rows[js[k]] if k < len(js) else zero for js in owned]) for k in range(z.owned)]
+        pieces = [shards.cut(j, p) for j, p in enumerate(params)]  # [N, piece[j]] each: worker i keeps row i
         stash = ring.stash_buffers(stages, model_state, carry)  # the natural per-stage buffers, as the ring's
         state = {
-            "master": [[m] * z.versions for m in mine],  # [N, width] each: current (, previous)
-            "opt_state": [jax.vmap(tx.init)(m) for m in mine],
-            "grad": [jnp.zeros((N, layout.width), jnp.float32) for _ in z.kept_grad_rows],
-            "relay": [jnp.zeros((N, layout.width), jnp.float32) for _ in range(z.relay_rows)],
+            "master": [[p] * z.versions for p in pieces],  # current (, previous)
+            "opt_state": [jax.vmap(tx.init)(p) for p in pieces],
+            "sums": [jnp.zeros_like(p) for p in pieces],
+            "relay": [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)],
             "fed": jnp.zeros((N, max(z.max_lag, 1)), bool),
             **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash),
         }
@@ -326,14 +343,14 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         return state
 
     def export(state):
-        # Each stage from its owner's current row; running averages averaged over workers.
-        params = [layout.unpack_one(j, state["master"][z.local[j]][0][z.owners[j]]) for j in range(L)]
+        # Each stage joined from every worker's current piece; running averages averaged over workers.
+        params = [shards.join(j, state["master"][j][0]) for j in range(L)]
         return params, jax.tree.map(lambda a: a.mean(0), state["model_state"])
 
     return Method("cdp-zero", net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
                   periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
-                  padding={"params": layout.padding()},
-                  report={"impl": "zero", "rule": table.meta["rule"], "owners": list(z.owners)})
+                  padding={"params": shards.padding()},
+                  report={"impl": "zero", "rule": table.meta["rule"], "shards": N})
 
 
-__all__ = ["ZeroPeriod", "build"]
+__all__ = ["Shards", "ZeroPeriod", "build"]

@@ -50,32 +50,35 @@ class Size:
     padded: each of `count` items is as large as the largest group (a carrier row, one
       shape whatever it holds); else it holds every group at its own size, `count` times.
     count: how many.
+    parts: each item is one of `parts` equal pieces of it (a device's shard of a stage that
+      every device keeps a piece of, as ZeRO-3 partitions each parameter over the devices).
     """
 
     of: str
     groups: tuple[tuple[int, ...], ...]
     padded: bool = False
     count: int = 1
+    parts: int = 1
 
     def __post_init__(self):
         if self.of not in SIZE_KINDS:
             raise ValueError(f"Size.of={self.of!r} is not one of {', '.join(SIZE_KINDS)}")
 
     @classmethod
-    def stage(cls, of: str, stage: int, count: int = 1) -> "Size":
-        return cls(of, ((int(stage),),), False, count)
+    def stage(cls, of: str, stage: int, count: int = 1, parts: int = 1) -> "Size":
+        return cls(of, ((int(stage),),), False, count, parts)
 
     @classmethod
-    def stages(cls, of: str, stages, count: int = 1) -> "Size":
+    def stages(cls, of: str, stages, count: int = 1, parts: int = 1) -> "Size":
         """Every stage of `stages` at its own size, `count` times (natural shapes)."""
-        return cls(of, tuple((int(j),) for j in stages), False, count)
+        return cls(of, tuple((int(j),) for j in stages), False, count, parts)
 
     def bytes(self, sizes: Mapping[str, Sequence[float]]) -> float:
         """The bytes it takes, `sizes[of][j]` being stage j's bytes."""
         per = [float(sum(sizes[self.of][j] for j in group)) for group in self.groups]
         if not per:
             return 0.0
-        return self.count * (max(per) if self.padded else sum(per))
+        return self.count * (max(per) if self.padded else sum(per)) / self.parts
 
 
 @dataclasses.dataclass(frozen=True)
