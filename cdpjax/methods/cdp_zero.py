@@ -134,24 +134,17 @@ class ZeroPeriod:
 
     def __call__(self, state, images, new_labels, feeding):
         z, me = self.z, lax.axis_index(AXIS)
-        b = ring.Buffers(_named(state, z, self.carry))
+        b = ring.Buffers(_named(state, z, self.carry), tie_ticks=True)  # each gather after the previous tick
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
             for j in range(z.stages):
                 b[("master", j, 1)] = jnp.where(state["fed"][0], b[("master", j, 1)], b[("master", j, 0)])
         valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, z.max_lag + 1)]
-        b[("after",)] = varying(jnp.zeros((), jnp.float32), AXIS)
         for tk in z.ticks:
-            before = dict(b.values)
             self.gather(b, tk, me)
             for op in tk.ops:
                 self.op(b, op, (me == op.worker), valid[op.lag], images, new_labels)
             self.apply(b, tk, valid)
-            # The next tick's gathers wait for this tick: a piece that no tick before has changed is
-            # the same value from the call's start, and XLA would send every such gather at the first
-            # tick and hold the messages (measured with whole-stage messages: three row-sized ones).
-            written = [v for name, v in b.values.items() if v is not before.get(name) and name != ("after",)]
-            b[("after",)] = sum((ring.zero_of(v) for v in written), b[("after",)])
             b.barrier()
         new = _unnamed(b, state, z, self.carry)
         new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
@@ -160,7 +153,7 @@ class ZeroPeriod:
     def gather(self, b, tk, me):
         """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay row."""
         for j, worker, row, r in tk.gathers:
-            mine = b[("master", j, row)] + b[("after",)]
+            mine = b[("master", j, row)] + b.after_previous_tick()
             pieces = [mine if u == worker else lax.ppermute(mine, AXIS, [(u, worker)]) for u in range(self.z.workers)]
             _land(b, me == worker, ("relay", r), pieces)
 
