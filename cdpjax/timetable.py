@@ -435,6 +435,26 @@ def _check_stage_bytes(stage_bytes, stages):
     return b
 
 
+# message kind -> (its letter in the text grid, what one is)
+_SENT = {"param": ("p", "parameter messages"), "partial": ("g", "partial gradient sums or pieces"),
+         "sum": ("s", "completed sums")}
+
+
+def _sent_cells(t: TimeTable) -> list[list[str]]:
+    """[device][tick] the point-to-point messages the device sends at the end of the tick, by kind
+    ('3p1g'); [] for a table without any."""
+    counts = {}
+    for m in t.messages:
+        if m.src >= 0 and m.kind in _SENT and 0 <= m.tick < t.num_ticks:
+            key = (m.src, m.tick)
+            counts.setdefault(key, {}).setdefault(m.kind, 0)
+            counts[key][m.kind] += 1
+    if not counts:
+        return []
+    return [["".join(f"{counts[(d, tick)][k]}{_SENT[k][0]}" for k in _SENT if k in counts.get((d, tick), {}))
+             or "." for tick in range(t.num_ticks)] for d in range(t.devices)]
+
+
 def format_grid(t: TimeTable) -> str:
     """The table as text: one row per device, one column per tick; '*' marks an op on
     the delayed rule, the last row shows which stages update at the end of each tick."""
@@ -447,7 +467,8 @@ def format_grid(t: TimeTable) -> str:
     for u in t.updates:
         updated[u.tick].append(u.stage)
     upd = ["all" if len(s) == t.stages > 1 else ",".join(map(str, s)) for s in updated]
-    width = max(3, max((len(c) for row in cells for c in row), default=1)) + 1
+    sent = _sent_cells(t)
+    width = max(3, max((len(c) for row in cells + sent for c in row), default=1)) + 1
     who = "w" if layout.columns == "worker" else "d"
     fields = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name not in ("ops", "updates", "messages")}
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in {**fields, **t.meta}.items()}
@@ -459,6 +480,12 @@ def format_grid(t: TimeTable) -> str:
         lines.append(f"{who}{d}".ljust(6) + "".join(c.rjust(width) for c in row))
     if t.updates and len(t.updates) != len(t.ops):  # every op updating (ppll) would repeat the grid
         lines.append("upd".ljust(6) + "".join(c.rjust(width) for c in upd))
+    if sent:
+        kinds = ", ".join(f"{letter}: {what}" for letter, what in _SENT.values()
+                          if any(letter in c for row in sent for c in row))
+        lines.append(f"sent at the end of each tick, point to point ({kinds}; 3{kinds[0]}: three):")
+        for d, row in enumerate(sent):
+            lines.append(f"{who}{d}>".ljust(6) + "".join(c.rjust(width) for c in row))
     bf = t.busy_fraction()
     lines.append(f"busy fraction (steady state): {bf['overall']:.3f} of stage slots, {bf['devices']:.3f} of device "
                  f"time; over all ticks: {bf['whole']:.3f}")
