@@ -368,7 +368,7 @@ def _program_sends(program, priced) -> dict[str, Any]:
     real = program.sent_bytes(priced)
     padded = np.zeros(program.devices)
     for s in program.sends:
-        size = Size(s.size.of, tuple((j,) for j in range(len(priced[s.size.of]))), True, s.size.count)
+        size = Size(s.size.of, tuple((j,) for j in range(len(priced[s.size.of]))), True, s.size.count, s.size.parts)
         for src, _ in s.pairs:
             padded[src] += size.bytes(priced)
     return {"sent_bytes_per_device_per_step": float(real.mean()),

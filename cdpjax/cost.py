@@ -93,7 +93,8 @@ def _backward(ops, j, want, p, s, x, labels, cot, kept):
 
 
 def program_ops(program) -> list[list[tuple[str, int]]]:
-    """Per device, the (kind, stage) of every op and ('update', stage) of every update one call
+    """Per device, the (kind, stage) of every op and ('update', stage) of every update (cdp-zero:
+    ('update-piece', stage), a worker's 1/N of it) one call
     of the program runs (every op taken, whatever its step: a steady-state call)."""
     per = [[] for _ in range(program.devices)]
     if program.engine == "stage":

@@ -98,7 +98,7 @@ def table_fields(data) -> dict:
     if ticks * devices > CELL_LIMIT:
         raise _wrong(f"num_ticks={ticks} x devices={devices} cells, more than {CELL_LIMIT}")
     ranges = {"tick": (0, ticks - 1), "device": (0, devices - 1), "stage": (0, stages - 1),
-              "src": (-1, devices - 1), "dst": (-1, devices - 1)}
+              "src": (-1, devices - 1), "dst": (-1, devices - 1), "parts": (1, SIZE_LIMIT)}
     ops = _records(d, "ops", Op, ranges)
     bad = next((o for o in ops if o.kind not in KINDS or o.slot not in SLOTS), None)
     if bad is not None:

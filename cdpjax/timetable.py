@@ -71,8 +71,10 @@ class Update:
 class Message:
     """Gradient or parameter traffic sent at the end of `tick` (src = dst = -1: an all-reduce).
 
-    kind: 'partial' (a running gradient sum), 'sum' (a completed sum on its way to a
-    worker that applies it), 'allreduce' (dp), 'param' (parameters relayed to a reader).
+    kind: 'partial' (a running gradient sum, or a worker's piece of its gradient on its way
+    to the piece's keeper), 'sum' (a completed sum on its way to a worker that applies it),
+    'allreduce' (dp), 'param' (parameters, or a piece of them, sent to a reader).
+    parts: the message carries 1/parts of the stage (cdp-zero's pieces: N).
     """
 
     tick: int
@@ -81,6 +83,7 @@ class Message:
     stage: int
     kind: str
     step: int = 0
+    parts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,7 @@ class TimeTable:
     offsets: each worker's starting tick (CDP). microbatches: per step. steady: a
     [start, stop) tick window of steady state, over which the busy, activation and
     comm figures are taken. meta: layout-specific facts (JSON-able: the rule, owners,
-    a delivery plan...). notes: lines the text grid prints under the table.
+    a delivery plan, cdp-zero's shards...). notes: lines the text grid prints under the table.
     """
 
     method: str
@@ -233,13 +236,13 @@ class TimeTable:
     # ------------------------------------------------------------ communication
 
     def bytes_per_tick(self, stage_bytes: Sequence[float]) -> np.ndarray:
-        """[ticks] bytes sent: one stage's bytes per point-to-point message; 2(N-1) x the
-        stage's bytes for an 'allreduce' (a ring all-reduce's traffic over all workers)."""
+        """[ticks] bytes sent: one stage's bytes (or its `parts`-th) per point-to-point message;
+        2(N-1) x the stage's bytes for an 'allreduce' (a ring all-reduce's traffic over all workers)."""
         stage_bytes = _check_stage_bytes(stage_bytes, self.stages)
         out = np.zeros(self.num_ticks)
         for m in self.messages:
             scale = 2 * (self.workers - 1) if m.kind == "allreduce" else 1
-            out[m.tick] += scale * stage_bytes[m.stage]
+            out[m.tick] += scale * stage_bytes[m.stage] / m.parts
         return out
 
     def comm_balance(self, stage_bytes: Sequence[float]) -> float:

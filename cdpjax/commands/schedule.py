@@ -3,7 +3,7 @@
     cdpjax schedule --method cdp-v2 --workers 4 --stages 4            # text grid
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --json     # the table as JSON
     cdpjax schedule --method gpipe --stages 4 --microbatches 4 --out gpipe.svg
-    cdpjax schedule --method cdp-zero --workers 4 --stages 4 --rule cdp-v1  # owners, relayed versions
+    cdpjax schedule --method cdp-zero --workers 4 --stages 4 --rule cdp-v1  # shards, gathers, stored versions
     cdpjax schedule --method cdp-v2 --workers 8 --stages 4 --rule paper-code  # the authors' released rule
     cdpjax schedule --method cdp-v2 --stages 2 --json --stage-bytes 3e6,1e6  # activation and comm in bytes
     cdpjax schedule --from-json table.json --out table.png            # a table written by --json

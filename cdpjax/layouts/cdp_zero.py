@@ -25,9 +25,10 @@ The plan (`zero_plan`) of a cyclic table (cdp-v1 or cdp-v2, whole or split backw
   every worker then applies the update of its pieces. One running sum per stage suffices:
   a stage's next step starts after its update (`zero_plan` checks it).
 
-So per step each worker sends about 2(N-1)/N of the model in parameters (two visits per
-stage and step, the last stage's one) and (N-1)/N in gradients: ZeRO-3's all-gathers and
-reduce-scatter, point to point, at the table's ticks.
+So per step each worker sends (N-1)/N of a stage per visit in parameters (two visits per
+stage and step, the last stage's F and B one: (N-1)/N x (2 - the last stage's share) of the
+model) and (N-1)/N of the model in gradients: ZeRO-3's all-gathers and reduce-scatter, point
+to point, at the table's ticks.
 """
 from __future__ import annotations
 
@@ -138,9 +139,9 @@ def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str 
     plan = zero_plan(rule, int(workers), int(stages), ticks, max(int(steps), 1) + 2)
     base = cdp_table(rule, workers, stages, steps, ticks)
     others = lambda w: [u for u in range(workers) if u != w]  # noqa: E731
-    messages = [Message(v.ticks[0] - 1, u, v.worker, v.stage, "param", v.step)
+    messages = [Message(v.ticks[0] - 1, u, v.worker, v.stage, "param", v.step, workers)
                 for v in plan.visits if v.step < steps and v.ticks[0] >= 1 for u in others(v.worker)]
-    messages += [Message(t, w, u, j, "partial", k) for (j, k), ops in plan.gradients.items() if k < steps
+    messages += [Message(t, w, u, j, "partial", k, workers) for (j, k), ops in plan.gradients.items() if k < steps
                  for t, w in ops if t < base.num_ticks for u in others(w)]
     messages.sort(key=lambda m: (m.tick, m.kind != "partial", m.stage, m.src, m.dst))
     note = (f"rule {rule}; every worker keeps 1/{workers} of every stage (parameters, {plan.versions} stored "

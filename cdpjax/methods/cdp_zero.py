@@ -31,8 +31,9 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   stage, and the psum of the three metric scalars: no all-gather, reduce-scatter or
   all-reduce of model-sized buffers.
 
-Per worker and step the messages carry about 2(N-1)/N of the model in parameters and
-(N-1)/N in gradients (ZeRO-3's all-gathers and reduce-scatter), spread over the ticks.
+Per worker and step the messages carry (N-1)/N x (2 - the last stage's share) of the model
+in parameters (two visits a stage, one of the last) and (N-1)/N of it in gradients (ZeRO-3's
+all-gathers and reduce-scatter), spread over the ticks.
 Per worker it stores 1/N of the model per version, of the optimizer state and of the
 gradient sums, and the relay rows, each as long as the largest stage.
 

@@ -118,10 +118,18 @@ def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> Ze
     for (j, k), u in plan.update_tick.items():
         if lo <= u < hi:
             events[u - lo]["applies"].append((j, m - k))
-    out = tuple(ZeroTick(tuple(e["gathers"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind))),
+    out = tuple(ZeroTick(tuple(e["gathers"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind, z.stage))),
                          tuple(sorted(e["applies"]))) for e in events)
     lags = [op.lag for tk in out for op in tk.ops] + [lag for tk in out for _, lag in tk.applies]
+    if plan.versions == 2 and max(lags) > 1:  # the runtime's restart after an unfed call assumes it
+        raise AssertionError(f"cdp-zero {rule}, N={workers}, L={stages}: ops {max(lags)} calls back read a "
+                             f"previous version")
     return ZeroTicks(rule, workers, stages, out, plan.versions, relay_rows, max(lags))
+
+
+def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
+    ticks = [t for t, tk in enumerate(z.ticks) if any(op.gradient for op in tk.ops)]
+    return (ticks[0], ticks[-1]) if ticks else (0, 0)
 
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
@@ -138,7 +146,7 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                Buffer("sums", "gradients", piece, True),
                Buffer("relay", "relayed_parameters", Size("param", every, True, z.relay_rows), True),
                # one op's whole gradient, before its pieces go out
-               Buffer("gradient", "gradients", Size("param", every, True, 1), False),
+               Buffer("gradient", "gradients", Size("param", every, True, 1), False, _gradient_ticks(z)),
                Buffer("model_state", "model_state", Size.stages("model_state", stages), True),
                Buffer("acts", "activations", Size.stages("input", stages), True),
                Buffer("cots", "cotangents", Size.stages("input", range(1, L)), True),
