@@ -96,16 +96,15 @@ def play(rule, N, L, ticks="whole", calls=5, program=None):
                 assert relay[op.worker][op.relay] == (op.stage, (v,) * N), (call, op, relay[op.worker], v)
                 checked += 1
                 if op.gradient:
-                    landed += [(u, op.stage, (op.worker, step)) for u in range(N)]
-            for u, j, contribution in landed:
-                sums[u][j].append(contribution)
+                    landed += [(u, op.stage, (op.worker, step), op.starts) for u in range(N)]
+            for u, j, contribution, starts in landed:
+                sums[u][j] = [contribution] if starts else sums[u][j] + [contribution]
             for j, lag in tk.applies:
                 for u in range(N):
                     if valid(lag):
                         assert sorted(sums[u][j]) == [(i, call - lag) for i in range(N)], (rule, N, L, call, j, u)
                         m = master[u][j]
                         m[:] = [m[0] + 1] + m[:-1]
-                    sums[u][j] = []
     assert all(master[u][j][0] == calls for u in range(N) for j in range(L))  # every update applied once
     return checked
 
@@ -125,8 +124,8 @@ def test_plan_feeds_every_op_its_version_and_every_sum_every_gradient(rule):
 
 
 def test_play_can_fail():
-    """A gather of the wrong version row, a gradient op not scattered, or an update a tick early
-    is caught by the same player."""
+    """A gather of the wrong version row, a gradient op not scattered, a step's sum not started
+    afresh by its first gradient op, or an update a tick early is caught by the same player."""
     import dataclasses
 
     good = zero_ticks("cdp-v2", 4, 4)
@@ -138,7 +137,10 @@ def test_play_can_fail():
                                                                for op in good.ticks[t].ops))
     early = tuple(dataclasses.replace(tk, applies=good.ticks[(i + 1) % len(good.ticks)].applies)
                   for i, tk in enumerate(good.ticks))
-    for ticks in (bad_gathers, good.ticks[:t] + (unscattered,) + good.ticks[t + 1:], early):
+    unstarted = tuple(dataclasses.replace(tk, ops=tuple(dataclasses.replace(op, starts=False) for op in tk.ops))
+                      for tk in good.ticks)
+    assert unstarted != good.ticks
+    for ticks in (bad_gathers, good.ticks[:t] + (unscattered,) + good.ticks[t + 1:], early, unstarted):
         with pytest.raises(AssertionError):
             play("cdp-v2", 4, 4, program=dataclasses.replace(good, ticks=ticks))
 

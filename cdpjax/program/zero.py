@@ -17,7 +17,7 @@ of every stage, so its program names
 Per tick, in order: the gathers (each other worker sends its piece of the version a visit
 reads, read after the previous tick's updates), the ops (F, B, W reading a relay row; a
 gradient op's gradient cut into pieces, each sent to its keeper and added to its running
-sum at the end of the tick), the updates at the end of their update ticks (every worker,
+sum at the end of the tick, or starting it for the step's first), the updates at the end of their update ticks (every worker,
 its pieces). A relay row's index is the same for the same event in every period (circular
 interval colouring over the period).
 """
@@ -35,7 +35,8 @@ from cdpjax.program import Buffer, Placement, Program, Send, Size
 @dataclasses.dataclass(frozen=True)
 class ZeroOp:
     """Worker `worker`'s op of the tick, reading relay row `relay`; `gradient`: it completes a
-    gradient of its stage, whose pieces go to their keepers at the tick's end."""
+    gradient of its stage, whose pieces go to their keepers at the tick's end; `starts`: it is
+    the first of its step's, whose pieces start the keepers' sums (the previous step's applied)."""
 
     worker: int
     kind: str
@@ -43,6 +44,7 @@ class ZeroOp:
     lag: int
     relay: int
     gradient: bool = False
+    starts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +115,9 @@ def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> Ze
     for o in base.ops:
         if lo <= o.tick < hi:
             v = visit_of[(o.device, o.tick, o.stage)]
+            first = plan.gradients.get((o.stage, o.step), ((None, None),))[0]
             events[o.tick - lo]["ops"].append(ZeroOp(o.device, o.kind, o.stage, m - o.step, relay_row(v),
-                                                     o.kind == grad))
+                                                     o.kind == grad, o.kind == grad and first == (o.tick, o.device)))
     for (j, k), u in plan.update_tick.items():
         if lo <= u < hi:
             events[u - lo]["applies"].append((j, m - k))
