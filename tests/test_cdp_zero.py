@@ -239,7 +239,7 @@ def test_no_row_sized_copy_per_op_survives_compilation():
     the program declares on this ResNet-18, quarter width, N = L = 4); XLA also sent the first
     ticks' refreshes at the first tick and held the messages. Now (pieces gathered and landed in
     the branches, each gather tied to the previous tick by `Buffers.after_previous_tick`) XLA's temporaries are
-    2.76x the declared; without the tie 5.30x (at full width 2.0x against 5.6x). Bound: 3.3x."""
+    2.76x the declared; without the tie 5.30x (at full width 1.8x against 5.6x). Bound: 3.3x."""
     run = _bench_resnet18("cdp-zero", width=0.25)
     method, c = run["method"], run["config"]
     micro = bench.micro_batch(method, c, run["mesh"])
