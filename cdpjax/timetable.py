@@ -446,15 +446,11 @@ _SENT = {"param": ("p", "parameter messages"), "partial": ("g", "partial gradien
 def _sent_cells(t: TimeTable) -> list[list[str]]:
     """[device][tick] the point-to-point messages the device sends at the end of the tick, by kind
     ('3p1g'); [] for a table without any."""
-    counts = {}
-    for m in t.messages:
-        if m.src >= 0 and m.kind in _SENT and 0 <= m.tick < t.num_ticks:
-            key = (m.src, m.tick)
-            counts.setdefault(key, {}).setdefault(m.kind, 0)
-            counts[key][m.kind] += 1
+    counts = collections.Counter((m.src, m.tick, m.kind) for m in t.messages
+                                 if m.src >= 0 and m.kind in _SENT and 0 <= m.tick < t.num_ticks)
     if not counts:
         return []
-    return [["".join(f"{counts[(d, tick)][k]}{_SENT[k][0]}" for k in _SENT if k in counts.get((d, tick), {}))
+    return [["".join(f"{counts[(d, tick, k)]}{letter}" for k, (letter, _) in _SENT.items() if counts[(d, tick, k)])
              or "." for tick in range(t.num_ticks)] for d in range(t.devices)]
 
 

@@ -25,8 +25,9 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   the visitor's relay row (train state: a visit may run on into the next call), beside
   its own piece.
 - Gradients: after a gradient op the worker sends piece i of its gradient to worker i,
-  which adds it to its running sum; at the table's update tick (after the last worker's
-  op) every worker applies the update of its pieces and empties the sum.
+  which adds it to its running sum (the step's first gradient op starts it); at the
+  table's update tick (after the last worker's op) every worker applies the update of its
+  pieces.
 - Collectives: `ppermute`s of single (source, destination) pairs, each a piece of one
   stage, and the psum of the three metric scalars: no all-gather, reduce-scatter or
   all-reduce of model-sized buffers.
@@ -174,8 +175,8 @@ class ZeroPeriod:
         """Runs `op` where mine & valid; returns a gradient op's flat gradient (zeros where it did
         not run), else None."""
         j, L = op.stage, self.z.stages
-        row = b[("relay", op.relay)]
         source = ("relay", op.relay)
+        row = b[source]
         pred = mine & valid
         if op.kind == "F":
             x = images if j == 0 else b[("acts", j)]
