@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cdpjax.program import piece_size
+
 
 def xla_cost(compiled) -> dict[str, float]:
     """{'flops', 'bytes_accessed'} of a compiled program, as XLA reports them."""
@@ -77,7 +79,7 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
                 out[(kind, j)] = _priced(local, p, head_params[j], s, head_state[j], x)
         out[("update", j)] = _priced(_update(tx), p, tx.init(p), p)
         if program.method == "cdp-zero":  # every worker updates its 1/N piece of the stage, flattened
-            piece = jnp.zeros((-(-sum(x.size for x in jax.tree.leaves(p)) // program.devices),), jnp.float32)
+            piece = jnp.zeros((piece_size(sum(x.size for x in jax.tree.leaves(p)), program.devices),), jnp.float32)
             out[("update-piece", j)] = _priced(_update(tx), piece, tx.init(piece), piece)
         x = y
     return out

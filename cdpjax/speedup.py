@@ -61,6 +61,7 @@ import numpy as np
 
 from cdpjax import kinds
 from cdpjax.errors import ConfigError
+from cdpjax.program import carries
 
 MODELS = ("lockstep", "async")
 
@@ -330,8 +331,7 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
     import jax
     import jax.numpy as jnp
 
-    if residuals not in ("recompute", "carry"):
-        raise ConfigError(f"residuals={residuals!r}: choose 'recompute' or 'carry'")
+    carries(residuals)
     params, state = net.init(jax.random.key(0))
     image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
     labels = jnp.zeros((micro_batch,), jnp.int32)

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import functools
 import json
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

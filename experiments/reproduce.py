@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import fnmatch
 import json
-import math
 import os
 import sys
 from typing import Any, Callable

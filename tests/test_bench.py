@@ -191,7 +191,6 @@ def test_measured_costs_split_the_backward():
 def test_ops_timed_together_run_on_every_device_at_once():
     """calibrate='together' times an op on K devices at once, each on its own copy of the inputs: the
     result has one row per device, lies on K devices, and each row is the op on one device."""
-    import jax
     import jax.numpy as jnp
 
     run, stack = speedup._on_devices(lambda a, b: a @ b + 1.0, 2)

@@ -481,7 +481,7 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(killed, tmp_path):
     line = the_line(err)
     who = "process 1 of the run vanished" if killed == 1 else "process 0 (the coordinator, 127.0.0.1:"
     assert who in line and f"process {1 - killed} of 2 stopped too" in line, line
-    assert f"last complete checkpoint: step" in line and "run the same command on every process" in line, line
+    assert "last complete checkpoint: step" in line and "run the same command on every process" in line, line
     assert elapsed < PEER_TIMEOUT_S + 60, elapsed  # within timeout_s; the slack is for a loaded machine
 
 

@@ -1,7 +1,6 @@
 """The foundation's claims: dp equals e2e, resume equals an uninterrupted run, the default trains,
 and bad input fails early with a message naming the value."""
 import json
-import os
 import subprocess
 import sys
 

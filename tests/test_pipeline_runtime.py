@@ -5,7 +5,6 @@ seen by `schedule`, `bench` and the speedup model with no other edit."""
 import json
 
 import jax
-import numpy as np
 import pytest
 
 from cdpjax import bench, plotting, speedup

@@ -40,8 +40,6 @@ Gradient traffic: the running partial sums ('partial') and the completed sums
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import numpy as np
 

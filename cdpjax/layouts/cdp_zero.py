@@ -38,7 +38,7 @@ import functools
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
-from cdpjax.layouts.cdp import TICKS, cdp_table, check_sizes
+from cdpjax.layouts.cdp import cdp_table, check_sizes
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")
@@ -47,8 +47,6 @@ ZERO_RULES = ("cdp-v1", "cdp-v2")
 def _check_zero(rule, workers, stages, ticks="whole"):
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp-zero rule={rule!r} is not one of {', '.join(ZERO_RULES)}")
-    if ticks not in TICKS:
-        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
     check_sizes(workers, stages, ticks)
 
 

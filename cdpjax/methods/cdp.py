@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import TICKS, V2_RULES, cdp_table
+from cdpjax.layouts.cdp import V2_RULES, cdp_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, step_metrics, tree_select
 from cdpjax.timetable import TimeTable
@@ -93,9 +93,7 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
     devices = ctx.axis(AXIS)
     workers = int(cfg.get("workers", 0)) or devices
     net = ctx.net(bn_axis_name=None)
-    ticks = cfg.get("cdp_ticks", "whole")
-    if ticks not in TICKS:
-        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
+    ticks = cfg.get("cdp_ticks", "whole")  # checked by the table (`phase_ops`)
     if table is None:
         table = cdp_table(_rule(method, cfg), workers, net.num_stages, ticks=ticks)
     elif (table.workers, table.stages) != (workers, net.num_stages):
@@ -209,7 +207,4 @@ def _ring(ctx: Context, method: str, net, table: TimeTable, workers: int) -> Met
     if rule not in ("cdp-v1", "cdp-v2", "paper-code"):
         raise ConfigError(f"cdp_impl='ring' runs a cyclic table (cdp-v1, cdp-v2, paper-code), not {rule!r}; "
                           f"use cdp_impl='simulate'")
-    residuals = ctx.config.get("residuals", "recompute")
-    if residuals not in ring.RESIDUALS:
-        raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(ring.RESIDUALS)}")
-    return ring.build(ctx, method, net, table, residuals)
+    return ring.build(ctx, method, net, table, ctx.config.get("residuals", "recompute"))  # checked by the lowering

@@ -55,11 +55,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from cdpjax import optim
 from cdpjax.carrier import FlatLayout
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import TICKS
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
-from cdpjax.program import Program
+from cdpjax.program import Program, piece_size
 from cdpjax.program.zero import ZeroTicks, lower_zero
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
@@ -72,12 +71,8 @@ def build(ctx: Context) -> Method:
     rule = cfg.get("cdp_rule", "cdp-v2")
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp_rule={rule!r} is not one of {', '.join(ZERO_RULES)} (cdp-zero's staleness rule)")
-    ticks = cfg.get("cdp_ticks", "whole")
-    if ticks not in TICKS:
-        raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
+    ticks = cfg.get("cdp_ticks", "whole")  # checked by the table (`phase_ops`), residuals by the lowering
     residuals = cfg.get("residuals", "recompute")
-    if residuals not in ring.RESIDUALS:
-        raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(ring.RESIDUALS)}")
     devices = ctx.axis(AXIS)
     workers = int(cfg.get("workers", 0)) or devices
     if workers != devices:
@@ -99,7 +94,7 @@ class Shards:
 
     @property
     def piece(self) -> tuple[int, ...]:
-        return tuple(max(-(-size // self.parts), 1) for size in self.layout.sizes)
+        return tuple(piece_size(size, self.parts) for size in self.layout.sizes)
 
     @property
     def width(self) -> int:
@@ -176,34 +171,12 @@ class ZeroPeriod:
         not run), else None."""
         j, L = op.stage, self.z.stages
         source = ("relay", op.relay)
-        row = b[source]
         pred = mine & valid
         if op.kind == "F":
-            x = images if j == 0 else b[("acts", j)]
-            labels = new_labels if j == 0 else b[("labels",)]
-            old = {"next": b[("acts", j + 1)]} if j < L - 1 else {}
-            if self.carry:
-                old["kept"] = b[("kept", j)]
-            writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if self.carry else []) + [("ms", j)]
-            reads = [source, ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
-            new, ms, metrics = b.cond(pred, *self._on_row(j, *self.fwd[j]), (row, b[("ms", j)], x, labels, old),
-                                      reads, writes)
-            if j < L - 1:
-                b[("acts", j + 1)] = new["next"]
-            if self.carry:
-                b[("kept", j)] = new["kept"]
-            b[("ms", j)] = ms
-            b[("metrics",)] = b[("metrics",)] + metrics
-            if j == 0:  # a new micro-batch: its image and labels stay until its backward ops
-                ring._pick(b, pred, ("acts", 0), images)
-                ring._pick(b, pred, ("labels",), new_labels)
+            ring.forward_op(b, j, pred, images, new_labels, self._on_row(j, *self.fwd[j]), source, L, self.carry)
             return
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        keep = b[("kept", j)] if self.carry else ()
-        seed = b[("cots", j)] if j < L - 1 else zero
-        reads = [source, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if self.carry else []) \
-            + ([("cots", j)] if j < L - 1 else [])
-        operands = (b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)])
+        (row, *operands), reads = ring.backward_operands(b, j, source, L, self.carry)
         with_cot = op.kind == "B" and j > 0
         cot = b[("cots", j - 1)] if j > 0 else zero
         if op.kind == "B" and self.split:  # the input's cotangent only: nothing to scatter

@@ -68,11 +68,10 @@ from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
 from cdpjax.methods.stage_ops import StageOps
-from cdpjax.program import Program
+from cdpjax.program import RESIDUALS, Program, carries
 from cdpjax.program.stage_axis import CODE, lower_stage_axis
 from cdpjax.timetable import TimeTable
 
-RESIDUALS = ("recompute", "carry")
 MODEL_STATE = ("sequential", "step_mean")
 
 
@@ -138,8 +137,7 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
     optimizers (default: the config's optimizer for the bodies). `shown`: the table the
     method reports (a few steps), default `table`.
     """
-    if rules.residuals not in RESIDUALS:
-        raise ConfigError(f"residuals={rules.residuals!r} is not one of {', '.join(RESIDUALS)}")
+    carries(rules.residuals)
     if rules.model_state not in MODEL_STATE:
         raise ValueError(f"model_state={rules.model_state!r} is not one of {', '.join(MODEL_STATE)}")
     if rules.residuals == "carry" and rules.local:

@@ -69,7 +69,6 @@ from cdpjax.program.ring import RingTicks, accesses, lower_ring
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = "data"
-RESIDUALS = ("recompute", "carry")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +283,40 @@ def _pick(bufs: Buffers, pred, name, new):
                            writes=(name,))
 
 
+def forward_op(b: Buffers, j: int, pred, images, new_labels, piece, params, L: int, carry: bool):
+    """F of stage j where pred: `piece` (run, skip) over the parameters in buffer `params` (the
+    ring's own stored version, cdp-zero's relay row), the stage's input, its labels; writes the
+    next stage's input, the kept residuals (carry) and the model state, adds the metrics."""
+    x = images if j == 0 else b[("acts", j)]
+    labels = new_labels if j == 0 else b[("labels",)]
+    writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
+    old = {"next": b[("acts", j + 1)]} if j < L - 1 else {}
+    if carry:
+        old["kept"] = b[("kept", j)]
+    reads = [params, ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
+    new, ms, metrics = b.cond(pred, *piece, (b[params], b[("ms", j)], x, labels, old), reads, writes)
+    if j < L - 1:
+        b[("acts", j + 1)] = new["next"]
+    if carry:
+        b[("kept", j)] = new["kept"]
+    b[("ms", j)] = ms
+    b[("metrics",)] = b[("metrics",)] + metrics
+    if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
+        _pick(b, pred, ("acts", 0), images)
+        _pick(b, pred, ("labels",), new_labels)
+
+
+def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
+    """What a backward op of stage j reads: (parameters from buffer `params`, model state, input,
+    kept residuals, seed, labels) and their buffer names."""
+    zero = varying(jnp.zeros((), jnp.float32), AXIS)
+    keep = b[("kept", j)] if carry else ()
+    seed = b[("cots", j)] if j < L - 1 else zero
+    reads = [params, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
+        + ([("cots", j)] if j < L - 1 else [])
+    return (b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+
+
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
@@ -351,35 +384,10 @@ class Period:
         self.applies(b, tk, valid, me, after=True)
 
     def forward(self, b, j, pred, images, new_labels):
-        L, carry = self.ticks.stages, self.carry
-        x = images if j == 0 else b[("acts", j)]
-        labels = new_labels if j == 0 else b[("labels",)]
-        writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
-        old = {"next": b[("acts", j + 1)]} if j < L - 1 else {}
-        if carry:
-            old["kept"] = b[("kept", j)]
-        reads = [("params", j), ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
-        new, ms, metrics = b.cond(pred, *self.fwd[j], (b[("params", j)], b[("ms", j)], x, labels, old), reads, writes)
-        if j < L - 1:
-            b[("acts", j + 1)] = new["next"]
-        if carry:
-            b[("kept", j)] = new["kept"]
-        b[("ms", j)] = ms
-        b[("metrics",)] = b[("metrics",)] + metrics
-        if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
-            _pick(b, pred, ("acts", 0), images)
-            _pick(b, pred, ("labels",), new_labels)
+        forward_op(b, j, pred, images, new_labels, self.fwd[j], ("params", j), self.ticks.stages, self.carry)
 
     def _backward_operands(self, b, j):
-        """What a backward op of stage j reads: (params, model state, input, kept residuals, seed,
-        labels) and their buffer names."""
-        L, carry = self.ticks.stages, self.carry
-        zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        keep = b[("kept", j)] if carry else ()
-        seed = b[("cots", j)] if j < L - 1 else zero
-        reads = [("params", j), ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
-            + ([("cots", j)] if j < L - 1 else [])
-        return (b[("params", j)], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+        return backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
 
     def backward(self, b, j, pred, start, lag):
         """B: the input's cotangent to cots[j-1]; with whole backwards, the partial sum plus its

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from cdpjax.errors import ConfigError
 from cdpjax.models import register
-from cdpjax.models.vit import EncoderBlock, dense_init
+from cdpjax.models.vit import EncoderBlock
 
 embedding_init = nn.initializers.normal(0.02)
 

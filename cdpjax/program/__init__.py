@@ -32,10 +32,29 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from cdpjax.errors import ConfigError
+
 ENGINES = ("stage", "ring")
 SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "residual", "label", "image")
+# What a backward op starts from: the stage's kept input, the forward rerun under `jax.vjp`
+# ('recompute'), or the residuals the forward's `jax.vjp` kept ('carry').
+RESIDUALS = ("recompute", "carry")
 CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_state", "gradients", "activations",
               "cotangents", "residuals", "relayed_parameters", "labels", "images")
+
+
+def carries(residuals: str) -> bool:
+    """Whether `residuals` keeps the forward's residuals ('carry'); a ConfigError for anything
+    but `RESIDUALS`."""
+    if residuals not in RESIDUALS:
+        raise ConfigError(f"residuals={residuals!r} is not one of {', '.join(RESIDUALS)}")
+    return residuals == "carry"
+
+
+def piece_size(size: int, parts: int) -> int:
+    """Elements in each of `parts` equal pieces of `size` elements, the last zero-padded (at least
+    one, so that every device's piece has a shape)."""
+    return max(-(-int(size) // int(parts)), 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy as np
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts.cdp import acausal_reads, cdp_table, check_sizes
-from cdpjax.program import Buffer, Placement, Program, Send, Size
+from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +254,7 @@ def _live(ticks, N):
 
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
     """The ring's program of a cyclic table (its rule, workers, stages and ticks)."""
-    if residuals not in ("recompute", "carry"):
-        raise ConfigError(f"residuals={residuals!r} is not one of recompute, carry")
+    carries(residuals)
     rule = table.meta.get("rule", table.method)
     cdp_ticks = table.meta.get("ticks", "whole")
     ticks = ring_ticks(rule, table.workers, table.stages, cdp_ticks)

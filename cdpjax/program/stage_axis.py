@@ -39,7 +39,7 @@ import numpy as np
 
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
-from cdpjax.program import Buffer, Placement, Program, Send, Size
+from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
 IDLE = 0
@@ -129,9 +129,7 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     forward's `jax.vjp` residuals are kept). heads: the units have auxiliary heads (local
     learning). carry_image: each micro-batch's input image goes along with it to every unit
     (heads that reconstruct the image read it)."""
-    if residuals not in ("recompute", "carry"):
-        raise ConfigError(f"residuals={residuals!r} is not one of recompute, carry")
-    carry = residuals == "carry"
+    carry = carries(residuals)
     present = sorted({o.kind for o in table.ops}, key=list(CODE).index)
     op_kinds.refuse_unknown(present, CODE, "the stage-axis engine")
     split = op_kinds.split(present)

@@ -29,7 +29,7 @@ from collections import defaultdict
 
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts.cdp_zero import zero_plan
-from cdpjax.program import Buffer, Placement, Program, Send, Size
+from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +137,7 @@ def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
     """cdp-zero's program for its table (rule, workers, stages, ticks)."""
+    carries(residuals)
     rule = table.meta["rule"]
     ticks = table.meta.get("ticks", "whole")
     z = zero_ticks(rule, table.workers, table.stages, ticks)
