@@ -10,7 +10,9 @@ stage carrier, and the messages follow the program:
 
 - **F**: a unit's forward of one micro-batch; its input was kept where it arrived
   (to recompute the backward ops), or its `jax.vjp` residuals are kept with
-  `residuals='carry'`.
+  `residuals='carry'`: raveled into the op's slot row, which goes through the switch
+  as an operand and back where it was read (a zero row from every branch and a select
+  kept row-sized copies alive: docs/measured.md, cdp-mp).
 - **B**: the backward, seeded by the loss (last stage) or by the cotangent the next
   unit sent; its parameter gradient accumulates until the unit's update. In a
   table with W ops it computes the input cotangent only.
@@ -59,7 +61,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
@@ -174,8 +175,7 @@ def forward_piece(rt: "_Runtime", u: int):
         x = rt.stage_input(u, ops)
         if rt.carry:
             y, kept, (new_state, metrics) = rt.ops.forward_kept(j, p, s, x, ops["label"])
-            flat, _ = ravel_pytree(kept)
-            out["residual"] = jnp.pad(flat.astype(jnp.float32), (0, lay.residual_width - flat.size))
+            out["residual"] = _write_leaves(ops["residual"], kept)
         elif last and lay.model_state.sizes[u] == 0:  # the backward computes the loss; nothing to run
             return out
         else:
@@ -202,10 +202,7 @@ def _backward_piece(rt: "_Runtime", u: int, want: tuple[str, ...]):
         cotangent = lay.acts.unpack_one(u + 1, ops["cot"]) if u < rt.U - 1 else None
         kept = None
         if rt.carry:
-            def kept(template):
-                _, unravel = ravel_pytree(template)
-                size = int(sum(leaf.size for leaf in template))
-                return unravel(ops["residual"][:size])
+            kept = lambda template: _read_leaves(ops["residual"], template)  # noqa: E731
         d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops["label"], cotangent, kept, want)
         if d_params is not None:
             out["grad"] = {**out["grad"], "body": lay.params.pack_one(u, [d_params])}
@@ -293,6 +290,10 @@ class _Runtime:
         self.input_spec = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.dtype(net.input_dtype))
         self.layouts = self._layouts()
         self.lag = program.lag
+        if self.carry:  # the F branch writes its residuals unconditionally: every F must have a slot
+            arrays = self.ticks.arrays()
+            if np.any(arrays["residual_slot"][arrays["kind"] == CODE["F"]] < 0):
+                raise AssertionError(f"{method}: a forward with no residual slot (residuals='carry')")
 
     # ------------------------------------------------------------------ layouts
 
@@ -350,7 +351,7 @@ class _Runtime:
         """What every piece returns: zeros, and the model states it leaves as they are."""
         lay, mb, L = self.layouts, self.micro, self.net.num_stages
         out = {"act": jnp.zeros((mb, lay.acts.width), jnp.float32), "cot": jnp.zeros((mb, lay.acts.width), jnp.float32),
-               "residual": jnp.zeros((lay.residual_width,), jnp.float32),
+               "residual": ops["residual"],
                "grad": {"body": jnp.zeros((lay.params.width,), jnp.float32)},
                "metrics": self.ops.no_metrics(), "stage_loss": jnp.zeros((L,), jnp.float32),
                "stage_valid": jnp.zeros((L,), jnp.float32), "ms": ops["ms"], "hs": ops["hs"]}
@@ -398,8 +399,9 @@ class _Runtime:
                "x": read("act", pick("act_slot")), "label": labels[-rel][m], "image": image,
                "first_input": first_input,
                "cot": read("cot", pick("cot_slot")) if "cot" in buf else jnp.zeros_like(read("act", 0)),
-               "residual": read("residual", pick("residual_slot")) if "residual" in buf
-               else jnp.zeros((self.layouts.residual_width,), jnp.float32)}
+               # the op's slot row: F writes it, B and W read it, the others give it back unchanged
+               "residual": read("residual", pick("residual_slot"))[None] if "residual" in buf
+               else jnp.zeros((1, 1), jnp.float32)}
         return ops, (code, u, m, rel, v)
 
     def _tick(self, c, x, feeding, images, labels, branches, apply_updates):
@@ -428,9 +430,9 @@ class _Runtime:
         if "input" in buf:
             buf["input"] = keep("input", jnp.where(forward & (u == 0), pick("input_slot"), -1),
                                 operands["first_input"])
-        if self.carry:
-            buf["residual"] = keep("residual", jnp.where(code == CODE["F"], pick("residual_slot"), -1),
-                                   out["residual"])
+        if self.carry:  # the row read above, as the op left it, back where it was read (no select)
+            buf["residual"] = lax.dynamic_update_slice(buf["residual"], out["residual"],
+                                                       (jnp.maximum(pick("residual_slot"), 0), 0))
         c["grads"] = {name: c["grads"][name].at[v].add(g) for name, g in out["grad"].items()}
         ms_rows = c["model_state"]
         new_ms, update = out["ms"], out["ms"] - ms_rows[v]
@@ -711,6 +713,27 @@ def _gated_permute(message: dict, go, src: int, dst: int, axes):
         return message
     zeros = varying(jax.tree.map(jnp.zeros_like, message), axes)
     return lax.fori_loop(0, go, lambda _, m: lax.ppermute(message, "stage", [(src, dst)]), zeros)
+
+
+def _write_leaves(row, leaves):
+    """`leaves` raveled one after another into `row` ([1, width] float32), each in place; the
+    row's tail is left as it was (the backward reads only its own unit's length)."""
+    at = 0
+    for leaf in leaves:
+        flat = jnp.reshape(leaf, (1, -1)).astype(row.dtype)
+        row = row.at[:, at:at + flat.shape[1]].set(flat)
+        at += flat.shape[1]
+    return row
+
+
+def _read_leaves(row, template):
+    """The leaves `_write_leaves` wrote into `row`, in `template`'s shapes and dtypes."""
+    out, at = [], 0
+    for leaf in template:
+        n = math.prod(leaf.shape)
+        out.append(row[0, at:at + n].reshape(leaf.shape).astype(leaf.dtype))
+        at += n
+    return out
 
 
 def _deliver(buf: dict, arrived: dict, slot, write, width: int) -> dict:
