@@ -298,9 +298,9 @@ def test_carried_residuals_are_not_copied_per_tick(name, bound):
     residual row out of its buffer, had every branch return a zero row of the buffer's width, and
     wrote the row back through a select, so XLA kept row-sized copies alive across the switch
     (ResNet-18 of CIFAR shape, quarter width, cut [5], 2 devices, residuals='carry': XLA's
-    temporaries 2.24x what the program declares for cdp-mp, 3.32x for 1F1B). Now the op's row
+    temporaries 2.28x what the program declares for cdp-mp, 3.39x for 1F1B). Now the op's row
     goes through the switch as an operand (F writes it, the others give it back) and is put back
-    where it was read: 1.47x and 2.50x. Writing into the whole buffer inside the F branch instead
+    where it was read: 1.51x and 2.57x. Writing into the whole buffer inside the F branch instead
     copies the buffer per F op (gpipe's step 1.5x slower). Compiled only."""
     import pathlib
 

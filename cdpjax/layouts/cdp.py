@@ -40,7 +40,6 @@ Gradient traffic: the running partial sums ('partial') and the completed sums
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from cdpjax.errors import ConfigError

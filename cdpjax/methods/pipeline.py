@@ -138,10 +138,10 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
     optimizers (default: the config's optimizer for the bodies). `shown`: the table the
     method reports (a few steps), default `table`.
     """
-    carries(rules.residuals)
+    carry = carries(rules.residuals)
     if rules.model_state not in MODEL_STATE:
         raise ValueError(f"model_state={rules.model_state!r} is not one of {', '.join(MODEL_STATE)}")
-    if rules.residuals == "carry" and rules.local:
+    if carry and rules.local:
         raise ConfigError(f"{method} has no backward to carry residuals to: use residuals='recompute'")
     program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
                                carry_image=heads is not None and heads.needs_image)
@@ -348,7 +348,7 @@ class _Runtime:
     # ------------------------------------------------------------------ branches
 
     def results(self, ops) -> dict:
-        """What every piece returns: zeros, and the model states it leaves as they are."""
+        """What every piece returns: zeros, and the model states and the residual row it leaves as they are."""
         lay, mb, L = self.layouts, self.micro, self.net.num_stages
         out = {"act": jnp.zeros((mb, lay.acts.width), jnp.float32), "cot": jnp.zeros((mb, lay.acts.width), jnp.float32),
                "residual": ops["residual"],

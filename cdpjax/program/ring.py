@@ -254,7 +254,7 @@ def _live(ticks, N):
 
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
     """The ring's program of a cyclic table (its rule, workers, stages and ticks)."""
-    carries(residuals)
+    carry = carries(residuals)
     rule = table.meta.get("rule", table.method)
     cdp_ticks = table.meta.get("ticks", "whole")
     ticks = ring_ticks(rule, table.workers, table.stages, cdp_ticks)
@@ -266,7 +266,7 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                Buffer("acts", "activations", Size.stages("input", stages), True),
                Buffer("cots", "cotangents", Size.stages("input", range(1, L)), True),
                Buffer("labels", "labels", Size.stage("label", 0), True)]
-    if residuals == "carry":
+    if carry:
         between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
     carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
     first, last = {}, {}

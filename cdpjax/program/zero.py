@@ -137,7 +137,7 @@ def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
     """cdp-zero's program for its table (rule, workers, stages, ticks)."""
-    carries(residuals)
+    carry = carries(residuals)
     rule = table.meta["rule"]
     ticks = table.meta.get("ticks", "whole")
     z = zero_ticks(rule, table.workers, table.stages, ticks)
@@ -157,7 +157,7 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
-    if residuals == "carry":
+    if carry:
         buffers.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
     sends = []
     for t, tk in enumerate(z.ticks):
