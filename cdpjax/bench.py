@@ -280,7 +280,7 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
-    if method.program is not None and method.program.residuals == "carry":
+    if method.program is not None and method.program.carries:
         shapes = StageOps(net, task=task).residual_shapes(params, state, inputs, labels,
                                                lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
         out["residual"] = [tree_bytes(r) for r in shapes]

@@ -69,7 +69,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     # Stages: a number of stages, or explicit split points (block indices where a stage starts).
     c.stages = ml_collections.FieldReference(4, field_type=object)  # an int or a list of split points
-    c.partition = "params"  # 'params' | 'flops' | 'blocks' | 'memory' (how `stages: int` is cut; models.partition)
+    # How `stages: int` is cut (cdpjax.models.partition): 'params' | 'flops' | 'blocks' | 'memory' | 'time'.
+    c.partition = "params"
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
     c.cdp_impl = "ring"  # 'simulate' | 'ring'
@@ -141,7 +142,7 @@ _CHOICES = {
     "norm": ("batch", "group", "none"),
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
-    "partition": ("params", "flops", "blocks", "memory"),
+    "partition": ("params", "flops", "blocks", "memory", "time"),
     "cdp_impl": ("simulate", "ring"),
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
     "cdp_ticks": ("whole", "split", "paired"),

@@ -47,7 +47,7 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
     program, net = method.program, method.net
     task = task or tasks.CLASSIFICATION
     ops = StageOps(net, 1.0, task=task)
-    carry = program.residuals == "carry"
+    carry = program.carries
     params, state = net.init(jax.random.key(0))
     x = image = jnp.zeros((micro, *net.input_shape), net.input_dtype)
     labels = jnp.zeros((micro, *task.label_shape(tuple(net.input_shape))), jnp.int32)

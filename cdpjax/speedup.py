@@ -516,29 +516,12 @@ def _balanced(costs, devices) -> tuple[int, ...]:
 
 
 def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int, repeats: int = 5):
-    """Split points minimising the slowest stage by MEASURED forward+backward time per block.
+    """Split points minimising the slowest stage by MEASURED forward+backward time per block
+    (`partition='time'`). Returns (points, report) where the report gives the per-stage times and
+    the imbalance (slowest / mean) of these points and of the even split by block count."""
+    from cdpjax.models.partition import balanced_points, block_seconds, even_points
 
-    Returns (points, report) where the report gives the per-stage times and the
-    imbalance (slowest / mean) of these points and of the even split by block count.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from cdpjax.models.partition import balanced_points, even_points
-
-    x = jnp.zeros((batch_size, *input_shape), jnp.float32)
-    costs = []
-    for k, block in enumerate(blocks):
-        variables = block.init(jax.random.key(k), x, train=False)
-
-        def fwd_bwd(v, inp, block=block):
-            def f(params, i):
-                return block.apply({**v, "params": params}, i, train=False).sum()
-
-            return jax.grad(f, argnums=(0, 1))(v["params"], inp)
-
-        costs.append(median_seconds(jax.jit(fwd_bwd), variables, x, repeats=repeats))
-        x = block.apply(variables, x, train=False)
+    costs = block_seconds(tuple(blocks), tuple(input_shape), batch_size, repeats=repeats)
     points = balanced_points(costs, stages)
     even = even_points(len(blocks), stages)
 

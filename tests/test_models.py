@@ -191,6 +191,41 @@ def test_balanced_split_beats_or_equals_the_even_split(name, shape, metric):
         np.testing.assert_allclose(sum(report_b[metric]), sum(costs), rtol=1e-9)
 
 
+def test_time_partition_is_the_minimax_cut_of_the_measured_block_times(monkeypatch):
+    """partition='time' cuts where the measured seconds say: with block times injected, its cut's
+    slowest stage equals the brute-force minimum over every cut, and `models.build` asks for the
+    times at a tick's micro-batch (global batch 64 over 4 workers: 16)."""
+    asked = []
+    seconds = (0.5, 3.0, 1.0, 1.0, 2.5, 0.25, 4.0, 0.5)
+
+    def injected(blocks, input_shape, batch_size, input_dtype="float32", repeats=5):
+        asked.append(batch_size)
+        return seconds[:len(blocks)]
+
+    monkeypatch.setattr(partition, "block_seconds", injected)
+    blocks = blocks_of("resnet_tiny", DIGITS)
+    n = len(blocks)
+    times = seconds[:n]
+    for stages in range(2, n):
+        cut = partition.split_points(blocks, stages, "time", DIGITS, batch_size=16)
+        slowest = max(sum(times[a:b]) for a, b in zip((0, *cut), (*cut, n)))
+        best = min(max(sum(times[a:b]) for a, b in zip((0, *c), (*c, n)))
+                   for c in itertools.combinations(range(1, n), stages - 1))
+        assert slowest == best
+    c = config("resnet_tiny", 3)
+    c.partition, c.global_batch_size, c.workers = "time", 64, 4
+    models.build(c, DIGITS, 10)
+    assert asked[-1] == 16
+
+
+def test_block_seconds_times_every_block():
+    from cdpjax.models.mlp import mlp
+
+    blocks = tuple(mlp(10, DIGITS, width=16, depth=3))
+    seconds = partition.block_seconds(blocks, DIGITS, 4, repeats=2)
+    assert len(seconds) == len(blocks) and all(s > 0 for s in seconds)
+
+
 def test_balance_report_of_resnet18():
     blocks = blocks_of("resnet18")
     points = partition.split_points(blocks, 4, "params", CIFAR)

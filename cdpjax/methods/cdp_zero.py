@@ -295,7 +295,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     mesh, tx, N, L = ctx.mesh, ctx.optimizer(), z.workers, z.stages
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
-    carry = residuals == "carry"
+    carry = program.carries
     stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     shards = Shards(FlatLayout.from_trees(shapes), N)

@@ -277,7 +277,7 @@ class _Runtime:
         self.mesh = ctx.mesh
         self.data = "data" in self.mesh.axis_names
         self.axes = ("stage", "data") if self.data else ("stage",)
-        self.carry = rules.residuals == "carry"
+        self.carry = program.carries
         self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes), ctx.task)
         self.label_shape = tuple(ctx.task.label_shape(tuple(net.input_shape)))
         place = program.placement
@@ -527,7 +527,8 @@ class _Runtime:
             state["fed"] = jnp.zeros((self.lag,), bool)
             # the labels of the last `lag` batches: an op of an earlier step reads them here
             state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.label_shape), jnp.int32)
-            state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype) for k, a in self.buffer_shapes().items()}
+            state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype)
+                                for k, a in self.buffer_shapes().items()}
         if prog.grads_in_flight:
             state["grads"] = {name: jnp.zeros((self.D, self.groups, *r.shape[1:]), jnp.float32)
                               for name, r in rows.items()}

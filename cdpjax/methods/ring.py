@@ -359,7 +359,7 @@ class Period:
         for w, kind, j, lag in _op_order(tk):
             pred = (me == w) & valid[lag]
             if kind == "F":
-                self.forward(b, j, pred, images, new_labels)
+                forward_op(b, j, pred, images, new_labels, self.fwd[j], ("params", j), self.ticks.stages, self.carry)
                 continue
             start = (w, j) in tk.chain_start
             if kind == "B":
@@ -383,16 +383,10 @@ class Period:
                 b[key] = sent[0]
         self.applies(b, tk, valid, me, after=True)
 
-    def forward(self, b, j, pred, images, new_labels):
-        forward_op(b, j, pred, images, new_labels, self.fwd[j], ("params", j), self.ticks.stages, self.carry)
-
-    def _backward_operands(self, b, j):
-        return backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
-
     def backward(self, b, j, pred, start, lag):
         """B: the input's cotangent to cots[j-1]; with whole backwards, the partial sum plus its
         gradient (returned)."""
-        operands, reads = self._backward_operands(b, j)
+        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
         name = ("partial", j, lag)
         gradient = not self.split
@@ -406,7 +400,7 @@ class Period:
 
     def weight(self, b, j, pred, start, lag):
         """W: the partial sum plus stage j's weight gradient."""
-        operands, reads = self._backward_operands(b, j)
+        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
         name = ("partial", j, lag)
         partial = varying(jnp.zeros((), jnp.float32), AXIS) if start else b[name]
         return b.cond(pred, *self.wgt[(j, start)], (*operands, partial), reads, [] if start else [name])
@@ -535,7 +529,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     mesh, tx, N = ctx.mesh, ctx.optimizer(), ticks.workers
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
-    carry = residuals == "carry"
+    carry = program.carries
     stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
     period = Period(stages, program, tx, carry)
     per_worker = NamedSharding(mesh, P(AXIS))

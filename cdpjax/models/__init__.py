@@ -42,8 +42,12 @@ def build(config, input_shape, num_classes, bn_axis_name=None, stages=None, inpu
         **kwargs,
     )
     spec = config.stages if stages is None else stages
+    # `partition='time'` times blocks at a tick's micro-batch: the global batch over the workers
+    # (the ring, cdp-mp: one micro-batch a worker; N = L where `workers` is left to the mesh).
+    workers = config.get("workers", 0) or (spec if isinstance(spec, int) else len(spec) + 1)
+    micro_batch = max(1, int(config.get("global_batch_size", 1)) // max(1, int(workers)))
     points = split_points(blocks, spec, config.get("partition", "params"), tuple(input_shape), config.model,
-                          str(input_dtype))
+                          str(input_dtype), batch_size=micro_batch)
     bounds = tuple(zip((0, *points), (*points, len(blocks))))
     return StagedNet(config.model, tuple(blocks), bounds, tuple(input_shape), num_classes, str(input_dtype))
 

@@ -15,7 +15,12 @@ strategy:
   table's model (`TimeTable.activation_stats`); ties go to the most even outputs.
   Searched over every cut. The unit model (every stage's output one "stage-
   activation") gives CDP half of DP's peak whatever the cut; in bytes the cut
-  decides (`memory_report`).
+  decides (`memory_report`);
+- `time`: balance each block's MEASURED forward + backward seconds on this machine's
+  default device at the step's micro-batch (`block_seconds`): the pace of a lockstep
+  tick, where a stage of higher resolution can be slower per FLOP than `flops` says.
+  The cut is the machine's, not the model's: it can differ between a CPU and a GPU,
+  and between runs when two blocks time alike.
 
 The balanced strategies return the contiguous partition that minimises the
 largest stage cost (exactly, by dynamic programming), and among those the one
@@ -34,15 +39,16 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 
-STRATEGIES = ("params", "flops", "blocks", "memory")
+STRATEGIES = ("params", "flops", "blocks", "memory", "time")
 
 
 def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name: str = "model",
-                 input_dtype: str = "float32") -> tuple[int, ...]:
+                 input_dtype: str = "float32", batch_size: int = 1) -> tuple[int, ...]:
     """Block indices where stages 1..L-1 start.
 
     `spec` is a number of stages (balanced by `strategy`) or explicit split points;
-    `input_dtype` is what the first block reads (int32 token ids for a language model).
+    `input_dtype` is what the first block reads (int32 token ids for a language model);
+    `batch_size` is the batch `time` measures at (the micro-batch of a tick).
     """
     n = len(blocks)
     if isinstance(spec, (list, tuple)):
@@ -64,6 +70,8 @@ def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name:
         return even_points(n, stages)
     if strategy == "memory":
         return memory_points(blocks, input_shape, stages, input_dtype)
+    if strategy == "time":
+        return balanced_points(block_seconds(tuple(blocks), tuple(input_shape), batch_size, input_dtype), stages)
     return balanced_points(block_costs(blocks, input_shape, strategy, input_dtype), stages)
 
 
@@ -208,7 +216,10 @@ def block_shapes(blocks: Sequence, input_shape, batch_size: int = 1, input_dtype
 
 
 def block_costs(blocks: Sequence, input_shape, metric: str, input_dtype: str = "float32") -> list[float]:
-    """Per-block cost: `params` (parameter count), `flops` (forward FLOPs at batch 1) or `blocks` (1 each)."""
+    """Per-block cost: `params` (parameter count), `flops` (forward FLOPs at batch 1), `blocks` (1 each)
+    or `time` (measured seconds at batch 1; `block_seconds` for another batch)."""
+    if metric == "time":
+        return list(block_seconds(tuple(blocks), tuple(input_shape), 1, input_dtype))
     if metric == "blocks":
         return [1.0] * len(blocks)
     if metric not in STRATEGIES:
@@ -217,6 +228,33 @@ def block_costs(blocks: Sequence, input_shape, metric: str, input_dtype: str = "
     if metric == "params":
         return [float(_params_and_output(b, s, d)[0]) for b, s, d in zip(blocks, shapes, dtypes)]
     return [_flops(b, s, d) for b, s, d in zip(blocks, shapes, dtypes)]
+
+
+@functools.lru_cache(maxsize=None)
+def block_seconds(blocks: tuple, input_shape: tuple, batch_size: int, input_dtype: str = "float32",
+                  repeats: int = 5) -> tuple[float, ...]:
+    """Each block's forward + backward (the gradient w.r.t. its parameters and its input), median
+    seconds over `repeats` calls at `batch_size`, on the default device; measured once a process."""
+    import jax
+    import jax.numpy as jnp
+
+    from cdpjax.speedup import median_seconds  # late: speedup imports this module
+
+    x = jnp.zeros((batch_size, *input_shape), input_dtype)
+    seconds = []
+    for k, block in enumerate(blocks):
+        variables = block.init(jax.random.key(k), x, train=False)
+        differentiable = jnp.issubdtype(x.dtype, jnp.floating)
+
+        def forward_backward(v, inp, block=block, differentiable=differentiable):
+            def loss(params, i):
+                return block.apply({**v, "params": params}, i, train=False).astype(jnp.float32).sum()
+
+            return jax.grad(loss, argnums=(0, 1) if differentiable else 0)(v["params"], inp)
+
+        seconds.append(median_seconds(jax.jit(forward_backward), variables, x, repeats=repeats))
+        x = block.apply(variables, x, train=False)
+    return tuple(seconds)
 
 
 def _imbalance(costs: Sequence[float]) -> float:

@@ -187,6 +187,11 @@ class Program:
         if len(set(names)) != len(names):
             raise ValueError(f"{self.method}: buffer names repeat: {sorted(n for n in names if names.count(n) > 1)}")
 
+    @property
+    def carries(self) -> bool:
+        """Whether its backward ops read the forward's kept residuals (`residuals='carry'`)."""
+        return carries(self.residuals)
+
     # ----------------------------------------------------------------- messages
 
     def sent_bytes(self, sizes: Mapping[str, Sequence[float]]) -> np.ndarray:
