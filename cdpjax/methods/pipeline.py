@@ -717,14 +717,12 @@ def _gated_permute(message: dict, go, src: int, dst: int, axes):
 
 
 def _write_leaves(row, leaves):
-    """`leaves` raveled one after another into `row` ([1, width] float32), each in place; the
-    row's tail is left as it was (the backward reads only its own unit's length)."""
-    at = 0
-    for leaf in leaves:
-        flat = jnp.reshape(leaf, (1, -1)).astype(row.dtype)
-        row = row.at[:, at:at + flat.shape[1]].set(flat)
-        at += flat.shape[1]
-    return row
+    """`leaves` raveled one after another into `row` ([1, width] float32), in one update of its
+    head; the row's tail is left as it was (the backward reads only its own unit's length). One
+    update, not one per leaf: XLA:CPU copies the whole row for each update inside a branch, which
+    at ResNet-18's width (a row of tens of MiB, dozens of leaves) made cdp-mp's step 13x dp's."""
+    flat = jnp.concatenate([jnp.reshape(leaf, (1, -1)).astype(row.dtype) for leaf in leaves], axis=1)
+    return lax.dynamic_update_slice(row, flat, (0, 0))
 
 
 def _read_leaves(row, template):
