@@ -521,7 +521,7 @@ def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int,
     the imbalance (slowest / mean) of these points and of the even split by block count."""
     from cdpjax.models.partition import balanced_points, block_seconds, even_points
 
-    costs = block_seconds(tuple(blocks), tuple(input_shape), batch_size, repeats=repeats)
+    costs = block_seconds(blocks, input_shape, batch_size, repeats=repeats)
     points = balanced_points(costs, stages)
     even = even_points(len(blocks), stages)
 

@@ -224,6 +224,11 @@ def test_block_seconds_times_every_block():
     blocks = tuple(mlp(10, DIGITS, width=16, depth=3))
     seconds = partition.block_seconds(blocks, DIGITS, 4, repeats=2)
     assert len(seconds) == len(blocks) and all(s > 0 for s in seconds)
+    from cdpjax.models.gpt import gpt  # token ids in: the first block has no input gradient
+
+    tokens = gpt(11, (6,), width=16, depth=2, heads=2, mlp_dim=32)
+    seconds = partition.block_seconds(tokens, (6,), 4, "int32", repeats=2)
+    assert len(seconds) == len(tokens) and all(s > 0 for s in seconds)
 
 
 def test_balance_report_of_resnet18():

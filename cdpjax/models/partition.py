@@ -71,7 +71,7 @@ def split_points(blocks: Sequence, spec, strategy: str, input_shape, model_name:
     if strategy == "memory":
         return memory_points(blocks, input_shape, stages, input_dtype)
     if strategy == "time":
-        return balanced_points(block_seconds(tuple(blocks), tuple(input_shape), batch_size, input_dtype), stages)
+        return balanced_points(block_seconds(blocks, input_shape, batch_size, input_dtype), stages)
     return balanced_points(block_costs(blocks, input_shape, strategy, input_dtype), stages)
 
 
@@ -158,11 +158,11 @@ def _cached(fn):
     cached = functools.lru_cache(maxsize=None)(fn)
 
     @functools.wraps(fn)
-    def wrapper(block, shape, dtype="float32"):
+    def wrapper(block, shape, dtype="float32", *rest):
         try:
-            return cached(block, shape, str(dtype))
+            return cached(block, shape, str(dtype), *rest)
         except TypeError:  # an unhashable block: compute without the cache
-            return fn(block, shape, dtype)
+            return fn(block, shape, dtype, *rest)
 
     return wrapper
 
@@ -219,7 +219,7 @@ def block_costs(blocks: Sequence, input_shape, metric: str, input_dtype: str = "
     """Per-block cost: `params` (parameter count), `flops` (forward FLOPs at batch 1), `blocks` (1 each)
     or `time` (measured seconds at batch 1; `block_seconds` for another batch)."""
     if metric == "time":
-        return list(block_seconds(tuple(blocks), tuple(input_shape), 1, input_dtype))
+        return list(block_seconds(blocks, input_shape, 1, input_dtype))
     if metric == "blocks":
         return [1.0] * len(blocks)
     if metric not in STRATEGIES:
@@ -230,31 +230,33 @@ def block_costs(blocks: Sequence, input_shape, metric: str, input_dtype: str = "
     return [_flops(b, s, d) for b, s, d in zip(blocks, shapes, dtypes)]
 
 
-@functools.lru_cache(maxsize=None)
-def block_seconds(blocks: tuple, input_shape: tuple, batch_size: int, input_dtype: str = "float32",
+def block_seconds(blocks: Sequence, input_shape, batch_size: int, input_dtype: str = "float32",
                   repeats: int = 5) -> tuple[float, ...]:
     """Each block's forward + backward (the gradient w.r.t. its parameters and its input), median
-    seconds over `repeats` calls at `batch_size`, on the default device; measured once a process."""
+    seconds over `repeats` calls at `batch_size` on zeros of its input shape, on the default
+    device; measured once a process per block and shape."""
+    shapes = block_shapes(blocks, input_shape, batch_size, input_dtype)
+    return tuple(_seconds(b, s, d, repeats) for b, s, d in zip(blocks, shapes, _input_dtypes(blocks, input_dtype)))
+
+
+@_cached
+def _seconds(block, shape: tuple[int, ...], dtype="float32", repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
     from cdpjax.speedup import median_seconds  # late: speedup imports this module
 
-    x = jnp.zeros((batch_size, *input_shape), input_dtype)
-    seconds = []
-    for k, block in enumerate(blocks):
-        variables = block.init(jax.random.key(k), x, train=False)
-        differentiable = jnp.issubdtype(x.dtype, jnp.floating)
+    x = jnp.zeros(shape, dtype)
+    variables = block.init(jax.random.key(0), x, train=False)
+    wrt = (0, 1) if jnp.issubdtype(x.dtype, jnp.floating) else 0  # token ids have no gradient
 
-        def forward_backward(v, inp, block=block, differentiable=differentiable):
-            def loss(params, i):
-                return block.apply({**v, "params": params}, i, train=False).astype(jnp.float32).sum()
+    def forward_backward(v, inp):
+        def loss(params, i):
+            return block.apply({**v, "params": params}, i, train=False).astype(jnp.float32).sum()
 
-            return jax.grad(loss, argnums=(0, 1) if differentiable else 0)(v["params"], inp)
+        return jax.grad(loss, argnums=wrt)(v["params"], inp)
 
-        seconds.append(median_seconds(jax.jit(forward_backward), variables, x, repeats=repeats))
-        x = block.apply(variables, x, train=False)
-    return tuple(seconds)
+    return median_seconds(jax.jit(forward_backward), variables, x, repeats=repeats)
 
 
 def _imbalance(costs: Sequence[float]) -> float:
