@@ -150,9 +150,11 @@ def traffic(hlo_text: str, devices: int) -> dict[str, Any]:
                 if not m:
                     continue
                 shapes = _SHAPE.findall(m.group(1))
-                payload = _shape_bytes("{}[{}]".format(*shapes[0])) if m.group(2) and shapes else _shape_bytes(m.group(1))
+                one = "{}[{}]".format(*shapes[0]) if m.group(2) and shapes else m.group(1)
+                payload = _shape_bytes(one)
                 if kind == "collective-permute":
-                    pairs = len(re.findall(r"\{\d+,\d+\}", line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0] + "}"))
+                    listed = line.split("source_target_pairs=", 1)[-1].split("}}", 1)[0] + "}"
+                    pairs = len(re.findall(r"\{\d+,\d+\}", listed))
                     sent = payload * pairs
                     largest_permute = max(largest_permute, payload)
                 else:
@@ -239,7 +241,8 @@ def _padded_figures(method, sizes) -> dict[str, Any]:
     p_max = getattr(carrier, "p_max", None)
     if p_max is None or method.table is None or not hasattr(method.table, "comm_balance"):
         return {}
-    padded = {"param_bytes": [int(p_max) * 4] * len(sizes["param_bytes"]), "activation_bytes": sizes["activation_bytes"]}
+    padded = {"param_bytes": [int(p_max) * 4] * len(sizes["param_bytes"]),
+              "activation_bytes": sizes["activation_bytes"]}
     figures = table_figures(method.table, padded)
     return {"comm_balance_padded": figures.get("comm_balance"),
             "table_bytes_padded_per_device_per_step": figures.get("table_bytes_per_device_per_step")}

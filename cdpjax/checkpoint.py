@@ -12,7 +12,8 @@ fails (a full disk) removes its own temporary directory.
 
 Next to the state, each checkpoint holds a small JSON `meta` (method, mesh shape, skipped
 steps, the partial logging window), which says whether the state fits a run before it is
-restored, and what guards the bytes: `tree`, every array's path, shape and dtype (paths and shapes must match the run's);
+restored, and what guards the bytes: `tree`, every array's path, shape and dtype (paths and
+shapes must match the run's);
 `checksums`, per array two sums of its bits taken on the devices (`array_checksums`: the
 sum and the position-weighted sum of its 32-bit words, modulo 2**32, so a flipped bit
 always shows and the figure does not depend on the sharding or the device count); and

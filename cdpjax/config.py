@@ -379,7 +379,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     docs/guarantees.md lists them all."""
     unknown = sorted(set(config.keys()) - set(default_config().keys()))
     if unknown:
-        raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(default_config().keys()))}")
+        known = ", ".join(sorted(default_config().keys()))
+        raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {known}")
     for key, (kind, lo, hi) in _NUMERIC.items():
         if key in config:
             _check_number(key, config[key], kind, lo, hi)

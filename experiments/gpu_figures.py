@@ -1,7 +1,7 @@
 """GPU figures on ONE GPU: step times, images per second, memory and speedup predictions.
 
     PYTHONPATH=. python experiments/gpu_figures.py --out out/gpu_figures.json   # what gpu_figures.sh runs
-    python experiments/gpu_figures.py --table out/gpu_figures.json              # the markdown of docs/measured.md's GPU section
+    python experiments/gpu_figures.py --table out/gpu_figures.json              # docs/measured.md's GPU section
     python experiments/gpu_figures.py --tiny --out /tmp/g.json                  # tiny models, any CPU
 
 Workloads (synthetic data of CIFAR shape, 32x32x3, 10 classes; no download):
@@ -84,7 +84,8 @@ def config_for(workload: dict, method: str, dtype: str, workers: int):
     from cdpjax.config import default_config
 
     c = default_config()
-    c.method, c.model, c.model_kwargs, c.norm = method, workload["model"], dict(workload["model_kwargs"]), workload["norm"]
+    c.method, c.model, c.norm = method, workload["model"], workload["norm"]
+    c.model_kwargs = dict(workload["model_kwargs"])
     c.dataset = workload["dataset"]
     c.dataset_kwargs = {"image_shape": tuple(workload["image_shape"]), "num_classes": 10}
     c.global_batch_size, c.stages, c.dtype = workload["batch"], workload["stages"], dtype
@@ -228,7 +229,8 @@ def step_rows(doc: dict) -> list[str]:
 
 def prediction_rows(doc: dict) -> list[str]:
     """One row per prediction: the stage times it is made of, the step time and the speedup."""
-    rows = ["| workload | dtype | method | micro-batch | stage forward / backward ms | step ms | speedup over 1 device |",
+    rows = ["| workload | dtype | method | micro-batch | stage forward / backward ms | step ms "
+            "| speedup over 1 device |",
             "|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
         if r["kind"] == "prediction" and "step_seconds" in r:
@@ -239,7 +241,8 @@ def prediction_rows(doc: dict) -> list[str]:
 
 
 def table(doc: dict) -> str:
-    """The markdown of docs/measured.md's GPU section: step times on one device, then the predictions on `devices` devices."""
+    """The markdown of docs/measured.md's GPU section: step times on one device, then the
+    predictions on `devices` devices."""
     env, settings = doc["environment"], doc["settings"]
     lines = [f"{env['device']} x1 ({env['backend']}), JAX {env['jax']}, {env['date'][:10]}"
              f"{' (--tiny)' if settings['tiny'] else ''}", "", *step_rows(doc), "",

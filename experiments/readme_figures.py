@@ -99,7 +99,7 @@ COLUMNS = {  # name -> (heading, cell from (record, first record))
               lambda r, f: f"{r['cost']['flops'] / f['cost']['flops']:.3f}"),
     "bytes_accessed": ("bytes accessed per device per step, x first (XLA cost)",
                        lambda r, f: f"{r['cost']['bytes_accessed'] / f['cost']['bytes_accessed']:.3f}"),
-    "padded": ("bytes sent per device per step, padded as the messages were before", 
+    "padded": ("bytes sent per device per step, padded as the messages were before",
                lambda r, f: _mib(r.get("sent_bytes_padded_per_device_per_step", 0))),
     "sent_hlo": ("bytes the compiled step sends per device per step (HLO; gated sends every tick)",
                  lambda r, f: _mib(r.get("sent_bytes_hlo_per_device_per_step", 0))),

@@ -257,7 +257,8 @@ def _figures(row: Row, config, summary: dict) -> dict:
     per_tick = table.bytes_per_tick(sizes["param_bytes"])
     lo, hi = table.steady
     out.update(workers=workers, stages=stages, stage_param_bytes=sizes["param_bytes"],
-               stage_activation_bytes=sizes["activation_bytes"], activation=table.activation_stats(sizes["activation_bytes"]),
+               stage_activation_bytes=sizes["activation_bytes"],
+               activation=table.activation_stats(sizes["activation_bytes"]),
                comm_balance=table.comm_balance(sizes["param_bytes"]),
                comm_peak_tick_bytes=float(per_tick[lo:hi].max()) if hi > lo else 0.0)
     return out
@@ -451,7 +452,8 @@ def cdp_figures(records: list[dict], out: str) -> list[str]:
         # cdp-v1 and cdp-v2 share one timing (they differ in the versions read): one cdp line.
         tables = [cdp_table(m, N, L, steps=4) for m in ("dp", "cdp-v2")]
         paths.append(plotting.plot_activation(tables, stem.format("cdp_activation")))
-        paths.append(plot_activation_bytes(tables, rs[0]["stage_activation_bytes"], stem.format("cdp_activation_bytes")))
+        paths.append(plot_activation_bytes(tables, rs[0]["stage_activation_bytes"],
+                                           stem.format("cdp_activation_bytes")))
         paths.append(plotting.plot_comm(tables, rs[0]["stage_param_bytes"], stem.format("cdp_comm")))
     return paths
 

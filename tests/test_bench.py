@@ -245,7 +245,8 @@ def test_balance_by_time_beats_even_split():
 
 def test_cdp_figures_for_resnet18_cifar():
     """N = L = 4, ResNet-18 of CIFAR shape: the table figures `cdpjax bench` reports (no compile needed).
-    The comm balance depends on the stage cut (gradient sizes): the bench's split [3, 6, 8] (docs/measured.md) keeps it under 2."""
+    The comm balance depends on the stage cut (gradient sizes): the bench's split [3, 6, 8]
+    (docs/measured.md) keeps it under 2."""
     from cdpjax import models
     from cdpjax.config import default_config
 
@@ -272,7 +273,8 @@ def test_pipeline_busy_fractions_from_their_tables():
     sizes = {"param_bytes": [4] * 4, "activation_bytes": [4] * 4}
     assert bench.table_figures(timetable.table("ppll", stages=4), sizes)["busy_fraction"] == pytest.approx(1.0)
     assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
-    assert bench.table_figures(timetable.table("cdp-mp", stages=4, steps=4), sizes)["busy_fraction"] == pytest.approx(1.0)
+    cdp_mp = timetable.table("cdp-mp", stages=4, steps=4)
+    assert bench.table_figures(cdp_mp, sizes)["busy_fraction"] == pytest.approx(1.0)
 
 
 def test_memory_partition_holds_the_fewest_bytes():

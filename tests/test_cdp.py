@@ -109,11 +109,14 @@ def test_delay_removed_equals_dp_and_e2e():
     # split backwards (F, B, W: 3L ticks of about equal cost): every rule, N = 2, 4, 8 and N != L
     ("cdp-v2", 4, 4, "none", "cdp-v2", "carry", "split"), ("cdp-v2", 2, 4, "none", "cdp-v2", "carry", "split"),
     ("cdp-v2", 8, 4, "none", "cdp-v2", "carry", "split"), ("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "split"),
-    ("cdp-v2", 2, 4, "none", "paper-code", "carry", "split"), pytest.param("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "split", marks=pytest.mark.heavy),
+    ("cdp-v2", 2, 4, "none", "paper-code", "carry", "split"),
+    pytest.param("cdp-v2", 4, 4, "none", "cdp-v2", "recompute", "split", marks=pytest.mark.heavy),
     pytest.param("cdp-v2", 2, 2, "batch", "cdp-v2", "carry", "split", marks=pytest.mark.heavy),
     # paired forwards (two a tick, whole backwards): offsets as uniform as whole ticks allow
-    ("cdp-v2", 4, 4, "none", "cdp-v2", "carry", "paired"), pytest.param("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "paired", marks=pytest.mark.heavy),
-    ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute", "paired"), pytest.param("cdp-v2", 8, 8, "none", "cdp-v2", "carry", "paired", marks=pytest.mark.heavy),
+    ("cdp-v2", 4, 4, "none", "cdp-v2", "carry", "paired"),
+    pytest.param("cdp-v1", 4, 4, "none", "cdp-v2", "carry", "paired", marks=pytest.mark.heavy),
+    ("cdp-v2", 2, 4, "none", "cdp-v2", "recompute", "paired"),
+    pytest.param("cdp-v2", 8, 8, "none", "cdp-v2", "carry", "paired", marks=pytest.mark.heavy),
     ("cdp-v2", 2, 4, "none", "paper-code", "carry", "paired"),
 ])
 def test_ring_equals_simulate(method, workers, stages, norm, rule, residuals, ticks):

@@ -38,6 +38,16 @@ def test_every_file_the_readme_links_exists():
     assert [link for link in links if not link.startswith("http") and not (ROOT / link).exists()] == []
 
 
+def test_every_file_the_docs_link_exists():
+    """Links in docs/*.md resolve from the file that holds them (`(ppll.md)`, `(../colab/...)`)."""
+    broken = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not link.startswith(("http://", "https://")) and not (doc.parent / link).exists():
+                broken.append(f"{doc.name}: {link}")
+    assert broken == []
+
+
 def test_the_zb_h1_walkthrough_is_the_code():
     code = {_normal(s) for f in ("cdpjax/layouts/zb_h1.py", "cdpjax/methods/zb_h1.py")
             for s in ast.parse((ROOT / f).read_text()).body}
@@ -45,3 +55,14 @@ def test_the_zb_h1_walkthrough_is_the_code():
     shown = [s for block in blocks for s in ast.parse(block).body]
     assert len(blocks) >= 3 and len(shown) >= 4  # both functions of the table, the registration, the builder
     assert [ast.unparse(s).splitlines()[0] for s in shown if _normal(s) not in code] == []
+
+
+def test_the_code_passes_ruff():
+    """Lines of at most 120 characters, no unused names, pycodestyle's errors and warnings
+    (pyproject.toml's [tool.ruff]): a style slip fails here, not in review."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -124,8 +124,8 @@ def test_bad_input_fails_before_compiling(args, message, capsys, tmp_path, compi
 
 
 def test_bad_input_subprocess_exits_nonzero_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config.method=nope", "--workdir", str(tmp_path)],
-                          capture_output=True, text=True)
+    command = [sys.executable, "-m", "cdpjax.cli", "train", "--config.method=nope", "--workdir", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "unknown method 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -164,7 +164,8 @@ def test_interleaved_bubble_shrinks_with_chunks():
         t = table("interleaved-1f1b", stages=V * D, chunks=V, microbatches=M, steps=1)
         work = 2 * M * V  # ticks of work per device per step
         assert t.period - work <= 2 * (D - 1) + (V - 1) * D  # idle ticks of the slowest device
-        assert t.busy_fraction()["devices"] > table("gpipe", stages=D, microbatches=M, steps=1).busy_fraction()["devices"]
+        gpipe = table("gpipe", stages=D, microbatches=M, steps=1)
+        assert t.busy_fraction()["devices"] > gpipe.busy_fraction()["devices"]
         assert len(t.ops) == 2 * M * V * D
 
 
@@ -209,7 +210,8 @@ def test_a_layout_from_outside_needs_no_other_edit(tmp_path, capsys, monkeypatch
         assert sorted(schedule_boxes(fig)) == sorted(lifo)
         assert png_matches(tmp_path / "t.png", fig)
         c = default_config()
-        c.method, c.model, c.model_kwargs, c.stages, c.microbatches, c.norm = "toy-lifo", "mlp", {"width": 16}, 3, 2, "none"
+        c.method, c.model, c.model_kwargs, c.norm = "toy-lifo", "mlp", {"width": 16}, "none"
+        c.stages, c.microbatches = 3, 2
         c.global_batch_size = 16
         record = bench.bench_method(c, devices=jax.devices()[:3], warmup=1, repeats=1)
         assert record["method"] == "toy-lifo" and record["devices"] == 3
@@ -264,7 +266,8 @@ def test_a_table_survives_json(name, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", [pytest.param("1f1b", marks=pytest.mark.heavy),
-                                  pytest.param("interleaved-1f1b", marks=pytest.mark.heavy), "zb-h1", "zbv", "looped-bfs"])
+                                  pytest.param("interleaved-1f1b", marks=pytest.mark.heavy),
+                                  "zb-h1", "zbv", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""

@@ -14,8 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("readme")
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "readme_figures.py"), "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=2400, cwd=ROOT)
+    command = [sys.executable, str(ROOT / "experiments" / "readme_figures.py"), "--tiny", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=2400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
 

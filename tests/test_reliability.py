@@ -404,8 +404,10 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
     _, err = proc.communicate()
     assert proc.returncode == 130, err[-3000:]
     lines = err.split("\n")
-    devices = lines.index("cdpjax: 8 simulated CPU devices (what the mesh {'data': 8} needs); --cpu-devices sets them")
-    assert lines[devices + 1] == f"cdpjax: training dp / mlp / digits in {work}: 12 steps (mesh {{'data': 8}}, 8 devices)"
+    devices = lines.index("cdpjax: 8 simulated CPU devices (what the mesh {'data': 8} needs); "
+                          "--cpu-devices sets them")
+    assert lines[devices + 1] == (f"cdpjax: training dp / mlp / digits in {work}: 12 steps "
+                                  f"(mesh {{'data': 8}}, 8 devices)")
     assert (f"cdpjax: interrupted at step 5; last complete checkpoint: step 4 in {work}/checkpoints; "
             f"run the same command to resume") in lines, err
     assert "Traceback" not in err and not (work / "lock.json").exists()
@@ -417,7 +419,8 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
-@pytest.mark.heavy  # CI: tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
+# CI runs tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
+@pytest.mark.heavy
 def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
     """`--force` on a directory whose lock names a live process (this one, as another run would
     be): the run takes the lock over, says so, resumes and finishes; the temporary checkpoint
@@ -635,7 +638,8 @@ def _fails(args, message, capsys, workdir, compiles, train_step_only=False):
 BAD_CONFIG = [
     (["--config.augment='yes'"], "augment must be True or False, got 'yes'"),
     (["--config.method=[1]"], "method must be a string"),
-    (["--config.model_kwargs.widht=64"], "model_kwargs.widht is not an option of model 'mlp'; its options: depth, width"),
+    (["--config.model_kwargs.widht=64"],
+     "model_kwargs.widht is not an option of model 'mlp'; its options: depth, width"),
     (["--config.model_kwargs.norm='batch'"], "model_kwargs.norm is set by the config key 'norm'"),
     (["--config.dataset_kwargs.split='x'"], "dataset_kwargs.split is not an option of dataset 'digits'"),
     (["--config.data_dir='/no/such/dir'"], "data_dir='/no/such/dir' is not a directory"),

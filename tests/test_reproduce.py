@@ -164,10 +164,12 @@ def test_rows_that_cannot_run_here_say_why(tmp_path):
 
 def test_row_lists_cover_the_paper_tables():
     cdp = reproduce.cdp_rows(False)
-    assert {tuple(r.group) for r in cdp} == {(d, m) for d in ("cifar10", "imagenet2012") for m in ("resnet18", "resnet50")}
+    groups = {(d, m) for d in ("cifar10", "imagenet2012") for m in ("resnet18", "resnet50")}
+    assert {tuple(r.group) for r in cdp} == groups
     assert {r.method for r in cdp} == {"dp", "cdp-v1", "cdp-v2"}
     ppll = reproduce.ppll_rows(False)
-    assert {tuple(r.group) for r in ppll if r.method == "ppll"} == {("resnet32", k) for k in (2, 4, 8, 16)} | {("vit", 4)}
+    groups = {("resnet32", k) for k in (2, 4, 8, 16)} | {("vit", 4)}
+    assert {tuple(r.group) for r in ppll if r.method == "ppll"} == groups
     assert {r.method for r in ppll} == {"e2e", "local", "ppll", "gpipe"}
     assert len({r.name for r in cdp + ppll}) == len(cdp + ppll)  # one directory per row
 

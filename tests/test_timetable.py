@@ -265,7 +265,8 @@ def test_paper_code_rule():
     assert paper(8, 4).sum() == 6
     np.testing.assert_array_equal(table("cdp-v2", workers=4, stages=4, rule="paper-code").stale,
                                   cdp_table("cdp-v2", 4, 4).stale)
-    assert (paper(2, 4) >= cdp_table("cdp-v2", 2, 4).stale).all() and paper(2, 4).sum() > cdp_table("cdp-v2", 2, 4).stale.sum()
+    v2 = cdp_table("cdp-v2", 2, 4).stale
+    assert (paper(2, 4) >= v2).all() and paper(2, 4).sum() > v2.sum()
     ring_program("paper-code", 2, 4)  # realisable: every read served from one stored version
 
     t = cdp_table("paper-code", 8, 4, steps=4)
@@ -456,3 +457,31 @@ def test_json_round_trip_with_w():
     back = TimeTable.from_json(json.dumps(d))
     assert back == t and back.split_backward
     assert back.activation_stats() == t.activation_stats() and back.format_grid() == t.format_grid()
+
+
+@pytest.mark.parametrize("lower,engine", [("ring", "the ring engine"), ("zero", "the cdp-zero engine")])
+def test_the_ring_engines_refuse_a_table_that_is_not_cdps(lower, engine):
+    """The ring engines build their period from CDP's own table (rule, workers, stages, ticks):
+    handed another schedule under a CDP method's name, or a kind they have no piece for, they
+    refuse it in one line naming the op, instead of running CDP's schedule in its place."""
+    import dataclasses
+
+    from cdpjax.program.ring import lower_ring
+    from cdpjax.program.zero import lower_zero
+
+    run = {"ring": lower_ring, "zero": lower_zero}[lower]
+    method = "cdp-v2" if lower == "ring" else "cdp-zero"
+    own = table(method, workers=2, stages=2)
+    run(own)  # CDP's own: lowered
+    first = own.ops[0]  # worker 0's forward of stage 0, step 0, at tick 0
+    assert (first.tick, first.device, first.stage, first.kind, first.step) == (0, 0, 0, "F", 0)
+    later = dataclasses.replace(own, ops=(dataclasses.replace(first, tick=1),) + own.ops[1:])
+    with pytest.raises(ConfigError, match=rf"^{engine} runs CDP's own cdp-v2 tables, and this {method} table has "
+                                          r"F0 of worker 0, step 0 at tick 1, which CDP's .* does not"):
+        run(later)
+    fb = dataclasses.replace(own, ops=(dataclasses.replace(first, kind="FB"),) + own.ops[1:])
+    with pytest.raises(ConfigError, match=rf"^{engine} has no piece for op kind 'FB' .*; it runs F, B, W$"):
+        run(fb)
+    missing = dataclasses.replace(own, ops=own.ops[1:])
+    with pytest.raises(ConfigError, match=r"table lacks F0 of worker 0, step 0 at tick 0, which CDP's .* does:"):
+        run(missing)

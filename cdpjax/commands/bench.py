@@ -28,7 +28,8 @@ def add_parser(subparsers):
                     "time, XLA memory, the collectives in the compiled HLO, bytes sent, and the time tables' "
                     "figures; --predict models real devices.",
         epilog=EPILOG, usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... "
-                             "[--cpu-devices N] [--json OUT] [--repeats R] [--predict K [--bandwidth B] [--calibrate alone|together] [--no-heads]] "
+                             "[--cpu-devices N] [--json OUT] [--repeats R] "
+                             "[--predict K [--bandwidth B] [--calibrate alone|together] [--no-heads]] "
                              "[--keep-mesh]")
     p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
                    help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "

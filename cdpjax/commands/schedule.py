@@ -112,7 +112,8 @@ def check_sizes(layout, sizes: dict) -> None:
     are the layouts' to refuse, in their words."""
     for name, value in sizes.items():
         values = value if isinstance(value, tuple) else (value,)
-        if name not in ("rule", "steps", "ticks") and value is not None and any(v > table_json.SIZE_LIMIT for v in values):
+        sized = name not in ("rule", "steps", "ticks") and value is not None
+        if sized and any(v > table_json.SIZE_LIMIT for v in values):
             raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))}: at most "
                               f"{table_json.SIZE_LIMIT} here (the table would not fit a screen or the memory)")
     defaults = {}

@@ -6,7 +6,8 @@ import numpy as np
 from cdpjax.data.base import Dataset
 
 
-def synthetic(image_shape=(32, 32, 3), num_classes: int = 10, num_train: int = 4096, num_test: int = 512, **_) -> Dataset:
+def synthetic(image_shape=(32, 32, 3), num_classes: int = 10, num_train: int = 4096, num_test: int = 512,
+              **_) -> Dataset:
     image_shape = tuple(int(s) for s in image_shape)
 
     def read(split, idx):

@@ -92,7 +92,8 @@ class Layout:
         if self.colour not in COLOURS:
             raise ValueError(f"layout {self.name!r}: colour={self.colour!r} is not one of {', '.join(COLOURS)}")
         if self.device_axis is not None and self.device_axis not in self.axes:
-            raise ValueError(f"layout {self.name!r}: device_axis {self.device_axis!r} is not one of its axes {self.axes}")
+            raise ValueError(f"layout {self.name!r}: device_axis {self.device_axis!r} is not one of its axes "
+                             f"{self.axes}")
 
     def cell(self, op, diagram: bool = False) -> str:
         """The text of `op`'s cell in the grid (or, with `diagram`, in the timing diagram)."""

@@ -66,7 +66,8 @@ def phase_ops(stages: int, ticks: str = "whole") -> tuple[tuple[tuple[str, int],
     if ticks == "whole":
         return tuple([(("F", j),) for j in range(L)] + backwards)
     if ticks == "split":
-        return tuple([(("F", j),) for j in range(L)] + [(op,) for j in reversed(range(L)) for op in (("B", j), ("W", j))])
+        return tuple([(("F", j),) for j in range(L)]
+                     + [(op,) for j in reversed(range(L)) for op in (("B", j), ("W", j))])
     return tuple([tuple(("F", j) for j in range(a, min(a + 2, L))) for a in range(0, L, 2)] + backwards)
 
 
@@ -256,7 +257,8 @@ def acausal_reads(table: TimeTable) -> list[str]:
 # ------------------------------------------------------------------ the layouts
 
 
-_CDP_LOOK = dict(axes=("data",), device_axis="data", colour="worker", label="{kind}{stage}", diagram_label="{kind}w{micro}",
+_CDP_LOOK = dict(axes=("data",), device_axis="data", colour="worker", label="{kind}{stage}",
+                 diagram_label="{kind}w{micro}",
                  legend="F<j>/B<j>/W<j>: forward/backward (input cotangent where split)/weight gradient of stage j",
                  columns="worker",
                  title="{method}: N={workers} workers, L={stages} stages, {steps} steps, offsets {offsets}")

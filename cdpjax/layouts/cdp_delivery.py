@@ -104,7 +104,8 @@ def delivery(ops, updates, completer, N, L, steps, T, capacity: int = 1):
             if r not in pending[j] or busy_recv[(r, tick % T)] >= capacity:
                 continue
             u = u_tick[(j, ref)]
-            free = [h for h in holders[j] if arrive[j][h] < tick - u or (arrive[j][h] == 0 and h == completer[(j, ref)])]
+            free = [h for h in holders[j]
+                    if arrive[j][h] < tick - u or (arrive[j][h] == 0 and h == completer[(j, ref)])]
             free = [h for h in free if busy_send[(h, tick % T)] < capacity]
             if not free:
                 continue

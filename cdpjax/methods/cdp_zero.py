@@ -127,7 +127,8 @@ class ZeroPeriod:
     """One worker's period (`ring.Period`'s shape, `cdp-zero`'s storage): per tick the gathers,
     the ops (a gradient op's pieces sent to their keepers), the updates; then the tick is fenced."""
 
-    def __init__(self, stages: ring.Stages, program: Program, tx, carry: bool, shards: Shards):
+    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards):
+        carry = program.carries
         self.stages, self.program, self.tx, self.carry, self.shards = stages, program, tx, carry, shards
         self.z: ZeroTicks = program.ticks
         L = self.z.stages
@@ -299,7 +300,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     shards = Shards(FlatLayout.from_trees(shapes), N)
-    period = ZeroPeriod(stages, program, tx, carry, shards)
+    period = ZeroPeriod(stages, program, tx, shards)
     per_worker = NamedSharding(mesh, P(AXIS))
 
     one_period, step, run = ring.spmd_period(period, stages, mesh)

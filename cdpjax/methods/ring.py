@@ -6,9 +6,10 @@ start of a step, T = 2L with whole backwards, 3L with split ones) in ONE `shard_
 over the `data` axis, every tick unrolled in Python (compile time grows with N and
 L, never with the number of steps: a `train_step` is one period, `run_steps` scans
 over periods). At tick t each device knows its own op; every op present at t is one
-`lax.cond` on `axis_index == its worker`, run by the piece of its kind (`PIECES`),
-whose branches touch only that op's buffers, all in their natural shapes (nothing
-padded, nothing raveled); a stage's maths is `cdpjax.methods.stage_ops`'s:
+`lax.cond` on `axis_index == its worker`, run by the piece of its kind
+(`forward_piece`, `backward_piece`, `weight_piece`), whose branches touch only that
+op's buffers, all in their natural shapes (nothing padded, nothing raveled); a
+stage's maths is `cdpjax.methods.stage_ops`'s:
 
 - F, forward of stage j: reads the stage's parameters (the worker's one stored
   version: the plan applies each update between the worker's last read of the old
@@ -328,7 +329,8 @@ class Period:
     reads are dropped and the tick is fenced (`Buffers.barrier`).
     """
 
-    def __init__(self, stages: Stages, program: Program, tx, carry: bool):
+    def __init__(self, stages: Stages, program: Program, tx):
+        carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
@@ -531,7 +533,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     micro = batch // N
     carry = program.carries
     stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
-    period = Period(stages, program, tx, carry)
+    period = Period(stages, program, tx)
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 

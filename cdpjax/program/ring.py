@@ -26,6 +26,7 @@ import functools
 
 import numpy as np
 
+from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts.cdp import acausal_reads, cdp_table, check_sizes
@@ -252,8 +253,28 @@ def _live(ticks, N):
     return tuple(sorted({buf for buf, _ in live}))
 
 
+def refuse_other_tables(table: TimeTable, engine: str) -> None:
+    """The ring engines build their period from CDP's own table of the same rule, workers,
+    stages and ticks, not from `table`'s ops: a ConfigError naming the first op where
+    `table` is another schedule (or has a kind with no ring piece), rather than running
+    CDP's in its place."""
+    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), ("F", "B", "W"), engine)
+    rule = table.meta.get("rule", table.method)
+    own = cdp_table(rule, table.workers, table.stages, table.steps, table.meta.get("ticks", "whole"))
+    theirs, ours = set(table.ops), set(own.ops)
+    if theirs != ours:  # name an op of the other schedule's own first, else one of CDP's it lacks
+        op = min(theirs - ours or ours - theirs, key=lambda o: (o.tick, o.device, o.stage))
+        where = "has" if op in theirs else "lacks"
+        raise ConfigError(f"{engine} runs CDP's own {rule} tables, and this {table.method} table {where} "
+                          f"{op.kind}{op.stage} of worker {op.device}, step {op.step} at tick {op.tick}, "
+                          f"which CDP's (workers={table.workers}, stages={table.stages}) "
+                          f"{'does not' if where == 'has' else 'does'}: a new schedule runs on the "
+                          f"stage-axis engine (docs/extending.md)")
+
+
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
     """The ring's program of a cyclic table (its rule, workers, stages and ticks)."""
+    refuse_other_tables(table, "the ring engine")
     carry = carries(residuals)
     rule = table.meta.get("rule", table.method)
     cdp_ticks = table.meta.get("ticks", "whole")

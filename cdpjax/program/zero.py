@@ -17,9 +17,9 @@ of every stage, so its program names
 Per tick, in order: the gathers (each other worker sends its piece of the version a visit
 reads, read after the previous tick's updates), the ops (F, B, W reading a relay row; a
 gradient op's gradient cut into pieces, each sent to its keeper and added to its running
-sum at the end of the tick, or starting it for the step's first), the updates at the end of their update ticks (every worker,
-its pieces). A relay row's index is the same for the same event in every period (circular
-interval colouring over the period).
+sum at the end of the tick, or starting it for the step's first), the updates at the end of
+their update ticks (every worker, its pieces). A relay row's index is the same for the same
+event in every period (circular interval colouring over the period).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from collections import defaultdict
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts.cdp_zero import zero_plan
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program.ring import refuse_other_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,7 @@ def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
     """cdp-zero's program for its table (rule, workers, stages, ticks)."""
+    refuse_other_tables(table, "the cdp-zero engine")
     carry = carries(residuals)
     rule = table.meta["rule"]
     ticks = table.meta.get("ticks", "whole")

@@ -124,8 +124,8 @@ def resolve(config, dataset) -> Task:
     return task
 
 
-from cdpjax.tasks import classification as _classification  # noqa: E402  (registers itself)
-from cdpjax.tasks import language_modelling as _language_modelling  # noqa: E402
+from cdpjax.tasks import classification as _classification  # noqa: E402, F401  (registers itself)
+from cdpjax.tasks import language_modelling as _language_modelling  # noqa: E402, F401
 
 CLASSIFICATION: Task = REGISTRY["classification"]
 LANGUAGE_MODELLING: Task = REGISTRY["language_modelling"]

@@ -5,15 +5,16 @@ global batch 32 (8 images per worker), split points [3, 6, 8]: the gradient
 sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
 1.46), BatchNorm statistics per worker for dp as for CDP (the paper's code).
 
-    cdpjax bench --config experiments/configs/bench_resnet18.py --methods dp,cdp-v2,cdp-v2@cdp_ticks=paired@residuals=carry,cdp-zero,cdp-mp --cpu-devices 4 --repeats 10
+    cdpjax bench --config experiments/configs/bench_resnet18.py --cpu-devices 4 --repeats 10 \
+      --methods dp,cdp-v2,cdp-v2@cdp_ticks=paired@residuals=carry,cdp-zero,cdp-mp
 
 Expected (docs/measured.md): the cdp-v2 ring sends dp's bytes per worker per
 step (1.00x), no collective-permute larger than its largest stage (18.5 MiB),
 FLOPs 1.33x dp's (recomputed backwards; 1.00x with `residuals=carry`), arguments
 1.64x dp's and 1.17x dp's memory held per device (the state donated), step about
 2x dp's at 2 devices (paired forwards with kept residuals: 1.1x to 1.35x); cdp-zero
-sends 1.29x dp's bytes and holds 0.66x dp's memory (each worker keeps 1/N of every stage); the table's activation peak in
-bytes is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25`
+sends 1.29x dp's bytes and holds 0.66x dp's memory (each worker keeps 1/N of every
+stage); the table's activation peak in bytes is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25`
 shrinks it for quick runs.
 """
 from cdpjax.config import default_config, parse_arg
