@@ -290,11 +290,12 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     return {k: [float(x) for x in v] for k, v in out.items()}
 
 
-def _prepare(config, devices=None) -> dict:
-    """Builds and compiles `config.method`'s train step; everything but its timing."""
+def _prepare(config, devices=None, built=None) -> dict:
+    """Builds and compiles `config.method`'s train step; everything but its timing. `built`: what
+    `train.setup(config, devices)` returned, where the caller set it up already."""
     from cdpjax import train
 
-    dataset, mesh, method = train.setup(config, devices)
+    dataset, mesh, method = built or train.setup(config, devices)
     batch = train.put_batch(dataset.train_batch(0, config.global_batch_size, config.seed, False), mesh,
                             method.input_sharding)
     state = method.init(jax.random.key(config.seed))
@@ -387,18 +388,30 @@ def variant_config(base, spec: str):
     from cdpjax import config as cfg_lib
 
     name, *variant = spec.split("@")
+    for item in variant:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:
+            raise cfg_lib.ConfigError(f"--methods {spec!r}: each @ is followed by KEY=VALUE (e.g. "
+                                      f"{name or 'cdp-v2'}@residuals=carry), not {item!r}")
+        if key == "method":
+            raise cfg_lib.ConfigError(f"--methods {spec!r}: a variant keeps its method ({name!r}); list "
+                                      f"{item.split('=', 1)[1].strip()!r} as a method of its own")
     c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
     c.method = name
     cfg_lib.apply_overrides(c, variant)
     return c
 
 
-def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> list[dict[str, Any]]:
+def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5, built=None) -> list[dict[str, Any]]:
     """One record per config (its `method`): every step compiled first, then timed in `repeats`
     interleaved rounds (one step of each method per round; median per method), so that load
-    on the machine falls on all methods alike. `devices`: one device list (or None) per config."""
+    on the machine falls on all methods alike. `devices`: one device list (or None) per config.
+    Every config is set up (`train.setup`: checked, its method built) before any compiles, so that
+    a method that refuses its config fails at once, not after the others compiled; `built`: those
+    set-ups, where the caller made them (`setup_all`)."""
     devices = devices or [None] * len(configs)
-    runs = [_prepare(c, d) for c, d in zip(configs, devices)]
+    built = built or setup_all(configs, devices)
+    runs = [_prepare(c, d, b) for c, d, b in zip(configs, devices, built)]
     warned = set()
     for run in runs:
         warning = oversubscribed(run["mesh"])
@@ -419,6 +432,13 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5) -> l
             jax.block_until_ready((run["state"], out))
             ts.append(time.perf_counter() - t0)
     return [_record(run, statistics.median(ts)) for run, ts in zip(runs, times)]
+
+
+def setup_all(configs, devices=None) -> list:
+    """`train.setup` of each config ((dataset, mesh, method)): every check, nothing compiled."""
+    from cdpjax import train
+
+    return [train.setup(c, d) for c, d in zip(configs, devices or [None] * len(configs))]
 
 
 def oversubscribed(mesh) -> str | None:

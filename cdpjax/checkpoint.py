@@ -168,6 +168,19 @@ class _HeldErrors(logging.Filter):
         return True
 
 
+class _MissingMetadataNotices(logging.Filter):
+    """Orbax's warning that a step directory has no metadata file: such a directory is a
+    checkpoint this module reads and judges itself (named damaged in one line and set aside),
+    so orbax's notice, once per look at it, is left out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname
+                    and record.getMessage().startswith("Metadata file does not exist"))
+
+
+_MISSING_METADATA = _MissingMetadataNotices()
+
+
 @contextlib.contextmanager
 def _errors_held():
     logger, held = logging.getLogger("absl"), _HeldErrors()
@@ -203,6 +216,7 @@ class Checkpointer:
             for name in os.listdir(self.directory):
                 if TMP_MARK in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        logging.getLogger("absl").addFilter(_MISSING_METADATA)  # once: a filter is added only if absent
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,

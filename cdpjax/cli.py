@@ -11,6 +11,8 @@ the others (`cdpjax.supervisor`).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from cdpjax import shutdown
@@ -139,8 +141,21 @@ def main(argv=None) -> int:
     uninstall = shutdown.install()  # first: a signal at any later moment ends in one line
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader of stdout left (`cdpjax schedule ... | head`): it has what it wanted. Nothing more to
+        # say, and stdout goes to the null device so that the interpreter's last flush cannot fail either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # as a command the pipe's signal ended
     finally:
         uninstall()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other refusal is (argparse
+    prints the usage above the error); `--help` still prints the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (`{self.prog} --help` lists the arguments)\n")
 
 
 def _one_line(e: BaseException) -> str:
@@ -152,7 +167,7 @@ def _main(argv: list[str]) -> int:
     (Over 60 lines: the parser's flags and the exit statuses belong together, in one place.)"""
     original = list(argv)
     overrides, argv = _split_config_overrides(argv)
-    parser = argparse.ArgumentParser(prog="cdpjax", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="cdpjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)", epilog=TRAIN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,

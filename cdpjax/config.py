@@ -170,6 +170,9 @@ def load_file(path: str) -> ml_collections.ConfigDict:
     arg = None
     if not os.path.isfile(path) and ":" in path:
         path, arg = path.rsplit(":", 1)
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory: give the Python file in it that defines "
+                          f"get_config()")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     folder = os.path.dirname(os.path.abspath(path))
@@ -318,6 +321,9 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(config.keys()))}")
     old = node[leaf] if leaf in node else None
     top = parents[0] if parents else leaf
+    if key == "mesh":
+        raise ConfigError(f"mesh={value!r}: the mesh is set an axis at a time, --config.mesh.data=2 "
+                          f"--config.mesh.stage=4 (each an integer; -1: the devices left over)")
     if top == "mesh" and not isinstance(value, int):
         raise ConfigError(f"mesh axis size {key}={value!r} must be an integer (-1: the devices left over)")
     if old is not None and isinstance(old, (int, float)) and not isinstance(old, bool):

@@ -102,6 +102,10 @@ class StageCosts:
         return float(values[stage])
 
 
+# The longest an op may take in `uniform_costs` (any unit): a replay of the largest table stays finite.
+COST_LIMIT = 1e12
+
+
 def uniform_costs(per_kind: dict[str, float], stages: int, activation_bytes: float = 0.0,
                   gradient_bytes: float = 0.0) -> StageCosts:
     """The same costs for every stage, from {kind or StageCosts field: seconds} (e.g. F=1, B=2, W=1):
@@ -122,6 +126,13 @@ def uniform_costs(per_kind: dict[str, float], stages: int, activation_bytes: flo
     each = {"forward": fields["forward"], "backward": backward, "activation_bytes": float(activation_bytes),
             "gradient_bytes": float(gradient_bytes), "backward_input": fields.get("backward_input", backward - weight),
             "backward_weight": weight}
+    # Every op takes time (an op of none would end a replay on a tick of no length), and a bounded one,
+    # so that a replay's sums stay finite.
+    for field in ("forward", "backward", "backward_input", "backward_weight"):
+        if not (math.isfinite(each[field]) and 0 < each[field] <= COST_LIMIT):
+            raise ConfigError(f"costs {per_kind}: the {field} time is {each[field]:g}; each op's time must be a "
+                              f"finite number > 0 and at most {COST_LIMIT:g} (W, the weight half, less than B, "
+                              f"the whole backward)")
     return StageCosts(**{name: (value,) * stages for name, value in each.items()})
 
 

@@ -425,7 +425,8 @@ def check_resume_config(workdir: str, config) -> None:
         return
     now = json.loads(config.to_json_best_effort())
     changed = [k for k in RESUME_KEYS if k in saved and k in now and saved[k] != now[k]]
-    if saved.get("method") and not _interchangeable(saved["method"], config.method):
+    if saved.get("method") and not (isinstance(saved["method"], str) and _interchangeable(saved["method"],
+                                                                                          config.method)):
         changed.insert(0, "method")
     if changed:
         diffs = ", ".join(f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in changed)
@@ -544,7 +545,13 @@ def finished_summary(workdir: str, config, latest: int | None) -> dict | None:
             summary = json.load(f)
     except (OSError, ValueError, RecursionError):
         return None  # written again at the end of the run
-    if not isinstance(summary, dict) or not isinstance(summary.get("test_accuracy"), (int, float)):
+    if not isinstance(summary, dict) or not isinstance(summary.get("task", "classification"), str) \
+            or summary.get("task", "classification") not in tasks.REGISTRY:
+        return None
+    # The task's headline test metric, and every other it reports, a number (as `result_words` says them).
+    task = tasks.lookup(summary.get("task", "classification"))
+    if not all(isinstance(summary.get(f"test_{k}"), (int, float)) for k in task.metric_names
+               if k == task.headline or f"test_{k}" in summary):
         return None
     return summary if summary.get("steps") == config.num_steps else None
 
@@ -646,7 +653,7 @@ def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tu
             raise ConfigError(f"nothing to resume: {ckpt.directory} holds no complete checkpoint")
         if latest is not None:
             check_resume_config(workdir, config)
-            if latest > config.num_steps:
+            if latest > config.num_steps and _intact_meta(ckpt, latest):  # a damaged one is set aside later
                 raise ConfigError(f"WORKDIR {workdir} holds checkpoint {latest}, past num_steps="
                                   f"{config.num_steps}: set --config.num_steps={latest} or more, or use a "
                                   f"fresh --workdir")
@@ -654,6 +661,14 @@ def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tu
         ckpt.close()
         raise
     return ckpt, latest
+
+
+def _intact_meta(ckpt: Checkpointer, step: int) -> bool:
+    try:
+        ckpt.read_meta(step)
+    except Damaged:
+        return False
+    return True
 
 
 def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False, force: bool = False) -> Prepared:

@@ -202,6 +202,12 @@ def _read(path: str) -> tuple[Owner | None, tuple | None, float]:
 
 def check_directory(workdir: str) -> str:
     """WORKDIR as an existing directory (created if missing); ConfigError if it cannot be one."""
+    try:  # tensorstore (orbax's checkpoints) cannot open a path that is not UTF-8 text
+        os.path.abspath(workdir).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"--workdir {os.path.abspath(workdir)!r} is not UTF-8 text (it holds bytes that are no "
+                          f"character), and the checkpoints' library (tensorstore) takes UTF-8 paths only: give "
+                          f"another --workdir") from None
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir {workdir} is a file, not a directory: give a directory (it is created "
                           f"if missing), or move the file away")

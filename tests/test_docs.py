@@ -1,10 +1,13 @@
-"""The README tells the truth about the code: it stays short (at most 300 lines, the reference
-lives in docs/), every file it links exists, and its `zb-h1` walkthrough is the code that runs
-(each block, comments and type annotations aside, is a statement of the layout's or the
-builder's file)."""
+"""The README and docs tell the truth about the code: the README stays short (at most 300
+lines, the reference lives in docs/), every file they link exists, the command synopses name
+every flag, the `zb-h1` walkthrough is the code that runs (each block, comments and type
+annotations aside, is a statement of the layout's or the builder's file), and the code passes
+ruff."""
 import ast
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -66,3 +69,22 @@ def test_the_code_passes_ruff():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_command_synopses_list_every_flag(capsys):
+    """docs/commands.md's synopsis of each subcommand names exactly the flags its parser takes
+    (read from `cdpjax CMD --help`): a flag added to the code and not to the docs fails here."""
+    from cdpjax.cli import main
+
+    block = (ROOT / "docs" / "commands.md").read_text().split("```\n", 2)[1]
+    documented: dict[str, set] = {}
+    for line in block.splitlines():
+        if line.startswith("cdpjax "):
+            command = line.split()[1]
+        documented.setdefault(command, set()).update(re.findall(r"(--[a-z][a-z-]*)", line))
+    assert set(documented) == {"train", "plot", "schedule", "bench", "describe"}
+    for command, flags in documented.items():
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        parsed = set(re.findall(r"^\s{2}(?:-\w, )?(--[a-z][a-z-]*)", capsys.readouterr().out, re.M))
+        assert flags == parsed - {"--help"}, command

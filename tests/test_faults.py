@@ -199,6 +199,26 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_intac
     assert without_timing((work / "metrics.jsonl").read_text()) == runs["metrics"]
 
 
+def test_an_empty_checkpoint_directory_past_the_run_is_set_aside_not_taken_for_its_end(runs, tmp_path, capfd,
+                                                                                      caplog):
+    """An empty `checkpoints/99` (a copy cut short, a hand-made folder) beside checkpoints 4 and 8
+    of a 12-step run: not "holds checkpoint 99, past num_steps", but one line naming 99 damaged
+    and set aside, the run resuming from 8 and ending as the uninterrupted one; orbax's notices
+    about the missing metadata file do not reach the terminal."""
+    work = copy_of(runs, tmp_path)
+    (work / "checkpoints" / "99").mkdir()
+    assert main(cli_train(work)) == 0
+    err = capfd.readouterr().err
+    assert "WARNING" not in err and "Metadata file" not in err and "past num_steps" not in err, err
+    assert not [r for r in caplog.records if "Metadata file" in r.getMessage()]  # absl's logger, as the CLI has it
+    named = [line for line in err.splitlines() if "checkpoint 99" in line]
+    assert len(named) == 1 and "damaged" in named[0] and "resuming from checkpoint 8, the newest intact one" in \
+        named[0], err
+    assert not (work / "checkpoints" / "99").exists()
+    equal_trees(final_state(work), runs["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == runs["metrics"]
+
+
 def test_nonfinite_after_a_fall_back_names_the_intact_checkpoint(runs, tmp_path, monkeypatch):
     """Checkpoint 8 damaged, the run resumes from 4, and step 6 meets a batch of NaN images: the
     error names checkpoint 4, the last good one, not the damaged 8."""
@@ -595,6 +615,16 @@ def test_simulated_devices_are_bounded(args, message, tmp_path, capfd, compiles)
     assert message in line, line
 
 
+def test_a_workdir_that_is_not_utf8_is_one_line(tmp_path, capfd, compiles):
+    """A --workdir with a byte that is no UTF-8 character (as a shell passes it): tensorstore cannot
+    open it, which was a traceback per array at the first checkpoint, after training; now one line
+    first, nothing compiled, no directory created."""
+    work = tmp_path / os.fsdecode(b"run-\xff")
+    line = fails(cli_train(work), capfd, compiles)
+    assert "is not UTF-8 text" in line and "give another --workdir" in line, line
+    assert not os.path.lexists(work)
+
+
 @pytest.mark.parametrize("key", ["learning_rate", "momentum", "weight_decay"])
 def test_nan_from_a_config_file_is_refused(key, tmp_path, capfd, compiles):
     path = tmp_path / "nan.py"
@@ -639,8 +669,11 @@ def test_hostile_config_files_are_one_line(name, tmp_path, capfd, compiles):
     ("digits.py:steps=abc", "config argument steps='abc' must be an integer (its default is 600)"),
     ("digits.py:stages=1.5", "config argument stages='1.5' must be an integer"),
     ("digits.py:nosuch=1", "config argument 'nosuch' is not one of"),
+    ("folder.py", "folder.py' is a directory: give the Python file in it"),
+    ("folder.py:x=1", "folder.py' is a directory: give the Python file in it"),
 ])
 def test_config_file_arguments_are_checked(spec, message, tmp_path, capfd, compiles):
+    (tmp_path / "folder.py").mkdir()
     (tmp_path / "noarg.py").write_text("from cdpjax.config import default_config\n\ndef get_config():\n"
                                        "    return default_config()\n")
     shutil.copy(ROOT / "experiments" / "configs" / "digits.py", tmp_path / "digits.py")
@@ -674,6 +707,12 @@ def test_a_garbled_metrics_line_is_dropped_saying_so(name, runs, tmp_path, capfd
     assert without_timing((work / "metrics.jsonl").read_text()) == runs["metrics"]
 
 
+def _edit_json(path, **fields):
+    record = json.loads(path.read_text())
+    record.update(fields)
+    path.write_text(json.dumps(record))
+
+
 def _lock(work, **fields):
     record = {"host": socket.gethostname(), "boot_id": "b", "pid": 1, "pid_start": None, "started": 1.0,
               "heartbeat": time.time(), "token": 7}
@@ -688,6 +727,8 @@ DAMAGED_FILES = {
     "config-not-json": (lambda w: (w / "config.json").write_bytes(b"\xff{"), "config.json is not the JSON config"),
     "config-a-directory": (lambda w: ((w / "config.json").unlink(), (w / "config.json").mkdir()),
                            "config.json is not a file"),
+    "config-method-a-list": (lambda w: _edit_json(w / "config.json", method=["dp"]),
+                             "another config (method=['dp'] there, 'dp' here)"),
     "events-a-directory": (lambda w: (w / "events.out.tfevents.1.host").mkdir(),
                            "events.out.tfevents.1.host is named like a TensorBoard event file but is not a file"),
     "checkpoints-a-symlink-loop": (lambda w: (shutil.rmtree(w / "checkpoints"),
@@ -711,6 +752,51 @@ def test_damaged_workdir_files_are_one_line(name, runs, tmp_path, capfd, compile
     damage(work)
     line = fails(cli_train(work), capfd, compiles)
     assert message in line, line
+
+
+SUMMARY_EDITS = {
+    "task-a-list": {"task": ["classification"]},
+    "task-unknown": {"task": "regression"},
+    "loss-text": {"task": "language_modelling", "test_loss": "low"},
+    "perplexity-text": {"task": "language_modelling", "test_loss": 2.0, "test_perplexity": "high"},
+    "accuracy-null": {"test_accuracy": None},
+}
+
+
+@pytest.mark.parametrize("name", SUMMARY_EDITS, ids=list(SUMMARY_EDITS))
+def test_a_finished_run_with_an_edited_summary_writes_it_again(name, runs, tmp_path, capfd):
+    """summary.json of a finished run edited by hand (a task that is not one, a metric that is not a
+    number): the same command does not take it for the run's summary; it ends the run again
+    (exit 0, no traceback) and writes the summary anew."""
+    work = copy_of(runs, tmp_path, "full")
+    _edit_json(work / "summary.json", **SUMMARY_EDITS[name])
+    assert main(cli_train(work)) == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "holds a finished run" not in err, err
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["task"] == "classification" and summary["steps"] == STEPS
+    assert isinstance(summary["test_accuracy"], float)
+
+
+def test_a_finished_language_model_run_started_again_changes_nothing(tmp_path, capfd):
+    """A finished run of the language-modelling task (its summary has test_loss, test_perplexity,
+    test_token_accuracy, no test_accuracy) started again: nothing trained, summary.json (its
+    tokens_per_second) not written over with a re-evaluation's."""
+    from cdpjax.config import load_file
+
+    c = load_file(str(ROOT / "experiments" / "configs" / "charlm.py:method=dp,steps=2,stages=1,window=8"))
+    c.eval_every, c.checkpoint_every, c.log_every = 0, 0, 1
+    c.model_kwargs = {"width": 16, "depth": 1, "heads": 2, "mlp_dim": 32}
+    work = tmp_path / "lm"
+    first = train.train(c, str(work), progress=False)
+    assert first["task"] == "language_modelling" and first["tokens_per_second"] > 0
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in work.iterdir() if p.is_file()}
+    capfd.readouterr()
+    again = train.train(c, str(work), progress=False)
+    err = capfd.readouterr().err
+    assert again.get("already_finished") and "holds a finished run of 2 steps" in err, err
+    assert again["tokens_per_second"] == first["tokens_per_second"]
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in work.iterdir() if p.is_file()} == before
 
 
 # 10. schedule --from-json -----------------------------------------------------------------------------
@@ -768,6 +854,21 @@ def test_a_time_table_too_large_to_lay_out_is_refused_at_once(capfd):
     assert time.time() - t0 < 60 and "ops, more than" in line, line
 
 
+@pytest.mark.parametrize("costs,message", [
+    ("F=inf,B=1", "the forward time is inf"),
+    ("F=1e308,B=1e308", "the forward time is 1e+308"),
+    ("F=0,B=0,W=0", "the forward time is 0"),
+    ("F=1,B=0", "the backward time is 0"),
+    ("F=-1,B=1", "the forward time is -1"),
+    ("F=1,B=1,W=5", "the backward_input time is -4"),
+])
+def test_schedule_costs_are_positive_and_finite(costs, message, capfd):
+    """`schedule --costs` times that are not a finite number > 0 (or a weight half W not less than
+    the whole backward B): one line, not a traceback from the replay nor a table of negative time."""
+    line = fails(["schedule", "--method", "1f1b", "--stages", "2", "--costs", costs], capfd)
+    assert message in line and "must be a finite number > 0" in line, line
+
+
 # 11. plot, bench, schedule --out ---------------------------------------------------------------------
 
 def test_plot_of_damaged_run_files(runs, tmp_path, capfd):
@@ -805,6 +906,22 @@ def test_command_arguments_and_output_paths_are_checked_first(args, message, run
     line = fails([a.format(**fill) for a in args], capfd, compiles)
     assert message.format(**fill) in line, line
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("methods,message", [
+    ("dp,cdp-v2", "cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not divide the 6 ticks"),
+    ("dp,dp@global_batch_size=4000", "global_batch_size=4000 is larger than the training set"),
+    ("dp,dp@model_kwargs.width=0", "model 'mlp' with model_kwargs {'width': 0} cannot be built"),
+    ("dp,dp@", "--methods 'dp@': each @ is followed by KEY=VALUE (e.g. dp@residuals=carry), not ''"),
+    ("dp,dp@=3", "--methods 'dp@=3': each @ is followed by KEY=VALUE"),
+    ("dp,dp@method=gpipe", "--methods 'dp@method=gpipe': a variant keeps its method ('dp'); list 'gpipe' as a "
+                           "method of its own"),
+])
+def test_bench_checks_every_method_before_compiling_any(methods, message, capfd, compiles):
+    """A method (or variant) of `bench --methods` that refuses its config, after one that accepts
+    it: one line, before bench's `compiled first` line, and the first method is not compiled."""
+    line = fails(["bench", "--methods", methods, "--repeats", "1", "--config.stages=3"], capfd, compiles)
+    assert message in line, line
 
 
 def test_a_figure_that_cannot_be_written_is_one_line(runs, tmp_path, capfd, monkeypatch):

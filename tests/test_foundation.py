@@ -142,6 +142,8 @@ def test_config_file_and_overrides(tmp_path):
     assert list(c.stages) == [1, 3]
     with pytest.raises(ConfigError, match="mesh axis size mesh.data='x'"):
         apply_overrides(c, ["mesh.data='x'"])
+    with pytest.raises(ConfigError, match=r"^mesh=\{'data': 2\}: the mesh is set an axis at a time"):
+        apply_overrides(c, ['mesh={"data": 2}'])
 
 
 def test_default_command_trains_digits(tmp_path):

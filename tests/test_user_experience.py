@@ -9,6 +9,7 @@ import json
 import math
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -122,6 +123,28 @@ def test_plot_of_a_directory_without_metrics(tmp_path, capsys):
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "holds no metrics.jsonl" in err
+
+
+@pytest.mark.parametrize("lines", [
+    [{"step": 1, "split": "train", "loss": 709.7, "perplexity": 1.6e308}],  # a diverged run's exp(loss)
+    [{"step": 1, "split": "train", "loss": 1e308}, {"step": 2, "split": "train", "loss": -1e308}],
+    [],  # a run that has not logged yet
+    [{"step": 4, "split": "test", "loss": 1.0}],  # no train line: nothing in the first panel
+], ids=["perplexity-1.6e308", "loss-1e308", "empty", "test-only"])
+def test_plot_of_values_it_cannot_draw_is_one_line(lines, tmp_path, capsys):
+    """Values near the float64 maximum (matplotlib's axes overflow on them) are left out; a figure
+    with no line in its first panel (or none at all) is drawn without matplotlib's legend warning:
+    exit 0, the one line saying what was written."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "curves.png"
+    with warnings.catch_warnings(record=True) as caught:  # what a user's terminal would show
+        warnings.simplefilter("always")
+        assert main(["plot", str(tmp_path / "run"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"cdpjax: wrote {out} (1 run)"], err
+    assert not caught, [str(w.message) for w in caught]
+    assert out.stat().st_size > 0
 
 
 # Item 1: bad paths, set-up before the training line ----------------------------------------------
@@ -238,3 +261,38 @@ def test_editable_install_prints_no_deprecation_warning(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deprecat" not in (proc.stdout + proc.stderr).lower()
+
+
+def test_a_reader_that_leaves_the_pipe_ends_it_quietly():
+    """`cdpjax schedule ... | head -1`: the reader closes the pipe after one line and the command
+    ends as a command the pipe's signal stops (exit 128 + SIGPIPE = 141), writing nothing to
+    stderr: no BrokenPipeError traceback. The table (380 KB) is larger than a pipe's buffer."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cdpjax.cli", "schedule", "--method", "gpipe", "--stages", "64",
+                             "--microbatches", "128", "--steps", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=root)
+    assert proc.stdout.readline().startswith(b"gpipe: 64 stages")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == ""
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--cpu-devices", "abc"], "cdpjax train: error: argument --cpu-devices: invalid int value: 'abc'"),
+    (["bench", "--repeats", "x", "--methods", "dp"], "cdpjax bench: error: argument --repeats: invalid int value: 'x'"),
+    (["schedule", "--costs"], "cdpjax schedule: error: argument --costs: expected one argument"),
+    (["plot"], "cdpjax plot: error: the following arguments are required: WORKDIR"),
+    (["nope"], "cdpjax: error: argument command: invalid choice: 'nope'"),
+])
+def test_a_usage_error_is_one_line(argv, message, capsys):
+    """argparse's refusals (a flag's value of the wrong type, a missing argument, an unknown
+    command) are one line on stderr, exit 2, like every other refusal: no usage block above it."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
+    assert err.rstrip().endswith("--help` lists the arguments)")

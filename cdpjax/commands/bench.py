@@ -1,8 +1,9 @@
 """`cdpjax bench`: several methods on the same model and batch, side by side in one process.
 
-Its arguments are checked before anything is compiled: `--repeats` >= 1, `--bandwidth` a
-finite number > 0, `--predict` >= 0, `--cpu-devices` in range, and `--json` a writable
-file in a folder that exists (so that a bench's results are never lost at the end).
+Its arguments are checked before anything is compiled: every method's config (`train.setup`),
+`--repeats` >= 1, `--bandwidth` a finite number > 0, `--predict` >= 0, `--cpu-devices` in
+range, and `--json` a writable file in a folder that exists (so that a bench's results are
+never lost at the end).
 """
 from __future__ import annotations
 
@@ -101,9 +102,11 @@ def run(args, overrides=()) -> int:
         if not args.keep_mesh:  # every device on the axis the method declares (its layout)
             c.mesh = LAYOUTS[name].default_mesh(c)
         configs.append(c)
+    devices = [_devices_for(c) for c in configs]
+    built = bench.setup_all(configs, devices)  # every method checked before this line and before any compiles
     print(f"cdpjax bench: {', '.join(names)} (compiled first, then timed in interleaved rounds) ...",
           file=sys.stderr, flush=True)
-    records = bench.bench_methods(configs, [_devices_for(c) for c in configs], repeats=args.repeats)
+    records = bench.bench_methods(configs, devices, repeats=args.repeats, built=built)
     for spec, r in zip(specs, records):
         r["label"] = spec
     if args.predict:

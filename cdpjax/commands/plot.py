@@ -8,8 +8,9 @@ token_accuracy for language modelling; one line per work directory (labelled by
 its directory name and method). No JAX: instant. Matplotlib with the Agg
 canvas, `.png` or `.svg` by the suffix of `--out`, which must be writable in a folder
 that exists (checked first). Lines of metrics.jsonl that are not metrics records
-(cut short, not UTF-8, not an object) are left out, saying so; a config.json that is not
-a run's leaves the label to the directory's name.
+(cut short, not UTF-8, not an object) are left out, saying so, and so are values that are
+not finite or past `PLOT_LIMIT`; a config.json that is not a run's leaves the label to the
+directory's name.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from cdpjax.errors import ConfigError
 
 # Fields of a metrics line that are not metrics (throughputs, `<unit>_per_second`, neither).
 NOT_METRICS = ("step", "split", "time", "lr")
+# The largest magnitude drawn: matplotlib's axes overflow laying out values near the float64
+# maximum (a diverged run's perplexity, exp(loss), reaches 1.8e308).
+PLOT_LIMIT = 1e300
 
 
 def add_parser(subparsers):
@@ -62,12 +66,12 @@ def _label(workdir: str) -> str:
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= PLOT_LIMIT
 
 
 def curves(records: list[dict], split: str, key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one field of one split, in file order (values that are not finite
-    numbers left out)."""
+    numbers, or past PLOT_LIMIT, left out)."""
     rows = [r for r in records if r.get("split") == split and _finite(r.get(key))]
     return [r["step"] for r in rows], [r[key] for r in rows]
 
@@ -98,7 +102,9 @@ def plot_curves(workdirs, out: str):
                 ax.plot(steps, values, marker="o" if split == "test" else None, markersize=3, label=label)
         ax.set(xlabel="step", ylabel=f"{split} {key}", title=f"{split} {key}")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    drawn = [ax for ax in axes if ax.get_lines()]
+    if drawn:  # the first panel with a line (none at all: no legend, rather than matplotlib's warning)
+        drawn[0].legend(fontsize=7)
     _save(fig, out)
     return fig
 
