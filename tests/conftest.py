@@ -19,30 +19,20 @@ import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
-# One persistent compilation cache for the whole test run: the tests build the same small
-# programs over and over from fresh closures (each `train` call, each reference run, the runs
-# started in subprocesses: a killed run and its restart compile the same step), which jit's
-# in-memory cache cannot see are equal; XLA's cache keys on the program (and on XLA_FLAGS).
-# Made by the first process (pytest, or xdist's controller, before its workers start) and
-# shared through the environment with the workers and every subprocess (JAX reads the JAX_*
-# variables at import). A size limit turns on the cache's file lock, so that no process reads
-# an entry another is still writing (`jax._src.lru_cache`: the lock needs `filelock`).
-_OWN_CACHE = "CDPJAX_TEST_XLA_CACHE" not in os.environ
-if _OWN_CACHE:
-    os.environ["CDPJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="cdpjax-tests-xla-")
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["CDPJAX_TEST_XLA_CACHE"],
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                      JAX_COMPILATION_CACHE_MAX_SIZE=str(16 * 2**30))
-jax.config.update("jax_compilation_cache_dir", os.environ["CDPJAX_TEST_XLA_CACHE"])
+# One persistent compilation cache per test process: the tests build the same small programs
+# over and over from fresh closures (each `train` call, each reference run), which jit's
+# in-memory cache cannot see are equal; XLA's cache keys on the program. Per process (no two
+# writers share it) and never exported to the subprocesses the tests start.
+_XLA_CACHE = tempfile.mkdtemp(prefix="cdpjax-tests-xla-")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_compilation_cache_max_size", 16 * 2**30)
 
 
-def pytest_unconfigure(config):
-    if _OWN_CACHE:  # the process that made it, after every worker is done
-        shutil.rmtree(os.environ["CDPJAX_TEST_XLA_CACHE"], ignore_errors=True)
+@pytest.fixture(scope="session", autouse=True)
+def _remove_compilation_cache():
+    yield
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -70,6 +70,7 @@ def _run(args, cwd):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.heavy  # CI: the same model through the command line under ppll (below); the ring compiles longest
 def test_own_model_trains_with_cdp_v2_from_python(tmp_path):
     """`train_from_python.py`: every device on `data` (cdp-v2's layout: 8 simulated CPU devices)."""
     _run([os.path.join(EXAMPLE, "train_from_python.py"), "--steps", "3", "--methods", "cdp-v2", "--out",

@@ -54,6 +54,7 @@ def test_ppll_depths_and_the_networks_own_block_shape():
         TokenLinearHead(V).init(jax.random.key(0), jnp.zeros((B, D)))
 
 
+@pytest.mark.heavy  # CI: ppll = local on token windows with these heads (tests/test_language_model.py)
 def test_first_local_module_of_a_gpt_learns_from_its_head():
     """Module 0 of a two-module GPT and its head, trained on the head's per-token loss (the
     task's loss on the head's outputs) and nothing else: the loss falls well below its start,
