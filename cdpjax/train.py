@@ -653,9 +653,11 @@ def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tu
             raise ConfigError(f"nothing to resume: {ckpt.directory} holds no complete checkpoint")
         if latest is not None:
             check_resume_config(workdir, config)
-            if latest > config.num_steps and _intact_meta(ckpt, latest):  # a damaged one is set aside later
-                raise ConfigError(f"WORKDIR {workdir} holds checkpoint {latest}, past num_steps="
-                                  f"{config.num_steps}: set --config.num_steps={latest} or more, or use a "
+            # The newest checkpoint whose meta reads (a damaged newer one is set aside when restoring).
+            intact = next((s for s in reversed(steps) if s <= config.num_steps or _intact_meta(ckpt, s)), None)
+            if intact is not None and intact > config.num_steps:
+                raise ConfigError(f"WORKDIR {workdir} holds checkpoint {intact}, past num_steps="
+                                  f"{config.num_steps}: set --config.num_steps={intact} or more, or use a "
                                   f"fresh --workdir")
     except BaseException:
         ckpt.close()

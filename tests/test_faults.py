@@ -219,6 +219,24 @@ def test_an_empty_checkpoint_directory_past_the_run_is_set_aside_not_taken_for_i
     assert without_timing((work / "metrics.jsonl").read_text()) == runs["metrics"]
 
 
+@pytest.mark.parametrize("damaged,named", [((), 8), ((8,), 6), ((8, 6), None)])
+def test_a_checkpoint_past_num_steps_is_refused_unless_damaged(damaged, named, runs, tmp_path, capfd, compiles):
+    """Checkpoints 4, 6 (added) and 8 and `--config.num_steps=5`: the newest intact one past 5 is
+    named (8; 6 where 8 is damaged) in one line, exit 2, nothing compiled; with both damaged, the run
+    sets them aside and resumes from 4."""
+    work = copy_of(runs, tmp_path)
+    shutil.copytree(work / "checkpoints" / "4", work / "checkpoints" / "6")  # its meta says 4: read, not restored
+    for step in damaged:
+        shutil.rmtree(work / "checkpoints" / str(step) / "meta")
+    if named is None:
+        assert main(cli_train(work, "--config.num_steps=5")) == 0
+        assert "resuming from checkpoint 4, the newest intact one" in capfd.readouterr().err
+        return
+    line = fails(cli_train(work, "--config.num_steps=5"), capfd, compiles)
+    assert line == (f"cdpjax: error: WORKDIR {work} holds checkpoint {named}, past num_steps=5: set "
+                    f"--config.num_steps={named} or more, or use a fresh --workdir"), line
+
+
 def test_nonfinite_after_a_fall_back_names_the_intact_checkpoint(runs, tmp_path, monkeypatch):
     """Checkpoint 8 damaged, the run resumes from 4, and step 6 meets a batch of NaN images: the
     error names checkpoint 4, the last good one, not the damaged 8."""
