@@ -6,7 +6,7 @@ not what a table holds, before any table is built. Pure Python, no JAX.
 
 The bounds are those of a table that can still be printed, drawn and held: up to
 `SIZE_LIMIT` workers, stages, devices and micro-batches, `TICK_LIMIT` ticks, `CELL_LIMIT`
-grid cells (ticks x devices), `RECORD_LIMIT` ops, updates or messages, and `JSON_LIMIT`
+grid cells (ticks x devices), `RECORD_LIMIT` ops, updates, messages or applies, and `JSON_LIMIT`
 bytes of text.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import KINDS
-from cdpjax.timetable import Message, Op, Update
+from cdpjax.timetable import AXES, Apply, Message, Op, Update
 
 JSON_LIMIT = 256 * 2**20
 SIZE_LIMIT = 4096
@@ -98,7 +98,8 @@ def table_fields(data) -> dict:
     if ticks * devices > CELL_LIMIT:
         raise _wrong(f"num_ticks={ticks} x devices={devices} cells, more than {CELL_LIMIT}")
     ranges = {"tick": (0, ticks - 1), "device": (0, devices - 1), "stage": (0, stages - 1),
-              "src": (-1, devices - 1), "dst": (-1, devices - 1), "parts": (1, SIZE_LIMIT)}
+              "src": (-1, devices - 1), "dst": (-1, devices - 1), "parts": (1, SIZE_LIMIT),
+              "worker": (0, workers - 1)}
     ops = _records(d, "ops", Op, ranges)
     bad = next((o for o in ops if o.kind not in KINDS or o.slot not in SLOTS), None)
     if bad is not None:
@@ -114,13 +115,17 @@ def table_fields(data) -> dict:
         raise _wrong("meta_keys must list keys present in the table")
     if not isinstance(method, str):
         raise _wrong(f"method={method!r} must be a layout's name")
-    return dict(method=method, workers=workers, stages=stages, steps=_int(d, "steps", 0, COUNT_LIMIT),
+    axis = d.get("axis", "stage")
+    if axis not in AXES:
+        raise _wrong(f"axis={axis!r} must be one of {', '.join(AXES)}")
+    return dict(method=method, axis=axis, workers=workers, stages=stages, steps=_int(d, "steps", 0, COUNT_LIMIT),
                 num_ticks=ticks, devices=devices, period=_int(d, "period", 0, TICK_LIMIT), ops=ops,
                 updates=_records(d, "updates", Update, ranges),
                 messages=_records(d, "messages", Message, ranges, required=False),
                 offsets=tuple(_int_list(d, "offsets", -TICK_LIMIT, TICK_LIMIT, SIZE_LIMIT)),
                 microbatches=_int(d, "microbatches", 1, COUNT_LIMIT, default=1), steady=tuple(steady),
-                meta={k: d[k] for k in keys}, notes=tuple(notes))
+                meta={k: d[k] for k in keys}, notes=tuple(notes),
+                applies=_records(d, "applies", Apply, ranges, required=False))
 
 
 __all__ = ["CELL_LIMIT", "JSON_LIMIT", "RECORD_LIMIT", "SIZE_LIMIT", "TICK_LIMIT", "parse", "table_fields"]

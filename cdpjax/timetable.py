@@ -28,6 +28,8 @@ from cdpjax import kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import KINDS  # the op kinds, one registry
 
+AXES = ("stage", "data")  # what a table's column is (`TimeTable.axis`)
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -68,6 +70,19 @@ class Update:
 
 
 @dataclasses.dataclass(frozen=True)
+class Apply:
+    """Worker `worker` applies stage `stage`'s update for `step` to its own copy at the end of
+    `tick`. A table whose workers each keep one copy and apply each completed sum in their own
+    window (CDP's ring) lists every apply; a table with none has every worker apply each update
+    at its `Update`'s tick."""
+
+    tick: int
+    worker: int
+    stage: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Message:
     """Gradient or parameter traffic sent at the end of `tick` (src = dst = -1: an all-reduce).
 
@@ -94,8 +109,12 @@ class TimeTable:
     pipelines: the stage devices). period: ticks per training step in steady state.
     offsets: each worker's starting tick (CDP). microbatches: per step. steady: a
     [start, stop) tick window of steady state, over which the busy, activation and
-    comm figures are taken. meta: layout-specific facts (JSON-able: the rule, owners,
-    a delivery plan, cdp-zero's shards...). notes: lines the text grid prints under the table.
+    comm figures are taken. meta: layout-specific facts for the grid and records (JSON-able:
+    the rule's name, owners, cdp-zero's shards...; no engine reads them). notes: lines the text
+    grid prints under the table. applies: where each update reaches each worker's copy (`Apply`;
+    empty: at the update's tick, everywhere). What a read takes is each op's `version`. axis: what
+    a column is, 'stage' (a device the stages placed on it run on) or 'data' (a worker holding
+    every stage, its own copy: the ring's tables).
     """
 
     method: str
@@ -113,6 +132,12 @@ class TimeTable:
     steady: tuple[int, int] = (0, 0)
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
     notes: tuple[str, ...] = ()
+    applies: tuple[Apply, ...] = ()
+    axis: str = "stage"
+
+    def __post_init__(self):
+        if self.axis not in AXES:
+            raise ConfigError(f"TimeTable.axis={self.axis!r} is not one of {', '.join(AXES)}")
 
     @functools.cached_property
     def split_backward(self) -> bool:
@@ -276,6 +301,7 @@ class TimeTable:
             "period": self.period,
             "offsets": list(self.offsets),
             "microbatches": self.microbatches,
+            "axis": self.axis,
             "steady": list(self.steady),
             "meta": self.meta,
             "notes": list(self.notes),
@@ -286,6 +312,7 @@ class TimeTable:
             "ops": [dataclasses.asdict(op) for op in self.ops],
             "updates": [dataclasses.asdict(u) for u in self.updates],
             "messages": [dataclasses.asdict(m) for m in self.messages],
+            "applies": [dataclasses.asdict(a) for a in self.applies],
         }
         d.update(d.pop("meta"))  # layout facts at the top level, as `cdpjax schedule --json` shows them
         d["meta_keys"] = sorted(self.meta)
@@ -499,4 +526,4 @@ def format_grid(t: TimeTable) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "Message", "Op", "TimeTable", "Update", "format_grid", "from_orders", "positive", "table"]
+__all__ = ["Apply", "KINDS", "Message", "Op", "TimeTable", "Update", "format_grid", "from_orders", "positive", "table"]

@@ -8,13 +8,18 @@ import numpy as np
 import pytest
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import applies_of, cdp_table
-from cdpjax.program.ring import ring_ticks as ring_program
+from cdpjax.layouts.cdp import _laid_out, applies_of, cdp_table
+from cdpjax.program.ring import ring_ticks
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
 from cdpjax import kinds
 from cdpjax.timetable import Op, TimeTable, from_orders, table
 from helpers import cdp_rule
+
+
+def ring_program(rule, n, l, ticks="whole"):
+    """The ring's period of CDP's own table (lowered from the table alone)."""
+    return ring_ticks(cdp_table(rule, n, l, ticks=ticks))
 
 
 # ------------------------------------------------------------------ staleness
@@ -240,7 +245,7 @@ def test_paper_code_rule_from_the_command_line(capsys, tmp_path):
     args = ["--method", "cdp-v2", "--workers", "8", "--stages", "4", "--rule", "paper-code"]
     assert schedule.main(args) == 0
     text = capsys.readouterr().out
-    assert "stale (worker, stage) pairs: 6 of 32" in text and "reads that precede their update" in text
+    assert "stale (worker, stage) pairs: 6 of 32" in text and "8 idle tick(s)" in text
     assert schedule.main(args + ["--json", "--stage-bytes", "4,3,2,1"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["stale"] == [[not (j >= 3 - i) for j in range(4)] for i in range(8)] and d["rule"] == "paper-code"
@@ -252,9 +257,11 @@ def test_paper_code_rule_from_the_command_line(capsys, tmp_path):
 
 def test_paper_code_rule():
     """The authors' released rule, written out here: worker i reads the current version of stage
-    j iff j >= L-1-i. N = L: the table's own rule; N = 8, L = 4: 6 of 32 pairs stale, and some
-    reads come before their update (worker 4's forward of stage 0 two ticks before stage 0's
-    update), which the ring refuses; N < L: more stale than the timing needs, and realisable."""
+    j iff j >= L-1-i. N = L: the table's own rule; N < L: more stale than the timing needs, and
+    realisable. N = 8, L = 4: 6 of 32 pairs stale; at 8 ticks a step (workers 1 tick apart) some
+    reads would come before their update (worker 4's forward of stage 0, two ticks before stage
+    0's update), which the ring refuses naming the op; the table lengthens the step to 16 ticks
+    (workers 2 ticks apart, as at N = L), which the ring runs."""
     def paper(n, l):
         return np.array([[not (j >= l - 1 - i) for j in range(l)] for i in range(n)])
 
@@ -268,14 +275,21 @@ def test_paper_code_rule():
     v2 = cdp_table("cdp-v2", 2, 4).stale
     assert (paper(2, 4) >= v2).all() and paper(2, 4).sum() > v2.sum()
     ring_program("paper-code", 2, 4)  # realisable: every read served from one stored version
+    assert cdp_table("paper-code", 2, 4).period == 8  # N <= L: the paper's T = 2L
 
-    t = cdp_table("paper-code", 8, 4, steps=4)
-    f = next(o for o in t.ops if o.device == 4 and o.stage == 0 and o.kind == "F" and o.step == 2)
-    u = next(u.tick for u in t.updates if u.stage == 0 and u.step == 1)
+    eight = _laid_out("paper-code", 8, 4, 4, "whole", 8)  # the paper's timing: offsets i, 8 ticks a step
+    f = next(o for o in eight.ops if o.device == 4 and o.stage == 0 and o.kind == "F" and o.step == 2)
+    u = next(u.tick for u in eight.updates if u.stage == 0 and u.step == 1)
     assert u - f.tick == 2 and f.slot == "future" and f.version == 2
-    assert any("reads that precede their update" in note and "w4 F0" in note for note in t.notes)
-    with pytest.raises(ConfigError, match=r"cannot run rule paper-code with workers=8, stages=4: worker \d+'s forward"):
-        ring_program("paper-code", 8, 4)
+    with pytest.raises(ConfigError, match=r"^the ring engine cannot run this cdp-v2 table: worker \d+'s F\d of "
+                                          r"step \d+ at tick \d+ reads version \d+, and the worker's one stored "
+                                          r"copy holds version \d+ then"):
+        ring_ticks(eight)
+    t = cdp_table("paper-code", 8, 4, steps=4)
+    assert t.period == 16 and t.offsets == tuple(2 * i for i in range(8))
+    assert not any(o.slot == "future" for o in t.ops) and any("8 idle tick(s)" in note for note in t.notes)
+    np.testing.assert_array_equal(t.stale, paper(8, 4))
+    assert len(ring_program("paper-code", 8, 4).ticks) == 16
     with pytest.raises(ConfigError, match="cdp-v2 rule"):
         table("cdp-v2", workers=4, stages=4, rule="cdp-v1")
 
@@ -354,7 +368,7 @@ def _replay(rule, n, l, calls=4, ticks="whole"):
 @pytest.mark.parametrize("rule,n,l,ticks", [
     ("cdp-v2", 4, 4, "whole"), ("cdp-v2", 8, 4, "whole"), ("cdp-v2", 2, 4, "whole"), ("cdp-v2", 4, 2, "whole"),
     ("cdp-v1", 4, 4, "whole"), ("cdp-v1", 2, 3, "whole"), ("paper-code", 2, 4, "whole"), ("cdp-v2", 1, 3, "whole"),
-    ("cdp-v2", 6, 3, "whole"),
+    ("cdp-v2", 6, 3, "whole"), ("paper-code", 8, 4, "whole"),
     ("cdp-v2", 4, 4, "split"), ("cdp-v2", 2, 4, "split"), ("cdp-v2", 3, 4, "split"), ("cdp-v2", 6, 4, "split"),
     ("cdp-v2", 8, 8, "split"), ("cdp-v1", 4, 4, "split"), ("cdp-v1", 3, 2, "split"), ("paper-code", 2, 4, "split"),
     ("paper-code", 4, 4, "split"), ("cdp-v2", 3, 4, "paired"), ("cdp-v2", 3, 6, "paired"), ("cdp-v2", 2, 4, "paired"),
@@ -460,10 +474,11 @@ def test_json_round_trip_with_w():
 
 
 @pytest.mark.parametrize("lower,engine", [("ring", "the ring engine"), ("zero", "the cdp-zero engine")])
-def test_the_ring_engines_refuse_a_table_that_is_not_cdps(lower, engine):
-    """The ring engines build their period from CDP's own table (rule, workers, stages, ticks):
-    handed another schedule under a CDP method's name, or a kind they have no piece for, they
-    refuse it in one line naming the op, instead of running CDP's schedule in its place."""
+def test_the_ring_engines_refuse_what_they_cannot_serve(lower, engine):
+    """The ring engines lower the table they are given, whatever its layout: a table they cannot
+    run is refused in one line naming what it lacks (an op kind they have no piece for, a step
+    that does not repeat the others, a read of a version the worker does not hold, a gradient op
+    with no running sum to add to)."""
     import dataclasses
 
     from cdpjax.program.ring import lower_ring
@@ -475,13 +490,30 @@ def test_the_ring_engines_refuse_a_table_that_is_not_cdps(lower, engine):
     run(own)  # CDP's own: lowered
     first = own.ops[0]  # worker 0's forward of stage 0, step 0, at tick 0
     assert (first.tick, first.device, first.stage, first.kind, first.step) == (0, 0, 0, "F", 0)
-    later = dataclasses.replace(own, ops=(dataclasses.replace(first, tick=1),) + own.ops[1:])
-    with pytest.raises(ConfigError, match=rf"^{engine} runs CDP's own cdp-v2 tables, and this {method} table has "
-                                          r"F0 of worker 0, step 0 at tick 1, which CDP's .* does not"):
-        run(later)
     fb = dataclasses.replace(own, ops=(dataclasses.replace(first, kind="FB"),) + own.ops[1:])
-    with pytest.raises(ConfigError, match=rf"^{engine} has no piece for op kind 'FB' .*; it runs F, B, W$"):
+    with pytest.raises(ConfigError, match=rf"^{engine}.* 'FB'.*F, B, W\)?$"):
         run(fb)
-    missing = dataclasses.replace(own, ops=own.ops[1:])
-    with pytest.raises(ConfigError, match=r"table lacks F0 of worker 0, step 0 at tick 0, which CDP's .* does:"):
-        run(missing)
+    later = dataclasses.replace(own, ops=(dataclasses.replace(first, tick=1),) + own.ops[1:])
+    with pytest.raises(ConfigError, match=rf"^{engine} runs a table that repeats every 4 ticks, and .*step"):
+        run(later)
+    if lower == "ring":
+        stale = next(o for o in own.ops if o.step == 1 and o.stale)  # reads version 0 at step 1
+        fresh = dataclasses.replace(own, ops=tuple(dataclasses.replace(o, version=1) if o == stale else o
+                                                   for o in own.ops))
+        with pytest.raises(ConfigError, match=rf"^{engine} cannot run this cdp-v2 table: worker {stale.device}'s "
+                                              rf"F{stale.stage} of step 1 at tick {stale.tick} reads version 1, "
+                                              r"and the worker's one stored copy holds version 0 then"):
+            run(fresh)
+        lost = next(m for m in own.messages if m.kind == "partial")
+        alone = dataclasses.replace(own, messages=tuple(m for m in own.messages if m != lost))
+        with pytest.raises(ConfigError, match=rf"^{engine} cannot run this cdp-v2 table: worker {lost.dst}'s "
+                                              rf"B{lost.stage} of step {lost.step} at tick \d+ adds to stage "
+                                              rf"{lost.stage}'s running sum, and no 'partial' message"):
+            run(alone)
+    else:
+        far = max((o for o in own.ops if o.step == 2 and o.kind == "F" and o.stage == 0), key=lambda o: o.tick)
+        old = dataclasses.replace(own, ops=tuple(dataclasses.replace(o, version=0) if o == far else o
+                                                 for o in own.ops))
+        with pytest.raises(ConfigError, match=rf"^{engine} cannot run this cdp-zero table: worker {far.device}'s "
+                                              r"F0 of step 2 at tick \d+ reads version 0, with 2 update\(s\)"):
+            run(old)

@@ -25,11 +25,12 @@ Rules (which version each read takes; `stale` marks the pairs on the delayed one
   "stale iff j < L-1-i".
 - paper-code: the rule of the authors' released code, for any N and L: worker i
   reads the current version of stage j iff j >= L-1-i (N = 8, L = 4: 6 of 32 pairs
-  stale). For N < L it is more stale than the timing allows (realisable); for N > L
-  some reads come before the update they need is complete (e.g. N = 8, L = 4:
-  worker 4's forward of stage 0 at step k+1, 2 ticks before stage 0's update of step
-  k): those ops have `slot='future'`, the table's notes list them, `simulate` runs
-  the rule (it has no timing) and the ring refuses it.
+  stale). For N < L it is more stale than the timing allows (realisable). For N > L,
+  at T ticks a step some reads would come before the update they need is complete
+  (N = 8, L = 4: worker 4's forward of stage 0 at step k+1, 2 ticks before stage 0's
+  update of step k) or before its sum can reach them; the table then lengthens the
+  step with idle ticks, the fewest that serve every read (N = 8, L = 4: 16 ticks, the
+  workers 2 ticks apart as at N = L: the rule's own spacing), and the ring runs it.
 A backward (B and W) reads the version its forward read. `Op.slot` says which of two
 stored versions (`current`, `previous`) holds an op's version at its tick when every
 worker applies each update at its `updates` tick (what `cdp-mp` does).
@@ -46,7 +47,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
-from cdpjax.timetable import Message, Op, TimeTable, Update, positive
+from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
 
 RULES = ("dp", "cdp-v1", "cdp-v2", "paper-code")
 V2_RULES = ("cdp-v2", "paper-code")  # the rules the cdp-v2 layout takes (`cdp_rule`)
@@ -88,24 +89,46 @@ def check_sizes(workers: int, stages: int, ticks: str = "whole") -> None:
         )
 
 
-def worker_offsets(method: str, workers: int, stages: int, ticks: str = "whole") -> tuple[int, ...]:
+def worker_offsets(method: str, workers: int, stages: int, ticks: str = "whole", period: int = 0) -> tuple[int, ...]:
+    """Worker i's first tick: T*i/N rounded down (dp: 0), T the ticks of a step (`period`, where
+    idle ticks lengthen it, else the phases')."""
     if method == "dp":
         return (0,) * workers
-    T = len(phase_ops(stages, ticks))
+    T = period or len(phase_ops(stages, ticks))
     return tuple(T * i // workers for i in range(workers))
 
 
 def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ticks: str = "whole") -> TimeTable:
     """The dp / cdp-v1 / cdp-v2 / paper-code table of `steps` steps for N workers and L
     stages, with whole or split backwards (`method` is the rule; a paper-code table is a
-    cdp-v2 table, `meta['rule']` 'paper-code')."""
+    cdp-v2 table, `meta['rule']` 'paper-code').
+
+    paper-code with N > L: at the T ticks of a step some fresh reads would precede their update
+    (N = 8, L = 4: worker 4's forward of stage 0, two ticks early) or come before the sum can
+    reach them; the step is then lengthened by idle ticks at its end (worker i starting at
+    T'*i/N), the fewest (with T' a multiple of N, so that offsets stay whole, except with paired
+    ticks) for which every read is served from one stored version."""
     if method not in RULES:
         raise ConfigError(f"method={method!r} is not one of {', '.join(RULES)}")
     check_sizes(workers, stages, ticks)
     positive(steps=steps)
-    phases = phase_ops(int(stages), ticks)
-    N, L, T, S = int(workers), int(stages), len(phases), int(steps)
-    offsets = worker_offsets(method, N, L, ticks)
+    T = len(phase_ops(int(stages), ticks))
+    if method != "paper-code" or workers <= stages:
+        return _laid_out(method, int(workers), int(stages), int(steps), ticks, T)
+    step = 1 if ticks == "paired" else int(workers)
+    for period in range(-(-max(T, workers) // step) * step, 4 * T + 1, step):
+        t = _laid_out(method, int(workers), int(stages), int(steps), ticks, period)
+        if not t.meta.get("unserved"):
+            return t
+    raise AssertionError(f"paper-code N={workers} L={stages}: no step of up to {4 * T} ticks serves every read")
+
+
+def _laid_out(method: str, N: int, L: int, S: int, ticks: str, period: int) -> TimeTable:
+    """`cdp_table`'s table with steps of `period` ticks (the phases, then idle ticks)."""
+    phases = phase_ops(L, ticks)
+    phases = phases + ((),) * (period - len(phases))
+    T = len(phases)
+    offsets = worker_offsets(method, N, L, ticks, T)
     ops, updates, completer = _ops(method, N, L, S + FUTURE, offsets, phases)
     messages, applies, plans = [], [], {}
     if method == "dp":
@@ -131,12 +154,15 @@ def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ti
     steady = (2 * T, 3 * T) if S >= 3 else (T, 2 * T) if S >= 2 else (0, num_ticks)
     meta, notes = {"ticks": ticks} if ticks != "whole" else {}, []
     if method != "dp":
-        meta.update({"rule": method, "applies": sorted(list(a) for a in applies if keep(a[0], a[3])),
-                     "late": sorted([r, j] for j, d in plans.items() for r in d.late)})
-        notes = _notes(method, N, L, ops, plans)
+        meta["rule"] = method
+        notes = _notes(method, N, L, ops, plans, T - len(phase_ops(L, ticks)))
+        unserved = sorted({(r, j) for j, d in plans.items() for r in d.late + d.acausal})
+        if unserved:  # readers no plan serves in time: the ring refuses such a table (`lower_ring`)
+            meta["unserved"] = [list(p) for p in unserved]
     name = "cdp-v2" if method == "paper-code" else method
+    applies = tuple(Apply(*a) for a in sorted(a for a in applies if keep(a[0], a[3])))
     return TimeTable(name, N, L, S, num_ticks, N, T, ops, updates, messages, offsets, 1, steady,
-                     meta=meta, notes=tuple(notes))
+                     meta=meta, notes=tuple(notes), applies=applies, axis="data")
 
 
 # --------------------------------------------------------------------- the ops
@@ -211,16 +237,19 @@ def _partials(ops, N):
 
 def applies_of(table: TimeTable) -> dict:
     """(worker, stage, step) -> the tick at whose end that worker applies that update."""
-    if table.meta.get("applies") is None:  # dp: every worker at the update
+    if not table.applies:  # dp: every worker at the update
         return {(w, u.stage, u.step): u.tick for u in table.updates for w in range(table.workers)}
-    return {(w, j, k): t for t, w, j, k in table.meta["applies"]}
+    return {(a.worker, a.stage, a.step): a.tick for a in table.applies}
 
 
-def _notes(rule, N, L, ops, plans):
+def _notes(rule, N, L, ops, plans, idle=0):
     notes = []
     if rule == "paper-code":
         notes.append("rule paper-code (the authors' released code): worker i reads the current version of "
                      "stage j iff j >= L-1-i")
+    if idle:
+        notes.append(f"each step ends with {idle} idle tick(s), the fewest with which every read of this rule comes "
+                     f"after its update and its sum reaches the reader in time")
         first = {}
         for o in ops:
             if o.slot == "future":
@@ -237,21 +266,6 @@ def _notes(rule, N, L, ops, plans):
                      "(at most one 'sum' and one 'partial' send per worker per tick), each worker applying it "
                      "between its last read of the old version and its first of the new: one stored version")
     return notes
-
-
-def acausal_reads(table: TimeTable) -> list[str]:
-    """The reads that come before their update is complete, in words, the first of each
-    (worker, stage) pair (empty if none)."""
-    out, seen = [], set()
-    u_tick = {(u.stage, u.step): u.tick for u in table.updates}
-    for o in sorted(table.ops, key=lambda o: o.tick):
-        if o.slot == "future" and o.kind == "F" and (o.device, o.stage) not in seen:
-            seen.add((o.device, o.stage))
-            u = u_tick.get((o.stage, o.version - 1))
-            out.append(f"worker {o.device}'s forward of stage {o.stage} at step {o.step} (tick {o.tick}) reads "
-                       f"version {o.version}, whose update is complete at the end of tick {u}, "
-                       f"{u - o.tick + 1} tick(s) later")
-    return out
 
 
 # ------------------------------------------------------------------ the layouts

@@ -39,6 +39,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
 from cdpjax.layouts.cdp import cdp_table, check_sizes
+from cdpjax.program.zero import Visit, visits
 from cdpjax.timetable import Message, TimeTable
 
 ZERO_RULES = ("cdp-v1", "cdp-v2")
@@ -48,20 +49,6 @@ def _check_zero(rule, workers, stages, ticks="whole"):
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp-zero rule={rule!r} is not one of {', '.join(ZERO_RULES)}")
     check_sizes(workers, stages, ticks)
-
-
-@dataclasses.dataclass(frozen=True)
-class Visit:
-    """A worker's consecutive ops on one stage: their ticks, kinds, step and the version (and the
-    row every worker keeps its piece of it in: 0 current, 1 previous) they read."""
-
-    worker: int
-    stage: int
-    step: int
-    ticks: tuple[int, ...]
-    kinds: tuple[str, ...]
-    version: int
-    row: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +67,8 @@ class ZeroPlan:
 @functools.lru_cache(maxsize=64)
 def zero_plan(rule: str, workers: int, stages: int, ticks: str = "whole", steps: int = 8) -> ZeroPlan:
     _check_zero(rule, workers, stages, ticks)
-    base = cdp_table(rule, workers, stages, steps, ticks)
-    visits = _visits(base)
-    for v in visits:  # every op of a visit reads one version, and every worker stores it
-        if v.row not in (0, 1):
-            raise AssertionError(f"cdp-zero {rule}: visit {v} reads a version the workers do not store")
+    base = dataclasses.replace(cdp_table(rule, workers, stages, steps, ticks), applies=())
+    found = visits(base)  # every op of a visit reads one version, and every worker stores it
     grad = gradient_kind(ticks == "split")
     gradients = {}
     for o in sorted(base.ops, key=lambda o: o.tick):
@@ -96,35 +80,8 @@ def zero_plan(rule: str, workers: int, stages: int, ticks: str = "whole", steps:
         later = gradients.get((j, k + 1))
         if u is not None and (ops[-1][0] > u or (later and later[0][0] <= u)):
             raise AssertionError(f"cdp-zero {rule}: stage {j}'s gradient sums of steps {k} and {k + 1} overlap")
-    versions = 2 if any(v.row == 1 for v in visits) else 1
-    return ZeroPlan(base, tuple(visits), {k: tuple(v) for k, v in gradients.items()}, update_tick, versions)
-
-
-def _visits(base: TimeTable) -> list[Visit]:
-    by_worker = {}
-    for o in sorted(base.ops, key=lambda o: o.tick):
-        by_worker.setdefault(o.device, []).append(o)
-    out = []
-    for w, ops in by_worker.items():
-        group = [ops[0]]
-        for o in ops[1:]:
-            prev = group[-1]
-            if o.stage == prev.stage and o.step == prev.step and o.tick == prev.tick + 1:
-                group.append(o)
-                continue
-            out.append(_visit(group))
-            group = [o]
-        out.append(_visit(group))
-    return sorted(out, key=lambda v: (v.ticks[0], v.worker))
-
-
-def _visit(ops) -> Visit:
-    first = ops[0]
-    if any(o.version != first.version for o in ops):
-        raise AssertionError(f"the ops {ops} of one visit read different versions")
-    row = {"current": 0, "previous": 1}.get(first.slot, -1)
-    return Visit(first.device, first.stage, first.step, tuple(o.tick for o in ops), tuple(o.kind for o in ops),
-                 first.version, row)
+    versions = 2 if any(v.row == 1 for v in found) else 1
+    return ZeroPlan(base, tuple(found), {k: tuple(v) for k, v in gradients.items()}, update_tick, versions)
 
 
 def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = "cdp-v2",
@@ -150,8 +107,9 @@ def cdp_zero_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str 
     meta = {"rule": rule, "shards": workers, "stored_versions": plan.versions}
     if ticks != "whole":
         meta["ticks"] = ticks
+    # every worker applies each update of its pieces at the update's tick: no per-worker applies
     return dataclasses.replace(base, method="cdp-zero", messages=tuple(messages), steady=steady, meta=meta,
-                               notes=(note,))
+                               notes=(note,), applies=())
 
 
 register(Layout("cdp-zero", "cdpjax.methods.cdp_zero:build", axes=("data",), device_axis="data",

@@ -526,7 +526,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
-    program = lower_ring(table, residuals)  # refuses a read the ring cannot serve
+    program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
     ticks: RingTicks = program.ticks
     mesh, tx, N = ctx.mesh, ctx.optimizer(), ticks.workers
     batch = int(ctx.config.global_batch_size)

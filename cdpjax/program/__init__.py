@@ -262,12 +262,15 @@ class Program:
 
 
 def lower(table, residuals: str = "recompute", **options) -> Program:
-    """The program of `table` for its engine: the stage-axis engine for a table whose stages
-    live on their own devices, the ring for the cyclic data-parallel tables (`meta['rule']`)."""
-    from cdpjax.layouts import LAYOUTS
+    """The program of `table` for its engine, from the table's own data: the stage-axis engine
+    for a table whose columns are devices the stages are placed on (`axis='stage'`); for one whose
+    columns are workers each holding every stage (`axis='data'`), cdp-zero's engine where the
+    parameters travel in pieces (messages with `parts` > 1), else the ring."""
+    if table.axis == "data":
+        if any(m.parts > 1 for m in table.messages):
+            from cdpjax.program.zero import lower_zero
 
-    axis = LAYOUTS[table.method].device_axis if table.method in LAYOUTS else "stage"
-    if axis == "data":
+            return lower_zero(table, residuals=residuals, **options)
         from cdpjax.program.ring import lower_ring
 
         return lower_ring(table, residuals=residuals, **options)

@@ -22,14 +22,11 @@ of each period.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.layouts.cdp import acausal_reads, cdp_table, check_sizes
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
@@ -68,7 +65,6 @@ class RingTicks:
     lag - 1); `newest[j]`: a worker that has applied, at a period boundary, every update of
     stage j complete by then (the others may still be waiting for theirs)."""
 
-    rule: str
     workers: int
     stages: int
     ticks: tuple[RingTick, ...]
@@ -79,23 +75,6 @@ class RingTicks:
     @property
     def period_ticks(self) -> int:
         return len(self.ticks)
-
-    def held_bytes(self, stage_bytes) -> np.ndarray:
-        """[ticks + 1] gradient bytes held (partial and completed sums, over all workers' buffers:
-        what each device of the SPMD program allocates) at the period's start and after each
-        tick, for stage gradients of `stage_bytes`."""
-        carried = {(kind, j, lag - 1) for kind, j, lag in self.live}
-        last = {}
-        for t, tk in enumerate(self.ticks):
-            for name, _, _ in accesses(tk):
-                last[name] = t
-        held = set(self.live)
-        out = [sum(stage_bytes[j] for _, j, _ in held)]
-        for t, tk in enumerate(self.ticks):
-            held |= {name for name, _, how in accesses(tk) if how == "write"}
-            held -= {name for name, lt in last.items() if lt == t and name not in carried}
-            out.append(sum(stage_bytes[j] for _, j, _ in held))
-        return np.asarray(out, float)
 
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
@@ -110,89 +89,162 @@ class RingTicks:
         return out
 
 
-@functools.lru_cache(maxsize=64)
-def ring_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> RingTicks:
-    """The ring's period for `rule` (cdp-v1, cdp-v2, paper-code), read from `cdp_table`;
-    a ConfigError naming the read and the ticks where the table has a read the ring
-    cannot serve."""
-    if rule not in ("cdp-v1", "cdp-v2", "paper-code"):
-        raise ConfigError(f"the ring runs the cyclic rules cdp-v1, cdp-v2, paper-code, not {rule!r}")
-    check_sizes(workers, stages, ticks)
-    N, L = int(workers), int(stages)
-    table = cdp_table(rule, N, L, steps=8, ticks=ticks)
-    problems = acausal_reads(table) + [f"worker {r} gets stage {j}'s sum after its deadline"
-                                       for r, j in table.meta["late"]]
-    if problems:
-        raise ConfigError(f"cdp_impl='ring' cannot run rule {rule} with workers={N}, stages={L}: "
-                          f"{problems[0]} ({len(problems)} worker/stage pairs read that early); "
-                          f"use cdp_impl='simulate'")
-    periods = [_ring_window(table, m) for m in (4, 5)]
-    if periods[0] != periods[1]:
-        raise AssertionError(f"{rule} N={N} L={L}: the ring's period is not periodic")
-    ticks = periods[0]
+def ring_ticks(table: TimeTable) -> RingTicks:
+    """The ring's period of a cyclic `table`, from its own events: ops (with the version each
+    reads), updates, 'partial' and 'sum' messages and applies. Every event of one fully laid-out
+    step k, at tick t, lands at tick t mod T of the period with lag t // T - k (T the table's
+    period: worker 0 starts a step every T ticks); the other whole steps must land on the same
+    events (the table repeats every T ticks). A table the ring cannot run is refused in one line
+    naming the first op or update that lacks what the ring needs (`_refuse_unservable`)."""
+    N, L, T = table.workers, table.stages, table.period
+    _refuse_unservable(table)
+    whole = _whole_steps(table)
+    if not whole:
+        raise ConfigError(f"the ring engine needs one step of this {table.method} table laid out whole (every "
+                          f"worker's apply of every stage's update): lay out more steps than {table.steps}")
+    folds = {k: _fold(table, k) for k in whole}
+    ticks = folds[whole[-1]]
+    for k, other in folds.items():
+        if other != ticks:
+            t = next(t for t, (a, b) in enumerate(zip(ticks, other)) if a != b)
+            raise ConfigError(f"the ring engine runs a table that repeats every {T} ticks, and this {table.method} "
+                              f"table's step {k} differs from step {whole[-1]} at tick {t} of the "
+                              f"period: {other[t]} != {ticks[t]}")
     lags = [op[3] for tk in ticks for op in tk.ops] + [a[1] for tk in ticks for a in tk.applies]
-    counts = np.zeros((N, L), int)
-    for t, w, j, _ in table.meta["applies"]:
-        counts[w, j] += t < 4 * table.period
-    newest = tuple(int(np.argmax(counts[:, j])) for j in range(L))
-    return RingTicks(rule, N, L, ticks, max(lags), _live(ticks, N), newest)
+    newest = []
+    for j in range(L):  # the worker whose apply of stage j is fewest calls late: it holds the newest version
+        lag_of = {w: lag for tk in ticks for jj, lag, ws, _ in tk.applies if jj == j for w in ws}
+        newest.append(min(range(N), key=lambda w: (lag_of.get(w, 0), w)))
+    return RingTicks(N, L, ticks, max(lags), _live(ticks, N), tuple(newest))
 
 
-def _ring_window(table, m):
-    # Long on purpose: one pass over the window's ops and messages fills every event list of its ticks.
-    T = table.period
-    grad = gradient_kind(any(o.kind == "W" for o in table.ops))
-    lo, hi = m * T, (m + 1) * T
+def _applies(table: TimeTable) -> dict:
+    """(worker, stage, step) -> the tick at whose end the worker applies that update (a table
+    without `applies`: every worker at the update's tick)."""
+    if table.applies:
+        return {(a.worker, a.stage, a.step): a.tick for a in table.applies}
+    return {(w, u.stage, u.step): u.tick for u in table.updates for w in range(table.workers)}
+
+
+def _refuse_unservable(table: TimeTable) -> None:
+    """A ConfigError naming the first op or update the ring cannot serve: an op kind it has no
+    piece for, an op reading a version its worker's one stored copy does not hold at that tick,
+    a gradient op with no partial sum to add to, an update whose tick is not its last gradient
+    op's, an apply before its worker holds the sum."""
+    what = f"the ring engine cannot run this {table.method} table"
+    for o in table.ops:
+        if o.kind not in ("F", "B", "W"):
+            raise ConfigError(f"{what}: worker {o.device}'s op {o.kind}{o.stage} at tick {o.tick} is of kind "
+                              f"{o.kind!r}, which the ring has no piece for (it runs F, B, W)")
+    applied = {}
+    for (w, j, k), t in _applies(table).items():
+        applied.setdefault((w, j), []).append(t)
+    for ts in applied.values():
+        ts.sort()
+    for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
+        held = int(np.searchsorted(applied.get((o.device, o.stage), []), o.tick))
+        if held != o.version:
+            raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
+                              f"reads version {o.version}, and the worker's one stored copy holds version {held} "
+                              f"then (its applies of stage {o.stage} end ticks "
+                              f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
+    grad = gradient_kind(table.split_backward)
+    received = {(m.dst, m.stage, m.step): m.tick for m in table.messages if m.kind == "partial"}
+    sent = {(m.src, m.stage, m.step) for m in table.messages if m.kind == "partial"}
+    last = {}
+    for o in sorted(table.ops, key=lambda o: o.tick):
+        if o.kind != grad:
+            continue
+        key = (o.stage, o.step)
+        got = received.get((o.device, o.stage, o.step))
+        if key in last and (got is None or got >= o.tick):
+            raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
+                              f"adds to stage {o.stage}'s running sum, and no 'partial' message brings it the sum "
+                              f"before then")
+        last[key] = o
+    for u in table.updates:
+        o = last.get((u.stage, u.step))
+        if o is not None and o.tick != u.tick:
+            raise ConfigError(f"{what}: stage {u.stage}'s update of step {u.step} is at tick {u.tick}, not at the "
+                              f"tick of its last gradient op (worker {o.device}'s, tick {o.tick})")
+        if o is not None and (o.device, o.stage, o.step) in sent:
+            raise ConfigError(f"{what}: worker {o.device} completes stage {u.stage}'s sum of step {u.step} at tick "
+                              f"{u.tick} and also sends it on as a 'partial'")
+    has = {(last[(u.stage, u.step)].device, u.stage, u.step): u.tick for u in table.updates
+           if (u.stage, u.step) in last}
+    for m in sorted((m for m in table.messages if m.kind == "sum"), key=lambda m: m.tick):
+        has.setdefault((m.dst, m.stage, m.step), m.tick)
+    for (w, j, k), t in sorted(_applies(table).items(), key=lambda kv: kv[1]):
+        if (j, k) in last and has.get((w, j, k), t + 1) > t:
+            raise ConfigError(f"{what}: worker {w} applies stage {j}'s update of step {k} at tick {t}, and no "
+                              f"'sum' message brings it the sum by then")
+
+
+def _whole_steps(table: TimeTable) -> list[int]:
+    """The steps all of whose applies (every worker, every stage) are laid out."""
+    applies = _applies(table)
+    return [k for k in range(table.steps)
+            if all((w, j, k) in applies for w in range(table.workers) for j in range(table.stages))]
+
+
+def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
+    """The period's events from those of `step` (each at tick t mod T, lag t // T - step)."""
+    # Long on purpose: one pass over the step's ops and messages fills every event list of its ticks.
+    T, N = table.period, table.workers
+    grad = gradient_kind(table.split_backward)
+
+    def at(t: int, what: str) -> tuple[int, int]:
+        lag = t // T - step
+        if lag < 0:
+            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what} of step {step} "
+                              f"at tick {t} is before worker 0 starts that step (tick {step * T})")
+        return t % T, lag
+
     ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}) for _ in range(T)]
-    u_tick = {(u.stage, u.step): u.tick for u in table.updates}
-    received = {(msg.dst, msg.stage, msg.step) for msg in table.messages if msg.kind == "partial"}
+    u_tick = {u.stage: u.tick for u in table.updates if u.step == step}
+    received = {(m.dst, m.stage) for m in table.messages if m.kind == "partial" and m.step == step}
     completer = {}
     for o in table.ops:
-        if o.kind == grad and u_tick[(o.stage, o.step)] == o.tick:
-            completer[(o.stage, o.step)] = o.device
-        if lo <= o.tick < hi:
-            tk = ticks[o.tick - lo]
-            tk["ops"].append((o.device, o.kind, o.stage, m - o.step))
-            if o.kind == grad and (o.device, o.stage, o.step) not in received:
-                tk["chain_start"].add((o.device, o.stage))
-            if o.kind == grad and u_tick[(o.stage, o.step)] == o.tick:
-                tk["completes"].append((o.device, o.stage, m - o.step))
-    # Who holds each sum when: from its arrival (the completer: u) to its last use.
-    arrive, end = {}, {}
-    for (j, k), c in completer.items():
-        arrive[(j, k, c)] = u_tick[(j, k)]
-    for msg in table.messages:
-        if msg.kind == "sum":
-            arrive[(msg.stage, msg.step, msg.dst)] = msg.tick
-            key = (msg.stage, msg.step, msg.src)
-            end[key] = max(end.get(key, -1), msg.tick)
-    applied = {}
-    for t, w, j, k in table.meta["applies"]:
-        applied[(j, k, w)] = t
-        end[(j, k, w)] = max(end.get((j, k, w), -1), t)
-    for msg in table.messages:
-        if not lo <= msg.tick < hi:
+        if o.step != step:
             continue
-        tk, lag = ticks[msg.tick - lo], m - msg.step
-        if msg.kind == "partial":
-            tk["partials"].setdefault((msg.stage, lag), []).append((msg.src, msg.dst))
-        else:
-            tk["sums"].setdefault((msg.stage, lag), []).append((msg.src, msg.dst))
+        t, lag = at(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
+        tk = ticks[t]
+        tk["ops"].append((o.device, o.kind, o.stage, lag))
+        if o.kind == grad and (o.device, o.stage) not in received:
+            tk["chain_start"].add((o.device, o.stage))
+        if o.kind == grad and u_tick[o.stage] == o.tick:
+            completer[o.stage] = o.device
+            tk["completes"].append((o.device, o.stage, lag))
+    # Who holds each sum when: from its arrival (the completer: u) to its last use.
+    arrive = {(j, c): u_tick[j] for j, c in completer.items()}
+    end = {}
+    messages = [m for m in table.messages if m.step == step]
+    for m in messages:
+        if m.kind == "sum":
+            arrive[(m.stage, m.dst)] = m.tick
+            end[(m.stage, m.src)] = max(end.get((m.stage, m.src), -1), m.tick)
+    applied = {(a_j, w): t for (w, a_j, k), t in _applies(table).items() if k == step}
+    for (j, w), t in applied.items():
+        end[(j, w)] = max(end.get((j, w), -1), t)
+    for m in messages:
+        t, lag = at(m.tick, f"'{m.kind}' message of stage {m.stage}")
+        if m.kind == "partial":
+            ticks[t]["partials"].setdefault((m.stage, lag), []).append((m.src, m.dst))
+        elif m.kind == "sum":
+            ticks[t]["sums"].setdefault((m.stage, lag, m.tick), []).append((m.src, m.dst))
     out = []
     for t, tk in enumerate(ticks):
-        tick = lo + t
         sums = []
-        for (j, lag), pairs in sorted(tk["sums"].items()):
-            k = m - lag
+        for (j, lag, tick), pairs in sorted(tk["sums"].items()):
             dst = {d for _, d in pairs}
-            keep = any(arrive.get((j, k, w), tick) < tick or (w == completer[(j, k)] and arrive[(j, k, w)] == tick)
-                       for w in range(table.workers) if w not in dst and end.get((j, k, w), -1) > tick)
+            keep = any(arrive.get((j, w), tick) < tick or (w == completer[j] and arrive[(j, w)] == tick)
+                       for w in range(N) if w not in dst and end.get((j, w), -1) > tick)
             sums.append((j, lag, tuple(sorted(pairs)), keep))
         receivers = {(j, lag, d) for j, lag, pairs, _ in sums for _, d in pairs}
         applies = {}
-        for (j, k, w), at in applied.items():
-            if at == tick:
-                lag = m - k
+        for (j, w), tick in applied.items():
+            at_t, lag = at(tick, f"apply of stage {j} by worker {w}")
+            if at_t == t:
                 applies.setdefault((j, lag, (j, lag, w) in receivers), []).append(w)
         out.append(RingTick(
             gradient_kinds=(grad,),
@@ -253,32 +305,10 @@ def _live(ticks, N):
     return tuple(sorted({buf for buf, _ in live}))
 
 
-def refuse_other_tables(table: TimeTable, engine: str) -> None:
-    """The ring engines build their period from CDP's own table of the same rule, workers,
-    stages and ticks, not from `table`'s ops: a ConfigError naming the first op where
-    `table` is another schedule (or has a kind with no ring piece), rather than running
-    CDP's in its place."""
-    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), ("F", "B", "W"), engine)
-    rule = table.meta.get("rule", table.method)
-    own = cdp_table(rule, table.workers, table.stages, table.steps, table.meta.get("ticks", "whole"))
-    theirs, ours = set(table.ops), set(own.ops)
-    if theirs != ours:  # name an op of the other schedule's own first, else one of CDP's it lacks
-        op = min(theirs - ours or ours - theirs, key=lambda o: (o.tick, o.device, o.stage))
-        where = "has" if op in theirs else "lacks"
-        raise ConfigError(f"{engine} runs CDP's own {rule} tables, and this {table.method} table {where} "
-                          f"{op.kind}{op.stage} of worker {op.device}, step {op.step} at tick {op.tick}, "
-                          f"which CDP's (workers={table.workers}, stages={table.stages}) "
-                          f"{'does not' if where == 'has' else 'does'}: a new schedule runs on the "
-                          f"stage-axis engine (docs/extending.md)")
-
-
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
-    """The ring's program of a cyclic table (its rule, workers, stages and ticks)."""
-    refuse_other_tables(table, "the ring engine")
+    """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`)."""
     carry = carries(residuals)
-    rule = table.meta.get("rule", table.method)
-    cdp_ticks = table.meta.get("ticks", "whole")
-    ticks = ring_ticks(rule, table.workers, table.stages, cdp_ticks)
+    ticks = ring_ticks(table)
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
@@ -312,7 +342,7 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
             sends.append(Send(t, "sum", Size.stage("param", j), tuple(pairs), j))
     kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
-    return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, cdp_ticks == "split",
+    return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 

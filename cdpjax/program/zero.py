@@ -1,5 +1,5 @@
-"""Lowering for cdp-zero: the plan (`cdpjax.layouts.cdp_zero.zero_plan`) as the per-tick events
-of one period, with every buffer a worker holds named.
+"""Lowering for cdp-zero: a cyclic table's ops and updates as the per-tick events of one period,
+with every buffer a worker holds named (the table alone: any table the engine can serve).
 
 cdp-zero runs on the ring engine's machinery (`cdpjax.methods.cdp_zero`, built on
 `cdpjax.methods.ring`): one worker per device of `data`, the period unrolled. What
@@ -24,13 +24,12 @@ event in every period (circular interval colouring over the period).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import defaultdict
 
+from cdpjax import kinds as op_kinds
+from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.layouts.cdp_zero import zero_plan
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
-from cdpjax.program.ring import refuse_other_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +60,6 @@ class ZeroTick:
 
 @dataclasses.dataclass(frozen=True)
 class ZeroTicks:
-    rule: str
     workers: int
     stages: int
     ticks: tuple[ZeroTick, ...]
@@ -84,51 +82,129 @@ def _circular_slots(arcs: dict, period: int) -> tuple[dict, int]:
     return out, max(len([r for r in taken if taken[r]]), 1)
 
 
-def _relay_rows(plan, lo: int, T: int) -> tuple[dict, int]:
-    """Visit -> its relay row, the same for a visit of another step shifted by whole periods; and
-    how many rows. A visit holds its row from its first tick to its last."""
-    arcs = defaultdict(dict)
-    for v in plan.visits:
-        arcs[v.worker][(v.stage, v.kinds[0], v.step)] = (v.ticks[0], v.ticks[-1])
-    rows = {w: _circular_slots({k: x for k, x in a.items() if lo <= x[0] < lo + T}, T) for w, a in arcs.items()}
+@dataclasses.dataclass(frozen=True)
+class Visit:
+    """A worker's consecutive ops on one stage of one step: their ticks, kinds and the version
+    they read, and the row every worker keeps its piece of that version in at the visit's first
+    tick (0 current, 1 previous: updates apply at their update ticks, every worker at once)."""
 
-    def row(v) -> int:
-        shift = -((v.ticks[0] - lo) // T)  # whole periods that bring its start into the period
-        return rows[v.worker][0][(v.stage, v.kinds[0], v.step + shift)]
+    worker: int
+    stage: int
+    step: int
+    ticks: tuple[int, ...]
+    kinds: tuple[str, ...]
+    version: int
+    row: int
 
-    return row, max((n for _, n in rows.values()), default=1)
+
+def visits(table) -> list[Visit]:
+    """The table's visits (`Visit`), in order of their first tick; a ConfigError naming the first op
+    whose visit reads two versions or a version neither stored row holds (updates of a stage
+    applied at their update ticks, every worker at once)."""
+    done = {}
+    for u in table.updates:
+        done.setdefault(u.stage, []).append(u.tick)
+    by_worker = {}
+    for o in sorted(table.ops, key=lambda o: (o.tick, o.stage)):
+        by_worker.setdefault(o.device, []).append(o)
+    out = []
+    for ops in by_worker.values():
+        group = [ops[0]]
+        for o in ops[1:] + [None]:
+            prev = group[-1]
+            if o is not None and (o.stage, o.step, o.tick) == (prev.stage, prev.step, prev.tick + 1):
+                group.append(o)
+                continue
+            first = group[0]
+            applied = sum(t < first.tick for t in done.get(first.stage, []))
+            row = applied - first.version
+            bad = next((x for x in group if x.version != first.version), None)
+            if bad is not None or row not in (0, 1):
+                x = bad or first
+                raise ConfigError(f"the cdp-zero engine cannot run this {table.method} table: worker {x.device}'s "
+                                  f"{x.kind}{x.stage} of step {x.step} at tick {x.tick} reads version {x.version}, "
+                                  f"with {applied} update(s) of stage {x.stage} applied: every worker keeps the "
+                                  f"current and the previous version only, one per visit")
+            out.append(Visit(first.device, first.stage, first.step, tuple(x.tick for x in group),
+                             tuple(x.kind for x in group), first.version, row))
+            group = [o]
+    return sorted(out, key=lambda v: (v.ticks[0], v.worker))
 
 
-@functools.lru_cache(maxsize=64)
-def zero_ticks(rule: str, workers: int, stages: int, ticks: str = "whole") -> ZeroTicks:
-    """The per-tick events of one steady period of cdp-zero's plan (module docstring)."""
-    plan = zero_plan(rule, workers, stages, ticks)
-    base = plan.table
-    T, m = base.period, 3  # a steady period: steps m-1..m+1 are laid out whole around it
-    lo, hi = m * T, (m + 1) * T
-    grad = gradient_kind(ticks == "split")
-    relay_row, relay_rows = _relay_rows(plan, lo, T)
-    events = [dict(gathers=[], ops=[], applies=[]) for _ in range(T)]
-    visit_of = {(v.worker, t, v.stage): v for v in plan.visits for t in v.ticks}
-    for v in plan.visits:
-        if lo <= v.ticks[0] < hi:
-            events[v.ticks[0] - lo]["gathers"].append((v.stage, v.worker, v.row, relay_row(v)))
-    for o in base.ops:
-        if lo <= o.tick < hi:
-            v = visit_of[(o.device, o.tick, o.stage)]
-            first = plan.gradients.get((o.stage, o.step), ((None, None),))[0]
-            events[o.tick - lo]["ops"].append(ZeroOp(o.device, o.kind, o.stage, m - o.step, relay_row(v),
-                                                     o.kind == grad, o.kind == grad and first == (o.tick, o.device)))
-    for (j, k), u in plan.update_tick.items():
-        if lo <= u < hi:
-            events[u - lo]["applies"].append((j, m - k))
-    out = tuple(ZeroTick(tuple(e["gathers"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind, z.stage))),
-                         tuple(sorted(e["applies"]))) for e in events)
-    lags = [op.lag for tk in out for op in tk.ops] + [lag for tk in out for _, lag in tk.applies]
-    if plan.versions == 2 and max(lags) > 1:  # the runtime's restart after an unfed call assumes it
-        raise AssertionError(f"cdp-zero {rule}, N={workers}, L={stages}: ops {max(lags)} calls back read a "
-                             f"previous version")
-    return ZeroTicks(rule, workers, stages, out, plan.versions, relay_rows, max(lags))
+def zero_ticks(table) -> ZeroTicks:
+    """The per-tick events of one period of `table` for cdp-zero (module docstring), from the
+    table's own ops and updates: every event of one whole step k at tick t lands at tick t mod T
+    with lag t // T - k, and every other whole step must land on the same events. A ConfigError
+    names the first op the engine cannot serve."""
+    # Long on purpose: the checks of what the engine needs, then one pass that folds a step's events.
+    N, L, T = table.workers, table.stages, table.period
+    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), ("F", "B", "W"), "the cdp-zero engine")
+    grad = gradient_kind(table.split_backward)
+    all_visits = visits(table)
+    gradients = {}
+    for o in sorted(table.ops, key=lambda o: (o.tick, o.device)):
+        if o.kind == grad:
+            gradients.setdefault((o.stage, o.step), []).append((o.tick, o.device))
+    update_tick = {(u.stage, u.step): u.tick for u in table.updates}
+    for (j, k), ops in gradients.items():  # one running sum per stage: a step's sum is applied before the next's
+        u, later = update_tick.get((j, k)), gradients.get((j, k + 1))
+        if u is not None and (ops[-1][0] > u or (later and later[0][0] <= u)):
+            raise ConfigError(f"the cdp-zero engine cannot run this {table.method} table: stage {j}'s gradient "
+                              f"sums of steps {k} and {k + 1} overlap (one running sum per stage)")
+    whole = [k for k in range(table.steps) if all((j, k) in update_tick for j in range(L))]
+    if not whole:
+        raise ConfigError(f"the cdp-zero engine needs one step of this {table.method} table laid out whole")
+
+    def fold(step):
+        def at(t):
+            lag = t // T - step
+            if lag < 0:
+                raise ConfigError(f"the cdp-zero engine cannot run this {table.method} table: an event of step "
+                                  f"{step} at tick {t} is before worker 0 starts that step (tick {step * T})")
+            return t % T, lag
+
+        mine = [v for v in all_visits if v.step == step]
+        rows, relay_rows = {}, 1
+        for w in range(N):
+            arcs = {(v.stage, v.kinds[0]): (v.ticks[0], v.ticks[-1]) for v in mine if v.worker == w}
+            got, n = _circular_slots(arcs, T)
+            rows[w], relay_rows = got, max(relay_rows, n if arcs else 1)
+        events = [dict(gathers=[], ops=[], applies=[]) for _ in range(T)]
+        visit_of = {(v.worker, t, v.stage): v for v in mine for t in v.ticks}
+        for v in mine:
+            events[at(v.ticks[0])[0]]["gathers"].append((v.stage, v.worker, v.row, rows[v.worker][(v.stage,
+                                                                                                    v.kinds[0])]))
+        for o in table.ops:
+            if o.step == step:
+                v = visit_of[(o.device, o.tick, o.stage)]
+                t, lag = at(o.tick)
+                first = gradients.get((o.stage, o.step), ((None, None),))[0]
+                events[t]["ops"].append(ZeroOp(o.device, o.kind, o.stage, lag, rows[v.worker][(v.stage, v.kinds[0])],
+                                               o.kind == grad, o.kind == grad and first == (o.tick, o.device)))
+        for j in range(L):
+            t, lag = at(update_tick[(j, step)])
+            events[t]["applies"].append((j, lag))
+        ticks = tuple(ZeroTick(tuple(e["gathers"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind,
+                                                                                          z.stage))),
+                               tuple(sorted(e["applies"]))) for e in events)
+        return ticks, relay_rows
+
+    folds = {k: fold(k) for k in whole}
+    ticks, relay_rows = folds[whole[-1]]
+
+    def any_row(z):  # step 0's stale reads take theta_0, which both rows hold then
+        return tuple(dataclasses.replace(tk, gathers=tuple((j, w, 0, r) for j, w, _, r in tk.gathers)) for tk in z)
+
+    if any((any_row(f[0]), f[1]) != (any_row(ticks), relay_rows) if k == 0 else f != (ticks, relay_rows)
+           for k, f in folds.items()):
+        raise ConfigError(f"the cdp-zero engine runs a table that repeats every {T} ticks, and the steps of this "
+                          f"{table.method} table {whole} differ once folded onto one period")
+    versions = 2 if any(v.row == 1 for v in all_visits) else 1
+    lags = [op.lag for tk in ticks for op in tk.ops] + [lag for tk in ticks for _, lag in tk.applies]
+    if versions == 2 and max(lags) > 1:  # the runtime's restart after an unfed call assumes it
+        raise ConfigError(f"the cdp-zero engine cannot run this {table.method} table: ops {max(lags)} calls back "
+                          f"read a previous version")
+    return ZeroTicks(N, L, ticks, versions, relay_rows, max(lags))
 
 
 def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
@@ -137,12 +213,9 @@ def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
 
 
 def lower_zero(table, residuals: str = "recompute") -> Program:
-    """cdp-zero's program for its table (rule, workers, stages, ticks)."""
-    refuse_other_tables(table, "the cdp-zero engine")
+    """cdp-zero's program of a cyclic table: its period from the table's own events (`zero_ticks`)."""
     carry = carries(residuals)
-    rule = table.meta["rule"]
-    ticks = table.meta.get("ticks", "whole")
-    z = zero_ticks(rule, table.workers, table.stages, ticks)
+    z = zero_ticks(table)
     L, N = z.stages, z.workers
     stages = range(L)
     every = tuple((j,) for j in stages)
@@ -174,8 +247,8 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                                   tuple((op.worker, u) for u in range(N) if u != op.worker), op.stage))
     kinds = tuple(k for k in ("F", "B", "W") if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
-    return Program("cdp-zero", "ring", len(z.ticks), z.max_lag, N, 1, kinds, ticks == "split", residuals,
+    return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
                    z.versions, True, placement, tuple(buffers), tuple(sends), z)
 
 
-__all__ = ["ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "zero_ticks"]
+__all__ = ["Visit", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_ticks"]
