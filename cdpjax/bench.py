@@ -249,16 +249,15 @@ def _padded_figures(method, sizes) -> dict[str, Any]:
 
 
 def micro_batch(method, config, mesh) -> int:
-    """Examples per micro-batch as the method runs them: its program's (a stage engine's
-    micro-batches of a data group; a ring's worker), else the config's micro-batches or workers."""
+    """Examples per micro-batch as the method runs them: its program's (the batch split over the
+    data groups, then into the program's micro-batches per call: a ring worker's data group is
+    its device, one micro-batch a call), else the config's micro-batches or workers."""
     from cdpjax.layouts import LAYOUTS
 
     program = method.program
     B = int(config.global_batch_size)
-    if program is not None and program.engine == "stage":
-        return max(B // int(dict(mesh.shape).get("data", 1)) // program.microbatches, 1)
     if program is not None:
-        return max(B // program.devices, 1)
+        return max(B // int(dict(mesh.shape).get("data", 1)) // program.microbatches, 1)
     per_step = config.microbatches if LAYOUTS[config.method].microbatches else (method.workers or 1)
     return max(B // max(per_step, 1), 1)
 

@@ -38,7 +38,8 @@ def _priced(fn, *args) -> dict[str, float]:
 def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict[str, float]]:
     """(kind, stage) -> XLA's cost of one op of that kind on one micro-batch of `micro` examples,
     as the program's runtime computes it (recomputed or from kept residuals), ('update', j)
-    of stage j's optimizer update and, for cdp-zero, ('update-piece', j) of one worker's 1/N of it."""
+    of stage j's optimizer update and, where the program updates pieces, ('update-piece', j) of one
+    worker's 1/N of it."""
     from cdpjax.methods.local import stage_grads
     from cdpjax.methods.stage_ops import StageOps
 
@@ -55,6 +56,7 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
         heads = method.heads
         head_params, head_state = heads.init(jax.random.key(1))
     out = {}
+    pieces = {op for ops in program_ops(program) for op in ops}
     for j in range(net.num_stages):
         p, s = params[j], state[j]
         y = net.apply_stage(j, p, s, x, True)[0]
@@ -78,7 +80,7 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
                     return stage_grads(net, heads, j, p, h, s, g, x, labels, image)[:3]
                 out[(kind, j)] = _priced(local, p, head_params[j], s, head_state[j], x)
         out[("update", j)] = _priced(_update(tx), p, tx.init(p), p)
-        if program.method == "cdp-zero":  # every worker updates its 1/N piece of the stage, flattened
+        if ("update-piece", j) in pieces:  # every worker updates its 1/N piece of the stage, flattened
             piece = jnp.zeros((piece_size(sum(x.size for x in jax.tree.leaves(p)), program.devices),), jnp.float32)
             out[("update-piece", j)] = _priced(_update(tx), piece, tx.init(piece), piece)
         x = y
@@ -95,38 +97,10 @@ def _backward(ops, j, want, p, s, x, labels, cot, kept):
 
 
 def program_ops(program) -> list[list[tuple[str, int]]]:
-    """Per device, the (kind, stage) of every op and ('update', stage) of every update (cdp-zero:
-    ('update-piece', stage), a worker's 1/N of it) one call
-    of the program runs (every op taken, whatever its step: a steady-state call)."""
-    per = [[] for _ in range(program.devices)]
-    if program.engine == "stage":
-        from cdpjax.program.stage_axis import CODE
-
-        kind_of = {code: kind for kind, code in CODE.items()}
-        tk, place = program.ticks, program.placement
-        for t in range(program.period):
-            for d in range(program.devices):
-                if tk.kind[t, d]:
-                    per[d] += [(kind_of[int(tk.kind[t, d])], j) for j in place.units[int(tk.unit[t, d])]]
-                for v in range(place.chunks):
-                    if tk.update[t, d, v]:
-                        u = next(u for u in place.of_device(d) if place.chunk[u] == v)
-                        per[d] += [("update", j) for j in place.units[u]]
-        return per
-    from cdpjax.program.zero import ZeroTicks
-
-    zero = isinstance(program.ticks, ZeroTicks)
-    for tk in program.ticks.ticks:
-        for op in tk.ops:
-            if zero:
-                per[op.worker].append((op.kind, op.stage))
-            else:  # the ring's (worker, kind, stage, lag)
-                per[op[0]].append((op[1], op[2]))
-        for a in tk.applies:
-            # cdp-zero: (stage, lag), every worker its piece; the ring: (stage, lag, workers, ...), each its copy
-            for w in (range(program.devices) if zero else a[2]):
-                per[w].append(("update-piece" if zero else "update", a[0]))
-    return per
+    """Per device, the (kind, stage) of every op and ('update', stage) of every update (a device's
+    1/N piece of the stage: ('update-piece', stage)) one call of the program runs (every op taken,
+    whatever its step: a steady-state call), as the program's ticks list them."""
+    return program.ticks.device_ops(program.placement, program.devices)
 
 
 def program_cost(method, micro: int, tx, task=None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ measures those: parameters, stage inputs, kept residuals...).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -153,6 +153,19 @@ class Placement:
         return [u for u in range(len(self.units)) if self.device[u] == d]
 
 
+class PeriodTicks(Protocol):
+    """What every engine's per-tick data of one period gives its readers (cost, describe): the
+    ring's `RingTicks`, cdp-zero's `ZeroTicks`, the stage-axis engine's `StageTicks`."""
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Buffer slots per kind of stash (the stage-axis engine's rows; {} where buffers are named)."""
+
+    def device_ops(self, placement: "Placement", devices: int) -> list[list[tuple[str, int]]]:
+        """Per device, the (kind, stage) of every op and ('update', stage) of every update (a
+        device's 1/N piece of the stage: ('update-piece', stage)) that one period runs."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A lowered table (module docstring).
@@ -178,7 +191,7 @@ class Program:
     placement: Placement
     buffers: tuple[Buffer, ...]
     sends: tuple[Send, ...]
-    ticks: Any
+    ticks: PeriodTicks
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -249,9 +262,8 @@ class Program:
                "microbatches": self.microbatches, "kinds": list(self.kinds), "split_backward": self.split_backward,
                "residuals": self.residuals, "versions": self.versions, "grads_in_flight": self.grads_in_flight,
                "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers]}
-        slots = getattr(self.ticks, "slots", None)
-        if slots is not None:
-            out["slots"] = dict(slots)
+        if self.ticks.slots:
+            out["slots"] = dict(self.ticks.slots)
         return out
 
     def buffer(self, name: str) -> Buffer:
@@ -279,4 +291,5 @@ def lower(table, residuals: str = "recompute", **options) -> Program:
     return lower_stage_axis(table, residuals=residuals, **options)
 
 
-__all__ = ["Buffer", "CATEGORIES", "ENGINES", "Placement", "Program", "SIZE_KINDS", "Send", "Size", "lower"]
+__all__ = ["Buffer", "CATEGORIES", "ENGINES", "PeriodTicks", "Placement", "Program", "SIZE_KINDS", "Send", "Size",
+           "lower"]
