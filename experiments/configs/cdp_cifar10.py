@@ -9,11 +9,14 @@ random crop (pad 4) and flip.
     cdpjax train --config experiments/configs/cdp_cifar10.py:model=resnet18,method=cdp-v2
 
 BatchNorm: statistics per worker for DP as for CDP (the paper's code; the cross-device
-variant: `--config.bn_cross_device=True`). Rule: `cdp-v2`'s table rule (`rule=cdp-v2`,
-the version each forward finds: 16 of the 32 (worker, stage) pairs stale at N = 8,
-L = 4), which the ring runs; `rule=paper-code` is the authors' released rule (6 of 32
-stale), some of whose reads at N = 8 > L precede their update: it runs with
-`impl=simulate` only (`cdpjax schedule --method cdp-v2 --rule paper-code --workers 8`).
+variant: `--config.bn_cross_device=True`). Rule: the authors' released rule by default
+(`rule=paper-code`: worker i reads stage j's current version iff j >= L-1-i, 6 of the 32
+(worker, stage) pairs stale at N = 8, L = 4), the rule the paper's 8-GPU runs used. Its
+reads at N = 8 > L need a step of 16 ticks, not 8 (each step ends with 8 idle ticks, the
+workers 2 ticks apart as at N = L), which the ring runs (`cdpjax schedule --method cdp-v2
+--rule paper-code --workers 8`); `impl=simulate` gives the same parameters in one program.
+`rule=cdp-v2` is the table's rule at 8 ticks a step (the version each forward finds: 16
+of 32 pairs stale).
 
 Hardware: 8 GPUs (mesh data=8); any number of devices with cdp_impl='simulate'.
 Expected: about 95% test accuracy for ResNet-18 (and ResNet-50), CDP-v1 and
@@ -25,7 +28,7 @@ STEPS_PER_EPOCH = 50_000 // 512 + 1
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", rule="cdp-v2", epochs=101)
+    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", rule="paper-code", epochs=101)
     c = default_config()
     c.method, c.model, c.dataset = a["method"], a["model"], "cifar10"
     c.model_kwargs = {"stem": "cifar"}

@@ -7,8 +7,8 @@ epochs, 91 epochs, 4 stages balanced by FLOPs, random resized crop 224 and flip.
 
     cdpjax train --config experiments/configs/cdp_imagenet.py:model=resnet50,method=cdp-v1
 
-BatchNorm per worker for DP as for CDP, and the staleness rule (`rule=cdp-v2` on the
-ring; `rule=paper-code,impl=simulate` for the authors' released rule): as in
+BatchNorm per worker for DP as for CDP, and the staleness rule (the authors' released
+`rule=paper-code` by default, on the ring; `rule=cdp-v2` for the table's rule): as in
 `cdp_cifar10.py`, whose docstring says why.
 
 Hardware: 8 GPUs. Expected top-1: about 70% (ResNet-18), 76% (ResNet-50), CDP
@@ -20,7 +20,7 @@ STEPS_PER_EPOCH = 1_281_167 // 256 + 1
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", rule="cdp-v2", epochs=91)
+    a = parse_arg(arg, model="resnet18", method="cdp-v2", impl="ring", rule="paper-code", epochs=91)
     c = default_config()
     c.method, c.model, c.dataset = a["method"], a["model"], "imagenet2012"
     c.model_kwargs = {"stem": "imagenet"}
