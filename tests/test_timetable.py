@@ -406,6 +406,10 @@ def test_json():
     assert isinstance(t.ops[0], Op) and t.ops[0].worker == t.ops[0].device
     for m in ("ppll", "gpipe"):
         json.dumps(table(m, stages=3, steps=2).to_json())
+    # what the ring reads (applies, axis, versions, messages) survives the file: the same period
+    back = TimeTable.from_json(t.dumps())
+    assert back == t and back.applies == t.applies and back.axis == "data" and len(back.applies) > 0
+    assert ring_ticks(back) == ring_ticks(t)
 
 
 # --------------------------------------------------------------- W: the split backward

@@ -1,8 +1,9 @@
 """The ring engine: one CDP worker per device, the table's steady-state period unrolled.
 
-Timing and update rule are the table's (`cdpjax.layouts.cdp`): the engine runs the
-lowered `Program` of a cyclic table (`cdpjax.program.ring`: T ticks from worker 0's
-start of a step, T = 2L with whole backwards, 3L with split ones) in ONE `shard_map`
+Timing and update rule are the table's (CDP's, `cdpjax.layouts.cdp`, or any other cyclic
+table): the engine runs the lowered `Program` of the table it is given
+(`cdpjax.program.ring`: T ticks from worker 0's start of a step, T = 2L with whole
+backwards, 3L with split ones, more where a table's steps end idle) in ONE `shard_map`
 over the `data` axis, every tick unrolled in Python (compile time grows with N and
 L, never with the number of steps: a `train_step` is one period, `run_steps` scans
 over periods). At tick t each device knows its own op; every op present at t is one
@@ -452,7 +453,7 @@ def _op_order(tk):
     """The tick's ops in the order the device program runs them: forwards, then backward ops by
     stage (earlier stages first: the larger activations), those that start a new partial sum
     last (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o[1] != "F", (o[0], o[2]) in tk.chain_start, o[2], o[1] == "W"))
+    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
 
 
 def _named(state, program, carry):

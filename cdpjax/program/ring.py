@@ -1,19 +1,25 @@
-"""Lowering for the ring engine: a CDP table, one worker per device of the `data` axis.
+"""Lowering for the ring engine: a cyclic table, one worker per device of the `data` axis.
 
-`lower_ring` turns a cyclic table (cdp-v1, cdp-v2, paper-code; whole or split
-backwards) into the `Program` the ring runtime (`cdpjax.methods.ring`) runs: one
-steady-state period of T ticks from worker 0's start of a step (`RingTicks`, every
-tick's static events, unrolled by the runtime), every buffer in its natural
-shape (a worker holds every stage: nothing is padded) and every message at its
-stage's size:
+`lower_ring` turns the table it is given (CDP's cdp-v1, cdp-v2, paper-code, whole,
+split or paired ticks, or any other table with `axis='data'`: its own ops and the
+version each reads, its updates, 'partial' and 'sum' messages and `Apply` records;
+nothing is rebuilt from a rule) into the `Program` the ring runtime
+(`cdpjax.methods.ring`) runs: one steady-state period of T ticks from worker 0's
+start of a step (`RingTicks`, every tick's typed events, unrolled by the runtime),
+every buffer in its natural shape (a worker holds every stage: nothing is padded)
+and every message at its stage's size:
 
 - ops: each worker's op of the tick (F, B, W), its step named by its lag (0: the
   step fed in this call, 1: the previous call's...);
 - gradient sums: the gradient op of a (worker, stage) adds its gradient to the
   partial sum it received (or starts one), and the last worker's completes the sum;
   'partial' and 'sum' messages hop them along the table's delivery plan;
-- applies: each worker applies a completed sum to its own copy between its last
-  read of the old version and its first of the new (one stored version).
+- applies: each worker applies a completed sum to its own copy at the table's
+  `Apply` tick, between its last read of the old version and its first of the new
+  (one stored version).
+
+A table the ring cannot serve is refused in one line naming the op or update that
+lacks what the ring needs (`_refuse_unservable`, `_fold`).
 
 Gradient buffers are keyed (kind, stage, lag); those a period reads before writing
 (`RingTicks.live`) are part of the train state, renamed lag -> lag + 1 at the end
@@ -22,6 +28,7 @@ of each period.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +36,54 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
+
+Pairs = tuple[tuple[int, int], ...]  # (source worker, destination worker) of each message
+
+
+class RingOp(NamedTuple):
+    """Worker `worker` runs `kind` on stage `stage` for the step fed `lag` calls ago."""
+
+    worker: int
+    kind: str
+    stage: int
+    lag: int
+
+
+class Completes(NamedTuple):
+    """Worker `worker`'s gradient op completes stage `stage`'s sum of the step fed `lag` calls ago."""
+
+    worker: int
+    stage: int
+    lag: int
+
+
+class Partial(NamedTuple):
+    """Stage `stage`'s running sum of step `lag`, sent from each source to its destination."""
+
+    stage: int
+    lag: int
+    pairs: Pairs
+
+
+class SumSend(NamedTuple):
+    """Stage `stage`'s completed sum of step `lag` sent along `pairs`; `merge`: a worker that is
+    not a receiver still holds its copy after the send (else only the receivers do)."""
+
+    stage: int
+    lag: int
+    pairs: Pairs
+    merge: bool
+
+
+class RingApply(NamedTuple):
+    """`workers` apply stage `stage`'s sum of step `lag` to their copies, before the tick's sends
+    or after them (`after_send`: a sum received in this tick)."""
+
+    stage: int
+    lag: int
+    workers: tuple[int, ...]
+    after_send: bool
+
 
 @dataclasses.dataclass(frozen=True)
 class RingTick:
@@ -38,23 +93,19 @@ class RingTick:
     step fed in the call, 1 for the previous call's, and so on; gradient buffers are keyed
     (kind, stage, lag).
 
-    ops: (worker, kind, stage, lag), at most one per (kind, stage).
-    chain_start: (worker, stage) gradient ops that start a partial sum (nothing received).
-    completes: (worker, stage, lag) gradient ops that complete a stage's sum.
+    ops: at most one per (kind, stage). chain_start: (worker, stage) gradient ops that start a
+    partial sum (nothing received). completes: the gradient ops that complete a stage's sum.
     gradient_kinds: the kinds whose ops add to a partial sum (('B',), or ('W',) where split).
-    partials: (stage, lag, ((src, dst), ...)) running sums sent at the end of the tick.
-    sums: (stage, lag, ((src, dst), ...), merge) completed sums sent; `merge`: a worker that
-      is not a receiver still holds its copy after the send (else only the receivers do).
-    applies: (stage, lag, workers, after_send).
+    partials: running sums sent at the end of the tick. sums: completed sums sent. applies.
     """
 
-    ops: tuple = ()
-    chain_start: frozenset = frozenset()
-    completes: tuple = ()
-    partials: tuple = ()
-    sums: tuple = ()
-    applies: tuple = ()
-    gradient_kinds: tuple = ("B",)
+    ops: tuple[RingOp, ...] = ()
+    chain_start: frozenset[tuple[int, int]] = frozenset()
+    completes: tuple[Completes, ...] = ()
+    partials: tuple[Partial, ...] = ()
+    sums: tuple[SumSend, ...] = ()
+    applies: tuple[RingApply, ...] = ()
+    gradient_kinds: tuple[str, ...] = ("B",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +120,8 @@ class RingTicks:
     stages: int
     ticks: tuple[RingTick, ...]
     max_lag: int
-    live: tuple
-    newest: tuple
+    live: tuple[tuple[str, int, int], ...]
+    newest: tuple[int, ...]
 
     @property
     def period_ticks(self) -> int:
@@ -224,12 +275,12 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
             continue
         t, lag = at(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[t]
-        tk["ops"].append((o.device, o.kind, o.stage, lag))
+        tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
         if o.kind == grad and (o.device, o.stage) not in received:
             tk["chain_start"].add((o.device, o.stage))
         if o.kind == grad and u_tick[o.stage] == o.tick:
             completer[o.stage] = o.device
-            tk["completes"].append((o.device, o.stage, lag))
+            tk["completes"].append(Completes(o.device, o.stage, lag))
     # Who holds each sum when: from its arrival (the completer: u) to its last use.
     arrive = {(j, c): u_tick[j] for j, c in completer.items()}
     end = {}
@@ -254,7 +305,7 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
             dst = {d for _, d in pairs}
             keep = any(arrive.get((j, w), tick) < tick or (w == completer[j] and arrive[(j, w)] == tick)
                        for w in range(N) if w not in dst and end.get((j, w), -1) > tick)
-            sums.append((j, lag, tuple(sorted(pairs)), keep))
+            sums.append(SumSend(j, lag, tuple(sorted(pairs)), keep))
         receivers = {(j, lag, d) for j, lag, pairs, _ in sums for _, d in pairs}
         applies = {}
         for (j, w), tick in applied.items():
@@ -266,9 +317,10 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
             ops=tuple(sorted(tk["ops"])),
             chain_start=frozenset(tk["chain_start"]),
             completes=tuple(sorted(tk["completes"])),
-            partials=tuple((j, lag, tuple(sorted(p))) for (j, lag), p in sorted(tk["partials"].items())),
+            partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(tk["partials"].items())),
             sums=tuple(sums),
-            applies=tuple((j, lag, tuple(sorted(ws)), after) for (j, lag, after), ws in sorted(applies.items())),
+            applies=tuple(RingApply(j, lag, tuple(sorted(ws)), after)
+                          for (j, lag, after), ws in sorted(applies.items())),
         ))
     return tuple(out)
 
@@ -361,4 +413,5 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 
-__all__ = ["RingTick", "RingTicks", "accesses", "lower_ring", "ring_ticks"]
+__all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring",
+           "ring_ticks"]

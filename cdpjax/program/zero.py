@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import NamedTuple
 
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
@@ -47,19 +48,38 @@ class ZeroOp:
     starts: bool = False
 
 
+class Gather(NamedTuple):
+    """Stage `stage`'s version row `row` (0 current, 1 previous), gathered from every worker's
+    piece into worker `worker`'s relay row `relay` at the tick's start."""
+
+    stage: int
+    worker: int
+    row: int
+    relay: int
+
+
+class ZeroApply(NamedTuple):
+    """Every worker's update of its pieces of stage `stage` by the sum of the step fed `lag`
+    calls ago, at the tick's end."""
+
+    stage: int
+    lag: int
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroTick:
-    """gathers: (stage, worker, version row, relay row), the stage gathered into the worker's
-    relay row at the tick's start. ops. applies: (stage, lag), every worker's update of its
-    pieces at the tick's end."""
+    """One tick of cdp-zero's period: its gathers, ops and applies (in that order)."""
 
-    gathers: tuple = ()
-    ops: tuple = ()
-    applies: tuple = ()
+    gathers: tuple[Gather, ...] = ()
+    ops: tuple[ZeroOp, ...] = ()
+    applies: tuple[ZeroApply, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroTicks:
+    """One steady period of cdp-zero's events (`ticks`), the version rows every worker keeps of
+    its pieces (`versions`), its relay rows and the oldest step a period touches (`max_lag`)."""
+
     workers: int
     stages: int
     ticks: tuple[ZeroTick, ...]
@@ -188,8 +208,8 @@ def zero_ticks(table) -> ZeroTicks:
         events = [dict(gathers=[], ops=[], applies=[]) for _ in range(T)]
         visit_of = {(v.worker, t, v.stage): v for v in mine for t in v.ticks}
         for v in mine:
-            events[at(v.ticks[0])[0]]["gathers"].append((v.stage, v.worker, v.row, rows[v.worker][(v.stage,
-                                                                                                    v.kinds[0])]))
+            relay = rows[v.worker][(v.stage, v.kinds[0])]
+            events[at(v.ticks[0])[0]]["gathers"].append(Gather(v.stage, v.worker, v.row, relay))
         for o in table.ops:
             if o.step == step:
                 v = visit_of[(o.device, o.tick, o.stage)]
@@ -199,7 +219,7 @@ def zero_ticks(table) -> ZeroTicks:
                                                o.kind == grad, o.kind == grad and first == (o.tick, o.device)))
         for j in range(L):
             t, lag = at(update_tick[(j, step)])
-            events[t]["applies"].append((j, lag))
+            events[t]["applies"].append(ZeroApply(j, lag))
         ticks = tuple(ZeroTick(tuple(e["gathers"]), tuple(sorted(e["ops"], key=lambda z: (z.worker, z.kind,
                                                                                           z.stage))),
                                tuple(sorted(e["applies"]))) for e in events)
@@ -267,4 +287,4 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                    z.versions, True, placement, tuple(buffers), tuple(sends), z)
 
 
-__all__ = ["Visit", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_ticks"]
+__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_ticks"]
