@@ -986,7 +986,10 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             if step > p.start:  # the first step of a process compiles
                 for speed in (window_speed, total_speed):
                     speed.add(items, time.perf_counter() - t0)
-            p.done = done = step + 1
+            # The flush of a finished run's final checkpoint belongs to its step: once a step trains
+            # past it (the run extended), batches are in flight again and the new end flushes them.
+            p.done, p.flushed = step + 1, False
+            done = p.done
             profile.after(done)
             if not all_finite(metrics, flags):
                 _nonfinite(p, metrics, flags, skip, bar)

@@ -262,6 +262,44 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     assert resumed["test_accuracy"] == ref["summary"]["test_accuracy"]
 
 
+def _has_flush(name):
+    return train.setup(small_config(name), layout(name)[1])[2].flush is not None
+
+
+# Methods whose flush the extension test runs in CI (one per engine with a flush); the others with `make test-heavy`.
+FLUSH_IN_CI = ("ppll", "cdp-v2")
+EXTENDED_TO, EXTENSION_KILLED_AFTER = 20, 5
+
+
+@pytest.mark.parametrize("name", [m if m in FLUSH_IN_CI else pytest.param(m, marks=pytest.mark.heavy)
+                                  for m in METHODS])
+def test_an_extended_run_flushes_at_its_new_end_and_equals_itself_killed_and_resumed(name, reference, tmp_path,
+                                                                                      monkeypatch):
+    """A finished run of 12 steps (its final checkpoint flushed) extended to 20 (the same command,
+    a larger num_steps) trains the batches in flight again and so flushes once at step 20; the
+    same extension killed after step 17 (checkpoint 16 written before any flush) and resumed
+    ends with the same train state and metrics.jsonl (timing fields cut out)."""
+    require(name)
+    if not _has_flush(name):
+        pytest.skip(f"{name} has no flush")
+    ref = reference(name)
+    c = small_config(name, num_steps=EXTENDED_TO)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    shutil.copytree(ref["full"], whole)
+    shutil.copytree(ref["full"], killed)
+    with pytest.MonkeyPatch.context() as mp:
+        rec = Recorder(mp)
+        extended = train.train(c, str(whole), progress=False, devices=layout(name)[1])
+    assert extended["resumed_from"] == STEPS and rec.flushes == 1  # the new end flushes
+    stopped = train.train(c, str(killed), progress=False, devices=layout(name)[1], stop_after=EXTENSION_KILLED_AFTER)
+    assert stopped == {"stopped_at": STEPS + EXTENSION_KILLED_AFTER} and steps(killed)[-1] == 16
+    resumed = train.train(c, str(killed), progress=False, devices=layout(name)[1])
+    assert resumed["resumed_from"] == 16
+    _equal_trees(final_state(c, killed, layout(name)[1])[0], final_state(c, whole, layout(name)[1])[0])
+    assert without_timing((killed / "metrics.jsonl").read_text()) == without_timing(
+        (whole / "metrics.jsonl").read_text())
+
+
 def _overrides(name):
     """`small_config(name)` as command-line overrides."""
     return [f"--config.method={name}", f"--config.num_steps={STEPS}", "--config.checkpoint_every=4",
