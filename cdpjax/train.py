@@ -972,6 +972,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
     profile = Profile(config.get("profile_steps", ()), p.workdir)
     window_speed, total_speed = Throughput(), Throughput()
+    boundary = shutdown.Boundary()
     try:
         for step in range(p.start, config.num_steps):
             if stop_after is not None and step - p.start >= stop_after:
@@ -990,6 +991,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             # past it (the run extended), batches are in flight again and the new end flushes them.
             p.done, p.flushed = step + 1, False
             done = p.done
+            boundary.open()  # from the end of the first step (compiled): a SIGTERM saves at a boundary
             profile.after(done)
             if not all_finite(metrics, flags):
                 _nonfinite(p, metrics, flags, skip, bar)
@@ -1018,16 +1020,47 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 # exactly what an uninterrupted one does.
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
                                           "time": p.clock()})
+            if done < config.num_steps and _preempted(boundary, done):
+                raise _save_and_stop(p, boundary, done, here)
             bar.leave_out(time.perf_counter() - t_aside)
             bar.step(done)
             _test_hooks(done)
+        boundary.close()  # the final phase (flush, evaluation, final checkpoint) ends on a signal as before
         bar.close()
         profile.stop(p.done)
         return _finish(p, log, eval_fn, eval_batch, here, total_speed, task)
     finally:
+        boundary.close()
         bar.close()
         profile.stop(p.done)
         log.close()
+
+
+def _preempted(boundary: shutdown.Boundary, done: int) -> bool:
+    """Whether the run saves and stops at this step boundary: a SIGTERM-like signal reached this
+    process, or (multi-process) any process, or JAX's preemption notice came; every process of
+    the run agrees, at the same step."""
+    asked = boundary.asked()
+    if jax.process_count() == 1:
+        return asked
+    from jax.experimental import multihost_utils
+
+    try:
+        asked = multihost_utils.reached_preemption_sync_point(done) or asked
+    except RuntimeError:  # no preemption service (jax.distributed started without one)
+        pass
+    return bool(np.any(multihost_utils.process_allgather(np.int32(asked))))
+
+
+def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: dict) -> Interrupted:
+    """A preemption at step boundary `done`: checkpoint `done` written (unless it just was), and the
+    Interrupted that ends the run naming it (exit status 128 + the signal's number)."""
+    signum = boundary.take() or signal.SIGTERM  # (a process that another's signal or JAX's notice stopped)
+    if p.intact != done:
+        save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window, "time": p.clock()})
+    how = shutdown.HOW.get(signum, f"stopped by signal {signum}")
+    return Interrupted(f"{how} at step {done}; saved checkpoint {done} in {p.ckpt.directory} for it: run the "
+                       f"same command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
 
 
 def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,
@@ -1083,7 +1116,7 @@ def throughput_words(summary: dict) -> str:
     """'5120 images/s' or '81920 tokens/s', from a summary."""
     unit = tasks.lookup(summary.get("task", "classification")).unit
     return f"{summary.get(f'{unit}_per_second', 0.0):.0f} {unit}/s"
-def stop_line(p: Prepared | None, how: str, abandoned: bool = False) -> str:
+def stop_line(p: Prepared | None, how: str, abandoned: float | None = None) -> str:
     """What a run stopped by a signal says: where it stands and how to go on."""
     if p is None or not p.training:
         return f"{how} before training began; run the same command to start it"
@@ -1092,8 +1125,8 @@ def stop_line(p: Prepared | None, how: str, abandoned: bool = False) -> str:
     else:
         line = (f"{how} at step {p.done}; last complete checkpoint: step {p.intact} in {p.ckpt.directory}; "
                 f"run the same command to resume")
-    if abandoned:
-        line += f" (a checkpoint being written was given up after {shutdown.GRACE_S:.0f} s)"
+    if abandoned is not None:
+        line += f" (a checkpoint being written was given up after {abandoned:.1f} s)"
     return line
 
 

@@ -457,6 +457,41 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+PREEMPTED = [("dp", signal.SIGTERM), ("cdp-v2", signal.SIGTERM), ("ppll", signal.SIGTERM), ("dp", signal.SIGHUP),
+             *[pytest.param("dp", s, marks=pytest.mark.heavy) for s in (signal.SIGQUIT, signal.SIGUSR1)]]
+
+
+@pytest.mark.parametrize("name,sig", PREEMPTED, ids=lambda x: x if isinstance(x, str) else signal.Signals(x).name)
+def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(name, sig, reference, tmp_path):
+    """SIGTERM (or SIGHUP, SIGQUIT, SIGUSR1, taken as it) after step 5, between checkpoints 4 and 8,
+    one method of each engine (dp: the data axis; cdp-v2: the ring; ppll: the stage axis): the
+    run writes checkpoint 6 at the next step boundary and exits 128 + the signal's number (143,
+    129...) with one line naming it; resumed from it, it ends as the uninterrupted run (the
+    whole train state, metrics.jsonl without the timing fields)."""
+    require(name)
+    ref = reference(name)
+    work = tmp_path / "run"
+    env, release = _wait_env(tmp_path, 5)
+    command = _cli(name, work)
+    command[command.index("--cpu-devices") + 1] = str(len(layout(name)[1]))  # the method's own mesh, as the reference
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(pathlib.Path(f"{release}.waiting"), proc)
+    proc.send_signal(sig)
+    release.touch()
+    _, err = proc.communicate()
+    assert proc.returncode == 128 + int(sig), err[-3000:]
+    lines = [line for line in err.strip().splitlines() if not re.match(r"cdpjax: (training|\d+ simulated)", line)]
+    assert lines == [f"cdpjax: terminated ({signal.Signals(sig).name}) at step 6; saved checkpoint 6 in "
+                     f"{work}/checkpoints for it: run the same command to resume from it"], err
+    assert steps(work) == [4, 6] and not (work / "lock.json").exists()
+    c = small_config(name)
+    resumed = train.train(c, str(work), progress=False, devices=layout(name)[1])
+    assert resumed["resumed_from"] == 6
+    _equal_trees(final_state(c, work, layout(name)[1])[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
 # CI runs tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
 @pytest.mark.heavy
 def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
