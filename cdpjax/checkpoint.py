@@ -17,14 +17,15 @@ shapes must match the run's);
 `checksums`, per array two sums of its bits taken on the devices (`array_checksums`: the
 sum and the position-weighted sum of its 32-bit words, modulo 2**32, so a flipped bit
 always shows and the figure does not depend on the sharding or the device count); and
-`digest`, a SHA-256 of the rest of the meta. Orbax itself verifies none of this (the
+`digest`, a SHA-256 of the rest of the meta; and `step`, the step it was written at (a folder
+renamed or copied to another step's name is damaged). Orbax itself verifies none of this (the
 arrays it writes through tensorstore carry no checksum of the data, only zarr3's shard
 index has a crc32c: one flipped bit of a checkpoint restored silently), so `restore`
 recomputes the checksums of what it read and raises `Damaged` when anything differs, and
-`read_meta` does for the digest. A checkpoint written before these fields existed
-restores unverified. `save` never replaces a checkpoint that exists (orbax would: its
-manager saves with force=True), so that a run that lost the directory while frozen
-cannot overwrite the new owner's.
+`read_meta` does for the digest and the step. A meta without them (or without the checksums
+or the tree) is damaged: what the digest guards cannot be taken on trust. `save` never
+replaces a checkpoint that exists (orbax would: its manager saves with force=True), so that
+a run that lost the directory while frozen cannot overwrite the new owner's.
 """
 from __future__ import annotations
 
@@ -137,13 +138,21 @@ _META_RULES = {
         isinstance(c, list) and len(c) == 2 and all(_int(x) for x in c) for c in v.values()),
     "tree": lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 for r in v),
     "digest": lambda v: isinstance(v, str),
+    "step": lambda v: _int(v) and v >= 0,
+    "run": lambda v: isinstance(v, dict),
+    "hyper": lambda v: isinstance(v, dict),
 }
+# What every checkpoint's meta holds (`save` writes them): without them nothing guards the bytes.
+REQUIRED = ("step", "tree", "checksums", "digest")
 
 
 def check_meta(meta) -> str | None:
     """What is wrong with a checkpoint's meta, in words, or None."""
     if not isinstance(meta, dict):
         return f"its meta is a {type(meta).__name__}, not a JSON object"
+    missing = [key for key in REQUIRED if key not in meta]
+    if missing:
+        return f"its meta has no {missing[0]!r} field, which every checkpoint's has"
     for key, ok in _META_RULES.items():
         if key in meta and not ok(meta[key]):
             return f"its meta field {key!r} is {json.dumps(meta[key])[:80]}, not what a run writes"
@@ -246,7 +255,7 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict) -> None:
         """Writes checkpoint `step` (a signal waits for it: `shutdown.critical`). A failure removes
         what it wrote; one of the disk (full, quota, read-only) is a StorageError naming the path."""
-        meta = {**meta, "tree": tree_signature(state), "checksums": array_checksums(state)}
+        meta = {**meta, "step": step, "tree": tree_signature(state), "checksums": array_checksums(state)}
         meta["digest"] = _digest(meta)
         with shutdown.critical():
             if os.path.lexists(self.path(step)):  # orbax would replace it (force=True): never another's
@@ -327,6 +336,9 @@ class Checkpointer:
         problem = check_meta(meta)
         if problem:
             raise Damaged(step, self.directory, f"is damaged: {problem}")
+        if meta["step"] != step:
+            raise Damaged(step, self.directory, f"is damaged: its meta says it is checkpoint {meta['step']} (a "
+                                                f"folder copied or renamed to another step's name)")
         return dict(meta)
 
     def restore(self, step: int, like, explain=None):

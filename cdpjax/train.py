@@ -97,6 +97,10 @@ RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset"
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task",
                "cdp_ticks")
+# Hyperparameters a resumed run may change, the train state being the same: the change is said in
+# one line at start-up (and refused under checkpoint.strict_resume).
+CHANGEABLE_KEYS = ("learning_rate", "momentum", "nesterov", "weight_decay", "schedule", "warmup_steps",
+                   "decay_every", "decay_factor")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -434,6 +438,47 @@ def check_resume_config(workdir: str, config) -> None:
                           f"with the config it started with: restore those values, or use a fresh --workdir")
 
 
+def _config_values(config, keys) -> dict:
+    now = json.loads(config.to_json_best_effort())
+    return {k: now.get(k) for k in keys}
+
+
+def run_identity(config) -> dict:
+    """What makes a train state this run's and no other's (its model and sizes, seed, batch, data
+    order, update rule: RESUME_KEYS), as recorded in every checkpoint's meta (`run`); the method,
+    the mesh and the CDP rule are the meta's own fields, checked by `restore_state`."""
+    return _config_values(config, RESUME_KEYS)
+
+
+def check_identity(ckpt: Checkpointer, step: int, meta: dict, config) -> None:
+    """Checkpoint `step` was written by this run (its `run` against the command's config, whatever
+    WORKDIR/config.json says): ConfigError naming what differs; a meta without it is Damaged."""
+    there = meta.get("run")
+    if not isinstance(there, dict):
+        raise Damaged(step, ckpt.directory, "is damaged: its meta does not say which run wrote it (no 'run' field)")
+    here = run_identity(config)
+    changed = [k for k in RESUME_KEYS if there.get(k) != here[k]]
+    if changed:
+        diffs = ", ".join(f"{k}={there.get(k)!r} there, {here[k]!r} here" for k in changed)
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} belongs to another run ({diffs}); a run resumes "
+                          f"only with the config it started with: restore those values, or use a fresh --workdir")
+
+
+def changed_hyperparameters(ckpt: Checkpointer, step: int, meta: dict, config) -> str | None:
+    """The hyperparameters this run changes from those checkpoint `step` was written with, in words
+    ('momentum 0.9 -> 0.5'), or None; ConfigError under checkpoint.strict_resume."""
+    there, here = meta.get("hyper") or {}, _config_values(config, CHANGEABLE_KEYS)
+    changed = [f"{k} {there[k]!r} -> {here[k]!r}" for k in CHANGEABLE_KEYS if k in there and there[k] != here[k]]
+    if not changed:
+        return None
+    words = ", ".join(changed)
+    if config.get("checkpoint", {}).get("strict_resume", False):
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} was written with other hyperparameters ({words}) "
+                          f"and checkpoint.strict_resume is set: restore them, or unset it to resume with the change")
+    return (f"resuming with hyperparameters changed since checkpoint {step}: {words} "
+            f"(--config.checkpoint.strict_resume=True refuses this)")
+
+
 def read_saved_config(path: str) -> dict | None:
     """WORKDIR/config.json as the run wrote it (None if absent); ConfigError if it is something
     else (it is rewritten by every run: a damaged one would hide a changed config)."""
@@ -473,6 +518,7 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     a state with a leading worker or stage axis changes shape, and the error says so.
     """
     meta = ckpt.read_meta(step)
+    check_identity(ckpt, step, meta, config)
     saved = meta.get("method")
     if saved not in (None, config.method) and not _interchangeable(saved, config.method):
         raise ConfigError(f"checkpoint {step} in {ckpt.directory} holds a {saved!r} run, not {config.method!r}: "
@@ -645,7 +691,8 @@ def check_workdir_files(workdir: str) -> None:
 def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tuple[Checkpointer, int | None]:
     """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed."""
     with writing(os.path.join(workdir, "checkpoints")):
-        ckpt = Checkpointer(workdir, remove_leftovers=lock is not None and lock.may_clean)
+        ckpt = Checkpointer(workdir, max_to_keep=int(config.get("checkpoint", {}).get("keep", 2)),
+                            remove_leftovers=lock is not None and lock.may_clean)
     try:
         steps = ckpt.steps()
         latest = steps[-1] if steps else None
@@ -745,6 +792,9 @@ def _build_and_restore(p: Prepared, devices) -> None:
         p.start = p.done = p.intact = p.latest
         p.skipped, p.flushed = int(meta.get("skipped_steps", 0)), bool(meta.get("flushed", False))
         p.window, p.elapsed = list(meta.get("log_window", [])), float(meta.get("time", 0.0))
+        change = changed_hyperparameters(p.ckpt, p.latest, meta, config)
+        if change:
+            say(change)
 
 
 def restore_newest_intact(p: Prepared, init) -> tuple[int | None, tuple]:
@@ -883,7 +933,8 @@ class Throughput:
 
 def _checkpoint_meta(p: Prepared, method) -> dict:
     here = {"method": p.config.method, "mesh": {k: int(v) for k, v in p.mesh.shape.items()},
-            "devices": int(p.mesh.devices.size), "processes": jax.process_count()}
+            "devices": int(p.mesh.devices.size), "processes": jax.process_count(),
+            "run": run_identity(p.config), "hyper": _config_values(p.config, CHANGEABLE_KEYS)}
     if method.workers is not None:
         here["workers"] = method.workers
     if method.stale is not None:  # CDP: the update rule itself, which the worker count decides
@@ -1059,8 +1110,8 @@ def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: di
     if p.intact != done:
         save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window, "time": p.clock()})
     how = shutdown.HOW.get(signum, f"stopped by signal {signum}")
-    return Interrupted(f"{how} at step {done}; saved checkpoint {done} in {p.ckpt.directory} for it: run the "
-                       f"same command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
+    return Interrupted(f"{how} at step {done}; checkpoint {done} saved in {p.ckpt.directory}; run the same "
+                       f"command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
 
 
 def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,

@@ -174,7 +174,19 @@ DAMAGE = {
     "meta-log-window-5": lambda c: _edit_meta(c, log_window=5),
     "meta-log-window-edited": lambda c: _edit_meta(c, log_window=[{"loss": 0.5, "accuracy": 0.9}]),
     "manifest-removed": lambda c: (c / "state" / "manifest.ocdbt").unlink(),
+    # A folder copied or renamed to another step's name (`cp -a checkpoints/4 checkpoints/8`).
+    "copy-of-4": lambda c: (shutil.rmtree(c), shutil.copytree(c.parent / "4", c)),
+    # The fields that guard the bytes removed: what they guarded cannot be taken on trust.
+    "meta-without-digest": lambda c: _drop_meta(c, "digest"),
+    "meta-without-digest-checksums": lambda c: (_drop_meta(c, "digest", "checksums"), _flip(_largest_array_file(c), 1)),
+    "meta-without-step": lambda c: _drop_meta(c, "step"),
 }
+
+
+def _drop_meta(checkpoint, *keys):
+    path = checkpoint / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in meta.items() if k not in keys}))
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
@@ -217,6 +229,47 @@ def test_an_empty_checkpoint_directory_past_the_run_is_set_aside_not_taken_for_i
     assert not (work / "checkpoints" / "99").exists()
     equal_trees(final_state(work), runs["state"])
     assert without_timing((work / "metrics.jsonl").read_text()) == runs["metrics"]
+
+
+@pytest.mark.parametrize("saved_config", ["removed", "empty"])
+@pytest.mark.parametrize("override,diff", [("--config.seed=1", "seed=0 there, 1 here"),
+                                           ("--config.global_batch_size=64", "global_batch_size=128 there, 64 here")],
+                         ids=["seed", "batch"])
+def test_checkpoints_of_another_run_are_refused_whatever_config_json_says(override, diff, saved_config, runs,
+                                                                          tmp_path, capfd, compiles):
+    """Checkpoints of a run with another seed or batch size (here: the command changes it), with
+    WORKDIR/config.json removed or replaced by `{}`: each checkpoint's own record of its run
+    refuses the resume in one line naming the value there and here, exit 2, nothing compiled
+    and nothing changed."""
+    work = copy_of(runs, tmp_path)
+    if saved_config == "removed":
+        (work / "config.json").unlink()
+    else:
+        (work / "config.json").write_text("{}")
+    line = fails(cli_train(work, override), capfd, compiles)
+    assert f"checkpoint 8 in {work}/checkpoints belongs to another run ({diff})" in line, line
+    assert steps(work) == [4, 8]
+
+
+def test_a_changed_hyperparameter_is_said_and_refused_under_strict_resume(runs, tmp_path, capfd, compiles):
+    """A resume with another momentum and weight decay (which the train state allows): one line at
+    start-up says each change, from what to what, and the run goes on; with
+    checkpoint.strict_resume the same is refused in one line, exit 2, nothing compiled."""
+    work = copy_of(runs, tmp_path)
+    changes = ["--config.momentum=0.5", "--config.weight_decay=0.0"]
+    fails(cli_train(work, *changes, "--config.checkpoint.strict_resume=True"), capfd, compiles)
+    assert main(cli_train(work, *changes)) == 0
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "hyperparameters changed" in line]
+    assert said == ["cdpjax: resuming with hyperparameters changed since checkpoint 8: momentum 0.9 -> 0.5, "
+                    "weight_decay 0.0005 -> 0.0 (--config.checkpoint.strict_resume=True refuses this)"], err
+
+
+def test_checkpoint_keep_sets_the_retention(tmp_path):
+    """checkpoint.keep=3: the three newest checkpoints stay (the default, 2, keeps two: the
+    `runs` fixture's 8 and 12)."""
+    train.train(small_config(checkpoint={"keep": 3, "strict_resume": False}), str(tmp_path / "run"), progress=False)
+    assert steps(tmp_path / "run") == [4, 8, 12]
 
 
 @pytest.mark.parametrize("damaged,named", [((), 8), ((8,), 6), ((8, 6), None)])
@@ -377,8 +430,8 @@ def test_sigterm_during_a_checkpoint_write_keeps_the_checkpoint(runs, tmp_path):
     _, err = proc.communicate()
     assert proc.returncode == 143, err[-3000:]
     line = the_line(err)
-    assert line == (f"cdpjax: terminated (SIGTERM) at step 8; last complete checkpoint: step 8 in "
-                    f"{work}/checkpoints; run the same command to resume"), line
+    assert line == (f"cdpjax: terminated (SIGTERM) at step 8; checkpoint 8 saved in {work}/checkpoints; "
+                    f"run the same command to resume from it"), line
     assert steps(work) == [4, 8] and leftovers(work) == [] and not (work / "lock.json").exists()
     resumed = train.train(small_config(), str(work), progress=False)
     assert resumed["resumed_from"] == 8

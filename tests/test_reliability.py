@@ -481,8 +481,8 @@ def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_en
     _, err = proc.communicate()
     assert proc.returncode == 128 + int(sig), err[-3000:]
     lines = [line for line in err.strip().splitlines() if not re.match(r"cdpjax: (training|\d+ simulated)", line)]
-    assert lines == [f"cdpjax: terminated ({signal.Signals(sig).name}) at step 6; saved checkpoint 6 in "
-                     f"{work}/checkpoints for it: run the same command to resume from it"], err
+    assert lines == [f"cdpjax: terminated ({signal.Signals(sig).name}) at step 6; checkpoint 6 saved in "
+                     f"{work}/checkpoints; run the same command to resume from it"], err
     assert steps(work) == [4, 6] and not (work / "lock.json").exists()
     c = small_config(name)
     resumed = train.train(c, str(work), progress=False, devices=layout(name)[1])
@@ -598,17 +598,20 @@ def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tm
     a ConfigError names both meshes and what to do."""
     from types import SimpleNamespace
 
+    config = default_config()
+    config.method = "x"
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8})
+    ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8,
+                                                        "run": train.run_identity(config)})
     method = SimpleNamespace(state_depends_on_mesh=declared, stale=None, workers=None, info={})
     mesh = SimpleNamespace(shape={"data": 4}, devices=np.zeros(4))
     like = {"w": jax.device_put(np.zeros(shape))}
     if message is None:
-        state, _ = train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+        state, _ = train.restore_state(ckpt, 5, like, method, mesh, config)
         np.testing.assert_array_equal(state["w"], np.arange(24.0).reshape(8, 3))
     else:
         with pytest.raises(ConfigError, match=message) as err:
-            train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+            train.restore_state(ckpt, 5, like, method, mesh, config)
         assert "{'data': 8} (8 devices); this run has mesh {'data': 4} (4 devices)" in str(err.value)
         assert "start a fresh --workdir" in str(err.value)
     ckpt.close()
