@@ -370,7 +370,7 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
 @pytest.mark.parametrize("signals", [
     [(0.0, signal.SIGTERM)], [(0.3, signal.SIGINT)], [(1.0, signal.SIGTERM)], [(2.0, signal.SIGINT)],
     [(3.0, signal.SIGINT), (3.1, signal.SIGINT)], [(5.0, signal.SIGTERM)], [(8.0, signal.SIGTERM)],
-    [(12.0, signal.SIGINT)],
+    [(12.0, signal.SIGINT)], [(1.0, signal.SIGHUP)],
 ], ids=lambda s: "+".join(f"{signal.Signals(n).name}@{t}s" for t, n in s))
 def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     """SIGTERM or Ctrl-C (once or twice) at moments from the first line of `main` (the process
@@ -394,12 +394,12 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
             proc.send_signal(sig)
     _, err = proc.communicate()
     first = signals[0][1]
-    assert proc.returncode == (143 if first == signal.SIGTERM else 130), err[-3000:]
+    assert proc.returncode == (130 if first == signal.SIGINT else 128 + int(first)), err[-3000:]
     lines = [line for line in err.strip().splitlines() if line.startswith("cdpjax: ")
              and not line.startswith(("cdpjax: training", "cdpjax: 8 simulated"))]
     assert "Traceback" not in err and "Exception ignored" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("cdpjax: " + ("terminated (SIGTERM)" if first == signal.SIGTERM
-                                                                  else "interrupted")), err
+    how = "interrupted" if first == signal.SIGINT else f"terminated ({signal.Signals(first).name})"
+    assert len(lines) == 1 and lines[0].startswith(f"cdpjax: {how}"), err
     assert "the same command" in lines[0]
     assert not (work / "lock.json").exists()
 
@@ -436,6 +436,42 @@ def test_sigterm_during_a_checkpoint_write_keeps_the_checkpoint(runs, tmp_path):
     resumed = train.train(small_config(), str(work), progress=False)
     assert resumed["resumed_from"] == 8
     equal_trees(final_state(work), runs["state"])
+
+
+@pytest.mark.parametrize("completed", [True, False])
+def test_a_completed_run_exits_0_whatever_signal_arrives_after(completed):
+    """Once the command has said the last line of a completed run (`shutdown.completed()`), a
+    Ctrl-C or a SIGTERM ends the process with status 0 and no line; before it, the same signal
+    ends it with 130 or 143 (the control)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        code = ("import os, signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "from cdpjax import shutdown; shutdown.install(); "
+                + ("shutdown.completed(); " if completed else "")
+                + f"os.kill(os.getpid(), {int(sig)}); time.sleep(60); sys.exit(5)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
+                              "PYTHONPATH": str(ROOT)})
+        if completed:
+            assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+        else:
+            assert proc.returncode == (130 if sig == signal.SIGINT else 143), proc.stderr
+            assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_second_ctrl_c_says_how_long_the_checkpoint_write_was_waited_for(tmp_path):
+    """Ctrl-C while checkpoint 8 is being written (held open by the test hook), then a second
+    Ctrl-C about a second later: the write is given up and the line says after how long (about
+    a second, not GRACE_S's 120), exit 130."""
+    work, release = tmp_path / "run", tmp_path / "release"
+    proc = held_in_checkpoint_write(work, 8, release)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()
+    release.touch()
+    assert proc.returncode == 130, err[-3000:]
+    line = the_line(err)
+    waited = float(re.search(r"given up after ([0-9.]+) s\)$", line).group(1))
+    assert 0.5 <= waited < 60, line
 
 
 # 4. Full disks, quotas, read-only file systems ------------------------------------------------------
