@@ -141,6 +141,7 @@ _META_RULES = {
     "step": lambda v: _int(v) and v >= 0,
     "run": lambda v: isinstance(v, dict),
     "hyper": lambda v: isinstance(v, dict),
+    "metrics": lambda v: v is None or isinstance(v, str),
 }
 # What every checkpoint's meta holds (`save` writes them): without them nothing guards the bytes.
 REQUIRED = ("step", "tree", "checksums", "digest")

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -325,15 +326,27 @@ def describe_nonfinite(metrics, flags) -> str:
     return f"the loss ({loss}), every stage's parameters still finite"
 
 
+def _lines_digest(records) -> "hashlib._Hash":
+    """SHA-256 of the metrics lines of `records`, as the run writes them."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update((json.dumps(record) + "\n").encode())
+    return digest
+
+
 class MetricsLog:
     """metrics.jsonl and its TensorBoard copy: one JSON object per line; on resume, lines past the
     resumed step are dropped (and, when a finished run is completed again, its final test line,
     which is written again) so that a resumed run's log equals an uninterrupted run's, timing
     fields aside, and so are lines that are not metrics records (said in one line). Written by
-    process 0 only; each line whole (a signal waits for it)."""
+    process 0 only; each line whole (a signal waits for it). `digest()`: a SHA-256 of the lines
+    written so far, which each checkpoint records (`metrics`), so that a resume from it finds a
+    history changed since (`resumed_digest`: a line edited, added or removed, the file deleted)
+    and says so in one line."""
 
-    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True):
-        self.path, self.enabled, self.events = os.path.join(workdir, "metrics.jsonl"), write, None
+    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True,
+                 resumed_digest: str | None = None):
+        self.path, self.enabled, self.events, self.lines = os.path.join(workdir, "metrics.jsonl"), write, None, None
         if not write:
             return
         records, dropped = read_metrics(self.path)
@@ -341,9 +354,14 @@ class MetricsLog:
             say(f"{self.path}: dropped {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
                 f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]}"
                 f"{'; ...' if len(dropped) > 1 else ''})")
-        records = [r for r in records if r["step"] <= resume_step
-                   and not (r["step"] == final_step and r["split"] == "test")]
+        records = [r for r in records if r["step"] <= resume_step]
+        if resumed_digest is not None and _lines_digest(records).hexdigest() != resumed_digest:
+            say(f"{self.path} up to step {resume_step} is not what the run had written when it saved checkpoint "
+                f"{resume_step} (a line changed, added or removed, or the file deleted); the run goes on with it "
+                f"as it is")
+        records = [r for r in records if not (r["step"] == final_step and r["split"] == "test")]
         _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
+        self.lines = _lines_digest(records)
         with writing(workdir):
             self.events = EventLog(workdir, records)
 
@@ -352,7 +370,12 @@ class MetricsLog:
             with shutdown.critical(), writing(self.path):
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
+                self.lines.update((json.dumps(record) + "\n").encode())
                 self.events.write(record)
+
+    def digest(self) -> str | None:
+        """SHA-256 of the lines the file holds now (None in a process that does not write it)."""
+        return self.lines.hexdigest() if self.lines is not None else None
 
     def close(self) -> None:
         if self.events is not None:
@@ -624,6 +647,7 @@ class Prepared:
     flushed: bool = False
     window: list = dataclasses.field(default_factory=list)
     elapsed: float = 0.0  # run time recorded by the checkpoint resumed from
+    metrics_digest: str | None = None  # of metrics.jsonl when the checkpoint resumed from was saved
     intact: int | None = None  # the newest checkpoint known whole: verified on restore, or written here
     training: bool = False  # past the "training ..." line
 
@@ -792,6 +816,7 @@ def _build_and_restore(p: Prepared, devices) -> None:
         p.start = p.done = p.intact = p.latest
         p.skipped, p.flushed = int(meta.get("skipped_steps", 0)), bool(meta.get("flushed", False))
         p.window, p.elapsed = list(meta.get("log_window", [])), float(meta.get("time", 0.0))
+        p.metrics_digest = meta.get("metrics")
         change = changed_hyperparameters(p.ckpt, p.latest, meta, config)
         if change:
             say(change)
@@ -1011,7 +1036,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
     p.check_lock()
-    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
+    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary, resumed_digest=p.metrics_digest)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
     task = tasks.resolve(config, p.dataset)
@@ -1070,9 +1095,9 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 # The partial logging window travels with the checkpoint so that a resumed run logs
                 # exactly what an uninterrupted one does.
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
-                                          "time": p.clock()})
+                                          "time": p.clock(), "metrics": log.digest()})
             if done < config.num_steps and _preempted(boundary, done):
-                raise _save_and_stop(p, boundary, done, here)
+                raise _save_and_stop(p, boundary, done, {**here, "metrics": log.digest()})
             bar.leave_out(time.perf_counter() - t_aside)
             bar.step(done)
             _test_hooks(done)
@@ -1127,7 +1152,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
     log.write({"step": config.num_steps, "split": "test", **final, "time": round(p.clock(), 3)})
     if p.latest != config.num_steps:
         save_checkpoint(p, config.num_steps, {**here, "skipped_steps": p.skipped, "flushed": True,
-                                              "time": p.clock()})
+                                              "time": p.clock(), "metrics": log.digest()})
     summary = {
         "method": config.method,
         "model": config.model,

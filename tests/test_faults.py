@@ -265,6 +265,40 @@ def test_a_changed_hyperparameter_is_said_and_refused_under_strict_resume(runs, 
                     "weight_decay 0.0005 -> 0.0 (--config.checkpoint.strict_resume=True refuses this)"], err
 
 
+def _edit_a_digit(path):
+    lines = path.read_text().splitlines(keepends=True)
+    edited = re.sub(r'("loss": \d\.\d)(\d)', lambda m: m.group(1) + str((int(m.group(2)) + 1) % 10), lines[0], count=1)
+    assert edited != lines[0]
+    lines[0] = edited
+    path.write_text("".join(lines))
+
+
+HISTORY_CHANGES = {
+    "a-digit": _edit_a_digit,
+    "a-line-twice": lambda path: path.write_text(path.read_text().splitlines(keepends=True)[0] + path.read_text()),
+    "deleted": lambda path: path.unlink(),
+}
+
+
+@pytest.mark.parametrize("change", [*HISTORY_CHANGES, "untouched"])
+def test_a_resume_says_when_the_metrics_history_changed_since_its_checkpoint(change, runs, tmp_path, capfd):
+    """metrics.jsonl changed after checkpoint 8 was saved (a digit of a line before it, a line
+    twice, the file deleted): the resume says so in one line naming the file and the step, and
+    goes on; untouched, it says nothing of the kind."""
+    work = copy_of(runs, tmp_path)
+    if change != "untouched":
+        HISTORY_CHANGES[change](work / "metrics.jsonl")
+    assert main(cli_train(work)) == 0
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "is not what the run had written" in line]
+    if change == "untouched":
+        assert said == [], err
+    else:
+        assert said == [f"cdpjax: {work}/metrics.jsonl up to step 8 is not what the run had written when it saved "
+                        f"checkpoint 8 (a line changed, added or removed, or the file deleted); the run goes on with "
+                        f"it as it is"], err
+
+
 def test_checkpoint_keep_sets_the_retention(tmp_path):
     """checkpoint.keep=3: the three newest checkpoints stay (the default, 2, keeps two: the
     `runs` fixture's 8 and 12)."""
