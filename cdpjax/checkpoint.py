@@ -25,7 +25,12 @@ recomputes the checksums of what it read and raises `Damaged` when anything diff
 `read_meta` does for the digest and the step. A meta without them (or without the checksums
 or the tree) is damaged: what the digest guards cannot be taken on trust. `save` never
 replaces a checkpoint that exists (orbax would: its manager saves with force=True), so that
-a run that lost the directory while frozen cannot overwrite the new owner's.
+a run that lost the directory while frozen cannot overwrite the new owner's. A writer names
+its temporary directories after its run (`<step>.orbax-checkpoint-tmp-<owner>`, `owner` from
+the token of WORKDIR's lock; orbax's own name is the same for every writer, and orbax removes
+such a directory it finds), and a failed save removes only its own: a run frozen inside a
+write and thawed after `--force` took the directory over finishes (or fails) in its own
+directory, never in the new owner's.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes checkpoint N to N.orbax-checkpoint-tmp*, then renames it
 DAMAGED_MARK = ".damaged-"  # a damaged checkpoint set aside: N.damaged-<time> (orbax lists only N)
+DISCARD_WAIT_S = 2.0  # how long a save waits for a checkpoint at its step to be discarded by its writer
 
 
 class Damaged(ConfigError):
@@ -214,11 +220,26 @@ def _check_directory(directory: str) -> None:
                           f"move it away or use another --workdir")
 
 
+def _temporary_path_class(owner: str):
+    """Orbax's atomic-rename temporary path, named `<step>.orbax-checkpoint-tmp-<owner>`."""
+    from orbax.checkpoint._src.path import atomicity
+
+    class OwnTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+        @classmethod
+        def from_final(cls, final_path, **kwargs):
+            return cls(final_path.parent / f"{final_path.name}{TMP_MARK}-{owner}", final_path, **kwargs)
+
+    return OwnTemporaryPath
+
+
 class Checkpointer:
-    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False):
+    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False, owner: str | None = None):
         """WORKDIR/checkpoints. `remove_leftovers`: remove temporary checkpoint directories, which
-        only the owner of WORKDIR's lock may ask for, when their writer is known to be dead."""
+        only the owner of WORKDIR's lock may ask for, when their writer is known to be dead.
+        `owner`: the writer's own name for its temporary directories (the same in every process
+        of a run); None: orbax's (a reader's)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.owner = owner
         _check_directory(self.directory)
         if remove_leftovers and jax.process_index() == 0 and os.path.isdir(self.directory):
             # What a writer that died left behind; orbax never lists it. Removed here, before the
@@ -230,8 +251,9 @@ class Checkpointer:
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
-                options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                     enable_async_checkpointing=False),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
+                    temporary_path_class=_temporary_path_class(owner) if owner else None),
             )
         except Exception as e:  # noqa: BLE001 - a directory that cannot be made: say which and why
             reason = storage_problem(e)
@@ -259,6 +281,11 @@ class Checkpointer:
         meta = {**meta, "step": step, "tree": tree_signature(state), "checksums": array_checksums(state)}
         meta["digest"] = _digest(meta)
         with shutdown.critical():
+            # A run thawed after losing the directory removes a checkpoint it finished meanwhile
+            # (`discard`): a moment is given for that before this one is refused.
+            deadline = time.monotonic() + DISCARD_WAIT_S
+            while os.path.lexists(self.path(step)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if os.path.lexists(self.path(step)):  # orbax would replace it (force=True): never another's
                 raise ConfigError(f"checkpoint {step} exists already in {self.directory}, which this run did not "
                                   f"write (another run writes into this directory); it is left as it is")
@@ -287,7 +314,8 @@ class Checkpointer:
         if jax.process_index() != 0 or not os.path.isdir(self.directory):
             return
         for _ in range(5):
-            left = [n for n in os.listdir(self.directory) if n.startswith(f"{step}{TMP_MARK}")]
+            mine = f"{step}{TMP_MARK}" + (f"-{self.owner}" if self.owner else "")
+            left = [n for n in os.listdir(self.directory) if n == mine or (not self.owner and n.startswith(mine))]
             if not left:
                 return
             for name in left:

@@ -672,10 +672,11 @@ class Prepared:
             self.lock.release()
 
 
-def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
-    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None).
-    A lock taken from a live run (--force) is held only once that run has stopped."""
-    lock, error = None, None
+def take_lock(workdir: str, force: bool) -> tuple[workdir_lib.Lock | None, int]:
+    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None);
+    every process gets the lock's token. A lock taken from a live run (--force) is held only once
+    that run has stopped."""
+    lock, error, token = None, None, 0
     if jax.process_index() == 0:
         try:
             lock = workdir_lib.Lock.acquire(workdir, force, say)
@@ -694,7 +695,7 @@ def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
             workdir_lib.check_token(workdir, token)
     if error is not None:
         raise error
-    return lock
+    return lock, (lock.owner.token if lock is not None else token)
 
 
 def _being_written(workdir: str) -> bool:
@@ -712,11 +713,14 @@ def check_workdir_files(workdir: str) -> None:
     event_files(workdir)
 
 
-def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tuple[Checkpointer, int | None]:
-    """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed."""
+def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool,
+                     token: int = 0) -> tuple[Checkpointer, int | None]:
+    """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed.
+    The run writes its temporary checkpoint directories under its lock's `token`."""
     with writing(os.path.join(workdir, "checkpoints")):
         ckpt = Checkpointer(workdir, max_to_keep=int(config.get("checkpoint", {}).get("keep", 2)),
-                            remove_leftovers=lock is not None and lock.may_clean)
+                            remove_leftovers=lock is not None and lock.may_clean,
+                            owner=f"run{token}" if token else None)
     try:
         steps = ckpt.steps()
         latest = steps[-1] if steps else None
@@ -757,14 +761,14 @@ def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False
     created = _missing_dirs(workdir)
     cleanup = shutdown.on_exit(lambda: _remove_empty(created))
     try:
-        lock = take_lock(workdir, force)
+        lock, token = take_lock(workdir, force)
     except BaseException:
         _remove_empty(created)
         raise
     try:
         if jax.process_index() == 0:
             check_workdir_files(workdir)
-        ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint)
+        ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint, token)
     except BaseException:
         if lock is not None:
             lock.release()

@@ -399,6 +399,56 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
     assert leftovers(work) == [] and not (work / "lock.json").exists()
 
 
+@pytest.mark.heavy  # over 2 minutes: the forcing run waits 120 s for the frozen one
+def test_a_thawed_owner_frozen_inside_a_checkpoint_write_cannot_break_a_force_takeover(tmp_path):
+    """A run frozen (SIGSTOP) while orbax writes one of its checkpoints (its temporary directory
+    there), the same command with --force (it waits for the frozen run, at most 120 s, then goes
+    on), and the frozen run thawed (SIGCONT) once the forcing run resumes: the thawed writer
+    finishes in its own temporary directory and stops with one line, and the forcing run
+    completes its whole run, equal to an uninterrupted one, no leftover, no lock."""
+    reference = tmp_path / "reference"
+    c = small_config(num_steps=FORCE_STEPS, checkpoint_every=5, eval_every=0, log_every=5)
+    train.train(c, str(reference), progress=False)
+    work = tmp_path / "run"
+    old = subprocess.Popen(subprocess_command(work, overrides=FORCE_OVERRIDES),
+                           env=env_without_device_flag(**{train.DELAY_ENV: 0.05}), stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + WAIT_S
+    while True:  # frozen inside a write: its temporary directory is there once it is stopped
+        assert old.poll() is None and time.time() < deadline, old.communicate()[1][-3000:]
+        if [p for p in (work / "checkpoints").glob("*orbax-checkpoint-tmp*")] if (work / "checkpoints").is_dir() \
+                else []:
+            os.kill(old.pid, signal.SIGSTOP)
+            if list((work / "checkpoints").glob("*orbax-checkpoint-tmp*")):
+                break
+            os.kill(old.pid, signal.SIGCONT)
+        time.sleep(0.002)
+    forcing = subprocess.Popen(subprocess_command(work, "--force", overrides=FORCE_OVERRIDES),
+                               env=env_without_device_flag(), stderr=subprocess.PIPE, text=True)
+    said = []
+    for line in forcing.stderr:
+        said.append(line)
+        if line.startswith("cdpjax: resuming"):
+            break
+    os.kill(old.pid, signal.SIGCONT)
+    forcing_err = "".join(said) + forcing.communicate()[1]
+    _, old_err = old.communicate()
+    assert forcing.returncode == 0, forcing_err[-3000:]
+    # The thawed run ends in one line; seen: exit 2 (taken over) or 130 ("interrupted", cause not
+    # found yet: the same was seen once in test_a_thawed_run_that_lost_its_directory_writes_nothing
+    # on a loaded machine).
+    assert old.returncode in (2, 130), old_err[-3000:]
+    the_line(old_err)
+    assert json.loads((work / "summary.json").read_text())["steps"] == FORCE_STEPS
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (reference / "metrics.jsonl").read_text())
+    _, _, method = train.setup(c)
+    ckpt = Checkpointer(str(work))
+    equal_trees(jax.device_get(ckpt.restore(FORCE_STEPS, method.init(jax.random.key(0)))[0]),
+                jax.device_get(Checkpointer(str(reference)).restore(FORCE_STEPS, method.init(jax.random.key(0)))[0]))
+    ckpt.close()
+    assert leftovers(work) == [] and not (work / "lock.json").exists()
+
+
 # 3. Signals ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("signals", [
@@ -566,7 +616,8 @@ def test_disk_errors_are_one_line(where, error, runs, tmp_path, capfd, monkeypat
 
         def failing_save(self, step, *args, **kwargs):
             if step == 12:
-                (pathlib.Path(self.directory) / f"{step}.orbax-checkpoint-tmp").mkdir()  # half written
+                token = json.loads((work / "lock.json").read_text())["token"]  # the writer's own temporary name
+                (pathlib.Path(self.directory) / f"{step}.orbax-checkpoint-tmp-run{token}").mkdir()  # half written
                 raise OSError(error, os.strerror(error))
             return save(self, step, *args, **kwargs)
 
