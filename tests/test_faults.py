@@ -697,6 +697,32 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(killed, tmp_path):
     assert elapsed < PEER_TIMEOUT_S + 60, elapsed  # within timeout_s; the slack is for a loaded machine
 
 
+def test_a_sigterm_to_one_process_saves_the_same_step_on_every_process(tmp_path):
+    """Two processes x 4 CPU devices training dp, checkpoints every 20 steps; once checkpoint 20
+    exists, SIGTERM to process 1 alone: both processes agree on the next step boundary, write
+    checkpoint N there together, and exit 143 with the same line naming it."""
+    port, work = _free_port(), tmp_path / "two"
+    procs = [_process(pid, port, work, timeout_s=120) for pid in range(2)]
+    try:
+        deadline = time.time() + WAIT_S
+        while not (work / "checkpoints").is_dir() or not steps(work):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            assert time.time() < deadline
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=WAIT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
+    last = [[line for line in e.splitlines() if line.startswith("cdpjax: ")][-1] for e in errs]
+    saved = steps(work)[-1]
+    assert saved > 20 and last == [f"cdpjax: terminated (SIGTERM) at step {saved}; checkpoint {saved} saved in "
+                                   f"{work}/checkpoints; run the same command to resume from it"] * 2, last
+
+
 def test_an_unreachable_coordinator_is_one_line(tmp_path):
     """Process 1 of 2 started with no process 0: after distributed.timeout_s, one line saying the
     coordinator could not be reached and what to do (no C++ abort)."""
