@@ -17,14 +17,20 @@ shapes must match the run's);
 `checksums`, per array two sums of its bits taken on the devices (`array_checksums`: the
 sum and the position-weighted sum of its 32-bit words, modulo 2**32, so a flipped bit
 always shows and the figure does not depend on the sharding or the device count); and
-`digest`, a SHA-256 of the rest of the meta. Orbax itself verifies none of this (the
+`digest`, a SHA-256 of the rest of the meta; and `step`, the step it was written at (a folder
+renamed or copied to another step's name is damaged). Orbax itself verifies none of this (the
 arrays it writes through tensorstore carry no checksum of the data, only zarr3's shard
 index has a crc32c: one flipped bit of a checkpoint restored silently), so `restore`
 recomputes the checksums of what it read and raises `Damaged` when anything differs, and
-`read_meta` does for the digest. A checkpoint written before these fields existed
-restores unverified. `save` never replaces a checkpoint that exists (orbax would: its
-manager saves with force=True), so that a run that lost the directory while frozen
-cannot overwrite the new owner's.
+`read_meta` does for the digest and the step. A meta without them (or without the checksums
+or the tree) is damaged: what the digest guards cannot be taken on trust. `save` never
+replaces a checkpoint that exists (orbax would: its manager saves with force=True), so that
+a run that lost the directory while frozen cannot overwrite the new owner's. A writer names
+its temporary directories after its run (`<step>.orbax-checkpoint-tmp-<owner>`, `owner` from
+the token of WORKDIR's lock; orbax's own name is the same for every writer, and orbax removes
+such a directory it finds), and a failed save removes only its own: a run frozen inside a
+write and thawed after `--force` took the directory over finishes (or fails) in its own
+directory, never in the new owner's.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes checkpoint N to N.orbax-checkpoint-tmp*, then renames it
 DAMAGED_MARK = ".damaged-"  # a damaged checkpoint set aside: N.damaged-<time> (orbax lists only N)
+DISCARD_WAIT_S = 2.0  # how long a save waits for a checkpoint at its step to be discarded by its writer
 
 
 class Damaged(ConfigError):
@@ -137,13 +144,22 @@ _META_RULES = {
         isinstance(c, list) and len(c) == 2 and all(_int(x) for x in c) for c in v.values()),
     "tree": lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 for r in v),
     "digest": lambda v: isinstance(v, str),
+    "step": lambda v: _int(v) and v >= 0,
+    "run": lambda v: isinstance(v, dict),
+    "hyper": lambda v: isinstance(v, dict),
+    "metrics": lambda v: v is None or isinstance(v, str),
 }
+# What every checkpoint's meta holds (`save` writes them): without them nothing guards the bytes.
+REQUIRED = ("step", "tree", "checksums", "digest")
 
 
 def check_meta(meta) -> str | None:
     """What is wrong with a checkpoint's meta, in words, or None."""
     if not isinstance(meta, dict):
         return f"its meta is a {type(meta).__name__}, not a JSON object"
+    missing = [key for key in REQUIRED if key not in meta]
+    if missing:
+        return f"its meta has no {missing[0]!r} field, which every checkpoint's has"
     for key, ok in _META_RULES.items():
         if key in meta and not ok(meta[key]):
             return f"its meta field {key!r} is {json.dumps(meta[key])[:80]}, not what a run writes"
@@ -204,11 +220,26 @@ def _check_directory(directory: str) -> None:
                           f"move it away or use another --workdir")
 
 
+def _temporary_path_class(owner: str):
+    """Orbax's atomic-rename temporary path, named `<step>.orbax-checkpoint-tmp-<owner>`."""
+    from orbax.checkpoint._src.path import atomicity
+
+    class OwnTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+        @classmethod
+        def from_final(cls, final_path, **kwargs):
+            return cls(final_path.parent / f"{final_path.name}{TMP_MARK}-{owner}", final_path, **kwargs)
+
+    return OwnTemporaryPath
+
+
 class Checkpointer:
-    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False):
+    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False, owner: str | None = None):
         """WORKDIR/checkpoints. `remove_leftovers`: remove temporary checkpoint directories, which
-        only the owner of WORKDIR's lock may ask for, when their writer is known to be dead."""
+        only the owner of WORKDIR's lock may ask for, when their writer is known to be dead.
+        `owner`: the writer's own name for its temporary directories (the same in every process
+        of a run); None: orbax's (a reader's)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.owner = owner
         _check_directory(self.directory)
         if remove_leftovers and jax.process_index() == 0 and os.path.isdir(self.directory):
             # What a writer that died left behind; orbax never lists it. Removed here, before the
@@ -220,8 +251,9 @@ class Checkpointer:
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
-                options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                     enable_async_checkpointing=False),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
+                    temporary_path_class=_temporary_path_class(owner) if owner else None),
             )
         except Exception as e:  # noqa: BLE001 - a directory that cannot be made: say which and why
             reason = storage_problem(e)
@@ -246,9 +278,14 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict) -> None:
         """Writes checkpoint `step` (a signal waits for it: `shutdown.critical`). A failure removes
         what it wrote; one of the disk (full, quota, read-only) is a StorageError naming the path."""
-        meta = {**meta, "tree": tree_signature(state), "checksums": array_checksums(state)}
+        meta = {**meta, "step": step, "tree": tree_signature(state), "checksums": array_checksums(state)}
         meta["digest"] = _digest(meta)
         with shutdown.critical():
+            # A run thawed after losing the directory removes a checkpoint it finished meanwhile
+            # (`discard`): a moment is given for that before this one is refused.
+            deadline = time.monotonic() + DISCARD_WAIT_S
+            while os.path.lexists(self.path(step)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if os.path.lexists(self.path(step)):  # orbax would replace it (force=True): never another's
                 raise ConfigError(f"checkpoint {step} exists already in {self.directory}, which this run did not "
                                   f"write (another run writes into this directory); it is left as it is")
@@ -277,7 +314,8 @@ class Checkpointer:
         if jax.process_index() != 0 or not os.path.isdir(self.directory):
             return
         for _ in range(5):
-            left = [n for n in os.listdir(self.directory) if n.startswith(f"{step}{TMP_MARK}")]
+            mine = f"{step}{TMP_MARK}" + (f"-{self.owner}" if self.owner else "")
+            left = [n for n in os.listdir(self.directory) if n == mine or (not self.owner and n.startswith(mine))]
             if not left:
                 return
             for name in left:
@@ -327,6 +365,9 @@ class Checkpointer:
         problem = check_meta(meta)
         if problem:
             raise Damaged(step, self.directory, f"is damaged: {problem}")
+        if meta["step"] != step:
+            raise Damaged(step, self.directory, f"is damaged: its meta says it is checkpoint {meta['step']} (a "
+                                                f"folder copied or renamed to another step's name)")
         return dict(meta)
 
     def restore(self, step: int, like, explain=None):

@@ -105,10 +105,12 @@ def cmd_train(args, overrides) -> int:
 
     summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
                           force=args.force, device_note=device_note)
-    if jax.process_index() == 0 and not summary.get("already_finished"):
-        shutdown.write_line(f"{train.result_words(summary)} after {summary['steps']} steps, "
-                            f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
-                            f"summary in {workdir}/summary.json")
+    with shutdown.critical():  # a signal from now on finds the run completed: exit status 0
+        shutdown.completed()
+        if jax.process_index() == 0 and not summary.get("already_finished"):
+            shutdown.write_line(f"{train.result_words(summary)} after {summary['steps']} steps, "
+                                f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
+                                f"summary in {workdir}/summary.json")
     return 0
 
 

@@ -51,6 +51,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.num_steps = 600
     c.eval_every = 200
     c.checkpoint_every = 200
+    # Checkpoints: how many to keep (the newest; the final one counts), and whether a resume
+    # refuses a checkpoint written with other hyperparameters that the train state allows
+    # (learning rate, momentum, weight decay...) instead of saying the change and going on.
+    c.checkpoint = ml_collections.ConfigDict({"keep": 2, "strict_resume": False})
     c.log_every = 20
     c.seed = 0
     # Optimizer: optax; one state per stage for the staged methods.
@@ -339,7 +343,8 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
 # Keys of other kinds: booleans, names, nested option dicts (checked against their consumer).
 _BOOLS = ("bn_cross_device", "augment", "nesterov")
 _STRINGS = ("method", "model", "dataset", "data_dir", "task")
-_DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed")
+_DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed", "checkpoint")
+_CHECKPOINT = {"keep": (int, 1, 2**20), "strict_resume": bool}
 _DISTRIBUTED = {
     "coordinator_address": str,
     "num_processes": (int, 0, 2**20),
@@ -437,6 +442,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check_combinations(config)
     _check_profile_steps(config)
     _check_distributed(config.get("distributed", {}) or {})
+    _check_checkpoint(config.get("checkpoint", {}) or {})
 
 
 def _check_combinations(config) -> None:
@@ -459,6 +465,16 @@ def _check_profile_steps(config) -> None:
         shown = list(steps) if isinstance(steps, (list, tuple)) else steps
         raise ConfigError(f"profile_steps={shown!r} must be [first, last] with 1 <= first <= last <= "
                           f"num_steps={config.num_steps} (steps are numbered from 1), or [] for no profile")
+
+
+def _check_checkpoint(d) -> None:
+    for key in dict(d):
+        if key not in _CHECKPOINT:
+            raise ConfigError(f"unknown config key 'checkpoint.{key}'; known: {', '.join(_CHECKPOINT)}")
+    if "keep" in d:
+        _check_number("checkpoint.keep", d["keep"], *_CHECKPOINT["keep"])
+    if "strict_resume" in d and not isinstance(d["strict_resume"], bool):
+        raise ConfigError(f"checkpoint.strict_resume must be True or False, got {d['strict_resume']!r}")
 
 
 def _check_distributed(d) -> None:

@@ -1,12 +1,18 @@
-"""How a command-line run ends on Ctrl-C or SIGTERM: one line and exit status 130 or 143, at any moment.
+"""How a command-line run ends on Ctrl-C or SIGTERM (or SIGHUP, SIGQUIT, SIGUSR1, taken as SIGTERM): one
+line and exit status 130 or 128 + the signal's number (143 for SIGTERM, 129 for SIGHUP), at any moment.
 
-`install()`, the first thing `cdpjax.cli.main` does, blocks SIGINT and SIGTERM in the main
+`install()`, the first thing `cdpjax.cli.main` does, blocks these signals in the main
 thread, hence in every thread started after it (JAX's, orbax's, the lock's heartbeat), and
 starts a watcher thread that takes them with `sigtimedwait`. No exception is ever raised
 asynchronously: a KeyboardInterrupt raised inside an import, a garbage-collection callback
 or an atexit hook is swallowed or becomes a traceback, and a process unwinding through
 XLA's teardown on SIGTERM can crash. The watcher decides instead:
 
+- while a run loop takes requests at its step boundaries (`Boundary`, from the end of the
+  process's first step to its last), a SIGTERM-like signal is handed to it: the run saves a
+  checkpoint at the next step boundary and ends itself naming it (a preemption keeps its work);
+  if the loop has not taken the request within `GRACE_S`, or stops taking requests first, the
+  watcher goes on as below. A Ctrl-C is not handed over: it ends the run as below;
 - it waits until no critical section is open (`critical()`: a checkpoint, a metrics line,
   a file replaced atomically being written), at most `GRACE_S` seconds, so that a
   preemption keeps the checkpoint being written; a second Ctrl-C ends the wait (a second
@@ -15,7 +21,10 @@ XLA's teardown on SIGTERM can crash. The watcher decides instead:
   closed), newest first;
 - it writes the one line that the run's `set_message` function gives for its situation
   (where the run stands, the last complete checkpoint, what to do) and ends the process
-  with `os._exit` (status 130 for SIGINT, 143 for SIGTERM), so that nothing else runs.
+  with `os._exit` (status 130 for SIGINT, 128 + its number for the others), so that nothing
+  else runs;
+- once the command has said its last line of a completed run (`completed()`), a signal ends
+  the process with status 0 and no other line: the run's work is whole.
 
 A signal whose disposition was SIG_IGN when `install` ran (a job started with nohup, or in
 the background of a shell) stays ignored. `forward_to(pid)` turns the watcher into a relay
@@ -41,16 +50,63 @@ from cdpjax.errors import storage_problem
 
 # The longest a signal waits for a critical section (a checkpoint write) to end.
 GRACE_S = 120.0
-EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
-HOW = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+# Signals that end a run as SIGTERM does (a closed ssh session, Ctrl-\ in a terminal, a scheduler's warning).
+AS_SIGTERM = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+EXIT_STATUS = {signal.SIGINT: 130, **{s: 128 + int(s) for s in AS_SIGTERM}}
+HOW = {signal.SIGINT: "interrupted", **{s: f"terminated ({signal.Signals(s).name})" for s in AS_SIGTERM}}
 
 _critical = threading.RLock()
 _cleanups: list[Callable[[], None]] = []
-_state: dict = {"message": None, "forward": None, "received": None}
+_state: dict = {"message": None, "forward": None, "received": None, "boundary": None, "completed": False}
 
 
-def default_message(how: str, abandoned: bool) -> str:
+def default_message(how: str, abandoned: float | None) -> str:
     return f"{how}; nothing was left half written: run the same command to start again"
+
+
+class Boundary:
+    """A run loop's step boundaries, where a SIGTERM-like signal is taken as a request to save and
+    stop (a preemption). `open()` after the process's first step (before it nothing has trained
+    since the checkpoint the run started from), `close()` before the run's final phase; `asked()`
+    at each boundary; `take()` once the loop acts on it: the watcher then leaves the ending to
+    the loop (unless GRACE_S passes first). Single-process state: agreeing across processes is
+    the loop's."""
+
+    def __init__(self):
+        self.signum: int | None = None  # the signal that asked, once one has
+        self.asked_at = 0.0
+        self.taken = False
+
+    def open(self) -> None:
+        if _Watcher.current is not None and _state["forward"] is None:
+            _state["boundary"] = self
+
+    def close(self) -> None:
+        if _state["boundary"] is self:
+            _state["boundary"] = None
+
+    def asked(self) -> bool:
+        return self.signum is not None
+
+    def take(self) -> int:
+        """The signal that asked (the loop now saves and ends the process itself)."""
+        self.taken = True
+        return self.signum
+
+    def _ask(self, signum: int) -> None:
+        self.signum, self.asked_at = signum, time.monotonic()
+
+    def _left_waiting(self) -> bool:
+        """Whether the watcher must end the process itself: the loop did not act in time, or
+        stopped taking requests before it acted."""
+        if self.signum is None:
+            return False
+        return time.monotonic() - self.asked_at > GRACE_S or (_state["boundary"] is not self and not self.taken)
+
+
+def completed() -> None:
+    """The command has said the last line of a completed run: a signal from now on exits 0."""
+    _state["completed"] = True
 
 
 @contextlib.contextmanager
@@ -72,9 +128,10 @@ def forget(fn: Callable[[], None]) -> None:
         _cleanups.remove(fn)
 
 
-def set_message(fn: Callable[[str, bool], str] | None) -> None:
+def set_message(fn: Callable[[str, float | None], str] | None) -> None:
     """`fn(how, abandoned) -> line`: what the run says when a signal ends it (`how` is
-    'interrupted' or 'terminated (SIGTERM)'; `abandoned`: a critical section did not end in time)."""
+    'interrupted' or 'terminated (SIGTERM)'...; `abandoned`: the seconds after which a critical
+    section being written was given up (a second Ctrl-C, or GRACE_S), None if none was)."""
     _state["message"] = fn
 
 
@@ -107,14 +164,16 @@ def write_line(line: str) -> None:
 
 def _end(signum: int, signals: set[int]) -> None:
     """Ends the process as the module docstring says."""
-    deadline = time.monotonic() + GRACE_S
-    abandoned = False
+    start = time.monotonic()
+    abandoned = None
     while not _critical.acquire(timeout=0.2):
         again = signal.sigtimedwait(signals, 0)
         if (again is not None and again.si_signo == signal.SIGINT and signum == signal.SIGINT) or \
-                time.monotonic() > deadline:
-            abandoned = True
+                time.monotonic() - start > GRACE_S:
+            abandoned = time.monotonic() - start
             break
+    if _state["completed"]:
+        os._exit(0)
     how = HOW.get(signum, f"stopped by signal {signum}")
     try:
         line = (_state["message"] or default_message)(how, abandoned)
@@ -129,6 +188,7 @@ def _end(signum: int, signals: set[int]) -> None:
 
 class _Watcher:
     current: "_Watcher | None" = None
+    asked: Boundary | None = None  # the boundary a signal was handed to (kept once the loop closes it)
 
     def __init__(self, signals: set[int]):
         self.signals, self.stop = signals, threading.Event()
@@ -148,6 +208,9 @@ class _Watcher:
                 info = signal.sigtimedwait(self.signals, 0.05)  # also how soon `close` returns
             except InterruptedError:
                 continue
+            boundary = _state["boundary"] if _state["boundary"] is not None else _Watcher.asked
+            if boundary is not None and boundary._left_waiting():
+                _end(boundary.signum, self.signals)
             if info is None or info.si_signo not in self.signals:  # (a stopped process continued: signo 0)
                 continue
             pid = _state["forward"]
@@ -156,6 +219,13 @@ class _Watcher:
                 with contextlib.suppress(OSError):
                     os.kill(pid, info.si_signo)
                 continue
+            boundary = _state["boundary"]
+            if info.si_signo in AS_SIGTERM and boundary is not None and not boundary.asked():
+                boundary._ask(info.si_signo)  # the loop saves at its next step boundary
+                _Watcher.asked = boundary
+                continue
+            if boundary is not None and boundary.asked() and info.si_signo != signal.SIGINT:
+                continue  # the same request again (a scheduler signals every process of a job, and the job)
             _end(info.si_signo, self.signals)
 
     def close(self) -> None:
@@ -228,11 +298,11 @@ def quiet_from_now() -> None:
 
 
 def install() -> Callable[[], None]:
-    """Blocks SIGINT and SIGTERM and starts the watcher (main thread only; once); returns the
+    """Blocks SIGINT and the AS_SIGTERM signals and starts the watcher (main thread only; once); returns the
     function that undoes it (for `main` called in-process, as the tests do)."""
     if _Watcher.current is not None or threading.current_thread() is not threading.main_thread():
         return lambda: None
-    signals = {s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN}
+    signals = {s for s in (signal.SIGINT, *AS_SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN}
     if not signals:
         return lambda: None
     _Watcher.current = _Watcher(signals)
@@ -249,10 +319,11 @@ def install() -> Callable[[], None]:
             logging.getLogger(name).disabled = False
         kept_filters.__exit__(None, None, None)
         _cleanups.clear()
-        _state.update(message=None, forward=None, received=None)
+        _state.update(message=None, forward=None, received=None, boundary=None, completed=False)
+        _Watcher.asked = None
 
     return uninstall
 
 
-__all__ = ["EXIT_STATUS", "GRACE_S", "HOW", "active", "critical", "forget", "forward_to", "install",
-           "on_exit", "received", "set_message", "write_line"]
+__all__ = ["AS_SIGTERM", "EXIT_STATUS", "GRACE_S", "HOW", "Boundary", "active", "completed", "critical", "forget",
+           "forward_to", "install", "on_exit", "received", "set_message", "write_line"]

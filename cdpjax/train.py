@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -97,6 +98,10 @@ RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset"
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task",
                "cdp_ticks")
+# Hyperparameters a resumed run may change, the train state being the same: the change is said in
+# one line at start-up (and refused under checkpoint.strict_resume).
+CHANGEABLE_KEYS = ("learning_rate", "momentum", "nesterov", "weight_decay", "schedule", "warmup_steps",
+                   "decay_every", "decay_factor")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -321,15 +326,27 @@ def describe_nonfinite(metrics, flags) -> str:
     return f"the loss ({loss}), every stage's parameters still finite"
 
 
+def _lines_digest(records) -> "hashlib._Hash":
+    """SHA-256 of the metrics lines of `records`, as the run writes them."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update((json.dumps(record) + "\n").encode())
+    return digest
+
+
 class MetricsLog:
     """metrics.jsonl and its TensorBoard copy: one JSON object per line; on resume, lines past the
     resumed step are dropped (and, when a finished run is completed again, its final test line,
     which is written again) so that a resumed run's log equals an uninterrupted run's, timing
     fields aside, and so are lines that are not metrics records (said in one line). Written by
-    process 0 only; each line whole (a signal waits for it)."""
+    process 0 only; each line whole (a signal waits for it). `digest()`: a SHA-256 of the lines
+    written so far, which each checkpoint records (`metrics`), so that a resume from it finds a
+    history changed since (`resumed_digest`: a line edited, added or removed, the file deleted)
+    and says so in one line."""
 
-    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True):
-        self.path, self.enabled, self.events = os.path.join(workdir, "metrics.jsonl"), write, None
+    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True,
+                 resumed_digest: str | None = None):
+        self.path, self.enabled, self.events, self.lines = os.path.join(workdir, "metrics.jsonl"), write, None, None
         if not write:
             return
         records, dropped = read_metrics(self.path)
@@ -337,9 +354,14 @@ class MetricsLog:
             say(f"{self.path}: dropped {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
                 f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]}"
                 f"{'; ...' if len(dropped) > 1 else ''})")
-        records = [r for r in records if r["step"] <= resume_step
-                   and not (r["step"] == final_step and r["split"] == "test")]
+        records = [r for r in records if r["step"] <= resume_step]
+        if resumed_digest is not None and _lines_digest(records).hexdigest() != resumed_digest:
+            say(f"{self.path} up to step {resume_step} is not what the run had written when it saved checkpoint "
+                f"{resume_step} (a line changed, added or removed, or the file deleted); the run goes on with it "
+                f"as it is")
+        records = [r for r in records if not (r["step"] == final_step and r["split"] == "test")]
         _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
+        self.lines = _lines_digest(records)
         with writing(workdir):
             self.events = EventLog(workdir, records)
 
@@ -348,7 +370,12 @@ class MetricsLog:
             with shutdown.critical(), writing(self.path):
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
+                self.lines.update((json.dumps(record) + "\n").encode())
                 self.events.write(record)
+
+    def digest(self) -> str | None:
+        """SHA-256 of the lines the file holds now (None in a process that does not write it)."""
+        return self.lines.hexdigest() if self.lines is not None else None
 
     def close(self) -> None:
         if self.events is not None:
@@ -434,6 +461,47 @@ def check_resume_config(workdir: str, config) -> None:
                           f"with the config it started with: restore those values, or use a fresh --workdir")
 
 
+def _config_values(config, keys) -> dict:
+    now = json.loads(config.to_json_best_effort())
+    return {k: now.get(k) for k in keys}
+
+
+def run_identity(config) -> dict:
+    """What makes a train state this run's and no other's (its model and sizes, seed, batch, data
+    order, update rule: RESUME_KEYS), as recorded in every checkpoint's meta (`run`); the method,
+    the mesh and the CDP rule are the meta's own fields, checked by `restore_state`."""
+    return _config_values(config, RESUME_KEYS)
+
+
+def check_identity(ckpt: Checkpointer, step: int, meta: dict, config) -> None:
+    """Checkpoint `step` was written by this run (its `run` against the command's config, whatever
+    WORKDIR/config.json says): ConfigError naming what differs; a meta without it is Damaged."""
+    there = meta.get("run")
+    if not isinstance(there, dict):
+        raise Damaged(step, ckpt.directory, "is damaged: its meta does not say which run wrote it (no 'run' field)")
+    here = run_identity(config)
+    changed = [k for k in RESUME_KEYS if there.get(k) != here[k]]
+    if changed:
+        diffs = ", ".join(f"{k}={there.get(k)!r} there, {here[k]!r} here" for k in changed)
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} belongs to another run ({diffs}); a run resumes "
+                          f"only with the config it started with: restore those values, or use a fresh --workdir")
+
+
+def changed_hyperparameters(ckpt: Checkpointer, step: int, meta: dict, config) -> str | None:
+    """The hyperparameters this run changes from those checkpoint `step` was written with, in words
+    ('momentum 0.9 -> 0.5'), or None; ConfigError under checkpoint.strict_resume."""
+    there, here = meta.get("hyper") or {}, _config_values(config, CHANGEABLE_KEYS)
+    changed = [f"{k} {there[k]!r} -> {here[k]!r}" for k in CHANGEABLE_KEYS if k in there and there[k] != here[k]]
+    if not changed:
+        return None
+    words = ", ".join(changed)
+    if config.get("checkpoint", {}).get("strict_resume", False):
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} was written with other hyperparameters ({words}) "
+                          f"and checkpoint.strict_resume is set: restore them, or unset it to resume with the change")
+    return (f"resuming with hyperparameters changed since checkpoint {step}: {words} "
+            f"(--config.checkpoint.strict_resume=True refuses this)")
+
+
 def read_saved_config(path: str) -> dict | None:
     """WORKDIR/config.json as the run wrote it (None if absent); ConfigError if it is something
     else (it is rewritten by every run: a damaged one would hide a changed config)."""
@@ -473,6 +541,7 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     a state with a leading worker or stage axis changes shape, and the error says so.
     """
     meta = ckpt.read_meta(step)
+    check_identity(ckpt, step, meta, config)
     saved = meta.get("method")
     if saved not in (None, config.method) and not _interchangeable(saved, config.method):
         raise ConfigError(f"checkpoint {step} in {ckpt.directory} holds a {saved!r} run, not {config.method!r}: "
@@ -578,6 +647,7 @@ class Prepared:
     flushed: bool = False
     window: list = dataclasses.field(default_factory=list)
     elapsed: float = 0.0  # run time recorded by the checkpoint resumed from
+    metrics_digest: str | None = None  # of metrics.jsonl when the checkpoint resumed from was saved
     intact: int | None = None  # the newest checkpoint known whole: verified on restore, or written here
     training: bool = False  # past the "training ..." line
 
@@ -602,10 +672,11 @@ class Prepared:
             self.lock.release()
 
 
-def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
-    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None).
-    A lock taken from a live run (--force) is held only once that run has stopped."""
-    lock, error = None, None
+def take_lock(workdir: str, force: bool) -> tuple[workdir_lib.Lock | None, int]:
+    """Process 0 takes WORKDIR's lock for the job; the others check that it did (they get None);
+    every process gets the lock's token. A lock taken from a live run (--force) is held only once
+    that run has stopped."""
+    lock, error, token = None, None, 0
     if jax.process_index() == 0:
         try:
             lock = workdir_lib.Lock.acquire(workdir, force, say)
@@ -624,7 +695,7 @@ def take_lock(workdir: str, force: bool) -> workdir_lib.Lock | None:
             workdir_lib.check_token(workdir, token)
     if error is not None:
         raise error
-    return lock
+    return lock, (lock.owner.token if lock is not None else token)
 
 
 def _being_written(workdir: str) -> bool:
@@ -642,10 +713,14 @@ def check_workdir_files(workdir: str) -> None:
     event_files(workdir)
 
 
-def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool) -> tuple[Checkpointer, int | None]:
-    """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed."""
+def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool,
+                     token: int = 0) -> tuple[Checkpointer, int | None]:
+    """WORKDIR's checkpoints and the latest complete step; refuses what cannot be resumed.
+    The run writes its temporary checkpoint directories under its lock's `token`."""
     with writing(os.path.join(workdir, "checkpoints")):
-        ckpt = Checkpointer(workdir, remove_leftovers=lock is not None and lock.may_clean)
+        ckpt = Checkpointer(workdir, max_to_keep=int(config.get("checkpoint", {}).get("keep", 2)),
+                            remove_leftovers=lock is not None and lock.may_clean,
+                            owner=f"run{token}" if token else None)
     try:
         steps = ckpt.steps()
         latest = steps[-1] if steps else None
@@ -686,14 +761,14 @@ def prepare(config, workdir: str, devices=None, require_checkpoint: bool = False
     created = _missing_dirs(workdir)
     cleanup = shutdown.on_exit(lambda: _remove_empty(created))
     try:
-        lock = take_lock(workdir, force)
+        lock, token = take_lock(workdir, force)
     except BaseException:
         _remove_empty(created)
         raise
     try:
         if jax.process_index() == 0:
             check_workdir_files(workdir)
-        ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint)
+        ckpt, latest = open_checkpoints(workdir, config, lock, require_checkpoint, token)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -745,6 +820,10 @@ def _build_and_restore(p: Prepared, devices) -> None:
         p.start = p.done = p.intact = p.latest
         p.skipped, p.flushed = int(meta.get("skipped_steps", 0)), bool(meta.get("flushed", False))
         p.window, p.elapsed = list(meta.get("log_window", [])), float(meta.get("time", 0.0))
+        p.metrics_digest = meta.get("metrics")
+        change = changed_hyperparameters(p.ckpt, p.latest, meta, config)
+        if change:
+            say(change)
 
 
 def restore_newest_intact(p: Prepared, init) -> tuple[int | None, tuple]:
@@ -883,7 +962,8 @@ class Throughput:
 
 def _checkpoint_meta(p: Prepared, method) -> dict:
     here = {"method": p.config.method, "mesh": {k: int(v) for k, v in p.mesh.shape.items()},
-            "devices": int(p.mesh.devices.size), "processes": jax.process_count()}
+            "devices": int(p.mesh.devices.size), "processes": jax.process_count(),
+            "run": run_identity(p.config), "hyper": _config_values(p.config, CHANGEABLE_KEYS)}
     if method.workers is not None:
         here["workers"] = method.workers
     if method.stale is not None:  # CDP: the update rule itself, which the worker count decides
@@ -960,7 +1040,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
     p.check_lock()
-    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
+    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary, resumed_digest=p.metrics_digest)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
     task = tasks.resolve(config, p.dataset)
@@ -972,6 +1052,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
     profile = Profile(config.get("profile_steps", ()), p.workdir)
     window_speed, total_speed = Throughput(), Throughput()
+    boundary = shutdown.Boundary()
     try:
         for step in range(p.start, config.num_steps):
             if stop_after is not None and step - p.start >= stop_after:
@@ -986,7 +1067,11 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             if step > p.start:  # the first step of a process compiles
                 for speed in (window_speed, total_speed):
                     speed.add(items, time.perf_counter() - t0)
-            p.done = done = step + 1
+            # The flush of a finished run's final checkpoint belongs to its step: once a step trains
+            # past it (the run extended), batches are in flight again and the new end flushes them.
+            p.done, p.flushed = step + 1, False
+            done = p.done
+            boundary.open()  # from the end of the first step (compiled): a SIGTERM saves at a boundary
             profile.after(done)
             if not all_finite(metrics, flags):
                 _nonfinite(p, metrics, flags, skip, bar)
@@ -1014,17 +1099,48 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 # The partial logging window travels with the checkpoint so that a resumed run logs
                 # exactly what an uninterrupted one does.
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
-                                          "time": p.clock()})
+                                          "time": p.clock(), "metrics": log.digest()})
+            if done < config.num_steps and _preempted(boundary, done):
+                raise _save_and_stop(p, boundary, done, {**here, "metrics": log.digest()})
             bar.leave_out(time.perf_counter() - t_aside)
             bar.step(done)
             _test_hooks(done)
+        boundary.close()  # the final phase (flush, evaluation, final checkpoint) ends on a signal as before
         bar.close()
         profile.stop(p.done)
         return _finish(p, log, eval_fn, eval_batch, here, total_speed, task)
     finally:
+        boundary.close()
         bar.close()
         profile.stop(p.done)
         log.close()
+
+
+def _preempted(boundary: shutdown.Boundary, done: int) -> bool:
+    """Whether the run saves and stops at this step boundary: a SIGTERM-like signal reached this
+    process, or (multi-process) any process, or JAX's preemption notice came; every process of
+    the run agrees, at the same step."""
+    asked = boundary.asked()
+    if jax.process_count() == 1:
+        return asked
+    from jax.experimental import multihost_utils
+
+    try:
+        asked = multihost_utils.reached_preemption_sync_point(done) or asked
+    except RuntimeError:  # no preemption service (jax.distributed started without one)
+        pass
+    return bool(np.any(multihost_utils.process_allgather(np.int32(asked))))
+
+
+def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: dict) -> Interrupted:
+    """A preemption at step boundary `done`: checkpoint `done` written (unless it just was), and the
+    Interrupted that ends the run naming it (exit status 128 + the signal's number)."""
+    signum = boundary.take() or signal.SIGTERM  # (a process that another's signal or JAX's notice stopped)
+    if p.intact != done:
+        save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window, "time": p.clock()})
+    how = shutdown.HOW.get(signum, f"stopped by signal {signum}")
+    return Interrupted(f"{how} at step {done}; checkpoint {done} saved in {p.ckpt.directory}; run the same "
+                       f"command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
 
 
 def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,
@@ -1040,7 +1156,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
     log.write({"step": config.num_steps, "split": "test", **final, "time": round(p.clock(), 3)})
     if p.latest != config.num_steps:
         save_checkpoint(p, config.num_steps, {**here, "skipped_steps": p.skipped, "flushed": True,
-                                              "time": p.clock()})
+                                              "time": p.clock(), "metrics": log.digest()})
     summary = {
         "method": config.method,
         "model": config.model,
@@ -1080,7 +1196,7 @@ def throughput_words(summary: dict) -> str:
     """'5120 images/s' or '81920 tokens/s', from a summary."""
     unit = tasks.lookup(summary.get("task", "classification")).unit
     return f"{summary.get(f'{unit}_per_second', 0.0):.0f} {unit}/s"
-def stop_line(p: Prepared | None, how: str, abandoned: bool = False) -> str:
+def stop_line(p: Prepared | None, how: str, abandoned: float | None = None) -> str:
     """What a run stopped by a signal says: where it stands and how to go on."""
     if p is None or not p.training:
         return f"{how} before training began; run the same command to start it"
@@ -1089,8 +1205,8 @@ def stop_line(p: Prepared | None, how: str, abandoned: bool = False) -> str:
     else:
         line = (f"{how} at step {p.done}; last complete checkpoint: step {p.intact} in {p.ckpt.directory}; "
                 f"run the same command to resume")
-    if abandoned:
-        line += f" (a checkpoint being written was given up after {shutdown.GRACE_S:.0f} s)"
+    if abandoned is not None:
+        line += f" (a checkpoint being written was given up after {abandoned:.1f} s)"
     return line
 
 

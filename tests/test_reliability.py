@@ -262,6 +262,44 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     assert resumed["test_accuracy"] == ref["summary"]["test_accuracy"]
 
 
+def _has_flush(name):
+    return train.setup(small_config(name), layout(name)[1])[2].flush is not None
+
+
+# Methods whose flush the extension test runs in CI (one per engine with a flush); the others with `make test-heavy`.
+FLUSH_IN_CI = ("ppll", "cdp-v2")
+EXTENDED_TO, EXTENSION_KILLED_AFTER = 20, 5
+
+
+@pytest.mark.parametrize("name", [m if m in FLUSH_IN_CI else pytest.param(m, marks=pytest.mark.heavy)
+                                  for m in METHODS])
+def test_an_extended_run_flushes_at_its_new_end_and_equals_itself_killed_and_resumed(name, reference, tmp_path,
+                                                                                      monkeypatch):
+    """A finished run of 12 steps (its final checkpoint flushed) extended to 20 (the same command,
+    a larger num_steps) trains the batches in flight again and so flushes once at step 20; the
+    same extension killed after step 17 (checkpoint 16 written before any flush) and resumed
+    ends with the same train state and metrics.jsonl (timing fields cut out)."""
+    require(name)
+    if not _has_flush(name):
+        pytest.skip(f"{name} has no flush")
+    ref = reference(name)
+    c = small_config(name, num_steps=EXTENDED_TO)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    shutil.copytree(ref["full"], whole)
+    shutil.copytree(ref["full"], killed)
+    with pytest.MonkeyPatch.context() as mp:
+        rec = Recorder(mp)
+        extended = train.train(c, str(whole), progress=False, devices=layout(name)[1])
+    assert extended["resumed_from"] == STEPS and rec.flushes == 1  # the new end flushes
+    stopped = train.train(c, str(killed), progress=False, devices=layout(name)[1], stop_after=EXTENSION_KILLED_AFTER)
+    assert stopped == {"stopped_at": STEPS + EXTENSION_KILLED_AFTER} and steps(killed)[-1] == 16
+    resumed = train.train(c, str(killed), progress=False, devices=layout(name)[1])
+    assert resumed["resumed_from"] == 16
+    _equal_trees(final_state(c, killed, layout(name)[1])[0], final_state(c, whole, layout(name)[1])[0])
+    assert without_timing((killed / "metrics.jsonl").read_text()) == without_timing(
+        (whole / "metrics.jsonl").read_text())
+
+
 def _overrides(name):
     """`small_config(name)` as command-line overrides."""
     return [f"--config.method={name}", f"--config.num_steps={STEPS}", "--config.checkpoint_every=4",
@@ -419,6 +457,41 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+PREEMPTED = [("dp", signal.SIGTERM), ("cdp-v2", signal.SIGTERM), ("ppll", signal.SIGTERM), ("dp", signal.SIGHUP),
+             *[pytest.param("dp", s, marks=pytest.mark.heavy) for s in (signal.SIGQUIT, signal.SIGUSR1)]]
+
+
+@pytest.mark.parametrize("name,sig", PREEMPTED, ids=lambda x: x if isinstance(x, str) else signal.Signals(x).name)
+def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(name, sig, reference, tmp_path):
+    """SIGTERM (or SIGHUP, SIGQUIT, SIGUSR1, taken as it) after step 5, between checkpoints 4 and 8,
+    one method of each engine (dp: the data axis; cdp-v2: the ring; ppll: the stage axis): the
+    run writes checkpoint 6 at the next step boundary and exits 128 + the signal's number (143,
+    129...) with one line naming it; resumed from it, it ends as the uninterrupted run (the
+    whole train state, metrics.jsonl without the timing fields)."""
+    require(name)
+    ref = reference(name)
+    work = tmp_path / "run"
+    env, release = _wait_env(tmp_path, 5)
+    command = _cli(name, work)
+    command[command.index("--cpu-devices") + 1] = str(len(layout(name)[1]))  # the method's own mesh, as the reference
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(pathlib.Path(f"{release}.waiting"), proc)
+    proc.send_signal(sig)
+    release.touch()
+    _, err = proc.communicate()
+    assert proc.returncode == 128 + int(sig), err[-3000:]
+    lines = [line for line in err.strip().splitlines() if not re.match(r"cdpjax: (training|\d+ simulated)", line)]
+    assert lines == [f"cdpjax: terminated ({signal.Signals(sig).name}) at step 6; checkpoint 6 saved in "
+                     f"{work}/checkpoints; run the same command to resume from it"], err
+    assert steps(work) == [4, 6] and not (work / "lock.json").exists()
+    c = small_config(name)
+    resumed = train.train(c, str(work), progress=False, devices=layout(name)[1])
+    assert resumed["resumed_from"] == 6
+    _equal_trees(final_state(c, work, layout(name)[1])[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
 # CI runs tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
 @pytest.mark.heavy
 def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
@@ -525,17 +598,20 @@ def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tm
     a ConfigError names both meshes and what to do."""
     from types import SimpleNamespace
 
+    config = default_config()
+    config.method = "x"
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8})
+    ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8,
+                                                        "run": train.run_identity(config)})
     method = SimpleNamespace(state_depends_on_mesh=declared, stale=None, workers=None, info={})
     mesh = SimpleNamespace(shape={"data": 4}, devices=np.zeros(4))
     like = {"w": jax.device_put(np.zeros(shape))}
     if message is None:
-        state, _ = train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+        state, _ = train.restore_state(ckpt, 5, like, method, mesh, config)
         np.testing.assert_array_equal(state["w"], np.arange(24.0).reshape(8, 3))
     else:
         with pytest.raises(ConfigError, match=message) as err:
-            train.restore_state(ckpt, 5, like, method, mesh, SimpleNamespace(method="x"))
+            train.restore_state(ckpt, 5, like, method, mesh, config)
         assert "{'data': 8} (8 devices); this run has mesh {'data': 4} (4 devices)" in str(err.value)
         assert "start a fresh --workdir" in str(err.value)
     ckpt.close()
