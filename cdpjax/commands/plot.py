@@ -19,7 +19,7 @@ import math
 import os
 import sys
 
-from cdpjax import events
+from cdpjax import events, files
 from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 
@@ -56,8 +56,7 @@ def read_metrics(workdir: str) -> list[dict]:
 def _label(workdir: str) -> str:
     name = os.path.basename(os.path.normpath(workdir))
     try:
-        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = json.loads(files.read_text(os.path.join(workdir, "config.json")))
         method = saved.get("method") if isinstance(saved, dict) else None
     except (OSError, ValueError, RecursionError):
         method = None

@@ -23,10 +23,9 @@ import argparse
 import inspect
 import json
 import math
-import os
 import sys
 
-from cdpjax import table_json
+from cdpjax import files, table_json
 from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import LAYOUTS
@@ -96,11 +95,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _read_json(path: str) -> bytes:
     try:
-        if os.path.getsize(path) > table_json.JSON_LIMIT:
-            raise ConfigError(f"--from-json {path!r}: {os.path.getsize(path)} bytes, more than a table's "
-                              f"{table_json.JSON_LIMIT}")
-        with open(path, "rb") as f:
-            return f.read()
+        return files.read_bytes(path, table_json.JSON_LIMIT)
+    except files.FileRefused as e:
+        raise ConfigError(f"--from-json {e}") from None
     except OSError as e:
         raise ConfigError(f"--from-json {path!r}: {e.strerror or e}") from None
 
