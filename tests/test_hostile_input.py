@@ -133,3 +133,94 @@ def test_the_files_helper_reads_a_file_and_refuses_past_its_limit(tmp_path):
     assert files.read_bytes(str(path), 10) == b"0123456789"
     with pytest.raises(files.FileRefused, match="holds 10 bytes, more than the 9"):
         files.read_bytes(str(path), 9)
+
+
+# 35.6: `schedule --from-json` validated by one schema layer before any use ---------------------------
+
+def _cdp_table():
+    from cdpjax.layouts import LAYOUTS
+
+    return LAYOUTS.lookup("cdp-v2").make_table(workers=2, stages=2).to_json()
+
+
+def _flip_a_stale_flag(d):
+    forwards = [op for op in d["ops"] if op["kind"] == "F" and (op["micro"], op["stage"]) == (0, 0)]
+    assert len(forwards) > 1 and forwards[0]["step"] != forwards[1]["step"]
+    forwards[1]["stale"] = not forwards[1]["stale"]
+
+
+TABLE_EDITS = {  # edit of cdp-v2's table (2 workers, 2 stages, 3 steps, 14 ticks), flags, words of the refusal
+    "one-worker": (lambda d: d.update(workers=1), [], "micro=1 must be below max(workers, microbatches)=1"),
+    "micro-past-the-workers": (lambda d: d["ops"][0].update(micro=2), [],
+                               "micro=2 must be below max(workers, microbatches)=2"),
+    "stale-flag-changes-between-steps": (_flip_a_stale_flag, [], "the rule is one per (worker, stage)"),
+    "empty-ops-with-costs": (lambda d: d.update(ops=[]), ["--costs", "F=1,B=2"], "ops is empty"),
+    "lone-surrogate-in-method": (lambda d: d.update(method="\ud800"), [], "method = '\\ud800' holds a lone surrogate"),
+    "lone-surrogate-in-a-note": (lambda d: d.update(notes=["\udcff"]), [], "notes[0] = '\\udcff' holds a lone"),
+    "terminal-escape-in-method": (lambda d: d.update(method="\x1b[2J"), [], "without control characters"),
+    "op-step-past-steps": (lambda d: d["ops"][0].update(step=3), [], "step=3 must be below steps=3"),
+    "update-step-past-steps": (lambda d: d["updates"][0].update(step=3), [], "its step must be below steps=3"),
+    "message-half-all-reduce": (lambda d: d["messages"][0].update(src=-1), ["--json", "--stage-bytes", "1,1"],
+                                "src and dst are both devices or both -1"),
+    "offsets-not-one-per-worker": (lambda d: d.update(offsets=[0, 1, 2]), [], "offsets has 3 entries"),
+    "period-past-the-ticks": (lambda d: d.update(period=15), ["--out", "{tmp}/t.png"], "period=15 must be"),
+    "ticks-10**6-drawn": (lambda d: d.update(num_ticks=10**6), ["--out", "{tmp}/t.png"],
+                          "1000000 ticks, more than the 1500 --out draws"),
+    "ticks-10**6-printed": (lambda d: d.update(num_ticks=10**6), [], "1000000 ticks x 2 devices, more than 500000"),
+}
+
+
+@pytest.mark.parametrize("name", TABLE_EDITS, ids=list(TABLE_EDITS))
+def test_a_table_that_would_crash_is_refused_before_any_use(name, tmp_path, capfd):
+    """Each crashed, hung or drew for 18 s before (IndexError, AssertionError, max() of nothing,
+    UnicodeEncodeError, matplotlib's image size): now one line, exit 2, and no figure left."""
+    edit, flags, words = TABLE_EDITS[name]
+    d = _cdp_table()
+    edit(d)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(d))
+    line = one_line(["schedule", "--from-json", path, *[f.format(tmp=tmp_path) for f in flags]], capfd)
+    assert words in line, line
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_every_layouts_table_passes_the_schema():
+    """The schema refuses no table a layout lays out (the registry's, at several sizes, with W
+    ops, the paper-code rule's future reads, cdp-zero's pieces): each reads back equal."""
+    from cdpjax.layouts import LAYOUTS
+    from cdpjax.timetable import TimeTable
+
+    sizes = [{}, {"stages": 2}, {"stages": 3}, {"stages": 4, "workers": 8}, {"stages": 4, "microbatches": 8},
+             {"stages": 4, "ticks": "split"}, {"stages": 4, "workers": 8, "rule": "paper-code"},
+             {"stages": 8, "chunks": 2}, {"module_groups": (2, 1, 1)}, {"stages": 4, "workers": 1}]
+    read = 0
+    for name, layout in LAYOUTS.items():
+        if layout.table is None:
+            continue
+        for kw in sizes:
+            try:
+                t = layout.make_table(**kw)
+            except Exception:  # noqa: BLE001 - sizes the layout does not take
+                continue
+            back = TimeTable.from_json(json.dumps(t.to_json()))
+            assert (back.ops, back.updates, back.messages) == (t.ops, t.updates, t.messages), (name, kw)
+            read += 1
+    assert read > 40
+
+
+# 35.7: sizes refused before the work ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,words", [
+    (["--method", "1f1b", "--stages", "2048", "--microbatches", "80"], "--stages 2048: at most 1024"),
+    (["--method", "cdp-v2", "--stages", "4096", "--workers", "8"], "--stages 4096: at most 1024"),
+    (["--method", "ppll", "--stages", "512"], "ops, more than 1e+05"),
+    (["--method", "cdp-zero", "--stages", "32", "--workers", "64"], "ops and messages, more than 1e+05"),
+    (["--method", "zb-h1", "--stages", "4", "--microbatches", "4", "--steps", "200", "--out", "{tmp}/t.png"],
+     "more than the 2048 --out draws"),
+])
+def test_schedule_sizes_past_the_limits_are_refused_at_once(argv, words, tmp_path, capfd):
+    """Each laid out for minutes before (1f1b at 2048 stages: 536 s and 823 MB; cdp-v2 at 4096: 371 s;
+    cdp-zero's pieces: a million messages), or drew for minutes: refused before the work."""
+    line = one_line(["schedule", *[a.format(tmp=tmp_path) for a in argv]], capfd)
+    assert words in line, line
+    assert not (tmp_path / "t.png").exists()
