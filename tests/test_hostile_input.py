@@ -224,3 +224,106 @@ def test_schedule_sizes_past_the_limits_are_refused_at_once(argv, words, tmp_pat
     line = one_line(["schedule", *[a.format(tmp=tmp_path) for a in argv]], capfd)
     assert words in line, line
     assert not (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize("command,override,words", [
+    ("train", "--config.model_kwargs.depth=100000", "model_kwargs.depth=100000: model 'mlp' takes at most 256"),
+    ("describe", "--config.model_kwargs.depth=20000", "model_kwargs.depth=20000: model 'mlp' takes at most 256"),
+    ("train", "--config.model_kwargs.width=10000000", "model_kwargs.width=10000000: model 'mlp' takes at most"),
+    ("describe", "--config.model_kwargs.width=100000", "holds 2e+10 parameters and state values, more than 4.29e+09"),
+])
+def test_model_sizes_past_the_limits_are_refused_before_building(command, override, words, tmp_path, capfd,
+                                                                  compiles):
+    """Depth 100,000 validated for 900 s and more; describe at 20,000 ran past 120 s; a width of 10**5
+    (mlp, 3 layers: about 2 x 10**10 parameters, 80 GB) would be built. One line, nothing compiled."""
+    args = [command, override] + (["--workdir", tmp_path / "w", "--no-progress"] if command == "train" else [])
+    line = one_line(args, capfd, compiles)
+    assert words in line, line
+
+
+def test_a_process_count_from_the_environment_is_bounded(tmp_path, capfd, compiles, monkeypatch):
+    """CDPJAX_NUM_PROCESSES=99999999999 was a 25-line TypeError inside jax.distributed (the same value as
+    a config override was refused): one line naming the variable."""
+    monkeypatch.setenv("CDPJAX_NUM_PROCESSES", "99999999999")
+    monkeypatch.setenv("CDPJAX_COORDINATOR", "localhost:1234")
+    monkeypatch.setenv("CDPJAX_PROCESS_ID", "0")
+    line = one_line(["train", "--workdir", tmp_path / "w", "--no-progress"], capfd, compiles)
+    assert "CDPJAX_NUM_PROCESSES=99999999999: a run has at most 1048576 processes" in line, line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--repeats", "99999999999999999999999"], "--repeats 99999999999999999999999 must be >= 1 and <= 1000"),
+    (["--predict", "99999999999"], "--predict 99999999999 must be >= 0 and <= 1024"),
+    (["--json", "/proc/x.json"], "--json /proc/x.json cannot be created"),
+])
+def test_bench_arguments_past_their_limits_are_refused_before_compiling(args, words, capfd, compiles):
+    """`bench --repeats 10**22` was accepted; `--json /proc/x.json` passed the writability check and
+    failed after the work, the results lost. Both refused first, nothing compiled."""
+    line = one_line(["bench", "--methods", "dp", *args], capfd, compiles)
+    assert words in line, line
+
+
+# 35.8: plot draws names as plain text, survives any metrics line, bounds its keys -----------------------
+
+def _drawn_texts(fig) -> list[str]:
+    texts = [t.get_text() for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label)]
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        texts += [t.get_text() for t in legend.get_texts()] if legend else []
+    return texts
+
+
+@pytest.mark.parametrize("name", ["run$x^{$", "$\\sqrt{$", "a$b"])
+def test_plot_draws_names_with_tex_characters_as_plain_text(name, tmp_path, capfd, monkeypatch):
+    """A run folder named with TeX's characters (a traceback from mathtext before), with TeX turned
+    on in matplotlib's settings: exit 0, the figure written, the name drawn as it is spelled (each
+    `$` escaped for mathtext: the text matplotlib shows is the name)."""
+    import matplotlib
+
+    from cdpjax.commands import plot
+    from helpers import capture_figures
+
+    figures = capture_figures(monkeypatch, __import__("cdpjax.plotting", fromlist=["_save"]))
+    work = _run_folder(tmp_path, name)
+    with matplotlib.rc_context({"text.usetex": True}):
+        one_line(["plot", work, "--out", tmp_path / "c.png"], capfd, code=0)
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert name.replace("$", "\\$") in _drawn_texts(figures[0][1]), _drawn_texts(figures[0][1])
+    assert plot.plain(name).replace("\\$", "$") == name
+
+
+HOSTILE_METRICS = {  # a line added to a run's three train lines, and what the figure then shows
+    "step-10**400": '{"step": ' + "1" + "0" * 400 + ', "split": "train", "loss": 0.5}',
+    "loss-10**400": '{"step": 4, "split": "train", "loss": ' + "1" + "0" * 400 + '}',
+    "lone-surrogate-key": '{"step": 4, "split": "train", "\\ud800": 0.5}',
+    "3000-keys": json.dumps({"step": 4, "split": "train", **{f"k{i}": 1.0 for i in range(3000)}}),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_METRICS, ids=list(HOSTILE_METRICS))
+def test_plot_survives_any_metrics_line(name, tmp_path, capfd):
+    """Each was a traceback (an integer past a float, a key that is no text) or a hang (3,000 keys: 6,000
+    panels): the figure is drawn within the time bound, exit 0; past METRIC_LIMIT metrics, one line says
+    how many are left out."""
+    work = _run_folder(tmp_path)
+    with open(work / "metrics.jsonl", "a") as f:
+        f.write(HOSTILE_METRICS[name] + "\n")
+    line = one_line(["plot", work, "--out", tmp_path / "c.png"], capfd, code=0)
+    assert (tmp_path / "c.png").stat().st_size > 0
+    if name == "3000-keys":  # loss (the first lines' key), then k0..k2999: the first 6 end at k4
+        assert "3001 metrics; drawing the first 6, leaving out 2995: k5, k6, k7, ..." in line, line
+
+
+def test_plot_out_that_cannot_be_created_is_refused_before_reading(tmp_path, capfd):
+    """`plot --out /proc/x.png` passed the writability check (root may write /proc's folder) and failed
+    after the work: now refused first, the run folder not even read (it does not exist)."""
+    line = one_line(["plot", tmp_path / "no-such-run", "--out", "/proc/x.png"], capfd)
+    assert "--out /proc/x.png cannot be created" in line, line
+
+
+def test_a_figure_that_fails_leaves_no_empty_file(tmp_path, capfd):
+    """The output is created before the work; when the work then fails, the empty file made for it
+    is removed (no file that looks like a result)."""
+    line = one_line(["plot", tmp_path / "no-such-run", "--out", tmp_path / "c.png"], capfd)
+    assert "holds no metrics.jsonl" in line, line
+    assert not (tmp_path / "c.png").exists()

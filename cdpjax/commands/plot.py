@@ -31,7 +31,7 @@ NOT_METRICS = ("step", "split", "time", "lr")
 # The largest magnitude drawn: matplotlib's axes overflow laying out values near the float64
 # maximum (a diverged run's perplexity, exp(loss), reaches 1.8e308).
 PLOT_LIMIT = 1e300
-METRIC_LIMIT = 16  # metrics drawn (two panels each): a figure that stays readable and is drawn in seconds
+METRIC_LIMIT = 6  # metrics drawn (two panels each; a task has 2 or 3): a figure drawn in seconds
 NAME_CHARS = 80  # characters of a name drawn in a title, an axis label or the legend
 
 
