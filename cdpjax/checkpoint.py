@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cdpjax import shutdown
+from cdpjax import files, shutdown
 from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes checkpoint N to N.orbax-checkpoint-tmp*, then renames it
@@ -422,6 +422,5 @@ class Checkpointer:
 def read_meta(workdir: str) -> dict | None:
     path = os.path.join(workdir, "run.json")
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(files.read_bytes(path))
     return None

@@ -5,12 +5,20 @@ any device is touched or anything compiles. The trainer, `bench` and `reproduce.
 from __future__ import annotations
 
 import inspect
+import math
 
 from cdpjax import config as cfg_lib
 from cdpjax.errors import ConfigError
 
 # Arguments a model receives from other config keys, never from model_kwargs.
 MODEL_RESERVED = ("num_classes", "input_shape", "norm", "bn_axis_name", "dtype")
+# Sizes of a model, refused before it is built (docs/guarantees.md, "Limits"): a model option named
+# like a depth past DEPTH_LIMIT (each block is Python work when the model is built, even abstractly:
+# a depth of 20,000 took minutes), any other number past OPTION_LIMIT; then, built abstractly, at
+# most PARAM_LIMIT parameters (16 GiB in float32, before gradients and optimizer state).
+DEPTH_LIMIT = 256
+OPTION_LIMIT = 2**20
+PARAM_LIMIT = 2**32
 
 
 def takes_dtype(factory) -> bool:
@@ -48,6 +56,18 @@ def check_values(key: str, kwargs, fn, owner: str) -> None:
                               f"default is {params[name].default!r})")
 
 
+def check_model_sizes(key: str, kwargs, owner: str) -> None:
+    """Each number of `kwargs` at most DEPTH_LIMIT (an option named like a depth) or OPTION_LIMIT in
+    magnitude; a ConfigError naming the option and its limit."""
+    for name, value in dict(kwargs).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        limit = DEPTH_LIMIT if "depth" in name or "layers" in name else OPTION_LIMIT
+        if abs(value) > limit:
+            raise ConfigError(f"{key}.{name}={value!r}: {owner} takes at most {limit} there (a larger model is not "
+                              f"built in seconds or held in memory)")
+
+
 def try_model(config, input_shape, num_classes, input_dtype: str = "float32") -> None:
     """The model with the config's `model_kwargs`, built and initialised abstractly at batch 1
     (`jax.eval_shape`: nothing runs or compiles), so that an option its factory cannot work
@@ -61,7 +81,7 @@ def try_model(config, input_shape, num_classes, input_dtype: str = "float32") ->
 
     try:
         net = models.build(config, input_shape, num_classes, stages=1, input_dtype=input_dtype)
-        jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
+        shapes = jax.eval_shape(lambda: net.init(jax.random.key(0), 1))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's options: one line naming them
@@ -69,6 +89,10 @@ def try_model(config, input_shape, num_classes, input_dtype: str = "float32") ->
         raise ConfigError(f"model {config.model!r} with model_kwargs {kwargs} cannot be built for "
                           f"{tuple(input_shape)} inputs and {num_classes} classes ({type(e).__name__}: {text}): "
                           f"fix those options") from None
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes) if hasattr(leaf, "shape"))
+    if count > PARAM_LIMIT:
+        raise ConfigError(f"model {config.model!r} with model_kwargs {kwargs} holds {count:.3g} parameters and state "
+                          f"values, more than {PARAM_LIMIT:.3g} (16 GiB in float32): give smaller options")
 
 
 def validate(config) -> None:
@@ -86,6 +110,7 @@ def validate(config) -> None:
     check_kwargs("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}",
                  MODEL_RESERVED)
     check_values("model_kwargs", config.get("model_kwargs", {}) or {}, model, f"model {config.model!r}")
+    check_model_sizes("model_kwargs", config.get("model_kwargs", {}) or {}, f"model {config.model!r}")
     dtype = config.get("dtype", "float32")
     if dtype != "float32" and not takes_dtype(model):
         raise ConfigError(f"dtype={dtype!r}: model {config.model!r} computes in float32 only (its factory takes "
@@ -95,4 +120,5 @@ def validate(config) -> None:
                  f"dataset {config.dataset!r}", ("data_dir",))
 
 
-__all__ = ["MODEL_RESERVED", "check_kwargs", "check_values", "options", "takes_dtype", "try_model", "validate"]
+__all__ = ["DEPTH_LIMIT", "MODEL_RESERVED", "OPTION_LIMIT", "PARAM_LIMIT", "check_kwargs", "check_model_sizes",
+           "check_values", "options", "takes_dtype", "try_model", "validate"]

@@ -72,6 +72,21 @@ def check_cpu_devices(count: int, why: str) -> None:
                           f"give a smaller mesh or --cpu-devices")
 
 
+def check_process_count(settings: dict | None) -> None:
+    """The process count of a multi-process run, from any source (the config's own is range-checked
+    with the other keys; the environment's and SLURM's are not), at most `config.PROCESS_LIMIT`."""
+    from cdpjax import config as cfg_lib
+    from cdpjax import distributed
+
+    if settings is None:
+        return
+    count = settings.get("num_processes") or distributed.slurm_tasks(os.environ)
+    if count > cfg_lib.PROCESS_LIMIT:
+        where = {"environment": distributed.ENV_NUM_PROCESSES, "slurm": "SLURM_NTASKS"}.get(settings["source"],
+                                                                                         "distributed.num_processes")
+        raise ConfigError(f"{where}={count}: a run has at most {cfg_lib.PROCESS_LIMIT} processes")
+
+
 def cmd_train(args, overrides) -> int:
     from cdpjax import supervisor
 
@@ -83,6 +98,7 @@ def cmd_train(args, overrides) -> int:
 
     cfg_lib.validate(config)
     settings = distributed.settings(config)
+    check_process_count(settings)
     if settings is not None and not supervisor.supervised():
         # A multi-process run: this process watches the one that trains (cdpjax.supervisor).
         if not args.workdir:

@@ -345,10 +345,12 @@ _BOOLS = ("bn_cross_device", "augment", "nesterov")
 _STRINGS = ("method", "model", "dataset", "data_dir", "task")
 _DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed", "checkpoint")
 _CHECKPOINT = {"keep": (int, 1, 2**20), "strict_resume": bool}
+# Processes of one run, from any source (the config, CDPJAX_NUM_PROCESSES, SLURM's task count).
+PROCESS_LIMIT = 2**20
 _DISTRIBUTED = {
     "coordinator_address": str,
-    "num_processes": (int, 0, 2**20),
-    "process_id": (int, -1, 2**20),
+    "num_processes": (int, 0, PROCESS_LIMIT),
+    "process_id": (int, -1, PROCESS_LIMIT),
     "auto_detect": bool,
     "timeout_s": (int, 1, 7 * 24 * 3600),
 }

@@ -21,6 +21,7 @@ import json
 import os
 import time
 
+from cdpjax import files
 from cdpjax.errors import ConfigError
 
 EVENTS_PREFIX = "events.out.tfevents."
@@ -72,7 +73,7 @@ def read_metrics(path: str) -> tuple[list[dict], list[str]]:
     if not os.path.isfile(path):
         raise ConfigError(f"{path} is not a file: the run appends its metrics there, so move it away")
     records, dropped = [], []
-    with open(path, "rb") as f:
+    with files.open_bounded(path, files.METRICS_LIMIT) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 
-from cdpjax import shutdown
+from cdpjax import files, shutdown
 
 SUPERVISED_ENV = "CDPJAX_SUPERVISED"  # in the child: its supervisor's process id
 RAW_ENV = "CDPJAX_RAW_STDERR"
@@ -196,9 +196,8 @@ def _release_lock(workdir: str, pid: int) -> None:
     """Removes WORKDIR/lock.json if it names the child that died (no heartbeat will ever do it)."""
     path = os.path.join(workdir, "lock.json")
     try:
-        with open(path) as f:
-            if json.load(f).get("pid") == pid:
-                os.unlink(path)
+        if json.loads(files.read_bytes(path)).get("pid") == pid:
+            os.unlink(path)
     except (OSError, ValueError, AttributeError):
         pass
 

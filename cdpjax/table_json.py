@@ -24,7 +24,9 @@ TICK_LIMIT = 10**6
 CELL_LIMIT = 10**7
 RECORD_LIMIT = 5 * 10**6
 COUNT_LIMIT = 10**9  # steps, micro-batches, versions: any count a laid-out table can hold
-SLOTS = ("current", "previous")
+SLOTS = ("current", "previous", "future")  # future: a read of an update not complete yet (cdp.py, simulated)
+MESSAGE_KINDS = ("partial", "sum", "allreduce", "param")  # `cdpjax.timetable.Message`
+NAME_LIMIT = 10_000  # characters of a method's name, a note or a meta string
 _FIX = "write one with TimeTable.to_json or `cdpjax schedule --json`"
 
 
@@ -118,14 +120,81 @@ def table_fields(data) -> dict:
     axis = d.get("axis", "stage")
     if axis not in AXES:
         raise _wrong(f"axis={axis!r} must be one of {', '.join(AXES)}")
-    return dict(method=method, axis=axis, workers=workers, stages=stages, steps=_int(d, "steps", 0, COUNT_LIMIT),
-                num_ticks=ticks, devices=devices, period=_int(d, "period", 0, TICK_LIMIT), ops=ops,
-                updates=_records(d, "updates", Update, ranges),
-                messages=_records(d, "messages", Message, ranges, required=False),
-                offsets=tuple(_int_list(d, "offsets", -TICK_LIMIT, TICK_LIMIT, SIZE_LIMIT)),
-                microbatches=_int(d, "microbatches", 1, COUNT_LIMIT, default=1), steady=tuple(steady),
-                meta={k: d[k] for k in keys}, notes=tuple(notes),
-                applies=_records(d, "applies", Apply, ranges, required=False))
+    fields = dict(method=method, axis=axis, workers=workers, stages=stages, steps=_int(d, "steps", 1, COUNT_LIMIT),
+                  num_ticks=ticks, devices=devices, period=_int(d, "period", 0, ticks), ops=ops,
+                  updates=_records(d, "updates", Update, ranges),
+                  messages=_records(d, "messages", Message, ranges, required=False),
+                  offsets=tuple(_int_list(d, "offsets", -TICK_LIMIT, TICK_LIMIT, SIZE_LIMIT)),
+                  microbatches=_int(d, "microbatches", 1, COUNT_LIMIT, default=1), steady=tuple(steady),
+                  meta={k: d[k] for k in keys}, notes=tuple(notes),
+                  applies=_records(d, "applies", Apply, ranges, required=False))
+    check_references(fields)
+    return fields
 
 
-__all__ = ["CELL_LIMIT", "JSON_LIMIT", "RECORD_LIMIT", "SIZE_LIMIT", "TICK_LIMIT", "parse", "table_fields"]
+def _printable(value, where: str, depth: int = 0) -> None:
+    """Refuses a string (within lists and objects) that cannot be written out as UTF-8 text (a lone
+    surrogate, which JSON's \\ud800 escapes make), that holds control characters other than a
+    newline or a tab (a terminal's escapes), or that is longer than `NAME_LIMIT`."""
+    if isinstance(value, str):
+        if len(value) > NAME_LIMIT or any(ord(c) < 32 and c not in "\n\t" for c in value):
+            raise _wrong(f"{where} = {ascii(value)[:60]} is not text of at most {NAME_LIMIT} characters without "
+                         f"control characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _wrong(f"{where} = {ascii(value)[:60]} holds a lone surrogate, not text") from None
+    elif isinstance(value, (list, dict)) and depth < 64:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            _printable(str(k), f"{where} key", depth + 1)
+            _printable(v, f"{where}[{k!r}]", depth + 1)
+
+
+def check_references(f: dict) -> None:
+    """The rules between a table's fields, which each field's own range cannot say: at least one
+    op; every op's step below `steps`, its version at most `steps`, its micro-batch below
+    max(workers, microbatches); a stale flag only where the workers x stages matrix has a place
+    for it (an F op's micro-batch below `workers`), and the same for a (worker, stage) pair at
+    every step (the delayed rule is per pair, not per step); every update's and message's step
+    below `steps`; a message either point to point (src and dst devices) or an all-reduce (both
+    -1), of a known kind; `offsets` empty or one per worker; names and notes printable text."""
+    workers, steps = f["workers"], f["steps"]
+    if not f["ops"]:
+        raise _wrong("ops is empty: a table lays out at least one op")
+    micros = max(workers, f["microbatches"])
+    for i, op in enumerate(f["ops"]):
+        wrong = (f"step={op.step} must be below steps={steps}" if op.step >= steps else
+                 f"version={op.version} must be at most steps={steps}" if op.version > steps else
+                 f"micro={op.micro} must be below max(workers, microbatches)={micros}" if op.micro >= micros else "")
+        if wrong:
+            raise _wrong(f"ops[{i}] = {dataclasses.asdict(op)}: {wrong}")
+    if any(op.stale for op in f["ops"]):
+        rule = {}
+        for i, op in enumerate(f["ops"]):
+            if op.kind != "F":
+                continue
+            if op.micro >= workers:
+                raise _wrong(f"ops[{i}] = {dataclasses.asdict(op)}: a table with stale ops has a worker x stage "
+                             f"rule, and micro={op.micro} is past its workers={workers}")
+            if rule.setdefault((op.micro, op.stage), op.stale) != op.stale:
+                raise _wrong(f"ops[{i}] = {dataclasses.asdict(op)}: worker {op.micro}'s forward of stage {op.stage} "
+                             f"is stale={op.stale} here and stale={not op.stale} at another step; the rule is one "
+                             f"per (worker, stage)")
+    for name in ("updates", "messages", "applies"):
+        bad = next((i for i, r in enumerate(f[name]) if r.step >= steps), None)
+        if bad is not None:
+            raise _wrong(f"{name}[{bad}] = {dataclasses.asdict(f[name][bad])}: its step must be below steps={steps}")
+    for i, m in enumerate(f["messages"]):
+        if (m.src < 0) != (m.dst < 0) or m.kind not in MESSAGE_KINDS:
+            raise _wrong(f"messages[{i}] = {dataclasses.asdict(m)}: src and dst are both devices or both -1 (an "
+                         f"all-reduce), and kind one of {', '.join(MESSAGE_KINDS)}")
+    if f["offsets"] and len(f["offsets"]) != workers:
+        raise _wrong(f"offsets has {len(f['offsets'])} entries; the table has workers={workers} (or give none)")
+    _printable(f["method"], "method")
+    _printable(list(f["notes"]), "notes")
+    _printable(f["meta"], "meta")
+
+
+__all__ = ["CELL_LIMIT", "JSON_LIMIT", "MESSAGE_KINDS", "RECORD_LIMIT", "SIZE_LIMIT", "TICK_LIMIT", "check_references",
+           "parse", "table_fields"]

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, layouts, models, optim, shutdown, tasks
+from cdpjax import checks, files, layouts, models, optim, shutdown, tasks
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
@@ -511,8 +511,9 @@ def read_saved_config(path: str) -> dict | None:
     if not os.path.isfile(path):
         raise ConfigError(f"{path} is not a file: {fix}")
     try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = json.loads(files.read_text(path))
+    except files.FileRefused:
+        raise
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path} is not the JSON config a run writes ({type(e).__name__}): {fix}") from None
     if not isinstance(saved, dict):
@@ -610,9 +611,8 @@ def finished_summary(workdir: str, config, latest: int | None) -> dict | None:
     if latest != config.num_steps or not os.path.exists(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        summary = json.loads(files.read_text(path))
+    except (OSError, ValueError, RecursionError):  # a FileRefused among them
         return None  # written again at the end of the run
     if not isinstance(summary, dict) or not isinstance(summary.get("task", "classification"), str) \
             or summary.get("task", "classification") not in tasks.REGISTRY:

@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Callable
 
-from cdpjax import shutdown
+from cdpjax import files, shutdown
 from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 LOCK_NAME = "lock.json"
@@ -179,17 +179,32 @@ def _identity(st: os.stat_result) -> tuple:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+def _refuse_other_than_a_file(path: str) -> None:
+    """FileRefused for a lock.json that no run wrote: a FIFO, a device (a link to /dev/zero), a
+    socket, a directory, or a file past `files.SMALL_LIMIT`; nothing if it vanished meanwhile."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError:  # a link that leads nowhere, a loop: unreadable, judged by its age
+        return
+    try:
+        files.check_regular(st, path, files.SMALL_LIMIT)
+    except files.FileRefused as e:
+        raise files.FileRefused(f"{e}: no run wrote this lock; remove it") from None
+
+
 def _read(path: str) -> tuple[Owner | None, tuple | None, float]:
     """(owner or None if unreadable, file identity or None if absent, file age in seconds)."""
     try:
-        with open(path) as f:
+        with files.open_bounded(path, files.SMALL_LIMIT) as f:
             st = os.fstat(f.fileno())
-            text = f.read()
+            text = f.read(files.SMALL_LIMIT).decode("utf-8")
     except FileNotFoundError:
         return None, None, 0.0
-    except (OSError, UnicodeDecodeError):  # a directory, unreadable bytes: judged by the file's age
+    except (OSError, UnicodeDecodeError, files.FileRefused):  # unreadable bytes, not a file: judged by its age
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             return None, None, 0.0
         return None, _identity(st), max(time.time() - st.st_mtime, 0.0)
@@ -274,6 +289,7 @@ class Lock:
             if identity is None:
                 continue  # released between our two looks: try again
             if owner is None:
+                _refuse_other_than_a_file(path)
                 live = age <= UNREADABLE_GRACE_S
                 why = f"unreadable, written {age:.0f} s ago"
             else:

@@ -1,9 +1,10 @@
 """`cdpjax bench`: several methods on the same model and batch, side by side in one process.
 
 Its arguments are checked before anything is compiled: every method's config (`train.setup`),
-`--repeats` >= 1, `--bandwidth` a finite number > 0, `--predict` >= 0, `--cpu-devices` in
-range, and `--json` a writable file in a folder that exists (so that a bench's results are
-never lost at the end).
+`--repeats` in [1, REPEATS_LIMIT], `--bandwidth` a finite number > 0, `--predict` in [0,
+PREDICT_LIMIT], `--cpu-devices` in range, and `--json` a file in a folder that exists, created
+before the work (so that a bench's results are never lost at the end; removed again, empty, if
+the bench fails).
 """
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import json
 import math
 import sys
 
-from cdpjax.commands.common import check_output, config_parser
+from cdpjax.commands.common import check_output, config_parser, created_output
 from cdpjax.errors import ConfigError
+
+# Timed steps per method: the median of a thousand is as good as of more, and a bench stays minutes long.
+REPEATS_LIMIT = 1000
+# Devices --predict models: a table is laid out for them (`cdpjax.commands.schedule.BUILD_SIZE_LIMIT`).
+PREDICT_LIMIT = 1024
 
 EPILOG = """\
 Every method is compiled first, then timed in interleaved rounds (medians), so that load on a
@@ -67,12 +73,14 @@ def check_args(args) -> None:
     """The arguments that would otherwise fail after the work (module docstring)."""
     from cdpjax.cli import check_cpu_devices
 
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats {args.repeats} must be >= 1 (timed steps per method, median reported)")
+    if not 1 <= args.repeats <= REPEATS_LIMIT:
+        raise ConfigError(f"--repeats {args.repeats} must be >= 1 and <= {REPEATS_LIMIT} (timed steps per method, "
+                          f"median reported)")
     if not math.isfinite(args.bandwidth) or args.bandwidth <= 0:
         raise ConfigError(f"--bandwidth {args.bandwidth} must be a finite number of bytes/s > 0")
-    if args.predict < 0:
-        raise ConfigError(f"--predict {args.predict} must be >= 0 (the devices to predict for; 0: none)")
+    if not 0 <= args.predict <= PREDICT_LIMIT:
+        raise ConfigError(f"--predict {args.predict} must be >= 0 and <= {PREDICT_LIMIT} (the devices to predict for; "
+                          f"0: none)")
     check_cpu_devices(args.cpu_devices, f"--cpu-devices {args.cpu_devices}")
     if not [m for m in args.methods.split(",") if m.strip()]:
         raise ConfigError(f"--methods {args.methods!r} names no method")
@@ -81,10 +89,15 @@ def check_args(args) -> None:
 
 
 def run(args, overrides=()) -> int:
+    check_args(args)
+    with created_output(args.json_out, "--json"):
+        return _run(args, overrides)
+
+
+def _run(args, overrides) -> int:
     from cdpjax.cli import _load
     from cdpjax.mesh import setup_devices
 
-    check_args(args)
     base = _load(args, overrides)
     setup_devices(args.cpu_devices)
     from cdpjax import bench, config as cfg_lib

@@ -1,12 +1,15 @@
 """What the commands share: the parser of a command that reads a config (`config_parser`), and
-the files they write (figures, JSON) checked before any work (`check_output`)."""
+the files they write (figures, JSON) checked and created before any work (`check_output`,
+`created_output`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import textwrap
 
-from cdpjax.errors import ConfigError
+from cdpjax.errors import ConfigError, storage_problem
 
 FIGURE_SUFFIXES = (".png", ".svg")
 
@@ -22,10 +25,36 @@ def check_output(path: str, flag: str, suffixes: tuple[str, ...] | None = None) 
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist: create it first, or write elsewhere")
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory: give a file name")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise ConfigError(f"{flag} {path} exists and is not a regular file (a FIFO, a device): give a file name")
     target = path if os.path.exists(path) else folder
     if not os.access(target, os.W_OK):
         raise ConfigError(f"{flag} {path}: {'the file' if target == path else 'its folder'} is not writable")
     return path
+
+
+@contextlib.contextmanager
+def created_output(path: str | None, flag: str, suffixes: tuple[str, ...] | None = None):
+    """`check_output`, then the file created (empty where there was none) before the work the
+    `with` block does, so that a path the system refuses although it looks writable (/proc/x.png,
+    a full disk) ends the command before the work, not after it; if the block fails, a file it
+    created and left empty is removed. Nothing for `path` None."""
+    if path is None:
+        yield None
+        return
+    check_output(path, flag, suffixes)
+    existed = os.path.lexists(path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644))
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be created: {storage_problem(e) or e.strerror or e}") from None
+    try:
+        yield path
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if not existed and os.path.getsize(path) == 0:
+                os.unlink(path)
+        raise
 
 
 def config_parser(subparsers, name: str, help: str, description: str, epilog: str, usage: str):
@@ -38,4 +67,4 @@ def config_parser(subparsers, name: str, help: str, description: str, epilog: st
     return p
 
 
-__all__ = ["FIGURE_SUFFIXES", "check_output", "config_parser"]
+__all__ = ["FIGURE_SUFFIXES", "check_output", "config_parser", "created_output"]

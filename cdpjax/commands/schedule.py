@@ -12,10 +12,14 @@
 
 Sizes a method's table does not take (ppll has no workers) are refused, by name; a
 size left out takes the table's own default (ppll lays out enough batches to reach
-its steady state). Sizes are bounded so that the table fits in memory and on a screen
-(each at most `cdpjax.table_json.SIZE_LIMIT`, the ops they lay out at most `OP_LIMIT`),
-a `--from-json` file is checked field by field (`TimeTable.from_json`), and `--out` must
-name a writable .png or .svg in a folder that exists: all before any table is built.
+its steady state). Sizes are bounded so that the table is laid out and written in seconds
+(each at most `BUILD_SIZE_LIMIT`, the ops they lay out at most `OP_LIMIT`), a `--from-json`
+file is a regular file read with its limit (`cdpjax.files`) and checked field by field and
+across fields (`cdpjax.table_json`), and `--out` must name a .png or .svg in a folder that
+exists, created before any table is built. Then, before a line is written, what the table
+is written as is bounded: the text grid, `--json` and `--costs` at most `OUTPUT_LIMIT` ops,
+messages and grid cells in all; a drawing at most `DRAW_OP_LIMIT` ops, `DRAW_TICK_LIMIT`
+ticks and `DRAW_STAGE_LIMIT` stages (matplotlib's images end at 2**16 pixels a side).
 """
 from __future__ import annotations
 
@@ -23,16 +27,28 @@ import argparse
 import inspect
 import json
 import math
-import os
 import sys
 
-from cdpjax import table_json
-from cdpjax.commands.common import FIGURE_SUFFIXES, check_output
+from cdpjax import files, table_json
+from cdpjax.commands.common import FIGURE_SUFFIXES, created_output
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import LAYOUTS
 
-# The ops a table may lay out here: steps x stages x max(workers, micro-batches) x 3 (F, B, W).
-OP_LIMIT = 2_000_000
+# The ops a table may lay out here: steps x stages x max(workers, micro-batches) x chunks x 3 (F, B,
+# W), and each size: the table functions take time superlinear in the stages (cdp's delivery plan,
+# a pipeline's device orders), so both are kept where a table is laid out in seconds.
+OP_LIMIT = 100_000
+# Layouts whose messages outnumber their ops: cdp-zero sends each gradient piece to its keeper and
+# each parameter piece to every reader, about `workers` messages per op (counted with the ops).
+MESSAGES_PER_OP = {"cdp-zero": "workers"}
+BUILD_SIZE_LIMIT = 1024
+# What a table is written as (module docstring): ops + messages + ticks x devices for the text grid,
+# --json and --costs; the drawing's ops, ticks and stages (a side of at most 2**16 pixels at 120 dpi,
+# 0.32 inch a tick and 0.55 a stage).
+OUTPUT_LIMIT = 500_000
+DRAW_OP_LIMIT = 2_048
+DRAW_TICK_LIMIT = 1_500
+DRAW_STAGE_LIMIT = 900
 
 
 def _groups(text: str) -> tuple[int, ...]:
@@ -96,26 +112,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _read_json(path: str) -> bytes:
     try:
-        if os.path.getsize(path) > table_json.JSON_LIMIT:
-            raise ConfigError(f"--from-json {path!r}: {os.path.getsize(path)} bytes, more than a table's "
-                              f"{table_json.JSON_LIMIT}")
-        with open(path, "rb") as f:
-            return f.read()
+        return files.read_bytes(path, table_json.JSON_LIMIT)
+    except files.FileRefused as e:
+        raise ConfigError(f"--from-json {e}") from None
     except OSError as e:
         raise ConfigError(f"--from-json {path!r}: {e.strerror or e}") from None
 
 
 def check_sizes(layout, sizes: dict) -> None:
-    """Sizes small enough for the table to be laid out (module docstring): each at most
-    SIZE_LIMIT, the ops they lay out at most OP_LIMIT; a size left out counts at the table
+    """Sizes small enough for the table to be laid out in seconds (module docstring): each at most
+    BUILD_SIZE_LIMIT, the ops they lay out at most OP_LIMIT; a size left out counts at the table
     function's default (steps without one: twice the stages, as ppll lays out). Sizes below 1
     are the layouts' to refuse, in their words."""
     for name, value in sizes.items():
         values = value if isinstance(value, tuple) else (value,)
         sized = name not in ("rule", "steps", "ticks") and value is not None
-        if sized and any(v > table_json.SIZE_LIMIT for v in values):
-            raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))}: at most "
-                              f"{table_json.SIZE_LIMIT} here (the table would not fit a screen or the memory)")
+        if sized and (any(v > BUILD_SIZE_LIMIT for v in values) or len(values) > BUILD_SIZE_LIMIT):
+            raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))[:80]}: at most "
+                              f"{BUILD_SIZE_LIMIT} here (the table would not be laid out in seconds)")
     defaults = {}
     if layout.table is not None:
         defaults = {p.name: p.default for p in inspect.signature(layout.table).parameters.values()
@@ -128,9 +142,12 @@ def check_sizes(layout, sizes: dict) -> None:
 
     stages = size("stages")
     ops = size("steps", 2 * stages) * stages * max(size("workers"), size("microbatches")) * size("chunks") * 3
+    if layout.name in MESSAGES_PER_OP:
+        ops *= 1 + size(MESSAGES_PER_OP[layout.name])
     if ops > OP_LIMIT:
-        raise ConfigError(f"{layout.name} with those sizes lays out about {ops:.3g} ops, more than {OP_LIMIT:.0e}: "
-                          f"give fewer --steps, --stages, --workers or --microbatches")
+        what = "ops and messages" if layout.name in MESSAGES_PER_OP else "ops"
+        raise ConfigError(f"{layout.name} with those sizes lays out about {ops:.3g} {what}, more than "
+                          f"{OP_LIMIT:.0e}: give fewer --steps, --stages, --workers or --microbatches")
 
 
 def _table(args):
@@ -146,6 +163,22 @@ def _table(args):
     return layout.make_table(**sizes)
 
 
+def check_output_size(t, drawing: bool, written: bool) -> None:
+    """The table small enough to be written (`written`: as text or JSON) and drawn (`drawing`) in
+    seconds (module docstring); ConfigError naming the size past its limit."""
+    cells = t.num_ticks * t.devices
+    if written and len(t.ops) + len(t.messages) + cells > OUTPUT_LIMIT:
+        raise ConfigError(f"{t.method}'s table has {len(t.ops)} ops, {len(t.messages)} messages and {t.num_ticks} "
+                          f"ticks x {t.devices} devices, more than {OUTPUT_LIMIT} in all to write: lay out fewer "
+                          f"steps, stages, workers or micro-batches")
+    if drawing:
+        for what, value, limit in (("ops", len(t.ops), DRAW_OP_LIMIT), ("ticks", t.num_ticks, DRAW_TICK_LIMIT),
+                                   ("stages", t.stages, DRAW_STAGE_LIMIT)):
+            if value > limit:
+                raise ConfigError(f"{t.method}'s table has {value} {what}, more than the {limit} --out draws: lay out "
+                                  f"fewer (--json and the text grid take larger tables)")
+
+
 def _lockstep_costs(args, t):
     """The `--costs` as `StageCosts` for the table's stages, or None without them."""
     if not args.costs:
@@ -158,14 +191,14 @@ def _lockstep_costs(args, t):
 def run(args) -> int:
     """Returns 0, or 2 after a one-line message for bad sizes."""
     try:
-        if args.out:
-            check_output(args.out, "--out", FIGURE_SUFFIXES)
-        t = _table(args)
-        costs = _lockstep_costs(args, t)
-        if args.out:
-            from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
+        with created_output(args.out, "--out", FIGURE_SUFFIXES):
+            t = _table(args)
+            check_output_size(t, drawing=bool(args.out), written=args.json or not args.out)
+            costs = _lockstep_costs(args, t)
+            if args.out:
+                from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
 
-            plot_schedule(t, args.out, costs=costs)
+                plot_schedule(t, args.out, costs=costs)
     except ConfigError as e:
         print(f"cdpjax schedule: error: {e}", file=sys.stderr)
         return 2
