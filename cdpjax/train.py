@@ -76,7 +76,7 @@ from cdpjax import workdir as workdir_lib
 from cdpjax.checkpoint import TMP_MARK, Checkpointer, Damaged
 from cdpjax.errors import ConfigError, NonFiniteError, StorageError, storage_problem
 from cdpjax.events import EventLog, event_files, read_metrics
-from cdpjax.mesh import make_mesh
+from cdpjax.mesh import make_mesh, replicas_words
 from cdpjax.methods.common import tree_select
 
 # Test hooks: the process SIGKILLs itself right after finishing (and checkpointing) this step;
@@ -789,8 +789,10 @@ def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
         reason = why if have == asked else f"JAX was already running with them; {why} asked for {asked}"
         say(f"{have} simulated CPU devices ({reason}); --cpu-devices sets them")
     what = f"{c.method} / {c.model} / {c.dataset} in {p.workdir}"
+    replicas = replicas_words(dict(p.mesh.shape), c.global_batch_size)
     where = (f"mesh {dict(p.mesh.shape)}, {n} device{'s' if n > 1 else ''}"
-             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+             + (f": {replicas}" if replicas else ""))
     p.training = True
     if p.start:
         say(f"resuming {what} from step {p.start} (checkpoint {os.path.join(p.ckpt.directory, str(p.start))}); "

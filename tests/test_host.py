@@ -1,0 +1,102 @@
+"""Every device of the host: a stage-axis method given no mesh fills a (stage, data) mesh, pipeline
+replicas over `data`, and still computes its reference's function.
+
+Claims: on 8 devices a 4-stage pipeline runs as {'stage': 4, 'data': 2}, each replica fed half of
+every global batch and their gradients averaged, so a backprop pipeline ends where `e2e` on one
+device ends (train losses and final test metrics), and `ppll` where `local` ends (PPLL = local
+learning with the same modules); sizes that cannot fill the devices are refused naming a mesh
+that fits.
+"""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import layouts, train
+from cdpjax.config import default_config
+from cdpjax.errors import ConfigError
+from cdpjax.mesh import resolve_axes
+
+STAGES = 4
+
+
+def reference_of(name: str) -> str | None:
+    """The method a stage-axis layout must equal, by what it trains: a layout whose ops carry
+    auxiliary heads trains the modules locally (`local`); one that reads micro-batches is
+    backprop through a pipeline (`e2e`); cdp-mp's delayed updates have no one-device twin here
+    (tests/test_cdp_mp.py compares it with CDP's simulation)."""
+    layout = layouts.LAYOUTS[name]
+    if "module_groups" in layout.table_sizes():
+        return "local"
+    if layout.microbatches:
+        return "e2e"
+    return None
+
+
+STAGE_AXIS = sorted(n for n, lay in layouts.LAYOUTS.items() if lay.device_axis == "stage")
+# One method of each kind in CI (backprop pipelines: gpipe and 1f1b, local learning: ppll); the
+# other backprop pipelines share their engine and run with `make test-heavy`.
+IN_CI = ("gpipe", "1f1b", "ppll")
+CASES = [pytest.param(n, marks=() if n in IN_CI else pytest.mark.heavy) for n in STAGE_AXIS if reference_of(n)]
+
+
+def _config(method: str):
+    c = default_config()
+    c.method, c.model, c.stages = method, "mlp", STAGES
+    c.global_batch_size, c.num_steps, c.log_every = 64, 6, 2
+    c.eval_every = c.checkpoint_every = 0
+    c.microbatches, c.schedule = 2, "constant"
+    return c
+
+
+def _lines(workdir, split):
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            work = tmp_path_factory.mktemp(name)
+            cache[name] = (train.train(_config(name), str(work), progress=False), work)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stage_axis_method_fills_the_host_and_equals_its_reference(name, reference_runs, tmp_path, capsys):
+    assert jax.device_count() == 8
+    summary = train.train(_config(name), str(tmp_path), progress=False)  # no mesh, no devices: the host's
+    stage = layouts.LAYOUTS[name].default_mesh(_config(name))["stage"]
+    assert summary["mesh"] == {"stage": stage, "data": 8 // stage} and summary["devices"] == 8
+    line = [x for x in capsys.readouterr().err.splitlines() if "training " in x][0]
+    assert f"{8 // stage} pipeline replicas of {stage} stage devices, each fed {64 * stage // 8} of the 64" in line
+    ref_name = reference_of(name)
+    ref, ref_work = reference_runs(ref_name)
+    for key in ("test_loss", "test_accuracy"):
+        np.testing.assert_allclose(summary[key], ref[key], rtol=2e-5, atol=1e-6)
+    if ref_name == "e2e":  # ppll's train losses are local's delayed by the pipeline: its end is compared
+        ours, theirs = _lines(tmp_path, "train"), _lines(ref_work, "train")
+        assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [2, 4, 6]
+        np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=2e-5)
+    assert summary["test_loss"] < _first_loss(ref_work)  # it trained
+
+
+def _first_loss(work):
+    return _lines(work, "train")[0]["loss"]
+
+
+@pytest.mark.parametrize("mesh,devices,match", [
+    ({"stage": 3, "data": -1}, 8, r"8 devices cannot be split by 3; the mesh \{'stage': 3, 'data': 2\} fits 6 of "
+                                  r"them \(run with --cpu-devices 6"),
+    ({"stage": 4}, 8, r"covers 4 of the 8 devices; .*--config.mesh.data=2 fills them \(the mesh \{'stage': 4, "
+                      r"'data': 2\}"),
+    ({"stage": 3}, 8, r"covers 3 of the 8 devices; .*use -1 for one axis, or run with --cpu-devices 3"),
+])
+def test_a_mesh_that_cannot_fill_the_devices_names_one_that_fits(mesh, devices, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_axes(mesh, devices)
