@@ -55,6 +55,7 @@ checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, layouts, models, optim, shutdown, tasks
+from cdpjax import checks, compilation, layouts, models, optim, shutdown, tasks
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
@@ -790,9 +791,11 @@ def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
         say(f"{have} simulated CPU devices ({reason}); --cpu-devices sets them")
     what = f"{c.method} / {c.model} / {c.dataset} in {p.workdir}"
     replicas = replicas_words(dict(p.mesh.shape), c.global_batch_size)
+    cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     where = (f"mesh {dict(p.mesh.shape)}, {n} device{'s' if n > 1 else ''}"
              + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
-             + (f": {replicas}" if replicas else ""))
+             + (f": {replicas}" if replicas else "")
+             + f"; compilation cache {cache or 'off'}")
     p.training = True
     if p.start:
         say(f"resuming {what} from step {p.start} (checkpoint {os.path.join(p.ckpt.directory, str(p.start))}); "
@@ -949,6 +952,19 @@ def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
         raise
 
 
+@contextlib.contextmanager
+def first_step_compiles(method: str, first: bool):
+    """Around a process's first step (which compiles): 'compiling METHOD ...' before it, and after
+    it how long it took and how many programs XLA compiled or read from the compilation cache."""
+    if not first:
+        yield
+        return
+    say(f"compiling {method} ...")
+    with compilation.CompileWatch() as watch:
+        yield
+    say(f"compiled {method} and ran its first step in {watch.words()}")
+
+
 def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """The train steps from `p.start` to num_steps, then the final evaluation and summary.
 
@@ -983,8 +999,9 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             t0 = time.perf_counter()
             batch = p.first if step == p.start else p.dataset.train_batch(
                 step, config.global_batch_size, config.seed, config.augment, pid, pcount)
-            p.state, metrics, flags = step_fn(p.state, put_batch(batch, p.mesh, method.input_sharding))
-            metrics, flags = jax.device_get((metrics, flags))
+            with first_step_compiles(config.method, step == p.start):
+                p.state, metrics, flags = step_fn(p.state, put_batch(batch, p.mesh, method.input_sharding))
+                metrics, flags = jax.device_get((metrics, flags))
             if step > p.start:  # the first step of a process compiles
                 for speed in (window_speed, total_speed):
                     speed.add(items, time.perf_counter() - t0)

@@ -100,3 +100,55 @@ def _first_loss(work):
 def test_a_mesh_that_cannot_fill_the_devices_names_one_that_fits(mesh, devices, match):
     with pytest.raises(ConfigError, match=match):
         resolve_axes(mesh, devices)
+
+
+# Compiles cached and announced ------------------------------------------------------------------
+
+def test_the_compilation_cache_directory_follows_its_rule():
+    """The rule of cdpjax.compilation, case by case: off > JAX's own > flag > environment > default."""
+    from cdpjax.compilation import choose
+
+    env = {"XDG_CACHE_HOME": "/c", "CDPJAX_COMPILATION_CACHE": "/e"}
+    assert choose(None, True, "/j", env) == (None, "off")
+    assert choose("/f", False, "/j", env) == ("/j", "JAX")
+    assert choose("/f", False, None, env) == ("/f", "flag")
+    assert choose(None, False, None, env) == ("/e", "environment")
+    assert choose(None, False, None, {**env, "CDPJAX_COMPILATION_CACHE": "OFF"}) == (None, "off")
+    assert choose(None, False, None, {"XDG_CACHE_HOME": "/c"}) == ("/c/cdpjax/xla", "default")
+    assert choose(None, False, None, {"HOME": "/h"})[0].endswith("/.cache/cdpjax/xla")
+
+
+def _train_cli(workdir, *flags):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config.method=dp", "--config.num_steps=2",
+                           "--config.eval_every=0", "--config.checkpoint_every=0", "--cpu-devices", "2",
+                           "--workdir", str(workdir), "--no-progress", *flags],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.splitlines()
+
+
+def test_a_second_identical_run_reads_its_programs_from_the_compilation_cache(tmp_path):
+    """The first run compiles the step and writes it to the cache it names; the second, another
+    work directory with the same config, compiles nothing and reads it back. With the flag off:
+    no cache, said so."""
+    cache = tmp_path / "xla"
+    first = _train_cli(tmp_path / "a", "--compilation-cache", str(cache))
+    second = _train_cli(tmp_path / "b", "--compilation-cache", str(cache))
+    for lines in (first, second):
+        assert [x for x in lines if x.startswith("cdpjax: training ")][0].endswith(f"; compilation cache {cache})")
+        assert lines.index("cdpjax: compiling dp ...") + 1 == lines.index(_compiled(lines))
+    assert "(1 program compiled)" in _compiled(first)
+    assert "(0 programs compiled, 1 read from the compilation cache)" in _compiled(second)
+    off = _train_cli(tmp_path / "c", "--compilation-cache", str(cache), "--no-compilation-cache")
+    assert [x for x in off if x.startswith("cdpjax: training ")][0].endswith("; compilation cache off)")
+    assert "(1 program compiled)" in _compiled(off)
+
+
+def _compiled(lines):
+    return [x for x in lines if x.startswith("cdpjax: compiled dp and ran its first step in ")][0]
