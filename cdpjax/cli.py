@@ -94,6 +94,8 @@ def cmd_train(args, overrides) -> int:
     device_note = _cpu_devices(args, config)
     # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
     joined = distributed.initialize(config)
+    if joined:
+        distributed.check_same_config(config, int(config.distributed.timeout_s))
     from cdpjax import train
     from cdpjax.commands.common import enable_cache
 
