@@ -75,6 +75,7 @@ from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
 from cdpjax.checkpoint import TMP_MARK, Checkpointer, Damaged
+from cdpjax.data.prefetch import Prefetch
 from cdpjax.errors import ConfigError, NonFiniteError, StorageError, storage_problem
 from cdpjax.events import EventLog, event_files, read_metrics
 from cdpjax.mesh import make_mesh, replicas_words
@@ -581,6 +582,7 @@ class Prepared:
     elapsed: float = 0.0  # run time recorded by the checkpoint resumed from
     intact: int | None = None  # the newest checkpoint known whole: verified on restore, or written here
     training: bool = False  # past the "training ..." line
+    input_wait: float = 0.0  # the fraction of the timed train steps spent waiting for a batch
 
     def clock(self) -> float:
         """`time` of a metrics line: seconds since the run started."""
@@ -990,28 +992,48 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     bar = Progress(progress and primary, config.num_steps, f"{config.method} {config.model}/{config.dataset}")
     profile = Profile(config.get("profile_steps", ()), p.workdir)
     window_speed, total_speed = Throughput(), Throughput()
+    feed = Prefetch(lambda s: p.dataset.train_batch(s, config.global_batch_size, config.seed, config.augment,
+                                                    pid, pcount),
+                    lambda b: put_batch(b, p.mesh, method.input_sharding), range(p.start + 1, config.num_steps))
+    pending, timed = [], Timed()  # steps whose metrics are still on the devices; their clock
     try:
         for step in range(p.start, config.num_steps):
             if stop_after is not None and step - p.start >= stop_after:
                 return {"stopped_at": step}
             p.check_lock()
             profile.before(step + 1)
-            t0 = time.perf_counter()
-            batch = p.first if step == p.start else p.dataset.train_batch(
-                step, config.global_batch_size, config.seed, config.augment, pid, pcount)
-            with first_step_compiles(config.method, step == p.start):
-                p.state, metrics, flags = step_fn(p.state, put_batch(batch, p.mesh, method.input_sharding))
-                metrics, flags = jax.device_get((metrics, flags))
-            if step > p.start:  # the first step of a process compiles
-                for speed in (window_speed, total_speed):
-                    speed.add(items, time.perf_counter() - t0)
-            p.done = done = step + 1
-            profile.after(done)
-            if not all_finite(metrics, flags):
-                _nonfinite(p, metrics, flags, skip, bar)
+            first = step == p.start
+            batch = put_batch(p.first, p.mesh, method.input_sharding) if first else feed.get(step)
+            with first_step_compiles(config.method, first):
+                p.state, metrics, flags = step_fn(p.state, batch)
+                if first:  # the first step of a process compiles: timed apart, left out of the rates
+                    pending.append((step + 1, *jax.device_get((metrics, flags))))
+            if not first:
+                pending.append((step + 1, metrics, flags))
+                timed.steps += 1
+            done = step + 1
+            if not _sync_step(config, done, profile, first):
+                p.done = done
                 bar.step(done)
+                _test_hooks(done)
                 continue
-            p.window.append(window_entry(metrics))
+            # Metrics come to the host here only: at log, evaluation and checkpoint steps (and the end).
+            finite = True
+            for d, m, f in jax.device_get(pending):
+                p.done, finite = d, all_finite(m, f)
+                if not finite:
+                    _nonfinite(p, m, f, skip, bar)  # stop: raises; skip: counted
+                else:
+                    p.window.append(window_entry(m))
+            pending = []
+            for speed in (window_speed, total_speed):
+                timed.add_to(speed, items)
+            profile.after(done)
+            if not finite:  # a skipped step is not logged, evaluated or checkpointed at
+                timed.restart()
+                bar.step(done)
+                _test_hooks(done)
+                continue
             if done % config.log_every == 0 or done == config.num_steps:
                 mean = window_metrics(task, p.window)
                 ips = window_speed.rate()
@@ -1035,15 +1057,41 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
                                           "time": p.clock()})
             bar.leave_out(time.perf_counter() - t_aside)
+            timed.restart()  # evaluation and checkpoints are not train steps
             bar.step(done)
             _test_hooks(done)
         bar.close()
         profile.stop(p.done)
+        p.input_wait = feed.waited / total_speed.seconds if total_speed.seconds else 0.0
         return _finish(p, log, eval_fn, eval_batch, here, total_speed, task)
     finally:
+        feed.close()
         bar.close()
         profile.stop(p.done)
         log.close()
+
+
+@dataclasses.dataclass
+class Timed:
+    """The clock of the train steps since the last time their metrics came to the host."""
+
+    steps: int = 0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add_to(self, speed: Throughput, items: int) -> None:
+        if self.steps:
+            speed.add(items * self.steps, time.perf_counter() - self.t0)
+
+    def restart(self) -> None:
+        self.steps, self.t0 = 0, time.perf_counter()
+
+
+def _sync_step(config, done: int, profile: Profile, first: bool) -> bool:
+    """Whether step `done`'s metrics (and those of the steps before it) come to the host now: at
+    a log, evaluation or checkpoint step, the last step, a profiled step and a process's first."""
+    return (first or profile.active or done == config.num_steps or done % config.log_every == 0
+            or bool(config.eval_every) and done % config.eval_every == 0
+            or bool(config.checkpoint_every) and done % config.checkpoint_every == 0)
 
 
 def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,
@@ -1077,6 +1125,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "wall_seconds": time.perf_counter() - p.t0,
         "skipped_steps": p.skipped,
         "resumed_from": p.start,
+        "input_wait_fraction": round(p.input_wait, 4),
         "report": method_report(method),
     }
     if jax.process_index() == 0:

@@ -79,7 +79,7 @@ def env_without_device_flag(**extra):
 
 # Lines a run says before it fails, which are not the failure.
 BEFORE = ("cdpjax: took over the lock", "cdpjax: 8 simulated CPU devices", "cdpjax: 4 simulated CPU devices",
-          "cdpjax: training dp", "cdpjax: resuming dp")
+          "cdpjax: training dp", "cdpjax: resuming dp", "cdpjax: compiling dp ...", "cdpjax: compiled dp ")
 
 
 def the_line(err: str, start: str = "cdpjax") -> str:
@@ -343,7 +343,7 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     first = signals[0][1]
     assert proc.returncode == (143 if first == signal.SIGTERM else 130), err[-3000:]
     lines = [line for line in err.strip().splitlines() if line.startswith("cdpjax: ")
-             and not line.startswith(("cdpjax: training", "cdpjax: 8 simulated"))]
+             and not line.startswith(("cdpjax: training", "cdpjax: 8 simulated", "cdpjax: compil"))]
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert len(lines) == 1 and lines[0].startswith("cdpjax: " + ("terminated (SIGTERM)" if first == signal.SIGTERM
                                                                   else "interrupted")), err

@@ -152,3 +152,70 @@ def test_a_second_identical_run_reads_its_programs_from_the_compilation_cache(tm
 
 def _compiled(lines):
     return [x for x in lines if x.startswith("cdpjax: compiled dp and ran its first step in ")][0]
+
+
+# The input pipeline ------------------------------------------------------------------------------
+
+def test_prefetch_prepares_batches_in_order_off_the_training_thread_and_at_most_depth_ahead():
+    import threading
+    import time
+
+    from cdpjax.data.prefetch import Prefetch
+
+    made, threads = [], set()
+
+    def make(step):
+        made.append(step)
+        threads.add(threading.current_thread().name)
+        return {"step": step}
+
+    feed = Prefetch(make, lambda b: {**b, "put": True}, range(3, 40), depth=2)
+    try:
+        for step in range(3, 20):
+            assert feed.get(step) == {"step": step, "put": True}
+            time.sleep(0.002)
+            # taken up to `step`; 2 waiting in the queue; 1 made and waiting for room
+            assert len(made) <= (step - 3 + 1) + 2 + 1, (step, made)
+    finally:
+        feed.close()
+    assert made == list(range(3, 3 + len(made))) and threading.current_thread().name not in threads
+    assert len(made) < 37  # closed early: the rest never read
+
+
+def test_prefetch_raises_a_read_error_at_its_step_and_without_prefetch_reads_in_get():
+    from cdpjax.data.prefetch import Prefetch
+
+    def make(step):
+        if step == 2:
+            raise OSError("disk gone")
+        return step
+
+    feed = Prefetch(make, lambda b: b, range(0, 5), depth=2)
+    try:
+        assert [feed.get(0), feed.get(1)] == [0, 1]
+        with pytest.raises(OSError, match="disk gone"):
+            feed.get(2)
+    finally:
+        feed.close()
+    calls = []
+    sync = Prefetch(lambda s: calls.append(s) or s, lambda b: b, range(0, 5), depth=0)
+    assert calls == [] and sync.get(0) == 0 and calls == [0]
+    sync.close()
+
+
+# Predictions that say what they assume ------------------------------------------------------------
+
+def test_a_prediction_states_the_op_times_it_replayed_and_where_they_came_from():
+    from cdpjax.speedup import format_predictions
+
+    prediction = {"method": "zb-h1", "model": "lockstep", "step_seconds": 0.01, "devices": 2, "speedup": 1.5,
+                  "imbalance": 1.1, "calibrate": "together", "micro_batch": 16, "repeats": 5,
+                  "stage_forward": (0.001, 0.002), "stage_backward": (0.003, 0.004),
+                  "stage_backward_input": (0.0015, 0.0025), "stage_backward_weight": (0.0015, 0.0015),
+                  "split_backward": True, "heads_timed": False, "stage_head": (), "backward_from": "carry"}
+    text = format_predictions([{"method": "zb-h1", "step_seconds": 0.02, "prediction": prediction}])
+    line = text.splitlines()[-1].strip()
+    assert line == ("op times used (ms per micro-batch of 16, per stage; measured here by "
+                    "cdpjax.speedup.measure_stage_costs, median of 5 runs on 2 devices at once, backwards from "
+                    "kept residuals): F [1, 2]; B [3, 4]; B input [1.5, 2.5]; W [1.5, 1.5]")
+    assert "0.50x the measured step" in text.splitlines()[1]
