@@ -39,7 +39,9 @@ names. Every step also checks, in the same compiled program, that the loss,
 every stage's parameters after the update (where a NaN or Inf gradient shows,
 for every optimizer used here) and the whole train state (batches in flight)
 are finite: with `nonfinite='stop'` training stops with `NonFiniteError` naming
-the step and the stage, the last good checkpoint kept; with `nonfinite='skip'`
+the step and the stage, the last good checkpoint kept (the flags come to the host with
+the metrics, at log, evaluation and checkpoint steps, so a run may go on a few steps past a
+bad one before it stops; a checkpoint is never written past it); with `nonfinite='skip'`
 the step's update is dropped on device (the state stays as it was, so pipelines
 lose only the batch fed at that step) and counted in `summary['skipped_steps']`;
 the step then holds two copies of the train state.
@@ -970,10 +972,16 @@ def first_step_compiles(method: str, first: bool):
 def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """The train steps from `p.start` to num_steps, then the final evaluation and summary.
 
-    Step timing: a step is timed from reading its batch to its metrics being on the host;
-    logging, evaluation and checkpoints are outside it. `stop_after` ends this call after that
-    many steps, as if killed (returns {'stopped_at': step}). The lock is checked at every step
-    and before every write (a run forced out of WORKDIR writes nothing more).
+    Feeding: each step's batch is read, augmented and put on the devices ahead of it by a
+    background thread (`cdpjax.data.prefetch`, two batches ahead); the step's metrics and
+    finite flags stay on the devices until the next log, evaluation or checkpoint step (or the
+    last), when those of every step since come to the host together, in order.
+    Step timing: the steps between two such moments are timed together, from the end of the
+    last one to their metrics being on the host (batch waits included, a process's first step,
+    which compiles, left out); logging, evaluation and checkpoints are outside it.
+    `stop_after` ends this call after that many steps, as if killed (returns {'stopped_at': step}).
+    The lock is checked at every step and before every write (a run forced out of WORKDIR writes
+    nothing more).
 
     One function over 60 lines on purpose: a step's order (check, step, log, evaluate,
     checkpoint) reads top to bottom here, and each piece it calls is small."""
