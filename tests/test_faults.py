@@ -79,7 +79,7 @@ def env_without_device_flag(**extra):
 
 # Lines a run says before it fails, which are not the failure.
 BEFORE = ("cdpjax: took over the lock", "cdpjax: 8 simulated CPU devices", "cdpjax: 4 simulated CPU devices",
-          "cdpjax: training dp", "cdpjax: resuming dp", "cdpjax: compiling dp ...", "cdpjax: compiled dp ")
+          "cdpjax: training dp", "cdpjax: resuming dp", "cdpjax: compiling ", "cdpjax: compiled ")
 
 
 def the_line(err: str, start: str = "cdpjax") -> str:
