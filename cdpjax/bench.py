@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cdpjax import compilation
+
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1, "u64": 8,
                 "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16}
@@ -299,9 +301,12 @@ def _prepare(config, devices=None, built=None) -> dict:
                             method.input_sharding)
     state = method.init(jax.random.key(config.seed))
     t0 = time.perf_counter()
+    print(f"cdpjax bench: compiling {config.method} ...", file=sys.stderr, flush=True)
     # Compiled as the trainer runs it, with the state donated: the new state is written over the old,
     # so what a device holds is XLA's arguments plus temporaries (`memory`'s `held_bytes`).
-    compiled = jax.jit(method.train_step, donate_argnums=0).lower(state, batch).compile()
+    with compilation.CompileWatch() as watch:
+        compiled = jax.jit(method.train_step, donate_argnums=0).lower(state, batch).compile()
+    print(f"cdpjax bench: compiled {config.method} in {watch.words()}", file=sys.stderr, flush=True)
     from cdpjax import tasks
 
     return {"config": config, "mesh": mesh, "method": method, "compiled": compiled, "state": state,

@@ -110,8 +110,12 @@ def cmd_train(args, overrides) -> int:
     device_note = _cpu_devices(args, config)
     # Before anything asks JAX for devices: a multi-process run must start jax.distributed first.
     joined = distributed.initialize(config)
+    if joined:
+        distributed.check_same_config(config, int(config.distributed.timeout_s))
     from cdpjax import train
+    from cdpjax.commands.common import enable_cache
 
+    enable_cache(args)
     if joined and not args.workdir:
         raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
     if args.resume and not args.workdir:
@@ -190,7 +194,8 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)", epilog=TRAIN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="cdpjax train [--config FILE[:ARG]] [--config.KEY=VALUE ...] [--workdir DIR] "
-                             "[--cpu-devices N] [--resume] [--force] [--no-progress]")
+                             "[--cpu-devices N] [--resume] [--force] [--no-progress] "
+                             "[--compilation-cache DIR | --no-compilation-cache]")
     p.add_argument("--config", metavar="FILE[:ARG]",
                    help="Python file whose get_config() returns a ConfigDict (FILE:ARG calls get_config(ARG)); "
                         "then --config.KEY=VALUE overrides any key")
@@ -207,6 +212,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true",
                    help="take WORKDIR over even while another live run holds its lock (that run stops at its "
                         "next step); a lock whose run is gone is taken over without it")
+    from cdpjax.commands.common import add_cache_flags
+
+    add_cache_flags(p)
     commands = {"train": cmd_train}
     for name in ("schedule", "bench", "plot", "describe", "reproduce"):
         try:

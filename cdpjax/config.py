@@ -98,10 +98,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.profile_steps = ()  # [first, last]: a jax.profiler trace of those steps in WORKDIR (steps from 1)
     # Multi-process runs (see cdpjax.distributed); empty: from the environment, or one process.
     c.distributed = ml_collections.ConfigDict({
-        "coordinator_address": "",  # HOST:PORT of process 0 (or CDPJAX_COORDINATOR)
-        "num_processes": 0,  # 0: from CDPJAX_NUM_PROCESSES or the cluster
-        "process_id": -1,  # -1: from CDPJAX_PROCESS_ID or the cluster
-        "auto_detect": True,  # a SLURM job step with several tasks starts jax.distributed by itself
+        "coordinator_address": "",  # HOST:PORT of process 0 (or JAX's JAX_COORDINATOR_ADDRESS)
+        "num_processes": 0,  # 0: from the cluster (JAX's detection) or CDPJAX_NUM_PROCESSES
+        "process_id": -1,  # -1: from the cluster (JAX's detection) or CDPJAX_PROCESS_ID
+        "auto_detect": True,  # JAX's cluster detection (SLURM, Open MPI, Kubernetes) starts a multi-process run
         "timeout_s": 300,  # how long processes wait for each other at start-up
     })
     return c

@@ -1,13 +1,15 @@
 """Multi-process runs: several processes (one per host, or one per GPU) drive one global mesh.
 
-`initialize(config)` starts `jax.distributed` before any device is used. The
-coordinator address, process count and process id come, in this order, from
+`initialize(config)` starts `jax.distributed` before any device is used. How a process
+finds the others comes, in this order, from
 
 1. `config.distributed.coordinator_address`, `.num_processes`, `.process_id`;
-2. the environment: `CDPJAX_COORDINATOR`, `CDPJAX_NUM_PROCESSES`, `CDPJAX_PROCESS_ID`;
-3. a SLURM job step with more than one task (detected by the variables JAX's own
-   SLURM detection reads), for which `jax.distributed.initialize()` is called
-   without arguments and JAX takes them from SLURM (`distributed.auto_detect`).
+2. JAX's own variable for the coordinator, `JAX_COORDINATOR_ADDRESS`, with the process
+   count and id where JAX has no variable for them: `CDPJAX_NUM_PROCESSES`,
+   `CDPJAX_PROCESS_ID` (or the cluster, 3);
+3. JAX's own cluster detection (`jax.distributed.initialize()` without arguments: SLURM job
+   steps, Open MPI's `mpirun`, Kubernetes, Cloud TPU; `JAX_COORDINATOR_PORT` picks the
+   port), used where it finds a cluster of more than one process (`distributed.auto_detect`).
 
 With none of these, or a single process, nothing is started. On CPU the
 cross-process collectives go through gloo. An address must be HOST:PORT (a port in
@@ -16,7 +18,9 @@ ConfigError before JAX is asked. `distributed.timeout_s` bounds how long the pro
 wait for each other at start-up and how long a silent process is waited for later (JAX's
 heartbeat timeout, at most its default of 100 s), after which JAX's coordination service
 ends every process; `cdpjax.supervisor` turns that end into one line naming the process
-that vanished. After initialisation `jax.devices()`
+that vanished. Once started, the processes compare their configurations through the
+coordinator's key-value store (`check_same_config`) and refuse a difference in one line on
+every process. After initialisation `jax.devices()`
 lists every process's devices and the mesh spans them all; each process reads its
 own contiguous slice of every global batch (`cdpjax.data.base`), the trainer
 assembles global arrays from these slices, every process takes part in each
@@ -25,6 +29,7 @@ checkpoint, and process 0 alone writes config.json, metrics.jsonl and summary.js
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import socket
 from typing import Mapping
@@ -32,23 +37,30 @@ from typing import Mapping
 from cdpjax.config import check_address
 from cdpjax.errors import ConfigError
 
-ENV_COORDINATOR = "CDPJAX_COORDINATOR"
-ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "CDPJAX_PROCESS_ID"
-# What JAX's SLURM cluster detection requires (jax._src.clusters.slurm_cluster).
-SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # JAX's own: jax.distributed.initialize reads it too
+ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"  # JAX has no variable for the count...
+ENV_PROCESS_ID = "CDPJAX_PROCESS_ID"  # ... nor for the id: its cluster detection finds them
 _started: dict | None = None
 
 
-def slurm_tasks(environ: Mapping[str, str]) -> int:
-    """The task count of the SLURM job step this process belongs to (0 outside SLURM)."""
-    if not all(v in environ for v in SLURM_VARS):
-        return 0
+def detect_cluster() -> tuple[str, int, int] | None:
+    """(name, process count, process id) of the cluster JAX's own detection finds in this
+    process's environment (the first present of its cluster types, in JAX's order, less the
+    opt-in ones such as mpi4py), or None. What it reads is JAX's: SLURM_* of a job step,
+    OMPI_* under mpirun, Kubernetes' and Cloud TPU's own."""
     try:
-        return int(environ["SLURM_NTASKS"])
-    except ValueError:
-        return 0
+        from jax._src import clusters  # JAX's cluster detection, as jax.distributed.initialize() runs it
+        types = list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        return None
+    for env in types:
+        try:
+            if getattr(env, "opt_in_only_method", False) or not env.is_env_present():
+                continue
+            return str(getattr(env, "name", env.__name__)), int(env.get_process_count()), int(env.get_process_id())
+        except Exception:  # noqa: BLE001 - a cluster type that cannot tell: as JAX, try the next
+            continue
+    return None
 
 
 def _int(value, name: str) -> int:
@@ -73,26 +85,35 @@ def resolve(address: str, name: str = "distributed.coordinator_address") -> None
                           f"host name or address") from None
 
 
-def settings(config, environ: Mapping[str, str] | None = None) -> dict | None:
+def settings(config, environ: Mapping[str, str] | None = None, cluster=detect_cluster) -> dict | None:
     """How this process joins a multi-process run: a dict of `jax.distributed.initialize`
     arguments plus `source`, or None for a single process. Raises ConfigError when the
-    settings are incomplete or inconsistent."""
+    settings are incomplete or inconsistent. `cluster`: JAX's detection (`detect_cluster`)."""
     environ = os.environ if environ is None else environ
     d = config.get("distributed", None) or {}
+    timeout = _int(d.get("timeout_s", 300), "distributed.timeout_s")
+    found = cluster() if d.get("auto_detect", True) else None
     address = d.get("coordinator_address", "") or environ.get(ENV_COORDINATOR, "")
-    count = d.get("num_processes", 0) or environ.get(ENV_NUM_PROCESSES, 0)
+    source = "config" if d.get("coordinator_address", "") else "environment"
+    count = _int(d.get("num_processes", 0) or environ.get(ENV_NUM_PROCESSES, 0), "distributed.num_processes")
     pid = d.get("process_id", -1)
     if pid is None or _int(pid, "distributed.process_id") < 0:
         pid = environ.get(ENV_PROCESS_ID, -1)
-    source = "config" if d.get("coordinator_address", "") else "environment"
-    count = _int(count, "distributed.num_processes")
     pid = _int(pid, "distributed.process_id")
-    timeout = _int(d.get("timeout_s", 300), "distributed.timeout_s")
+    if found is not None and found[1] > 1 and count < 1 and pid < 0:
+        # JAX's detection names the processes (and, without an address, the coordinator too).
+        name, count, pid = found
+        args = {"initialization_timeout": timeout, "source": name, "num_processes": count, "process_id": pid}
+        if address:
+            check_address(address, ENV_COORDINATOR if source == "environment" else "distributed.coordinator_address")
+            args["coordinator_address"] = address
+        return args
     if address:
         check_address(address, "distributed.coordinator_address" if source == "config" else ENV_COORDINATOR)
         if count < 1:
             raise ConfigError(f"a coordinator address ({address}) needs the process count: set "
-                              f"distributed.num_processes or {ENV_NUM_PROCESSES}")
+                              f"distributed.num_processes or {ENV_NUM_PROCESSES} (JAX has no variable for it), "
+                              f"or launch where JAX detects the cluster (SLURM, mpirun, Kubernetes)")
         if not 0 <= pid < count:
             raise ConfigError(f"distributed.process_id={pid} must be in [0, {count}) with "
                               f"num_processes={count}: set distributed.process_id or {ENV_PROCESS_ID}")
@@ -103,8 +124,6 @@ def settings(config, environ: Mapping[str, str] | None = None) -> dict | None:
     if count > 1 or pid > 0:
         raise ConfigError(f"num_processes={count}, process_id={pid} given without a coordinator address: set "
                           f"distributed.coordinator_address or {ENV_COORDINATOR} (HOST:PORT of process 0)")
-    if d.get("auto_detect", True) and slurm_tasks(environ) > 1:
-        return {"initialization_timeout": timeout, "source": "slurm"}
     return None
 
 
@@ -124,7 +143,10 @@ def initialize(config, environ: Mapping[str, str] | None = None) -> dict | None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if "coordinator_address" in args:
         resolve(args["coordinator_address"])
-    kwargs = {k: v for k, v in args.items() if k != "source"}
+    # Where JAX's detection found the cluster, JAX takes every argument from it itself.
+    kwargs = {k: v for k, v in args.items()
+              if k != "source" and (args["source"] in ("config", "environment") or k == "initialization_timeout"
+                                    or k == "coordinator_address")}
     timeout = int(args["initialization_timeout"])
     extra = {"heartbeat_timeout_seconds": min(timeout, HEARTBEAT_LIMIT_S), "shutdown_timeout_seconds": timeout}
     accepted = inspect.signature(jax.distributed.initialize).parameters
@@ -138,6 +160,67 @@ def initialize(config, environ: Mapping[str, str] | None = None) -> dict | None:
                           f"and every process must reach the coordinator)") from None
     _started = args
     return args
+
+
+# Keys that differ between the processes of one run by design.
+PER_PROCESS_KEYS = ("distributed.process_id",)
+
+
+def flat_config(config) -> dict:
+    """The config as {'dotted.key': value}, JSON values (what `check_same_config` compares)."""
+    out = {}
+
+    def walk(prefix, node):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(f"{name}.", value)
+            elif name not in PER_PROCESS_KEYS:
+                out[name] = value
+
+    walk("", json.loads(json.dumps(config.to_dict(), default=repr)))
+    return out
+
+
+def config_difference(mine: dict, theirs: dict) -> str | None:
+    """'num_steps=100 here, 50 there' for the first key (in sorted order) whose values differ, or None."""
+    for key in sorted(set(mine) | set(theirs)):
+        if mine.get(key, "(unset)") != theirs.get(key, "(unset)"):
+            return f"{key}={mine.get(key, '(unset)')!r} here, {theirs.get(key, '(unset)')!r} there"
+    return None
+
+
+def check_same_config(config, timeout_s: int) -> None:
+    """Every process of a multi-process run compares its config with every other's, each published
+    under its process id in the coordinator's key-value store (its SHA-256 digest first, the keys
+    only where the digests differ), before any device work: a difference is a ConfigError on every
+    process, naming the first key that differs and the other process. Processes with different
+    configs would otherwise wait forever for each other (another num_steps) or fail deep in JAX
+    (another seed). Nothing is done in a single process."""
+    import hashlib
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src.distributed import global_state  # the coordinator's key-value store (as multihost_utils)
+
+    client = global_state.client
+    if client is None:
+        return
+    mine = flat_config(config)
+    text = json.dumps(mine, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    me = jax.process_index()
+    client.key_value_set(f"cdpjax/config/{me}", json.dumps({"digest": digest, "config": mine}))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"cdpjax/config/{other}", int(timeout_s) * 1000))
+        if theirs["digest"] != digest:
+            what = config_difference(mine, theirs["config"]) or "their configs differ"
+            raise ConfigError(f"process {me} and process {other} of this run have different configs ({what}): "
+                              f"start every process with the same command and config")
 
 
 def is_primary() -> bool:

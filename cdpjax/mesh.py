@@ -39,14 +39,19 @@ def devices():
 
 
 def resolve_axes(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Axis sizes with -1 resolved; raises ConfigError if they do not match the devices."""
+    """Axis sizes with -1 resolved; raises ConfigError if they do not match the devices, naming a
+    mesh that would fit (on fewer devices, or with pipeline replicas on `data`)."""
     sizes = {a: int(s) for a, s in dict(mesh_config).items()}
     fixed = int(np.prod([s for s in sizes.values() if s != -1])) if sizes else 1
     for axis, size in sizes.items():
         if size == -1:
             if num_devices % fixed:
+                fits = {a: (s if s != -1 else num_devices // fixed) for a, s in sizes.items()}
+                used = int(np.prod(list(fits.values())))
+                hint = (f"the mesh {fits} fits {used} of them ({_fewer_devices(used)})" if used
+                        else f"the fixed axes need {fixed} devices")
                 raise ConfigError(
-                    f"mesh {dict(mesh_config)}: {num_devices} devices cannot be split by {fixed}"
+                    f"mesh {dict(mesh_config)}: {num_devices} devices cannot be split by {fixed}; {hint}"
                 )
             sizes[axis] = num_devices // fixed
     total = int(np.prod(list(sizes.values()))) if sizes else 1
@@ -56,12 +61,22 @@ def resolve_axes(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, 
             f"(on CPU, more can be simulated with --cpu-devices)"
         )
     if total != num_devices:
+        if "data" not in sizes and num_devices % total == 0:
+            fits = {**sizes, "data": num_devices // total}
+            hint = (f"--config.mesh.data={num_devices // total} fills them (the mesh {fits}: "
+                    f"{num_devices // total} replicas, each fed its share of the global batch), or "
+                    f"{_fewer_devices(total)}")
+        else:
+            hint = f"use -1 for one axis, or {_fewer_devices(total)}"
         raise ConfigError(
             f"mesh {dict(mesh_config)} covers {total} of the {num_devices} devices; the axis sizes must "
-            f"multiply to {num_devices} (use -1 for one axis, or run with --cpu-devices {total} on CPU "
-            f"or CUDA_VISIBLE_DEVICES on GPUs)"
+            f"multiply to {num_devices}: {hint}"
         )
     return sizes
+
+
+def _fewer_devices(count: int) -> str:
+    return f"run with --cpu-devices {count} on CPU or CUDA_VISIBLE_DEVICES on GPUs"
 
 
 def make_mesh(mesh_config: Mapping[str, int], devs=None):
@@ -82,3 +97,29 @@ def make_mesh(mesh_config: Mapping[str, int], devs=None):
 
 def axis_size(mesh, axis: str) -> int:
     return int(mesh.shape[axis]) if axis in mesh.shape else 1
+
+
+def replicas_words(sizes: Mapping[str, int], global_batch: int | None = None) -> str:
+    """'' or, on a (stage, data) mesh with data > 1, what the data axis holds: '2 pipeline replicas
+    of 4 stage devices, each fed 64 of the 128 examples a step'."""
+    stage, data = int(sizes.get("stage", 1)), int(sizes.get("data", 1))
+    if "stage" not in sizes or data <= 1:
+        return ""
+    fed = f", each fed {global_batch // data} of the {global_batch} examples a step" if global_batch else ""
+    return f"{data} pipeline replicas of {stage} stage devices{fed}"
+
+
+def mesh_words(mesh_config: Mapping[str, int], example_devices: int = 8) -> str:
+    """A config's mesh in words, before any device is known: its sizes, and where an axis is -1
+    what it resolves to on `example_devices` devices (or the first count it divides)."""
+    sizes = {a: int(s) for a, s in dict(mesh_config).items()}
+    if -1 not in sizes.values():
+        extra = replicas_words(sizes)
+        return f"{sizes}" + (f" ({extra})" if extra else "")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1])) if sizes else 1
+    n = example_devices if example_devices % fixed == 0 else 2 * fixed
+    resolved = {a: (s if s != -1 else n // fixed) for a, s in sizes.items()}
+    extra = replicas_words(resolved)
+    axis = next(a for a, s in sizes.items() if s == -1)
+    return (f"{sizes} ({axis} takes the devices the other axes leave: on {n} devices {resolved}"
+            + (f", {extra}" if extra else "") + ")")

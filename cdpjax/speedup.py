@@ -511,7 +511,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
                stage_backward_input=costs.backward_input, stage_backward_weight=costs.backward_weight,
                backward_from=costs.residuals, split_backward=tbl.split_backward, calibrate=calibrate,
-               stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb,
+               stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb, repeats=repeats,
                activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
@@ -559,4 +559,24 @@ def format_predictions(records: list[dict]) -> str:
                          f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
                          + (f"; {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
                             if r.get("step_seconds") else ""))
+            lines.append(f"  {'':>8}  {op_times_words(p)}")
     return "\n".join(lines)
+
+
+def op_times_words(p: dict) -> str:
+    """The per-op times a prediction replayed and where they came from, in one line: ms per
+    micro-batch, one value per stage, for each cost the table's ops read."""
+    def ms(values) -> str:
+        return "[" + ", ".join(f"{v * 1e3:.3g}" for v in values) + "]"
+
+    where = ("on one device, the others idle" if p.get("calibrate", "alone") == "alone"
+             else f"on {p['devices']} devices at once")
+    fields = [("F", p.get("stage_forward", ())), ("B", p.get("stage_backward", ()))]
+    if p.get("split_backward"):
+        fields += [("B input", p.get("stage_backward_input", ())), ("W", p.get("stage_backward_weight", ()))]
+    if p.get("heads_timed"):
+        fields.append(("head F+B", p.get("stage_head", ())))
+    return (f"op times used (ms per micro-batch of {p.get('micro_batch', '?')}, per stage; measured here by "
+            f"cdpjax.speedup.measure_stage_costs, median of {p.get('repeats', '?')} runs {where}, backwards "
+            f"{'recomputing the forward' if p.get('backward_from') == 'recompute' else 'from kept residuals'}): "
+            + "; ".join(f"{name} {ms(v)}" for name, v in fields if len(v)))

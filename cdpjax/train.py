@@ -39,7 +39,9 @@ names. Every step also checks, in the same compiled program, that the loss,
 every stage's parameters after the update (where a NaN or Inf gradient shows,
 for every optimizer used here) and the whole train state (batches in flight)
 are finite: with `nonfinite='stop'` training stops with `NonFiniteError` naming
-the step and the stage, the last good checkpoint kept; with `nonfinite='skip'`
+the step and the stage, the last good checkpoint kept (the flags come to the host with
+the metrics, at log, evaluation and checkpoint steps, so a run may go on a few steps past a
+bad one before it stops; a checkpoint is never written past it); with `nonfinite='skip'`
 the step's update is dropped on device (the state stays as it was, so pipelines
 lose only the batch fed at that step) and counted in `summary['skipped_steps']`;
 the step then holds two copies of the train state.
@@ -55,6 +57,7 @@ checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -70,14 +73,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import checks, files, layouts, models, optim, shutdown, tasks
+from cdpjax import checks, compilation, files, layouts, models, optim, shutdown, tasks
 from cdpjax import data as data_lib
 from cdpjax import methods as methods_lib
 from cdpjax import workdir as workdir_lib
 from cdpjax.checkpoint import TMP_MARK, Checkpointer, Damaged
+from cdpjax.data.prefetch import Prefetch
 from cdpjax.errors import ConfigError, NonFiniteError, StorageError, storage_problem
 from cdpjax.events import EventLog, event_files, read_metrics
-from cdpjax.mesh import make_mesh
+from cdpjax.mesh import make_mesh, replicas_words
 from cdpjax.methods.common import tree_select
 
 # Test hooks: the process SIGKILLs itself right after finishing (and checkpointing) this step;
@@ -650,6 +654,7 @@ class Prepared:
     metrics_digest: str | None = None  # of metrics.jsonl when the checkpoint resumed from was saved
     intact: int | None = None  # the newest checkpoint known whole: verified on restore, or written here
     training: bool = False  # past the "training ..." line
+    input_wait: float = 0.0  # the fraction of the timed train steps spent waiting for a batch
 
     def clock(self) -> float:
         """`time` of a metrics line: seconds since the run started."""
@@ -868,8 +873,12 @@ def announce(p: Prepared, device_note: tuple[int, str] | None = None) -> None:
         reason = why if have == asked else f"JAX was already running with them; {why} asked for {asked}"
         say(f"{have} simulated CPU devices ({reason}); --cpu-devices sets them")
     what = f"{c.method} / {c.model} / {c.dataset} in {p.workdir}"
+    replicas = replicas_words(dict(p.mesh.shape), c.global_batch_size)
+    cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     where = (f"mesh {dict(p.mesh.shape)}, {n} device{'s' if n > 1 else ''}"
-             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+             + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+             + (f": {replicas}" if replicas else "")
+             + f"; compilation cache {cache or 'off'}")
     p.training = True
     if p.start:
         say(f"resuming {what} from step {p.start} (checkpoint {os.path.join(p.ckpt.directory, str(p.start))}); "
@@ -1027,13 +1036,32 @@ def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
         raise
 
 
+@contextlib.contextmanager
+def first_step_compiles(method: str, first: bool):
+    """Around a process's first step (which compiles): 'compiling METHOD ...' before it, and after
+    it how long it took and how many programs XLA compiled or read from the compilation cache."""
+    if not first:
+        yield
+        return
+    say(f"compiling {method} ...")
+    with compilation.CompileWatch() as watch:
+        yield
+    say(f"compiled {method} and ran its first step in {watch.words()}")
+
+
 def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """The train steps from `p.start` to num_steps, then the final evaluation and summary.
 
-    Step timing: a step is timed from reading its batch to its metrics being on the host;
-    logging, evaluation and checkpoints are outside it. `stop_after` ends this call after that
-    many steps, as if killed (returns {'stopped_at': step}). The lock is checked at every step
-    and before every write (a run forced out of WORKDIR writes nothing more).
+    Feeding: each step's batch is read, augmented and put on the devices ahead of it by a
+    background thread (`cdpjax.data.prefetch`, two batches ahead); the step's metrics and
+    finite flags stay on the devices until the next log, evaluation or checkpoint step (or the
+    last), when those of every step since come to the host together, in order.
+    Step timing: the steps between two such moments are timed together, from the end of the
+    last one to their metrics being on the host (batch waits included, a process's first step,
+    which compiles, left out); logging, evaluation and checkpoints are outside it.
+    `stop_after` ends this call after that many steps, as if killed (returns {'stopped_at': step}).
+    The lock is checked at every step and before every write (a run forced out of WORKDIR writes
+    nothing more).
 
     One function over 60 lines on purpose: a step's order (check, step, log, evaluate,
     checkpoint) reads top to bottom here, and each piece it calls is small."""
@@ -1053,31 +1081,53 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     profile = Profile(config.get("profile_steps", ()), p.workdir)
     window_speed, total_speed = Throughput(), Throughput()
     boundary = shutdown.Boundary()
+    feed = Prefetch(lambda s: p.dataset.train_batch(s, config.global_batch_size, config.seed, config.augment,
+                                                    pid, pcount),
+                    lambda b: put_batch(b, p.mesh, method.input_sharding), range(p.start + 1, config.num_steps))
+    pending, timed = [], Timed()  # steps whose metrics are still on the devices; their clock
     try:
         for step in range(p.start, config.num_steps):
             if stop_after is not None and step - p.start >= stop_after:
                 return {"stopped_at": step}
             p.check_lock()
             profile.before(step + 1)
-            t0 = time.perf_counter()
-            batch = p.first if step == p.start else p.dataset.train_batch(
-                step, config.global_batch_size, config.seed, config.augment, pid, pcount)
-            p.state, metrics, flags = step_fn(p.state, put_batch(batch, p.mesh, method.input_sharding))
-            metrics, flags = jax.device_get((metrics, flags))
-            if step > p.start:  # the first step of a process compiles
-                for speed in (window_speed, total_speed):
-                    speed.add(items, time.perf_counter() - t0)
+            first = step == p.start
+            batch = put_batch(p.first, p.mesh, method.input_sharding) if first else feed.get(step)
+            with first_step_compiles(config.method, first):
+                p.state, metrics, flags = step_fn(p.state, batch)
+                if first:  # the first step of a process compiles: timed apart, left out of the rates
+                    pending.append((step + 1, *jax.device_get((metrics, flags))))
+            if not first:
+                pending.append((step + 1, metrics, flags))
+                timed.steps += 1
+            done = step + 1
             # The flush of a finished run's final checkpoint belongs to its step: once a step trains
             # past it (the run extended), batches are in flight again and the new end flushes them.
-            p.done, p.flushed = step + 1, False
-            done = p.done
+            p.flushed = False
             boundary.open()  # from the end of the first step (compiled): a SIGTERM saves at a boundary
-            profile.after(done)
-            if not all_finite(metrics, flags):
-                _nonfinite(p, metrics, flags, skip, bar)
+            preempted = done < config.num_steps and _preempted(boundary, done)
+            if not (preempted or _sync_step(config, done, profile, first)):
+                p.done = done
                 bar.step(done)
+                _test_hooks(done)
                 continue
-            p.window.append(window_entry(metrics))
+            # Metrics come to the host here only: at log, evaluation and checkpoint steps (and the end).
+            finite = True
+            for d, m, f in jax.device_get(pending):
+                p.done, finite = d, all_finite(m, f)
+                if not finite:
+                    _nonfinite(p, m, f, skip, bar)  # stop: raises; skip: counted
+                else:
+                    p.window.append(window_entry(m))
+            pending = []
+            for speed in (window_speed, total_speed):
+                timed.add_to(speed, items)
+            profile.after(done)
+            if not finite:  # a skipped step is not logged, evaluated or checkpointed at
+                timed.restart()
+                bar.step(done)
+                _test_hooks(done)
+                continue
             if done % config.log_every == 0 or done == config.num_steps:
                 mean = window_metrics(task, p.window)
                 ips = window_speed.rate()
@@ -1100,17 +1150,20 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 # exactly what an uninterrupted one does.
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
                                           "time": p.clock(), "metrics": log.digest()})
-            if done < config.num_steps and _preempted(boundary, done):
+            if preempted:
                 raise _save_and_stop(p, boundary, done, {**here, "metrics": log.digest()})
             bar.leave_out(time.perf_counter() - t_aside)
+            timed.restart()  # evaluation and checkpoints are not train steps
             bar.step(done)
             _test_hooks(done)
         boundary.close()  # the final phase (flush, evaluation, final checkpoint) ends on a signal as before
         bar.close()
         profile.stop(p.done)
+        p.input_wait = feed.waited / total_speed.seconds if total_speed.seconds else 0.0
         return _finish(p, log, eval_fn, eval_batch, here, total_speed, task)
     finally:
         boundary.close()
+        feed.close()
         bar.close()
         profile.stop(p.done)
         log.close()
@@ -1141,6 +1194,29 @@ def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: di
     how = shutdown.HOW.get(signum, f"stopped by signal {signum}")
     return Interrupted(f"{how} at step {done}; checkpoint {done} saved in {p.ckpt.directory}; run the same "
                        f"command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
+
+
+@dataclasses.dataclass
+class Timed:
+    """The clock of the train steps since the last time their metrics came to the host."""
+
+    steps: int = 0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add_to(self, speed: Throughput, items: int) -> None:
+        if self.steps:
+            speed.add(items * self.steps, time.perf_counter() - self.t0)
+
+    def restart(self) -> None:
+        self.steps, self.t0 = 0, time.perf_counter()
+
+
+def _sync_step(config, done: int, profile: Profile, first: bool) -> bool:
+    """Whether step `done`'s metrics (and those of the steps before it) come to the host now: at
+    a log, evaluation or checkpoint step, the last step, a profiled step and a process's first."""
+    return (first or profile.active or done == config.num_steps or done % config.log_every == 0
+            or bool(config.eval_every) and done % config.eval_every == 0
+            or bool(config.checkpoint_every) and done % config.checkpoint_every == 0)
 
 
 def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, speed: Throughput,
@@ -1174,6 +1250,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
         "wall_seconds": time.perf_counter() - p.t0,
         "skipped_steps": p.skipped,
         "resumed_from": p.start,
+        "input_wait_fraction": round(p.input_wait, 4),
         "report": method_report(method),
     }
     if jax.process_index() == 0:

@@ -27,6 +27,9 @@ _XLA_CACHE = tempfile.mkdtemp(prefix="cdpjax-tests-xla-")
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The commands the tests start in subprocesses would otherwise share the user's cache
+# (`cdpjax.compilation`: ~/.cache/cdpjax/xla); a test that wants one gives --compilation-cache.
+os.environ["CDPJAX_COMPILATION_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -163,7 +163,7 @@ def test_module_groups_place_several_modules_on_a_device(capsys):
     assert rc == 0, err
     d = json.loads(out)
     assert [s["device"] for s in d["stages"]] == [0] * 9 + [1] * 3 + [2] * 2 + [3] * 2
-    assert d["mesh"] == {"stage": 4} and [e["stages"] for e in d["devices"]][1] == [9, 10, 11]
+    assert d["mesh"] == {"stage": 4, "data": -1} and [e["stages"] for e in d["devices"]][1] == [9, 10, 11]
     assert d["devices"][0]["params"] == sum(s["params"] for s in d["stages"][:9])
 
 

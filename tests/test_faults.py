@@ -79,7 +79,7 @@ def env_without_device_flag(**extra):
 
 # Lines a run says before it fails, which are not the failure.
 BEFORE = ("cdpjax: took over the lock", "cdpjax: 8 simulated CPU devices", "cdpjax: 4 simulated CPU devices",
-          "cdpjax: training dp", "cdpjax: resuming dp")
+          "cdpjax: training dp", "cdpjax: resuming dp", "cdpjax: compiling ", "cdpjax: compiled ")
 
 
 def the_line(err: str, start: str = "cdpjax") -> str:
@@ -480,7 +480,7 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
     first = signals[0][1]
     assert proc.returncode == (130 if first == signal.SIGINT else 128 + int(first)), err[-3000:]
     lines = [line for line in err.strip().splitlines() if line.startswith("cdpjax: ")
-             and not line.startswith(("cdpjax: training", "cdpjax: 8 simulated"))]
+             and not line.startswith(("cdpjax: training", "cdpjax: 8 simulated", "cdpjax: compil"))]
     assert "Traceback" not in err and "Exception ignored" not in err, err
     how = "interrupted" if first == signal.SIGINT else f"terminated ({signal.Signals(first).name})"
     assert len(lines) == 1 and lines[0].startswith(f"cdpjax: {how}"), err

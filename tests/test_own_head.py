@@ -85,7 +85,7 @@ def test_the_head_trains_under_ppll_as_under_local(own_head):
 
 def test_the_head_trains_from_the_command_line(tmp_path):
     """`cdpjax train --config experiments/own_head/config.py` from another folder: ppll on the 4 stage
-    devices its layout declares, the user's head registered by the config."""
+    devices its layout declares, 2 replicas on the 8, the user's head registered by the config."""
     work = tmp_path / "ppll"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")
     proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config",
@@ -94,5 +94,5 @@ def test_the_head_trains_from_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((work / "summary.json").read_text())
     config = json.loads((work / "config.json").read_text())
-    assert summary["mesh"] == {"stage": 4} and summary["steps"] == 3 and np.isfinite(summary["test_loss"])
+    assert summary["mesh"] == {"stage": 4, "data": 2} and summary["steps"] == 3 and np.isfinite(summary["test_loss"])
     assert config["aux_head"] == "smooth_mlp"

@@ -82,10 +82,10 @@ def test_own_model_trains_with_cdp_v2_from_python(tmp_path):
 
 def test_own_model_trains_with_ppll_from_the_command_line(tmp_path):
     """`cdpjax train --config experiments/own_model/config.py:method=ppll` from another folder: the
-    command line simulates the 4 stage devices ppll's layout declares."""
+    command line fills 8 simulated devices: the 4 stage devices ppll's layout declares, 2 replicas."""
     work = tmp_path / "ppll"
     _run(["-m", "cdpjax.cli", "train", "--config", os.path.join(EXAMPLE, "config.py") + ":method=ppll,steps=3",
           "--workdir", str(work), "--no-progress"], tmp_path)
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["model"] == "my_cnn" and summary["mesh"] == {"stage": 4} and summary["steps"] == 3
+    assert summary["model"] == "my_cnn" and summary["mesh"] == {"stage": 4, "data": 2} and summary["steps"] == 3
     assert np.isfinite(summary["test_loss"])

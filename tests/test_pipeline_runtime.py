@@ -283,5 +283,6 @@ def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == name and summary["test_accuracy"] > 0.3  # digits: chance is 0.1
-    # 4 stages: one per device, or two per device (V chunks, the V placement)
-    assert summary["mesh"] == {"stage": 4 if name in ("1f1b", "zb-h1") else 2}
+    # 4 stages: one per device, or two per device (V chunks, the V placement); replicas on the 8 left
+    stage = 4 if name in ("1f1b", "zb-h1") else 2
+    assert summary["mesh"] == {"stage": stage, "data": 8 // stage}

@@ -109,7 +109,7 @@ def test_tfds_loaders_take_the_crop_padding(tmp_path):
 @pytest.mark.heavy  # 600 steps twice; `man` heads' equality with local stays in CI (tests/test_local_ppll.py)
 def test_digits_ppll_with_momentum_heads(tmp_path):
     """`cdpjax train --config experiments/configs/digits.py:method=ppll --config.aux_head=man` trains
-    (600 steps, 4 stages on 4 simulated devices); its test accuracy is local's with the same heads
+    (600 steps, 4 stages x 2 replicas on 8 simulated devices); its test accuracy is local's with the same heads
     (within one of the 300 test images: the parameters are equal to float tolerance, tested above
     them) and at least the default head's (greedy) minus 2 points after the same steps."""
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")
@@ -120,7 +120,7 @@ def test_digits_ppll_with_momentum_heads(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ppll = json.loads((work / "summary.json").read_text())
-    assert ppll["steps"] == 600 and ppll["mesh"] == {"stage": 4}
+    assert ppll["steps"] == 600 and ppll["mesh"] == {"stage": 4, "data": 2}
     accuracy = {}
     for head in ("man", "greedy"):
         c = _load("digits.py:method=local")

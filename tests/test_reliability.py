@@ -102,8 +102,8 @@ class Recorder:
     """Wraps `cdpjax.data.build` and `train.setup` to count what the trainer reads and feeds."""
 
     def __init__(self, monkeypatch, poison=(), insert=False, snapshot=None):
-        """`snapshot=(step, workdir, copy)`: just before feeding batch `step`, WORKDIR is copied to
-        `copy`: what a process killed after `step` steps leaves behind."""
+        """`snapshot=(step, workdir, copy)`: once step `step` has ended, WORKDIR is copied to `copy`:
+        what a process killed after `step` steps leaves behind."""
         self.reads, self.fed, self.flushes, self.has_flush = [], 0, 0, False
         build, setup, put = data_lib.build, train.setup, train.put_batch
 
@@ -130,15 +130,19 @@ class Recorder:
             return dataset, mesh, method
 
         def counting_put(batch, mesh, sharding=None):
-            if snapshot and self.fed == snapshot[0]:
+            self.fed += 1  # batches are put on the devices ahead of their step (cdpjax.data.prefetch)
+            return put(batch, mesh, sharding)
+
+        def snapshot_after(done, hooks=train._test_hooks):
+            if snapshot and done == snapshot[0]:  # step `done` has ended: what a kill now leaves
                 shutil.copytree(snapshot[1], snapshot[2])
                 as_if_dead(snapshot[2])
-            self.fed += 1
-            return put(batch, mesh, sharding)
+            hooks(done)
 
         monkeypatch.setattr(data_lib, "build", counting_build)
         monkeypatch.setattr(train, "setup", counting_setup)
         monkeypatch.setattr(train, "put_batch", counting_put)
+        monkeypatch.setattr(train, "_test_hooks", snapshot_after)
 
 
 class PoisonedDataset:
@@ -445,7 +449,7 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
     devices = lines.index("cdpjax: 8 simulated CPU devices (what the mesh {'data': 8} needs); "
                           "--cpu-devices sets them")
     assert lines[devices + 1] == (f"cdpjax: training dp / mlp / digits in {work}: 12 steps "
-                                  f"(mesh {{'data': 8}}, 8 devices)")
+                                  f"(mesh {{'data': 8}}, 8 devices; compilation cache off)")
     assert (f"cdpjax: interrupted at step 5; last complete checkpoint: step 4 in {work}/checkpoints; "
             f"run the same command to resume") in lines, err
     assert "Traceback" not in err and not (work / "lock.json").exists()

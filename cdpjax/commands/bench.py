@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from cdpjax.commands.common import check_output, config_parser, created_output
+from cdpjax.commands.common import add_cache_flags, check_output, config_parser, created_output, enable_cache
 from cdpjax.errors import ConfigError
 
 # Timed steps per method: the median of a thousand is as good as of more, and a bench stays minutes long.
@@ -37,13 +37,14 @@ def add_parser(subparsers):
         epilog=EPILOG, usage="cdpjax bench [--config FILE[:ARG]] [--config.KEY=VALUE ...] --methods a,b,... "
                              "[--cpu-devices N] [--json OUT] [--repeats R] "
                              "[--predict K [--bandwidth B] [--calibrate alone|together] [--no-heads]] "
-                             "[--keep-mesh]")
+                             "[--keep-mesh] [--compilation-cache DIR | --no-compilation-cache]")
     p.add_argument("--methods", default="e2e,dp,cdp-v1,cdp-v2",
                    help="comma-separated method names; NAME@KEY=VALUE[@...] benches a variant "
                         "(e.g. cdp-v2@residuals=carry) beside the others")
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices where no accelerator is present")
     p.add_argument("--json", dest="json_out", help="write the records to this JSON file")
     p.add_argument("--keep-mesh", action="store_true", help="use the config's mesh for every method")
+    add_cache_flags(p)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per method (median reported)")
     p.add_argument("--predict", type=int, default=0, metavar="K",
                    help="also predict step time and speedup on K real devices (see cdpjax.speedup)")
@@ -100,6 +101,7 @@ def _run(args, overrides) -> int:
 
     base = _load(args, overrides)
     setup_devices(args.cpu_devices)
+    cache = enable_cache(args)
     from cdpjax import bench, config as cfg_lib
 
     specs = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -117,8 +119,8 @@ def _run(args, overrides) -> int:
         configs.append(c)
     devices = [_devices_for(c) for c in configs]
     built = bench.setup_all(configs, devices)  # every method checked before this line and before any compiles
-    print(f"cdpjax bench: {', '.join(names)} (compiled first, then timed in interleaved rounds) ...",
-          file=sys.stderr, flush=True)
+    print(f"cdpjax bench: {', '.join(names)} (compiled first, then timed in interleaved rounds; "
+          f"{cache.words()}) ...", file=sys.stderr, flush=True)
     records = bench.bench_methods(configs, devices, repeats=args.repeats, built=built)
     for spec, r in zip(specs, records):
         r["label"] = spec

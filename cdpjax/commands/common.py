@@ -67,4 +67,19 @@ def config_parser(subparsers, name: str, help: str, description: str, epilog: st
     return p
 
 
-__all__ = ["FIGURE_SUFFIXES", "check_output", "config_parser", "created_output"]
+def add_cache_flags(p) -> None:
+    """--compilation-cache DIR and --no-compilation-cache (`cdpjax.compilation`)."""
+    p.add_argument("--compilation-cache", metavar="DIR", default=None,
+                   help="keep compiled programs in DIR (default: $CDPJAX_COMPILATION_CACHE, else "
+                        "~/.cache/cdpjax/xla; a directory JAX already has, JAX_COMPILATION_CACHE_DIR, is kept)")
+    p.add_argument("--no-compilation-cache", action="store_true", help="compile every program afresh")
+
+
+def enable_cache(args):
+    """The persistent compilation cache as the command's flags say; returns the choice."""
+    from cdpjax import compilation
+
+    return compilation.enable(getattr(args, "compilation_cache", None), getattr(args, "no_compilation_cache", False))
+
+
+__all__ = ["FIGURE_SUFFIXES", "add_cache_flags", "check_output", "config_parser", "created_output", "enable_cache"]

@@ -160,10 +160,12 @@ def _si(x: float) -> str:
 def format_text(d: dict) -> str:
     """The description as a table, one row a stage, then the totals (head columns only for
     methods with auxiliary heads, the EMA column only where a head has EMA parameters)."""
+    from cdpjax.mesh import mesh_words
+
     shape = "x".join(map(str, d["input_shape"]))
     heads, ema = d["aux_head"] is not None, any(s["ema_params"] for s in d["stages"])
     lines = [f"{d['model']} on {d['dataset']} ({shape}, {d['num_classes']} classes): {len(d['stages'])} stages "
-             f"of {d['num_blocks']} blocks for method {d['method']}, mesh {d['mesh']}, "
+             f"of {d['num_blocks']} blocks for method {d['method']}, mesh {mesh_words(d['mesh'])}, "
              + (f"aux head {d['aux_head']}" if heads else "no auxiliary heads")
              + (f", module groups {d['module_groups']}" if d["module_groups"] else "")]
     head_cols = [("head", "head_params"), ("decoder", "decoder_params")] + ([("EMA", "ema_params")] if ema else [])

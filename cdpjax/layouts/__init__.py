@@ -162,11 +162,18 @@ def register(layout: Layout) -> Layout:
 
 
 def mesh_for(config) -> dict[str, int]:
-    """The config's mesh, or its method's default mesh where the config gives none."""
+    """The config's mesh, or where the config gives none the mesh that fills the host: the
+    method's default mesh, and for a stage-axis method also `data: -1`, pipeline replicas over
+    the devices its stages leave (4 stage devices on 8: {'stage': 4, 'data': 2}, each replica
+    fed half of every global batch, their gradients averaged)."""
     mesh = dict(config.get("mesh", {}) or {})
     if mesh:
         return mesh
-    return LAYOUTS.lookup(config.method).default_mesh(config)
+    layout = LAYOUTS.lookup(config.method)
+    own = layout.default_mesh(config)
+    if layout.device_axis == "stage" and "data" in layout.axes:
+        return {**own, "data": -1}
+    return own
 
 
 def devices_needed(config) -> int | None:

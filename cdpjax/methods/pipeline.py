@@ -105,7 +105,8 @@ def check_mesh(ctx: Context, method: str, devices: int) -> int:
     if groups > 1 and cfg.get("norm", "none") == "batch" and cfg.get("bn_cross_device", True):
         raise ConfigError(f"{method} with mesh.data={groups} and norm='batch' would need a cross-device "
                           f"BatchNorm inside a pipeline stage: set bn_cross_device=False (statistics per "
-                          f"data group) or norm='group'")
+                          f"data group), norm='group', or --config.mesh.data=1 (one pipeline, on {devices} "
+                          f"devices)")
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, groups, "mesh.data")
     return groups
 

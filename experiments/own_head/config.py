@@ -1,6 +1,6 @@
 """Train the embedded digits MLP with a head and local loss of one's own (my_head.py, next to this file).
 
-    cdpjax train --config experiments/own_head/config.py                 # ppll: 4 stages on 4 devices
+    cdpjax train --config experiments/own_head/config.py                 # ppll: 4 stages x 2 replicas on 8 devices
     cdpjax train --config experiments/own_head/config.py:method=local
     cdpjax describe --config experiments/own_head/config.py
 

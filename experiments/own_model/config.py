@@ -7,7 +7,8 @@
 `import my_model` works because cdpjax puts this file's folder on `sys.path` while it
 runs (`cdpjax.config.load_file`). No mesh and no method list here: each method runs on
 the mesh its layout declares (`cdpjax.layouts`): cdp-v2 puts every device on `data`
-(8 simulated CPU devices on a machine without GPUs), ppll one device per stage (4).
+(8 simulated CPU devices on a machine without GPUs), ppll one device per stage (4), with
+pipeline replicas over `data` on the devices left (2 on 8).
 
 Expected after 300 steps (any hardware): cdp-v2 about 98-99% test accuracy, ppll about
 95% (local learning through linear auxiliary heads learns more slowly than end-to-end

@@ -1,0 +1,221 @@
+"""Every device of the host: a stage-axis method given no mesh fills a (stage, data) mesh, pipeline
+replicas over `data`, and still computes its reference's function.
+
+Claims: on 8 devices a 4-stage pipeline runs as {'stage': 4, 'data': 2}, each replica fed half of
+every global batch and their gradients averaged, so a backprop pipeline ends where `e2e` on one
+device ends (train losses and final test metrics), and `ppll` where `local` ends (PPLL = local
+learning with the same modules); sizes that cannot fill the devices are refused naming a mesh
+that fits.
+"""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from cdpjax import layouts, train
+from cdpjax.config import default_config
+from cdpjax.errors import ConfigError
+from cdpjax.mesh import resolve_axes
+
+STAGES = 4
+
+
+def reference_of(name: str) -> str | None:
+    """The method a stage-axis layout must equal, by what it trains: a layout whose ops carry
+    auxiliary heads trains the modules locally (`local`); one that reads micro-batches is
+    backprop through a pipeline (`e2e`); cdp-mp's delayed updates have no one-device twin here
+    (tests/test_cdp_mp.py compares it with CDP's simulation)."""
+    layout = layouts.LAYOUTS[name]
+    if "module_groups" in layout.table_sizes():
+        return "local"
+    if layout.microbatches:
+        return "e2e"
+    return None
+
+
+STAGE_AXIS = sorted(n for n, lay in layouts.LAYOUTS.items() if lay.device_axis == "stage")
+# One method of each kind in CI (backprop pipelines: gpipe and 1f1b, local learning: ppll); the
+# other backprop pipelines share their engine and run with `make test-heavy`.
+IN_CI = ("gpipe", "1f1b", "ppll")
+CASES = [pytest.param(n, marks=() if n in IN_CI else pytest.mark.heavy) for n in STAGE_AXIS if reference_of(n)]
+
+
+def _config(method: str):
+    c = default_config()
+    c.method, c.model, c.stages = method, "mlp", STAGES
+    c.global_batch_size, c.num_steps, c.log_every = 64, 6, 2
+    c.eval_every = c.checkpoint_every = 0
+    c.microbatches, c.schedule = 2, "constant"
+    return c
+
+
+def _lines(workdir, split):
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            work = tmp_path_factory.mktemp(name)
+            cache[name] = (train.train(_config(name), str(work), progress=False), work)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stage_axis_method_fills_the_host_and_equals_its_reference(name, reference_runs, tmp_path, capsys):
+    assert jax.device_count() == 8
+    summary = train.train(_config(name), str(tmp_path), progress=False)  # no mesh, no devices: the host's
+    stage = layouts.LAYOUTS[name].default_mesh(_config(name))["stage"]
+    assert summary["mesh"] == {"stage": stage, "data": 8 // stage} and summary["devices"] == 8
+    line = [x for x in capsys.readouterr().err.splitlines() if "training " in x][0]
+    assert f"{8 // stage} pipeline replicas of {stage} stage devices, each fed {64 * stage // 8} of the 64" in line
+    ref_name = reference_of(name)
+    ref, ref_work = reference_runs(ref_name)
+    for key in ("test_loss", "test_accuracy"):
+        np.testing.assert_allclose(summary[key], ref[key], rtol=2e-5, atol=1e-6)
+    if ref_name == "e2e":  # ppll's train losses are local's delayed by the pipeline: its end is compared
+        ours, theirs = _lines(tmp_path, "train"), _lines(ref_work, "train")
+        assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [2, 4, 6]
+        np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=2e-5)
+    assert summary["test_loss"] < _first_loss(ref_work)  # it trained
+
+
+def _first_loss(work):
+    return _lines(work, "train")[0]["loss"]
+
+
+@pytest.mark.parametrize("mesh,devices,match", [
+    ({"stage": 3, "data": -1}, 8, r"8 devices cannot be split by 3; the mesh \{'stage': 3, 'data': 2\} fits 6 of "
+                                  r"them \(run with --cpu-devices 6"),
+    ({"stage": 4}, 8, r"covers 4 of the 8 devices; .*--config.mesh.data=2 fills them \(the mesh \{'stage': 4, "
+                      r"'data': 2\}"),
+    ({"stage": 3}, 8, r"covers 3 of the 8 devices; .*use -1 for one axis, or run with --cpu-devices 3"),
+])
+def test_a_mesh_that_cannot_fill_the_devices_names_one_that_fits(mesh, devices, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_axes(mesh, devices)
+
+
+# Compiles cached and announced ------------------------------------------------------------------
+
+def test_the_compilation_cache_directory_follows_its_rule():
+    """The rule of cdpjax.compilation, case by case: off > JAX's own > flag > environment > default."""
+    from cdpjax.compilation import choose
+
+    env = {"XDG_CACHE_HOME": "/c", "CDPJAX_COMPILATION_CACHE": "/e"}
+    assert choose(None, True, "/j", env) == (None, "off")
+    assert choose("/f", False, "/j", env) == ("/j", "JAX")
+    assert choose("/f", False, None, env) == ("/f", "flag")
+    assert choose(None, False, None, env) == ("/e", "environment")
+    assert choose(None, False, None, {**env, "CDPJAX_COMPILATION_CACHE": "OFF"}) == (None, "off")
+    assert choose(None, False, None, {"XDG_CACHE_HOME": "/c"}) == ("/c/cdpjax/xla", "default")
+    assert choose(None, False, None, {"HOME": "/h"})[0].endswith("/.cache/cdpjax/xla")
+
+
+def _train_cli(workdir, *flags):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config.method=dp", "--config.num_steps=2",
+                           "--config.eval_every=0", "--config.checkpoint_every=0", "--cpu-devices", "2",
+                           "--workdir", str(workdir), "--no-progress", *flags],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.splitlines()
+
+
+def test_a_second_identical_run_reads_its_programs_from_the_compilation_cache(tmp_path):
+    """The first run compiles the step and writes it to the cache it names; the second, another
+    work directory with the same config, compiles nothing and reads it back. With the flag off:
+    no cache, said so."""
+    cache = tmp_path / "xla"
+    first = _train_cli(tmp_path / "a", "--compilation-cache", str(cache))
+    second = _train_cli(tmp_path / "b", "--compilation-cache", str(cache))
+    for lines in (first, second):
+        assert [x for x in lines if x.startswith("cdpjax: training ")][0].endswith(f"; compilation cache {cache})")
+        assert lines.index("cdpjax: compiling dp ...") + 1 == lines.index(_compiled(lines))
+    assert "(1 program compiled)" in _compiled(first)
+    assert "(0 programs compiled, 1 read from the compilation cache)" in _compiled(second)
+    off = _train_cli(tmp_path / "c", "--compilation-cache", str(cache), "--no-compilation-cache")
+    assert [x for x in off if x.startswith("cdpjax: training ")][0].endswith("; compilation cache off)")
+    assert "(1 program compiled)" in _compiled(off)
+
+
+def _compiled(lines):
+    return [x for x in lines if x.startswith("cdpjax: compiled dp and ran its first step in ")][0]
+
+
+# The input pipeline ------------------------------------------------------------------------------
+
+def test_prefetch_prepares_batches_in_order_off_the_training_thread_and_at_most_depth_ahead():
+    import threading
+    import time
+
+    from cdpjax.data.prefetch import Prefetch
+
+    made, threads = [], set()
+
+    def make(step):
+        made.append(step)
+        threads.add(threading.current_thread().name)
+        return {"step": step}
+
+    feed = Prefetch(make, lambda b: {**b, "put": True}, range(3, 40), depth=2)
+    try:
+        for step in range(3, 20):
+            assert feed.get(step) == {"step": step, "put": True}
+            time.sleep(0.002)
+            # taken up to `step`; 2 waiting in the queue; 1 made and waiting for room
+            assert len(made) <= (step - 3 + 1) + 2 + 1, (step, made)
+    finally:
+        feed.close()
+    assert made == list(range(3, 3 + len(made))) and threading.current_thread().name not in threads
+    assert len(made) < 37  # closed early: the rest never read
+
+
+def test_prefetch_raises_a_read_error_at_its_step_and_without_prefetch_reads_in_get():
+    from cdpjax.data.prefetch import Prefetch
+
+    def make(step):
+        if step == 2:
+            raise OSError("disk gone")
+        return step
+
+    feed = Prefetch(make, lambda b: b, range(0, 5), depth=2)
+    try:
+        assert [feed.get(0), feed.get(1)] == [0, 1]
+        with pytest.raises(OSError, match="disk gone"):
+            feed.get(2)
+    finally:
+        feed.close()
+    calls = []
+    sync = Prefetch(lambda s: calls.append(s) or s, lambda b: b, range(0, 5), depth=0)
+    assert calls == [] and sync.get(0) == 0 and calls == [0]
+    sync.close()
+
+
+# Predictions that say what they assume ------------------------------------------------------------
+
+def test_a_prediction_states_the_op_times_it_replayed_and_where_they_came_from():
+    from cdpjax.speedup import format_predictions
+
+    prediction = {"method": "zb-h1", "model": "lockstep", "step_seconds": 0.01, "devices": 2, "speedup": 1.5,
+                  "imbalance": 1.1, "calibrate": "together", "micro_batch": 16, "repeats": 5,
+                  "stage_forward": (0.001, 0.002), "stage_backward": (0.003, 0.004),
+                  "stage_backward_input": (0.0015, 0.0025), "stage_backward_weight": (0.0015, 0.0015),
+                  "split_backward": True, "heads_timed": False, "stage_head": (), "backward_from": "carry"}
+    text = format_predictions([{"method": "zb-h1", "step_seconds": 0.02, "prediction": prediction}])
+    line = text.splitlines()[-1].strip()
+    assert line == ("op times used (ms per micro-batch of 16, per stage; measured here by "
+                    "cdpjax.speedup.measure_stage_costs, median of 5 runs on 2 devices at once, backwards from "
+                    "kept residuals): F [1, 2]; B [3, 4]; B input [1.5, 2.5]; W [1.5, 1.5]")
+    assert "0.50x the measured step" in text.splitlines()[1]
