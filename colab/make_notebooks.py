@@ -58,36 +58,13 @@ SETUP = _src("""
           f"config; figures go to {FIGURES}/")
 """)
 
-CONFIGS = _src(f"""
-    import urllib.request
-
-    import cdpjax
+CONFIGS = _src("""
     from cdpjax import config as cfg_lib
 
 
-    def configs_dir():
-        \"\"\"experiments/configs of a checkout: $CDPJAX_REPO, the one cdpjax is installed from, or the cwd's.\"\"\"
-        here = os.path.dirname(os.path.dirname(os.path.abspath(cdpjax.__file__)))
-        for root in (os.environ.get("CDPJAX_REPO", ""), here, os.getcwd()):
-            path = os.path.join(root, "experiments", "configs")
-            if root and os.path.isdir(path):
-                return path
-        return None
-
-
     def load_config(spec):
-        \"\"\"'FILE.py:ARGS' of experiments/configs -> ConfigDict. Where there is no checkout (Colab
-        installs the package only) the file is fetched from the repository once.\"\"\"
-        directory = configs_dir()
-        if directory is None:
-            directory = "cdpjax_configs"
-            name = spec.split(":")[0]
-            os.makedirs(directory, exist_ok=True)
-            if not os.path.exists(os.path.join(directory, name)):
-                urllib.request.urlretrieve(
-                    f"https://raw.githubusercontent.com/{REPOSITORY}/main/experiments/configs/{{name}}",
-                    os.path.join(directory, name))
-        return cfg_lib.load_file(os.path.join(directory, spec))
+        \"\"\"'NAME:ARGS' of a config shipped with cdpjax (cdpjax/configs/NAME.py) -> ConfigDict.\"\"\"
+        return cfg_lib.load_file(spec)
 
 
     def devices_for(config):
@@ -256,9 +233,9 @@ def memory_and_communication():
             from cdpjax import bench, data, models, plotting, timetable
 
             if TINY:
-                base = load_config("digits.py:method=cdp-v2")
+                base = load_config("digits:method=cdp-v2")
             else:
-                base = load_config("cdp_cifar10.py:model=resnet18,method=cdp-v2")
+                base = load_config("cdp_cifar10:model=resnet18,method=cdp-v2")
                 base.dataset, base.dataset_kwargs = "synthetic", {"image_shape": (32, 32, 3), "num_classes": 10}
                 if jax.device_count() < 8:  # the ring needs one device per worker; simulate otherwise
                     base.cdp_impl, base.mesh = "simulate", {"data": 1}
@@ -374,11 +351,11 @@ def accuracy():
             Reproduces the accuracy figure of *Cyclic Data Parallelism* (arXiv 2403.08837): despite
             the gradient delay, CDP-v1 and CDP-v2 train as well as DP.
 
-            - GPU-sized config: `experiments/configs/cdp_cifar10.py` (ResNet-18, CIFAR-10, 8 workers,
+            - GPU-sized config: `cdpjax/configs/cdp_cifar10.py` (ResNet-18, CIFAR-10, 8 workers,
               global batch 512, SGD 0.05, step decay) for `EPOCHS` epochs (the paper: 101; expected
               about 95% for all three). With fewer than 8 devices the CDP rules run as
               `cdp_impl='simulate'` (same updates, workers simulated on the devices there are).
-            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, 8 workers on 8 simulated CPU
+            - Tiny config: `cdpjax/configs/digits.py` (4-stage MLP, 8 workers on 8 simulated CPU
               devices), a few hundred steps.
 
             Runs go to `runs/<method>/` and resume from their last checkpoint when the cell is rerun.
@@ -397,10 +374,10 @@ def accuracy():
 
             def make_config(method):
                 if TINY:
-                    c = load_config(f"digits.py:method={method},steps={TINY_STEPS}")
+                    c = load_config(f"digits:method={method},steps={TINY_STEPS}")
                     c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
                     return c
-                c = load_config(f"cdp_cifar10.py:model=resnet18,method={method},epochs={EPOCHS}")
+                c = load_config(f"cdp_cifar10:model=resnet18,method={method},epochs={EPOCHS}")
                 if jax.device_count() < 8 and method != "dp":
                     c.cdp_impl = "simulate"
                 if jax.device_count() < 8:
@@ -453,10 +430,10 @@ def ppll():
             ResNet, 2.62x for ViT) at the accuracy of local learning (here: exactly, since `ppll`'s
             parameters after T batches equal `local`'s), against GPipe and plain model parallelism.
 
-            - GPU-sized config: `experiments/configs/ppll_resnet32.py` (ResNet-32, CIFAR-10, InfoPro
+            - GPU-sized config: `cdpjax/configs/ppll_resnet32.py` (ResNet-32, CIFAR-10, InfoPro
               heads, K = 4) for `EPOCHS` epochs (the paper: 400). `ppll` and `gpipe` need K devices;
               with fewer they are not trained, and their speed is predicted only.
-            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, K = 4 on simulated CPU devices).
+            - Tiny config: `cdpjax/configs/digits.py` (4-stage MLP, K = 4 on simulated CPU devices).
 
             Speedup on K devices is predicted by `cdpjax.speedup` from per-stage times measured on one
             device (assumptions in its docstring); times measured on simulated CPU devices share the
@@ -477,10 +454,10 @@ def ppll():
 
             def make_config(method, microbatches=None):
                 if TINY:
-                    c = load_config(f"digits.py:method={method},stages={K},steps={TINY_STEPS}")
+                    c = load_config(f"digits:method={method},stages={K},steps={TINY_STEPS}")
                     c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
                 else:
-                    c = load_config(f"ppll_resnet32.py:K={K},method={method},epochs={EPOCHS}")
+                    c = load_config(f"ppll_resnet32:K={K},method={method},epochs={EPOCHS}")
                 if microbatches is not None:
                     c.microbatches = microbatches
                 return c

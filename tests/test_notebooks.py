@@ -69,7 +69,6 @@ def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
     monkeypatch.setenv("CDPJAX_TINY", "1")
     monkeypatch.setenv("CDPJAX_FIGURES", str(figures))
-    monkeypatch.setenv("CDPJAX_REPO", str(ROOT))  # configs from this checkout, not from GitHub
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # a pip install that should not happen cannot download either
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -198,7 +197,7 @@ def _memory_content(drawn, _):
     from cdpjax.config import load_file
     from cdpjax.layouts.cdp import cdp_table
 
-    base = load_file(str(ROOT / "experiments" / "configs" / "digits.py") + ":method=cdp-v2")
+    base = load_file(str(ROOT / "cdpjax" / "configs" / "digits.py") + ":method=cdp-v2")
     dataset = data.build(base)
     sizes = bench.stage_sizes(models.build(base, dataset.image_shape, dataset.num_classes), base.global_batch_size // 8)
     tables = [cdp_table(m, 8, 4, steps=4) for m in ("dp", "cdp-v2")]

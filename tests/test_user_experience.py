@@ -296,3 +296,56 @@ def test_a_usage_error_is_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
     assert err.rstrip().endswith("--help` lists the arguments)")
+
+
+# The conventions researchers already type ------------------------------------------------------
+
+def test_config_key_space_value_is_key_equals_value():
+    """`--config.KEY VALUE` (ml_collections' config_flags, big_vision's docstrings) is split as
+    `--config.KEY=VALUE`; a value that is itself a flag, or none at all, is left for the refusal."""
+    from cdpjax.cli import _split_config_overrides
+
+    argv = ["train", "--config.num_steps", "3", "--config.mesh.data", "-1", "--config.method=dp", "--workdir", "w",
+            "--config.stages", "[2, 5]", "--config.learning_rate", "--no-progress", "--config.seed"]
+    assert _split_config_overrides(argv) == (
+        ["num_steps=3", "mesh.data=-1", "method=dp", "stages=[2, 5]", "learning_rate", "seed"],
+        ["train", "--workdir", "w", "--no-progress"])
+
+
+def test_train_takes_config_key_space_value(tmp_path, capsys):
+    """`cdpjax train --config.num_steps 3` trains 3 steps (summary.json says so)."""
+    code = main(["train", "--config.method", "dp", "--config.num_steps", "3", "--config.eval_every", "0",
+                 "--workdir", str(tmp_path / "run"), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_config_key_without_value_is_one_line(tmp_path, capsys):
+    code = main(["train", "--config.num_steps", "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("cdpjax: error: override 'num_steps' has no value: give --config.num_steps=VALUE or "
+                                 "--config.num_steps VALUE\n")
+    assert not (tmp_path / "run").exists()
+
+
+def _pyproject_version() -> str:
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_version_and_python_dash_m(capsys):
+    """`cdpjax --version` and `python -m cdpjax --version` print pyproject.toml's version."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"cdpjax {_pyproject_version()}\n"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "cdpjax", "--version"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout == f"cdpjax {_pyproject_version()}\n", proc.stderr
