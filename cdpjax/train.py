@@ -328,7 +328,7 @@ class MetricsLog:
     fields aside, and so are lines that are not metrics records (said in one line). Written by
     process 0 only; each line whole (a signal waits for it)."""
 
-    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True):
+    def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True, config=None):
         self.path, self.enabled, self.events = os.path.join(workdir, "metrics.jsonl"), write, None
         if not write:
             return
@@ -337,11 +337,12 @@ class MetricsLog:
             say(f"{self.path}: dropped {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
                 f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]}"
                 f"{'; ...' if len(dropped) > 1 else ''})")
-        records = [r for r in records if r["step"] <= resume_step
-                   and not (r["step"] == final_step and r["split"] == "test")]
-        _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
+        kept = [r for r in records if r["step"] <= resume_step
+                and not (r["step"] == final_step and r["split"] == "test")]
+        restart = min([r["step"] for r in records if r not in kept] + [resume_step + 1])
+        _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
         with writing(workdir):
-            self.events = EventLog(workdir, records)
+            self.events = EventLog(workdir, kept, restart, config)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -960,7 +961,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
     p.check_lock()
-    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary)
+    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary, config=config)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
     task = tasks.resolve(config, p.dataset)

@@ -349,3 +349,76 @@ def test_version_and_python_dash_m(capsys):
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-m", "cdpjax", "--version"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and proc.stdout == f"cdpjax {_pyproject_version()}\n", proc.stderr
+
+
+# TensorBoard: hyperparameters, and a resumed run's events continued -----------------------------
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """config.json's keys dotted, as TensorBoard's hyperparameters name them (a second walk)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _hparams_of(workdir) -> dict:
+    """{name: value} of the run's hyperparameters, read with TensorBoard's reader and its protos."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(workdir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    data = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "test/loss"}
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
+
+
+def test_tensorboard_hyperparameters_are_the_config(digits_run):
+    """Every key of config.json is a hyperparameter (nested ones dotted): numbers as numbers,
+    booleans and names as themselves, lists as their JSON text."""
+    work, _, _ = digits_run
+    config = _flat(json.loads((work / "config.json").read_text()))
+    hparams = _hparams_of(work)
+    assert set(hparams) == set(config)
+    assert hparams["method"] == "dp" and hparams["num_steps"] == 12.0 and hparams["global_batch_size"] == 128.0
+    assert hparams["profile_steps"] == "[2, 3]" and isinstance(hparams["augment"], bool)
+    for key, value in config.items():
+        if isinstance(value, (bool, str)):
+            assert hparams[key] == value, key
+        elif isinstance(value, (int, float)):
+            assert hparams[key] == float(value), key
+
+
+def test_resumed_run_continues_its_event_files(tmp_path):
+    """A 12-step run (checkpoints every 4, the last two kept) whose last is lost resumes from 8:
+    its old event files stay byte for byte, a new one is added, and TensorBoard's reader sees one
+    value per step, the metrics.jsonl of the resumed run (which equals the uninterrupted run's)."""
+    import hashlib
+    import shutil
+
+    from metrics_lines import without_timing
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.train(small_config(checkpoint_every=4), str(full), progress=False)
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "12")
+    (part / "summary.json").unlink()
+    old = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in part.glob("events.out.tfevents.*")}
+    assert len(old) == 1
+    resumed = train.train(small_config(checkpoint_every=4), str(part), progress=False)
+    assert resumed["resumed_from"] == 8
+    now = sorted(part.glob("events.out.tfevents.*"))
+    assert len(now) == 2 and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in now[:1]} == old
+    text = (part / "metrics.jsonl").read_text()
+    assert without_timing(text) == without_timing((full / "metrics.jsonl").read_text())
+    events = events_of(part)
+    assert events == expected_events(text)
+    for tag, values in events.items():
+        steps = [s for s, _ in values]
+        assert steps == sorted(set(steps)), tag  # one value per step
+    assert _hparams_of(part)["num_steps"] == 12.0
