@@ -363,7 +363,7 @@ def test_the_ppll_notebook_runs_on_colabs_packages(tmp_path):
     pip_line = '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"'
     assert pip_line in install.source
     install.source = install.source.replace(pip_line, f'%pip install -q "cdpjax @ {ROOT.as_uri()}"')  # no CUDA here
-    nb.cells.insert(1, nbformat.v4.new_code_cell(
+    nb.cells.insert(nb.cells.index(install) + 1, nbformat.v4.new_code_cell(
         "import importlib.metadata as _m\nprint('installed', _m.version('jax'), _m.version('flax'))"))
     source, out = tmp_path / "in.ipynb", tmp_path / "out.ipynb"
     nbformat.write(nb, source)
