@@ -43,7 +43,8 @@ INSTALL = _src(f"""
     if importlib.util.find_spec("cdpjax") is None:  # Colab; a checkout or CI already has it
         # jax is upgraded with its CUDA plugin (the cuda12 extra) and flax with it: Colab's jax 0.7.2 has no
         # lax.pcast, and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
-        # flax >= 0.12.8); pip's resolver keeps Colab's other packages (tests/test_notebooks.py checks it).
+        # flax >= 0.12.8), and numpy to what the newest jax needs (>= 2.2); pip may then warn that other
+        # Colab packages ask for an older numpy: this notebook does not use them.
         %pip install -q "cdpjax[cuda12] @ git+{{REPOSITORY}}"
 """)
 
