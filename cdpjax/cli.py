@@ -23,12 +23,18 @@ MAX_CPU_DEVICES = 1024
 
 
 def _split_config_overrides(argv):
+    """(overrides as KEY=VALUE, the other arguments). `--config.KEY VALUE` is `--config.KEY=VALUE`
+    (as ml_collections' config_flags take it) when VALUE is there and is not itself a flag."""
     overrides, rest = [], []
-    for a in argv:
-        if a.startswith("--config."):
-            overrides.append(a[len("--config."):])
-        else:
+    args = iter(enumerate(argv))
+    for i, a in args:
+        if not a.startswith("--config."):
             rest.append(a)
+        elif "=" in a or i + 1 == len(argv) or argv[i + 1].startswith("--"):
+            overrides.append(a[len("--config."):])  # no "=" and no value: apply_overrides says so
+        else:
+            overrides.append(f"{a[len('--config.'):]}={argv[i + 1]}")
+            next(args)
     return overrides, rest
 
 
@@ -136,9 +142,11 @@ def cmd_train(args, overrides) -> int:
 
 TRAIN_EPILOG = """\
 Config: --config FILE is a Python file whose get_config() returns an ml_collections
-ConfigDict; --config FILE:ARG calls get_config(ARG) (e.g. experiments/configs/digits.py:method=ppll).
-Any key is then overridden with --config.KEY=VALUE, VALUE a Python literal, nested keys
-dotted: --config.method=dp --config.num_steps=300 --config.mesh.data=4 --config.stages=[2,5,9]
+ConfigDict, or the name of a config shipped with cdpjax (a file of cdpjax/configs/:
+digits, charlm, ppll_resnet32, ...; a wrong name lists them); --config FILE:ARG calls
+get_config(ARG) (e.g. --config digits:method=ppll). Any key is then overridden with
+--config.KEY=VALUE (or --config.KEY VALUE), VALUE a Python literal, nested keys dotted:
+--config.method=dp --config.num_steps=300 --config.mesh.data=4 --config.stages=[2,5,9]
 --config.profile_steps=[10,12]. The keys and their defaults: cdpjax/config.py (default_config).
 
 WORKDIR gets metrics.jsonl, TensorBoard events (tensorboard --logdir WORKDIR), checkpoints/,
@@ -180,6 +188,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (`{self.prog} --help` lists the arguments)\n")
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, as pip installed it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("cdpjax")
+    except metadata.PackageNotFoundError:  # imported from a checkout that pip never installed
+        return "(not installed: run from a source tree)"
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split("\n"))
 
@@ -190,6 +208,7 @@ def _main(argv: list[str]) -> int:
     original = list(argv)
     overrides, argv = _split_config_overrides(argv)
     parser = OneLineParser(prog="cdpjax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cdpjax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a config (default: CDP-v2 on digits)", epilog=TRAIN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,

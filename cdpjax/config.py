@@ -158,7 +158,9 @@ _CHOICES = {
 def load_file(path: str) -> ml_collections.ConfigDict:
     """Runs a config file and returns its `get_config()`.
 
-    `path` may end in `:ARG` (the big_vision convention): the file's `get_config(ARG)`
+    `path` is a file's path or the name of a config shipped in the package (`digits` for
+    cdpjax/configs/digits.py; `config_names()` lists them); an existing path wins over a name.
+    It may end in `:ARG` (the big_vision convention): the file's `get_config(ARG)`
     is called with that string, for files that hold several variants.
 
     The file's folder is importable: first on `sys.path` while the file runs, as a
@@ -174,25 +176,57 @@ def load_file(path: str) -> ml_collections.ConfigDict:
     arg = None
     if not os.path.isfile(path) and ":" in path:
         path, arg = path.rsplit(":", 1)
+    packaged = _packaged_path(path)
+    if packaged is not None:
+        path = packaged
+    elif _NAME.fullmatch(path) and not os.path.exists(path):
+        raise ConfigError(f"config {path!r} is neither a file nor a config shipped with cdpjax ("
+                          f"{', '.join(config_names())}); give a name of these or the path of a Python file")
     if os.path.isdir(path):
         raise ConfigError(f"config file {path!r} is a directory: give the Python file in it that defines "
                           f"get_config()")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
-    folder = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, folder)
-    try:
+    if packaged is not None:  # the package's own: imports only cdpjax, nothing from its folder
         config = _run_config_file(path, arg)
-    finally:
-        sys.path.remove(folder)  # the first occurrence: the one inserted above
-        if folder not in sys.path:
-            sys.path.append(folder)
+    else:
+        config = _run_user_file(path, arg)
     if isinstance(config, ml_collections.FrozenConfigDict) or not isinstance(config, ml_collections.ConfigDict):
         kind = type(config).__name__ if config is not None else "None"
         raise ConfigError(f"config file {path!r}: get_config() returned {kind}; it must return an "
                           f"ml_collections.ConfigDict (not frozen: overrides change it), e.g. "
                           f"cdpjax.config.default_config() with its keys set")
     return config
+
+
+# A shipped config's name: what `--config NAME[:ARG]` gives in place of a path.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def config_names() -> list[str]:
+    """The configs shipped in the package (cdpjax/configs/NAME.py), by name."""
+    return sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py") and not f.startswith("_"))
+
+
+def _packaged_path(spec: str) -> str | None:
+    """The shipped config file `spec` names, or None: a path that exists (a file of the user's
+    called `digits`, say) is the user's, and names only what `config_names` lists."""
+    if os.path.exists(spec) or not _NAME.fullmatch(spec) or spec not in config_names():
+        return None
+    return os.path.join(CONFIGS_DIR, f"{spec}.py")
+
+
+def _run_user_file(path: str, arg: str | None):
+    """`_run_config_file` with the file's folder importable, as `load_file` says."""
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        return _run_config_file(path, arg)
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one inserted above
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 def _run_config_file(path: str, arg: str | None):
@@ -302,7 +336,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Iterable[str])
     """Applies `KEY=VALUE` strings (dotted keys, values parsed as Python literals)."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form --config.KEY=VALUE")
+            raise ConfigError(f"override {item!r} has no value: give --config.{item}=VALUE or --config.{item} VALUE")
         key, text = item.split("=", 1)
         set_value(config, key, _parse_value(text))
 

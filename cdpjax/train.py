@@ -349,7 +349,7 @@ class MetricsLog:
     and says so in one line."""
 
     def __init__(self, workdir: str, resume_step: int, final_step: int, write: bool = True,
-                 resumed_digest: str | None = None):
+                 resumed_digest: str | None = None, config=None):
         self.path, self.enabled, self.events, self.lines = os.path.join(workdir, "metrics.jsonl"), write, None, None
         if not write:
             return
@@ -358,16 +358,17 @@ class MetricsLog:
             say(f"{self.path}: dropped {len(dropped)} line{'s' if len(dropped) > 1 else ''} that "
                 f"{'are' if len(dropped) > 1 else 'is'} not a metrics record ({dropped[0]}"
                 f"{'; ...' if len(dropped) > 1 else ''})")
-        records = [r for r in records if r["step"] <= resume_step]
-        if resumed_digest is not None and _lines_digest(records).hexdigest() != resumed_digest:
+        kept = [r for r in records if r["step"] <= resume_step]
+        if resumed_digest is not None and _lines_digest(kept).hexdigest() != resumed_digest:
             say(f"{self.path} up to step {resume_step} is not what the run had written when it saved checkpoint "
                 f"{resume_step} (a line changed, added or removed, or the file deleted); the run goes on with it "
                 f"as it is")
-        records = [r for r in records if not (r["step"] == final_step and r["split"] == "test")]
-        _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in records))
-        self.lines = _lines_digest(records)
+        kept = [r for r in kept if not (r["step"] == final_step and r["split"] == "test")]
+        restart = min([r["step"] for r in records if r not in kept] + [resume_step + 1])
+        _write_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
+        self.lines = _lines_digest(kept)
         with writing(workdir):
-            self.events = EventLog(workdir, records)
+            self.events = EventLog(workdir, kept, restart, config)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -1068,7 +1069,8 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
     config, method = p.config, p.method
     primary, pid, pcount = jax.process_index() == 0, jax.process_index(), jax.process_count()
     p.check_lock()
-    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary, resumed_digest=p.metrics_digest)
+    log = MetricsLog(p.workdir, p.start, config.num_steps, write=primary, resumed_digest=p.metrics_digest,
+                     config=config)
     if primary:
         _write_atomic(os.path.join(p.workdir, "config.json"), config.to_json_best_effort(indent=2))
     task = tasks.resolve(config, p.dataset)

@@ -4,11 +4,13 @@
 
 The notebooks are generated so that their code can be reviewed here as plain
 Python and so that the cells they share (install, devices, config loading) are
-written once. Each notebook opens in Colab (its first cell installs cdpjax where
-it is missing), runs the paper's config on a GPU runtime and a tiny digits
-config anywhere else; CDPJAX_TINY=1 forces the tiny config. Figures go to
-$CDPJAX_FIGURES (default figures/) and are shown. tests/test_notebooks.py runs
-every notebook on its tiny config in a real kernel.
+written once. Each notebook opens in Colab (its first cell names the repository
+and installs cdpjax from it where cdpjax is missing) and runs the paper's config
+on a GPU, or the tiny digits config where chosen (TINY = True in the set-up
+cell, or CDPJAX_TINY=1); without a GPU and without that choice it stops with
+one line saying what to change. Figures go to $CDPJAX_FIGURES (default
+figures/) and are shown. tests/test_notebooks.py runs every notebook on its
+tiny config in a real kernel, and one as on Colab's own packages.
 """
 from __future__ import annotations
 
@@ -32,11 +34,18 @@ def badge(name: str) -> str:
 
 
 INSTALL = _src(f"""
-    # Installs cdpjax from its repository where it is missing (Colab); a checkout or CI already has it.
+    # Where cdpjax comes from (a fork: change it here).
+    REPOSITORY = "https://github.com/{REPOSITORY}"
+    print(f"cdpjax from {{REPOSITORY}}")
+
     import importlib.util
 
-    if importlib.util.find_spec("cdpjax") is None:
-        %pip install -q "cdpjax @ git+https://github.com/{REPOSITORY}"
+    if importlib.util.find_spec("cdpjax") is None:  # Colab; a checkout or CI already has it
+        # jax is upgraded with its CUDA plugin (the cuda12 extra) and flax with it: Colab's jax 0.7.2 has no
+        # lax.pcast, and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
+        # flax >= 0.12.8), and numpy to what the newest jax needs (>= 2.2); pip may then warn that other
+        # Colab packages ask for an older numpy: this notebook does not use them.
+        %pip install -q "cdpjax[cuda12] @ git+{{REPOSITORY}}"
 """)
 
 SETUP = _src("""
@@ -49,45 +58,28 @@ SETUP = _src("""
     import jax
     from IPython.display import Image, display
 
+    # The tiny config runs on a CPU in minutes; set TINY = True (or CDPJAX_TINY=1) to choose it.
+    TINY = os.environ.get("CDPJAX_TINY") == "1"  # or: TINY = True
     ACCELERATOR = jax.default_backend() != "cpu"
-    # The tiny config runs anywhere in a minute or two; CDPJAX_TINY=1 forces it on a GPU runtime too.
-    TINY = os.environ.get("CDPJAX_TINY") == "1" or not ACCELERATOR
+    if not ACCELERATOR and os.path.exists("/dev/nvidia0"):
+        raise SystemExit("a GPU is here but jax runs on the CPU: rerun the install cell, then Runtime > Restart "
+                         "session (jax must be imported after its CUDA plugin is installed)")
+    if not ACCELERATOR and not TINY:
+        raise SystemExit("no GPU: choose Runtime > Change runtime type > a GPU, or set TINY = True in this cell "
+                         "(the tiny config, on the CPU)")
     FIGURES = os.environ.get("CDPJAX_FIGURES", "figures")
     os.makedirs(FIGURES, exist_ok=True)
     print(f"{jax.device_count()} {jax.default_backend()} device(s): the {'tiny' if TINY else 'GPU-sized'} "
           f"config; figures go to {FIGURES}/")
 """)
 
-CONFIGS = _src(f"""
-    import urllib.request
-
-    import cdpjax
+CONFIGS = _src("""
     from cdpjax import config as cfg_lib
 
 
-    def configs_dir():
-        \"\"\"experiments/configs of a checkout: $CDPJAX_REPO, the one cdpjax is installed from, or the cwd's.\"\"\"
-        here = os.path.dirname(os.path.dirname(os.path.abspath(cdpjax.__file__)))
-        for root in (os.environ.get("CDPJAX_REPO", ""), here, os.getcwd()):
-            path = os.path.join(root, "experiments", "configs")
-            if root and os.path.isdir(path):
-                return path
-        return None
-
-
     def load_config(spec):
-        \"\"\"'FILE.py:ARGS' of experiments/configs -> ConfigDict. Where there is no checkout (Colab
-        installs the package only) the file is fetched from the repository once.\"\"\"
-        directory = configs_dir()
-        if directory is None:
-            directory = "cdpjax_configs"
-            name = spec.split(":")[0]
-            os.makedirs(directory, exist_ok=True)
-            if not os.path.exists(os.path.join(directory, name)):
-                urllib.request.urlretrieve(
-                    f"https://raw.githubusercontent.com/{REPOSITORY}/main/experiments/configs/{{name}}",
-                    os.path.join(directory, name))
-        return cfg_lib.load_file(os.path.join(directory, spec))
+        \"\"\"'NAME:ARGS' of a config shipped with cdpjax (cdpjax/configs/NAME.py) -> ConfigDict.\"\"\"
+        return cfg_lib.load_file(spec)
 
 
     def devices_for(config):
@@ -141,9 +133,12 @@ def timing_diagrams():
             GPipe for comparison. Every picture is drawn from `cdpjax.timetable`, the one table that
             the SPMD implementations, the staleness rules and the memory model also read.
 
-            Tables are pure Python: the GPU-sized and the tiny config draw the same sizes (the
-            paper's N = L = 4 and its runs' N = 8 workers on L = 4 stages); the tiny one draws
-            fewer steps.
+            Tables are pure Python: the GPU-sized and the tiny config (`TINY = True`) draw the same
+            sizes (the paper's N = L = 4 and its runs' N = 8 workers on L = 4 stages); the tiny one
+            draws fewer steps. No GPU is needed: on a CPU runtime, choose the tiny config.
+
+            How long: the tiny config took 25 to 40 seconds on this project's 2-core CPU machine
+            (measured twice, the machine shared with other work); the GPU-sized one draws a step more, about as long.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
@@ -247,7 +242,12 @@ def memory_and_communication():
             compiled steps of `dp` and `cdp-v2` are measured (`cdpjax.bench`: XLA memory analysis per
             device, the collectives in the compiled HLO). GPU-sized config: ResNet-18 on CIFAR-10-shaped
             inputs, 8 workers, 4 stages, 64 images per worker (random images: only shapes matter here).
-            Tiny: the 4-stage MLP on digits, 8 workers.
+            Tiny (`TINY = True`): the 4-stage MLP on digits, 8 workers on 8 simulated CPU devices.
+
+            How long: the tiny config took 1 to 2 minutes on this project's 2-core CPU machine (measured
+            twice, the machine shared with other work), most of it compiling the two steps. The GPU-sized
+            config on a Colab T4: a few minutes, mostly compiling ResNet-18's steps (an estimate, not
+            a measurement).
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
@@ -256,9 +256,9 @@ def memory_and_communication():
             from cdpjax import bench, data, models, plotting, timetable
 
             if TINY:
-                base = load_config("digits.py:method=cdp-v2")
+                base = load_config("digits:method=cdp-v2")
             else:
-                base = load_config("cdp_cifar10.py:model=resnet18,method=cdp-v2")
+                base = load_config("cdp_cifar10:model=resnet18,method=cdp-v2")
                 base.dataset, base.dataset_kwargs = "synthetic", {"image_shape": (32, 32, 3), "num_classes": 10}
                 if jax.device_count() < 8:  # the ring needs one device per worker; simulate otherwise
                     base.cdp_impl, base.mesh = "simulate", {"data": 1}
@@ -371,15 +371,22 @@ def accuracy():
 
             {badge(name)}
 
-            Reproduces the accuracy figure of *Cyclic Data Parallelism* (arXiv 2403.08837): despite
-            the gradient delay, CDP-v1 and CDP-v2 train as well as DP.
+            Reproduces the accuracy figure of *Cyclic Data Parallelism* (arXiv 2403.08837), whose claim
+            is that despite the gradient delay CDP-v1 and CDP-v2 reach DP's accuracy at the end of a
+            full training run (about 95% on CIFAR-10 after 101 epochs). The tiny run here is far too
+            short to show that: after 150 steps on digits the CDP runs end 3 to 5 points behind DP
+            (measured here; the delay slows the first steps most); the training cell prints the gap.
 
-            - GPU-sized config: `experiments/configs/cdp_cifar10.py` (ResNet-18, CIFAR-10, 8 workers,
-              global batch 512, SGD 0.05, step decay) for `EPOCHS` epochs (the paper: 101; expected
-              about 95% for all three). With fewer than 8 devices the CDP rules run as
-              `cdp_impl='simulate'` (same updates, workers simulated on the devices there are).
-            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, 8 workers on 8 simulated CPU
-              devices), a few hundred steps.
+            - GPU-sized config: `cdp_cifar10` (ResNet-18, CIFAR-10, 8 workers, global batch 512, SGD
+              0.05, step decay) for `EPOCHS` epochs (the paper: 101). With fewer than 8 devices the CDP
+              rules run as `cdp_impl='simulate'` (same updates, workers simulated on the devices there are).
+            - Tiny config (`TINY = True`): `digits` (4-stage MLP, 8 workers on 8 simulated CPU devices),
+              150 steps per method.
+
+            How long: the tiny config took 2.5 to 4 minutes on this project's 2-core CPU machine
+            (measured twice, the machine shared with other work). The GPU-sized config on a Colab T4: about
+            an hour for the three methods at 30 epochs (an estimate from ResNet-18's FLOPs, not a
+            measurement).
 
             Runs go to `runs/<method>/` and resume from their last checkpoint when the cell is rerun.
         """)),
@@ -397,10 +404,10 @@ def accuracy():
 
             def make_config(method):
                 if TINY:
-                    c = load_config(f"digits.py:method={method},steps={TINY_STEPS}")
+                    c = load_config(f"digits:method={method},steps={TINY_STEPS}")
                     c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
                     return c
-                c = load_config(f"cdp_cifar10.py:model=resnet18,method={method},epochs={EPOCHS}")
+                c = load_config(f"cdp_cifar10:model=resnet18,method={method},epochs={EPOCHS}")
                 if jax.device_count() < 8 and method != "dp":
                     c.cdp_impl = "simulate"
                 if jax.device_count() < 8:
@@ -415,6 +422,9 @@ def accuracy():
                                                 devices=devices_for(config))
                 print(f"{method:>7}: test accuracy {summaries[method]['test_accuracy']:.4f} after "
                       f"{summaries[method]['steps']} steps")
+            for method in METHODS[1:]:
+                gap = 100 * (summaries[method]["test_accuracy"] - summaries["dp"]["test_accuracy"])
+                print(f"{method} - dp: {gap:+.1f} points")
         """)),
         new_code_cell(METRICS),
         new_code_cell(_src("""
@@ -453,10 +463,17 @@ def ppll():
             ResNet, 2.62x for ViT) at the accuracy of local learning (here: exactly, since `ppll`'s
             parameters after T batches equal `local`'s), against GPipe and plain model parallelism.
 
-            - GPU-sized config: `experiments/configs/ppll_resnet32.py` (ResNet-32, CIFAR-10, InfoPro
-              heads, K = 4) for `EPOCHS` epochs (the paper: 400). `ppll` and `gpipe` need K devices;
-              with fewer they are not trained, and their speed is predicted only.
-            - Tiny config: `experiments/configs/digits.py` (4-stage MLP, K = 4 on simulated CPU devices).
+            - GPU-sized config: `ppll_resnet32` (ResNet-32, CIFAR-10, PPLL's heads, K = 4) for `EPOCHS`
+              epochs (the paper: 400). On fewer than K GPUs (Colab: one) `ppll` trains with its K modules
+              grouped on the GPUs there are (all on one: PPLL's updates without its overlap); `gpipe` needs
+              K devices, and with fewer its speed is predicted only.
+            - Tiny config (`TINY = True`): `digits` (4-stage MLP, K = 4 on 8 simulated CPU devices),
+              150 steps per method.
+
+            How long: the tiny config took 2 to 3.5 minutes on this project's 2-core CPU machine
+            (measured twice, the machine shared with other work). The GPU-sized config on a Colab T4: about
+            30 to 45 minutes for e2e, local and ppll at 40 epochs (an estimate from the model's FLOPs,
+            not a measurement).
 
             Speedup on K devices is predicted by `cdpjax.speedup` from per-stage times measured on one
             device (assumptions in its docstring); times measured on simulated CPU devices share the
@@ -475,20 +492,26 @@ def ppll():
             METHODS = [m for m in ("e2e", "local", "ppll", "gpipe") if m in methods.REGISTRY]
 
 
-            def make_config(method, microbatches=None):
+            def make_config(method, microbatches=None, devices=None):
+                # devices: the GPUs PPLL's K modules are grouped on (GPU-sized config; default K, one module
+                # each); gpipe keeps one module per device.
                 if TINY:
-                    c = load_config(f"digits.py:method={method},stages={K},steps={TINY_STEPS}")
+                    c = load_config(f"digits:method={method},stages={K},steps={TINY_STEPS}")
                     c.eval_every, c.checkpoint_every = TINY_STEPS // 10, 0
                 else:
-                    c = load_config(f"ppll_resnet32.py:K={K},method={method},epochs={EPOCHS}")
+                    grouped = f",devices={devices}" if devices and method != "gpipe" else ""
+                    c = load_config(f"ppll_resnet32:K={K},method={method},epochs={EPOCHS}{grouped}")
                 if microbatches is not None:
                     c.microbatches = microbatches
                 return c
 
 
+            # On fewer GPUs than K (Colab: one), ppll's K modules share the GPUs there are (all on one: the
+            # same updates, without the pipeline's overlap); gpipe needs K and is then predicted only.
+            DEVICES = min(K, jax.device_count())
             summaries = {}
             for method in METHODS:
-                config = make_config(method)
+                config = make_config(method, devices=DEVICES)
                 if not fits(config):
                     print(f"{method:>6}: needs {K} devices, {jax.device_count()} here: not trained (speed predicted below)")
                     continue

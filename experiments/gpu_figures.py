@@ -6,10 +6,10 @@
 
 Workloads (synthetic data of CIFAR shape, 32x32x3, 10 classes; no download):
 - `resnet18`: ResNet-18 with the CIFAR stem (`cdpjax.models.resnet18`), BatchNorm,
-  global batch 512; stages cut at [3, 6, 8] (`experiments/configs/bench_resnet18.py`).
+  global batch 512; stages cut at [3, 6, 8] (`cdpjax/configs/bench_resnet18.py`).
 - `vit_b`: ViT-B shape (768 wide, 12 heads, 12 blocks, MLP 3072) as `cdpjax.models.vit_b`
   takes a 32x32 input, i.e. patch 4 (64 patches + a class token: the PPLL setup of
-  `experiments/configs/ppll_vit.py` on CIFAR-10), not the 224x224 ViT-B/16; global
+  `cdpjax/configs/ppll_vit.py` on CIFAR-10), not the 224x224 ViT-B/16; global
   batch 128; 4 stages.
 Each in float32 and bfloat16 (`config.dtype`: bfloat16 computation, float32 parameters).
 

@@ -32,7 +32,6 @@ import sys
 from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(HERE, "configs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,7 @@ class Bound:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """A table of docs/measured.md: `methods` benched on `config` (a file in experiments/configs, or None for
+    """A table of docs/measured.md: `methods` benched on `config` (a file in cdpjax/configs, or None for
     the defaults) with `overrides`, `tiny` replacing some for the tiny run."""
 
     title: str
@@ -263,7 +262,7 @@ def config_for(figure: Figure, method: str, tiny: bool):
 
     c = cfg_lib.default_config()
     if figure.config:
-        loaded = cfg_lib.load_file(os.path.join(CONFIGS, figure.config))
+        loaded = cfg_lib.load_file(os.path.join(cfg_lib.CONFIGS_DIR, figure.config))
         for key in c.keys():
             if key not in loaded:
                 loaded[key] = c[key]

@@ -1,4 +1,4 @@
-"""Reproduces the papers' tables and figures from the configs in experiments/configs/.
+"""Reproduces the papers' tables and figures from the configs in cdpjax/configs/.
 
     python experiments/reproduce.py cdp-table --tiny     # digits: every row runs here, on 2 cores
     python experiments/reproduce.py ppll-table --tiny
@@ -48,7 +48,6 @@ import sys
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(HERE, "configs")
 
 CDP_METHODS = ("dp", "cdp-v1", "cdp-v2")
 # The PPLL rows of each K: (method, label, config overrides). PPLL's own "conventional pipeline" is
@@ -62,7 +61,7 @@ PPLL_VARIANTS = (
 # Head and recipe variants of local learning, each run as local and ppll and read against its own
 # local row: (variant, config-file arguments, config overrides). Tiny: the heads of issue 17 on the
 # digits MLP at K = 4 (PPLL's momentum heads, InfoPro's 2c2f, InfoPro's contrastive loss); paper
-# configs: InfoPro's recipe beside PPLL's (experiments/configs/ppll_resnet32.py).
+# configs: InfoPro's recipe beside PPLL's (cdpjax/configs/ppll_resnet32.py).
 PPLL_HEAD_VARIANTS = (
     ("man", "", ("aux_head=man",)),
     ("infopro 2c2f", "", ("aux_head=infopro", "aux_kwargs.arch=2c2f")),
@@ -70,13 +69,13 @@ PPLL_HEAD_VARIANTS = (
 )
 PPLL_RECIPE_VARIANTS = (("InfoPro's recipe", "recipe=infopro", ()),)
 PIPELINES = ("ppll", "gpipe")
-TINY_STEPS = 600  # what experiments/configs/digits.py documents its expectations for
+TINY_STEPS = 600  # what cdpjax/configs/digits.py documents its expectations for
 BENCH_REPEATS = {True: 20, False: 10}  # timed steps per bench record (tiny, full): medians of many
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One row of a table: `method` trained from `config` ("FILE.py:ARGS" in experiments/configs)."""
+    """One row of a table: `method` trained from `config` ("FILE.py:ARGS" in cdpjax/configs)."""
 
     table: str  # 'cdp' | 'ppll'
     name: str  # its directory under OUT
@@ -145,7 +144,7 @@ def shorten(config, steps: int) -> None:
 def row_config(row: Row, steps: int | None, overrides=()):
     from cdpjax import config as cfg_lib
 
-    config = cfg_lib.load_file(os.path.join(CONFIGS, row.config))
+    config = cfg_lib.load_file(os.path.join(cfg_lib.CONFIGS_DIR, row.config))
     if steps is not None:
         shorten(config, steps)
     cfg_lib.apply_overrides(config, overrides)

@@ -325,7 +325,7 @@ def test_carried_residuals_are_not_copied_per_tick(name, bound):
 
     from cdpjax.config import load_file
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs" / "bench_resnet18.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "cdpjax" / "configs" / "bench_resnet18.py"
     c = load_file(f"{path}:stages=[5]")
     c.method, c.residuals, c.mesh = name, "carry", {"stage": 2, "data": 1}
     c.model_kwargs = {"stem": "cifar", "width": 0.25}

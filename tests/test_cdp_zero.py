@@ -259,7 +259,7 @@ def _bench_resnet18(method, **model):
 
     from cdpjax.config import load_file
 
-    c = load_file(str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs" / "bench_resnet18.py"))
+    c = load_file(str(pathlib.Path(__file__).resolve().parents[1] / "cdpjax" / "configs" / "bench_resnet18.py"))
     c.method = method
     c.model_kwargs = {"stem": "cifar", **model}
     return bench._prepare(c, jax.devices()[:4])

@@ -10,7 +10,7 @@ from cdpjax import cli, models
 from cdpjax.commands.describe import JSON_STAGE_KEYS, describe
 from cdpjax.config import default_config, load_file
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "cdpjax", "configs")
 PAPER_CONFIGS = sorted(glob.glob(os.path.join(CONFIGS, "ppll_*.py")) + glob.glob(os.path.join(CONFIGS, "cdp_*.py")))
 
 

@@ -894,7 +894,7 @@ def test_config_file_arguments_are_checked(spec, message, tmp_path, capfd, compi
     (tmp_path / "folder.py").mkdir()
     (tmp_path / "noarg.py").write_text("from cdpjax.config import default_config\n\ndef get_config():\n"
                                        "    return default_config()\n")
-    shutil.copy(ROOT / "experiments" / "configs" / "digits.py", tmp_path / "digits.py")
+    shutil.copy(ROOT / "cdpjax" / "configs" / "digits.py", tmp_path / "digits.py")
     line = fails(["train", "--workdir", str(tmp_path / "w"), "--config", str(tmp_path / spec)], capfd, compiles)
     assert message in line, line
 
@@ -1002,7 +1002,7 @@ def test_a_finished_language_model_run_started_again_changes_nothing(tmp_path, c
     tokens_per_second) not written over with a re-evaluation's."""
     from cdpjax.config import load_file
 
-    c = load_file(str(ROOT / "experiments" / "configs" / "charlm.py:method=dp,steps=2,stages=1,window=8"))
+    c = load_file(str(ROOT / "cdpjax" / "configs" / "charlm.py:method=dp,steps=2,stages=1,window=8"))
     c.eval_every, c.checkpoint_every, c.log_every = 0, 0, 1
     c.model_kwargs = {"width": 16, "depth": 1, "heads": 2, "mlp_dim": 32}
     work = tmp_path / "lm"

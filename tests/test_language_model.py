@@ -1,4 +1,4 @@
-"""Training a language model: `cdpjax train --config experiments/configs/charlm.py:method=M` trains
+"""Training a language model: `cdpjax train --config charlm:method=M` trains
 for M in e2e, dp, cdp-v2, ppll, local, 1f1b, cdp-mp (the per-token test loss falls by more than 30%
 from its start; gpt's embedding refuses anything but integer token ids, so every method hands its
 first stage the integers); its metrics are the task's; dp and 1f1b take e2e's steps on token
@@ -18,7 +18,7 @@ from cdpjax.cli import main
 from cdpjax.commands import plot as plot_cmd
 from cdpjax.config import load_file
 
-CHARLM = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "charlm.py")
+CHARLM = os.path.join(os.path.dirname(__file__), "..", "cdpjax", "configs", "charlm.py")
 STEPS = 100  # of the config's 300: the fall is already well past 30% (test loss 4.12 -> 2.52)
 
 

@@ -55,10 +55,44 @@ def test_notebooks_match_their_generator():
 
 
 def test_first_cell_installs_only_where_cdpjax_is_missing():
+    """The repository in one variable at the top, printed; the install (with the CUDA extra) from it,
+    only where cdpjax is not importable."""
     for name in FIGURES:
         first = next(c for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code")
+        lines = [line for line in first.source.splitlines() if line and not line.startswith("#")]
+        assert lines[0].startswith('REPOSITORY = "https://github.com/'), name
+        assert lines[1] == 'print(f"cdpjax from {REPOSITORY}")', name
         assert 'find_spec("cdpjax") is None' in first.source, name
-        assert '%pip install -q "cdpjax @ git+https://github.com/' in first.source, name
+        assert lines[-1].strip() == '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"', name
+
+
+FAKE_GPU = """
+import os as _os
+_exists = _os.path.exists
+_os.path.exists = lambda p: p == "/dev/nvidia0" or _exists(p)
+"""
+
+
+@pytest.mark.parametrize("gpu,message", [
+    (False, "no GPU: choose Runtime > Change runtime type > a GPU, or set TINY = True in this cell"),
+    (True, "a GPU is here but jax runs on the CPU: rerun the install cell, then Runtime > Restart session"),
+])
+def test_set_up_without_a_gpu_stops_unless_tiny_is_chosen(gpu, message, tmp_path, monkeypatch):
+    """The set-up cell on a CPU backend, the tiny config not chosen: it stops (SystemExit, so Run all
+    goes no further) with one line saying what to change; where an NVIDIA device is there (Colab's
+    GPU runtime whose jax has no CUDA plugin) the line says so. No silent fall-back to the tiny config."""
+    monkeypatch.delenv("CDPJAX_TINY", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    gen = _generator()
+    cells = [gen.INSTALL, *([FAKE_GPU] if gpu else []), gen.SETUP]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    with pytest.raises(nbclient.exceptions.CellExecutionError):
+        client.execute()
+    (error,) = [o for o in nb.cells[-1].outputs if o.output_type == "error"]
+    assert error.ename == "SystemExit" and error.evalue.startswith(message) and "\n" not in error.evalue
+    assert not (tmp_path / "figures").exists()
 
 
 # The two longest (they train) are heavy; CI runs the diagrams and the memory notebook.
@@ -69,7 +103,6 @@ def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
     monkeypatch.setenv("CDPJAX_TINY", "1")
     monkeypatch.setenv("CDPJAX_FIGURES", str(figures))
-    monkeypatch.setenv("CDPJAX_REPO", str(ROOT))  # configs from this checkout, not from GitHub
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # a pip install that should not happen cannot download either
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -82,7 +115,9 @@ def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError naming the cell that failed
 
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert not code[0].outputs, "the install cell ran: cdpjax was not importable in the kernel"
+    printed = "".join(o.get("text", "") for o in code[0].outputs)
+    assert printed.startswith("cdpjax from https://github.com/") and printed.count("\n") == 1, \
+        f"the install cell installed: cdpjax was not importable in the kernel ({printed!r})"
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors
     setup = "".join(o.get("text", "") for o in code[1].outputs)
@@ -198,7 +233,7 @@ def _memory_content(drawn, _):
     from cdpjax.config import load_file
     from cdpjax.layouts.cdp import cdp_table
 
-    base = load_file(str(ROOT / "experiments" / "configs" / "digits.py") + ":method=cdp-v2")
+    base = load_file(str(ROOT / "cdpjax" / "configs" / "digits.py") + ":method=cdp-v2")
     dataset = data.build(base)
     sizes = bench.stage_sizes(models.build(base, dataset.image_shape, dataset.num_classes), base.global_batch_size // 8)
     tables = [cdp_table(m, 8, 4, steps=4) for m in ("dp", "cdp-v2")]
@@ -253,3 +288,100 @@ CONTENT = {
     "cdp_accuracy.ipynb": _accuracy_content,
     "ppll_vs_local_gpipe.ipynb": _ppll_content,
 }
+
+
+# As on Colab: its packages, then the notebook's own install cell ------------------------------------
+
+COLAB_PACKAGES = pathlib.Path(__file__).with_name("colab_gpu_packages.txt")  # dated: see its first lines
+# What a notebook's install meets on Colab: the packages cdpjax and its dependencies share with Colab's
+# image, and the kernel's. Installed at Colab's versions (its pip freeze as constraints).
+COLAB_SEED = ("pip", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "numpy", "scipy",
+              "tensorflow-datasets", "matplotlib", "scikit-learn", "pillow", "tqdm", "tensorboard", "ipykernel",
+              "nbclient", "nbformat")
+COLAB_PYTHON = ("python3.13", {"PYENV_VERSION": "3.13.0"})  # Colab's GPU image runs Python 3.13
+
+
+def _colab_venv(path: pathlib.Path) -> pathlib.Path:
+    """A fresh venv on Python 3.13 holding COLAB_SEED at Colab's versions; its python."""
+    import os
+    import shutil
+    import subprocess
+
+    command, extra = COLAB_PYTHON
+    if shutil.which(command) is None:
+        pytest.skip(f"{command} is not on this machine")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_NO_INDEX")} | extra
+    if subprocess.run([command, "-m", "venv", str(path)], env=env).returncode != 0:
+        pytest.skip(f"{command} cannot make a venv here")
+    pins = path / "colab-pins.txt"
+    pins.write_text("".join(line + "\n" for line in COLAB_PACKAGES.read_text().splitlines()
+                            if "==" in line and not line.startswith("#")))
+    python = path / "bin" / "python"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(pins), *COLAB_SEED],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return python
+
+
+COLAB_RUN = """
+import json, pathlib, sys
+import nbclient, nbformat
+
+nb = nbformat.read(sys.argv[1], as_version=4)
+client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": sys.argv[2]}})
+try:
+    client.execute()
+finally:
+    nbformat.write(nb, sys.argv[3])
+"""
+
+
+@pytest.mark.heavy
+def test_the_ppll_notebook_runs_on_colabs_packages(tmp_path):
+    """Colab as it is (tests/colab_gpu_packages.txt: jax 0.7.2, flax 0.11.2, Python 3.13): the PPLL
+    notebook's own install cell, with this checkout in place of the repository, upgrades jax and flax
+    to what cdpjax needs, and the notebook's tiny path then runs top to bottom (every method of the
+    notebook trains: on Colab's own jax, or on a newer jax beside Colab's flax, none does). The install
+    with the CUDA extra resolves too (pip's dry run: the CUDA plugin at jax's version). Downloads from
+    PyPI: heavy (`make test-heavy`)."""
+    import os
+    import subprocess
+
+    python = _colab_venv(tmp_path / "venv")
+    versions = subprocess.run([str(python), "-c", "import jax, flax; print(jax.__version__, flax.__version__)"],
+                              capture_output=True, text=True).stdout.split()
+    assert versions == ["0.7.2", "0.11.2"], versions  # Colab's, before the notebook installs anything
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_NO_INDEX")}
+    dry = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--report", "-", "-q",
+                          f"cdpjax[cuda12] @ {ROOT.as_uri()}"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(dry.stdout)["install"]}
+    assert chosen["jax-cuda12-plugin"] == chosen["jax"] == chosen["jaxlib"], chosen
+
+    nb = nbformat.read(COLAB / "ppll_vs_local_gpipe.ipynb", as_version=4)
+    install = next(c for c in nb.cells if c.cell_type == "code")
+    pip_line = '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"'
+    assert pip_line in install.source
+    install.source = install.source.replace(pip_line, f'%pip install -q "cdpjax @ {ROOT.as_uri()}"')  # no CUDA here
+    nb.cells.insert(nb.cells.index(install) + 1, nbformat.v4.new_code_cell(
+        "import importlib.metadata as _m\nprint('installed', _m.version('jax'), _m.version('flax'))"))
+    source, out = tmp_path / "in.ipynb", tmp_path / "out.ipynb"
+    nbformat.write(nb, source)
+    script = tmp_path / "run.py"
+    script.write_text(COLAB_RUN)
+    env |= {"CDPJAX_TINY": "1", "CDPJAX_FIGURES": str(tmp_path / "figures"), "MPLBACKEND": "Agg",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([str(python), str(script), str(source), str(tmp_path), str(out)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path)
+    executed = nbformat.read(out, as_version=4)
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    errors = [f"{o.ename}: {o.evalue}" for c in code for o in c.outputs if o.output_type == "error"]
+    assert proc.returncode == 0 and not errors, (errors, proc.stderr[-3000:])
+    printed = ["".join(o.get("text", "") for o in c.outputs) for c in code]
+    assert printed[0].startswith("cdpjax from https://github.com/")
+    jax_version, flax_version = printed[1].split()[1:]
+    assert tuple(map(int, jax_version.split(".")[:2])) >= (0, 10), jax_version
+    assert tuple(map(int, flax_version.split(".")[:3])) >= (0, 12, 8), flax_version
+    assert "the tiny config" in printed[2] and "8 cpu device(s)" in printed[2]
+    summaries = {m: json.loads((tmp_path / "runs" / m / "summary.json").read_text()) for m in ("local", "ppll")}
+    assert summaries["ppll"]["test_accuracy"] == summaries["local"]["test_accuracy"] > 0.5

@@ -269,14 +269,14 @@ def test_a_table_survives_json(name, tmp_path, capsys):
                                   pytest.param("interleaved-1f1b", marks=pytest.mark.heavy),
                                   "zb-h1", "zbv", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
-    """`cdpjax train --config experiments/configs/digits.py:method=NAME` trains (a short run): the
+    """`cdpjax train --config digits:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""
     import pathlib
 
     import subprocess
     import sys
 
-    config = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs" / "digits.py"
+    config = pathlib.Path(__file__).resolve().parents[1] / "cdpjax" / "configs" / "digits.py"
     done = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--no-progress", "--workdir", str(tmp_path),
                            "--config", f"{config}:method={name}", "--config.num_steps=30", "--config.eval_every=0",
                            "--config.checkpoint_every=0"], capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""PPLL as its authors ran it: the recipes of experiments/configs/ppll_resnet32.py and ppll_vit.py
+"""PPLL as its authors ran it: the recipes of cdpjax/configs/ppll_resnet32.py and ppll_vit.py
 against the values of PPLL's released code (written out here from its files), InfoPro's recipe
 kept beside them, PPLL's crop (reflect padding), and the momentum heads on digits: they train
 under ppll, equal local, and keep the default head's accuracy."""
@@ -14,7 +14,7 @@ from cdpjax import train
 from cdpjax.config import ConfigError, load_file
 from cdpjax.data.base import random_crop_flip
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cdpjax", "configs")
 STEPS_PER_EPOCH = 50_000 // 1024 + 1  # CIFAR-10 at batch 1024
 
 
@@ -108,7 +108,7 @@ def test_tfds_loaders_take_the_crop_padding(tmp_path):
 
 @pytest.mark.heavy  # 600 steps twice; `man` heads' equality with local stays in CI (tests/test_local_ppll.py)
 def test_digits_ppll_with_momentum_heads(tmp_path):
-    """`cdpjax train --config experiments/configs/digits.py:method=ppll --config.aux_head=man` trains
+    """`cdpjax train --config digits:method=ppll --config.aux_head=man` trains
     (600 steps, 4 stages x 2 replicas on 8 simulated devices); its test accuracy is local's with the same heads
     (within one of the 300 test images: the parameters are equal to float tolerance, tested above
     them) and at least the default head's (greedy) minus 2 points after the same steps."""

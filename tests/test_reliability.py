@@ -243,8 +243,8 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
     (orbax's temporary directory): the restart takes checkpoint 4 and ends with the whole train
     state (parameters, previous versions, partial sums, pipeline buffers, every stage's
     optimizer state) and metrics.jsonl identical to the uninterrupted run's (timing fields cut
-    out), and TensorBoard events that equal its metrics.jsonl: the killed run's events are
-    replaced, not added to."""
+    out), and TensorBoard events that equal its metrics.jsonl: the killed run's event files are
+    continued (TensorBoard's restart mark voids their steps past the checkpoint), no step twice."""
     require(name)
     ref = reference(name)
     part = tmp_path / "part"

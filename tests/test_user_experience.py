@@ -296,3 +296,129 @@ def test_a_usage_error_is_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
     assert err.rstrip().endswith("--help` lists the arguments)")
+
+
+# The conventions researchers already type ------------------------------------------------------
+
+def test_config_key_space_value_is_key_equals_value():
+    """`--config.KEY VALUE` (ml_collections' config_flags, big_vision's docstrings) is split as
+    `--config.KEY=VALUE`; a value that is itself a flag, or none at all, is left for the refusal."""
+    from cdpjax.cli import _split_config_overrides
+
+    argv = ["train", "--config.num_steps", "3", "--config.mesh.data", "-1", "--config.method=dp", "--workdir", "w",
+            "--config.stages", "[2, 5]", "--config.learning_rate", "--no-progress", "--config.seed"]
+    assert _split_config_overrides(argv) == (
+        ["num_steps=3", "mesh.data=-1", "method=dp", "stages=[2, 5]", "learning_rate", "seed"],
+        ["train", "--workdir", "w", "--no-progress"])
+
+
+def test_train_takes_config_key_space_value(tmp_path, capsys):
+    """`cdpjax train --config.num_steps 3` trains 3 steps (summary.json says so)."""
+    code = main(["train", "--config.method", "dp", "--config.num_steps", "3", "--config.eval_every", "0",
+                 "--workdir", str(tmp_path / "run"), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_config_key_without_value_is_one_line(tmp_path, capsys):
+    code = main(["train", "--config.num_steps", "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("cdpjax: error: override 'num_steps' has no value: give --config.num_steps=VALUE or "
+                                 "--config.num_steps VALUE\n")
+    assert not (tmp_path / "run").exists()
+
+
+def _pyproject_version() -> str:
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_version_and_python_dash_m(capsys):
+    """`cdpjax --version` and `python -m cdpjax --version` print pyproject.toml's version."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"cdpjax {_pyproject_version()}\n"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "cdpjax", "--version"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout == f"cdpjax {_pyproject_version()}\n", proc.stderr
+
+
+# TensorBoard: hyperparameters, and a resumed run's events continued -----------------------------
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """config.json's keys dotted, as TensorBoard's hyperparameters name them (a second walk)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _hparams_of(workdir) -> dict:
+    """{name: value} of the run's hyperparameters, read with TensorBoard's reader and its protos."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(workdir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    data = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {"test/accuracy", "test/loss"}
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
+
+
+def test_tensorboard_hyperparameters_are_the_config(digits_run):
+    """Every key of config.json is a hyperparameter (nested ones dotted): numbers as numbers,
+    booleans and names as themselves, lists as their JSON text."""
+    work, _, _ = digits_run
+    config = _flat(json.loads((work / "config.json").read_text()))
+    hparams = _hparams_of(work)
+    assert set(hparams) == set(config)
+    assert hparams["method"] == "dp" and hparams["num_steps"] == 12.0 and hparams["global_batch_size"] == 128.0
+    assert hparams["profile_steps"] == "[2, 3]" and isinstance(hparams["augment"], bool)
+    for key, value in config.items():
+        if isinstance(value, (bool, str)):
+            assert hparams[key] == value, key
+        elif isinstance(value, (int, float)):
+            assert hparams[key] == float(value), key
+
+
+def test_resumed_run_continues_its_event_files(tmp_path):
+    """A 12-step run (checkpoints every 4, the last two kept) whose last is lost resumes from 8:
+    its old event files stay byte for byte, a new one is added, and TensorBoard's reader sees one
+    value per step, the metrics.jsonl of the resumed run (which equals the uninterrupted run's)."""
+    import hashlib
+    import shutil
+
+    from metrics_lines import without_timing
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.train(small_config(checkpoint_every=4), str(full), progress=False)
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "12")
+    (part / "summary.json").unlink()
+    old = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in part.glob("events.out.tfevents.*")}
+    assert len(old) == 1
+    resumed = train.train(small_config(checkpoint_every=4), str(part), progress=False)
+    assert resumed["resumed_from"] == 8
+    now = sorted(part.glob("events.out.tfevents.*"))
+    assert len(now) == 2 and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in now[:1]} == old
+    text = (part / "metrics.jsonl").read_text()
+    assert without_timing(text) == without_timing((full / "metrics.jsonl").read_text())
+    events = events_of(part)
+    assert events == expected_events(text)
+    for tag, values in events.items():
+        steps = [s for s, _ in values]
+        assert steps == sorted(set(steps)), tag  # one value per step
+    assert _hparams_of(part)["num_steps"] == 12.0

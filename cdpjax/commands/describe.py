@@ -1,8 +1,8 @@
 """`cdpjax describe`: the model as a run of the config cuts it, without compiling anything.
 
-    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16      # PPLL's 15 modules on 4 GPUs
-    cdpjax describe --config experiments/configs/ppll_resnet32.py:K=16,recipe=infopro --config.module_groups=[9,3,2,2]
-    cdpjax describe --config experiments/configs/ppll_vit.py --json
+    cdpjax describe --config ppll_resnet32:K=16      # PPLL's 15 modules on 4 GPUs
+    cdpjax describe --config ppll_resnet32:K=16,recipe=infopro --config.module_groups=[9,3,2,2]
+    cdpjax describe --config ppll_vit --json
 
 Per stage (local module): its blocks, parameter count, output shape, activation
 bytes per example (its output, what it hands on), forward FLOPs at batch 1, the
@@ -196,7 +196,7 @@ def format_text(d: dict) -> str:
 
 
 DESCRIBE_EPILOG = """\
-Config: --config FILE[:ARG] as for `cdpjax train` (e.g. experiments/configs/ppll_resnet32.py:K=4),
+Config: --config FILE[:ARG] as for `cdpjax train` (e.g. ppll_resnet32:K=4),
 then any key overridden with --config.KEY=VALUE (e.g. --config.module_groups=[9,3,2,2]
 --config.stages=[2,5,9]). Nothing is compiled and no device is used.
 """

@@ -24,7 +24,7 @@ The crop's padding is a loader option for the fixed-size datasets:
 `dataset_kwargs.crop_padding` (pixels on every side; default as above) and
 `dataset_kwargs.padding_mode` ('zeros', default, or 'reflect': PPLL's and InfoPro's
 CIFAR-10 code pad with `F.pad(mode='reflect')`, and their SVHN code crops with zero
-padding 2; `experiments/configs/ppll_resnet32.py` sets them).
+padding 2; `cdpjax/configs/ppll_resnet32.py` sets them).
 
 (ImageNet resizing is bilinear with PIL's antialiasing, as torchvision on PIL images.)
 
