@@ -63,13 +63,14 @@ def setup(ctx: Context, stages=None, groups=None):
 
 
 def pixel_stats(cfg) -> dict:
-    """`pixel_mean` and `pixel_std` of the config's dataset ([0, 1] units per channel), which
-    map the network's input back to the raw image that InfoPro's decoder reconstructs."""
+    """`pixel_mean` and `pixel_std` of the config's dataset ([0, 1] units per channel; its
+    `dataset_kwargs` where they set them), which map the network's input back to the raw image
+    that InfoPro's decoder reconstructs."""
     from cdpjax.data import tfds_data
 
     if cfg.dataset in tfds_data.SPECS:
-        spec = tfds_data.SPECS[cfg.dataset]
-        return {"pixel_mean": spec.mean, "pixel_std": spec.std}
+        spec, given = tfds_data.SPECS[cfg.dataset], dict(cfg.get("dataset_kwargs", {}) or {})
+        return {"pixel_mean": given.get("pixel_mean", spec.mean), "pixel_std": given.get("pixel_std", spec.std)}
     if cfg.dataset == "digits":  # read in [0, 1] already, so its normalisation is in pixel units
         from cdpjax.data.digits import digits
 

@@ -53,8 +53,9 @@ Where we differ from the reference code, and why:
 - DGL's module also builds a BatchNorm `self.bn` that its forward uses only
   when `mlp_layers=0`: we build it only then (2C fewer parameters otherwise).
 - Initialisation follows each reference: the DGL head's weights and biases
-  PyTorch's default U(+-1/sqrt(fan_in)); BatchNorm scale 1, bias 0. `greedy`
-  and `vit` keep flax's defaults (no reference code fixes them; with
+  PyTorch's default U(+-1/sqrt(fan_in)); BatchNorm scale 1, bias 0. `vit`'s
+  linear layers as the network's blocks (PPLL's released ViT, `_init_vit_weights`:
+  a normal of std 0.01, biases 0; `cdpjax.models.vit`). `greedy` keeps flax's defaults (no reference code fixes it; with
   PyTorch's, `local` with greedy heads on digits reached 95.7% against e2e's
   98.3%, outside the 2 points `tests/test_accuracy.py` allows).
 """
@@ -76,7 +77,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.models import norms, partition
 from cdpjax.models.resnet import _torch_linear_bias
 from cdpjax.models.staging import StagedNet, accuracy, cross_entropy
-from cdpjax.models.vit import EncoderBlock
+from cdpjax.models.vit import RELEASED_DENSE, EncoderBlock
 from cdpjax.registry import Registry
 
 PPLL_VIT_BLOCKS = (2, 2, 2, 1, 1, 1)  # then 0 for deeper modules
@@ -482,22 +483,24 @@ class ViTHead(nn.Module):
     heads: int
     mlp_dim: int
     pool: str = "cls"
+    kernel_init: Any = RELEASED_DENSE  # of its linear layers: the network's blocks' (`_encoder_shape`)
 
     @nn.compact
     def __call__(self, y, train: bool = False):
         for _ in range(self.depth):
-            y = EncoderBlock(self.heads, self.mlp_dim)(y)
+            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         y = y[:, 0] if self.pool == "cls" else y.mean(axis=1)
-        return nn.Dense(self.num_classes)(y)
+        return nn.Dense(self.num_classes, kernel_init=self.kernel_init)(y)
 
 
-def _encoder_shape(net, width: int) -> tuple[int, int]:
-    """Heads and MLP width of the network's own encoder blocks (else 64-wide heads, MLP 4x)."""
+def _encoder_shape(net, width: int) -> tuple[int, int, Any]:
+    """Heads, MLP width and linear layers' initialiser of the network's own encoder blocks (else
+    64-wide heads, MLP 4x, PPLL's released initialiser)."""
     for block in net.blocks:
         if isinstance(block, EncoderBlock):
-            return block.heads, block.mlp_dim
-    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width
+            return block.heads, block.mlp_dim, block.kernel_init
+    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE
 
 
 @register("greedy")
@@ -519,13 +522,13 @@ def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = Non
                           f"gives {list(shape)}: use greedy, dgl or infopro")
     blocks = tuple(blocks)
     depth = int(blocks[j]) if j < len(blocks) else 0
-    own_heads, own_mlp = _encoder_shape(ctx.net, shape[-1])
+    own_heads, own_mlp, kernel_init = _encoder_shape(ctx.net, shape[-1])
     heads = int(own_heads if num_heads is None else num_heads)
     if shape[-1] % heads:
         raise ConfigError(f"aux_kwargs.num_heads={heads} does not divide the token width {shape[-1]}")
     if pool not in ("cls", "mean"):
         raise ConfigError(f"aux_kwargs.pool={pool!r} is not one of cls, mean")
-    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool)
+    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init)
 
 
 # InfoPro's classifiers and decoder, and PPLL's momentum heads, register themselves on import.
