@@ -58,7 +58,7 @@ def setup(ctx: Context, stages=None, groups=None):
         for key, value in pixel_stats(cfg).items():
             kwargs.setdefault(key, value)
     groups = cfg.get("module_groups", None) if groups is None else groups
-    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs, groups=groups)
+    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs, groups=groups, task=ctx.task)
     return net, heads, ctx.optimizer(), optim.make(cfg, learning_rate_scale=scale)
 
 
