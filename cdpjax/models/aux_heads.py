@@ -586,7 +586,7 @@ def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = Non
 
 # InfoPro's classifiers and decoder, and PPLL's momentum heads, register themselves on import.
 from cdpjax.models import infopro as _infopro  # noqa: E402
-from cdpjax.models import sequence_heads as _sequence_heads  # noqa: E402,F401 - registers token_linear, token_blocks
+from cdpjax.models import sequence_heads as _sequence_heads  # noqa: E402,F401 - registers token_linear, token_blocks, token_output
 from cdpjax.models.infopro import (  # noqa: E402,F401 - the InfoPro pieces, under their old names too
     INFOPRO_ARCHS, binary_cross_entropy, infopro_conv, infopro_weights, resize_align_corners, supcon_loss)
 
