@@ -276,7 +276,7 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     L = net.num_stages
     image = jax.ShapeDtypeStruct((micro, *net.input_shape), net.input_dtype)
     inputs = [image] + [jax.ShapeDtypeStruct(s, jnp.float32) for s in net.stage_output_shapes(micro)[:-1]]
-    labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.int32)
+    labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.dtype(task.label_dtype))
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
            "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L}

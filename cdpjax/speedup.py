@@ -345,7 +345,9 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
     carries(residuals)
     params, state = net.init(jax.random.key(0))
     image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
-    labels = jnp.zeros((micro_batch,), jnp.int32)
+    task = heads.task if heads is not None and heads.task is not None else None
+    label_shape = tuple(task.label_shape(tuple(net.input_shape))) if task is not None else ()
+    labels = jnp.zeros((micro_batch, *label_shape), task.label_dtype if task is not None else jnp.int32)
     head_params = head_state = None
     if heads is not None:
         head_params, head_state = heads.init(jax.random.key(1))
@@ -495,8 +497,10 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     if local and heads:
         from cdpjax.models import aux_heads
 
+        from cdpjax import tasks
+
         aux = aux_heads.build(config.get("aux_head", "greedy"), net, ds.num_classes,
-                              dict(config.get("aux_kwargs", {}) or {}))
+                              dict(config.get("aux_kwargs", {}) or {}), task=tasks.resolve(config, ds))
     costs = measure_stage_costs(net, mb, repeats, heads=aux, residuals=config.get("residuals", "recompute"),
                                 together=devices if calibrate == "together" else 1)
     if tbl.devices != devices and local and "module_groups" in LAYOUTS[method].table_sizes() \

@@ -110,10 +110,11 @@ def _decoder(c):
 
 
 def test_infopro_2c2f_heads_on_the_ppll_recipe(capsys):
-    """`describe --config ppll_resnet32.py:K=4 --config.aux_kwargs.arch=2c2f --config.aux_head=infopro`:
-    the released configs' classifier on every module's output, InfoPro's layer list."""
-    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4",
-                         "--config.aux_kwargs.arch=2c2f", "--config.aux_head=infopro", "--json"], capsys)
+    """`describe --config ppll_resnet32.py:K=4,head=infopro --config.aux_kwargs.arch=2c2f`: the released
+    configs' classifier on every module's output, InfoPro's layer list (the config's `head` argument: the
+    recipe's `man` options stay out of an `infopro` head's aux_kwargs)."""
+    rc, out, err = _cli(["--config", os.path.join(CONFIGS, "ppll_resnet32.py") + ":K=4,head=infopro",
+                         "--config.aux_kwargs.arch=2c2f", "--json"], capsys)
     assert rc == 0, err
     d = json.loads(out)
     assert [s["head_params"] for s in d["stages"]] == [_infopro_2c2f(c) for c in (16, 32, 64)] + [0]

@@ -383,13 +383,15 @@ def test_bad_momentum_and_contrast_options_are_named(kind, kwargs, match):
 
 
 def test_released_middle_parts_keep_their_copies_with_mid_ema_false():
-    """`InfoProResNet_mid` never updates its EMA copies: with mid_ema=False the copies of the middle
-    groups' modules (not each group's last) are state that never moves; the first and last groups'
-    follow; every group's last module trains its copy (groups [1, 3, 4] of K = 8)."""
-    heads = aux_heads.build("man", resnet32(8), 10, {"mid_ema": False}, groups=[1, 3, 4])
+    """`InfoProResNet_mid` never updates its EMA copies (models/resnetInfoPro_gxy_ppll.py:461-500, against
+    the front's :432 and the back's :558): with mid_ema=False, the default as released, the copies of the
+    middle groups' modules (not each group's last) are state that never moves; the first and last groups'
+    follow; every group's last module trains its copy (groups [1, 3, 4] of K = 8). mid_ema=True moves every
+    copy that shares its next module's device (MAN's single-process model)."""
+    heads = aux_heads.build("man", resnet32(8), 10, {}, groups=[1, 3, 4])
     kept = [bool(h.ema) for h in heads.heads[:-1]]
     moving = [h.follow is not None for h in heads.heads[:-1]]
     assert kept == [False, True, True, False, True, True, True]
     assert moving == [False, False, False, False, True, True, True]
-    assert [h.follow is not None for h in aux_heads.build("man", resnet32(8), 10, {}, groups=[1, 3, 4]).heads[:-1]] \
-        == kept  # by default every copy that shares its next module's device follows it
+    every = aux_heads.build("man", resnet32(8), 10, {"mid_ema": True}, groups=[1, 3, 4])
+    assert [h.follow is not None for h in every.heads[:-1]] == kept

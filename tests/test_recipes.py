@@ -23,15 +23,18 @@ def _load(spec):
 
 
 def test_ppll_resnet32_recipe_is_the_released_codes():
-    """configs/*_ppll*.yaml and models/resnetInfoPro_gxy_ppll.py: man heads with 2c2f and the decoder,
-    (5, 0.5, 0, 0) by stage index over the configs' local_module_num, SGD Nesterov momentum 0.995,
+    """recipe=ppll: the runs behind PPLL's logged 91.3% / 89.0%, `run.sh:13,48,50` calling MAN's train.py
+    with `--momentum 0.995`, which MAN's train.py:95 declares "momentum for EMA" (resnetInfoPro_MAN.py:289:
+    paramEMA * momentum + param * (1 - momentum)) while its SGD keeps 0.9 with Nesterov (train.py:107-108);
+    man heads with 2c2f and the decoder, (5, 0.5, 0, 0) by stage index over the configs' local_module_num,
     weight decay 1e-4, cosine peak 0.8 after 10 warm-up epochs, 400 epochs, batch 1024; CIFAR-10
     reflect-padded crops."""
     c = _load("ppll_resnet32.py:K=4")
     assert c.aux_head == "man" and c.aux_kwargs.arch == "2c2f" and c.aux_kwargs.reconstruction
     weights = tuple(c.aux_kwargs[k] for k in ("ixx_1", "ixy_1", "ixx_2", "ixy_2"))
     assert weights == (5, 0.5, 0, 0) and c.aux_kwargs.weight_by == "stage" and c.aux_kwargs.weight_k == 8
-    assert (c.optimizer, c.momentum, c.nesterov, c.weight_decay) == ("sgd", 0.995, True, 1e-4)
+    assert (c.optimizer, c.momentum, c.nesterov, c.weight_decay) == ("sgd", 0.9, True, 1e-4)
+    assert c.aux_kwargs.ema_decay == 0.995 and c.aux_kwargs.mid_ema is True  # MAN's model moves every copy
     assert (c.learning_rate, c.schedule, c.warmup_steps) == (0.8, "cosine", 10 * STEPS_PER_EPOCH)
     assert (c.global_batch_size, c.num_steps, c.norm) == (1024, 400 * STEPS_PER_EPOCH, "batch")
     assert dict(c.dataset_kwargs) == {"padding_mode": "reflect"} and c.augment
@@ -42,14 +45,54 @@ def test_ppll_resnet32_recipe_is_the_released_codes():
     assert k16.aux_kwargs.weight_k == 16
     assert list(_load("ppll_resnet32.py:K=16,devices=2").module_groups) == [9, 6]
     assert list(_load("ppll_resnet32.py:K=8,devices=2").module_groups) == [5, 3]
-    assert dict(_load("ppll_resnet32.py:K=16,dataset=svhn_cropped").dataset_kwargs) == {"crop_padding": 2}
+    # the released training(): SVHN RandomCrop(32, padding=2), Normalize(127.5 / 255, 127.5 / 255)
+    assert dict(_load("ppll_resnet32.py:K=16,dataset=svhn_cropped").dataset_kwargs) == {
+        "crop_padding": 2, "pixel_mean": 0.5, "pixel_std": 0.5}
     with pytest.raises(ConfigError, match="recipe=ppll has K in \\[2, 4, 8, 16\\]"):
         _load("ppll_resnet32.py:K=3")
 
 
-def test_infopro_recipe_is_the_one_before():
+def test_ppll_multiprocess_recipe_is_the_released_multiprocess_code():
+    """recipe=ppll-multiprocess: train_front / train_mid / train_back pass the yaml's `momentum: 0.995`
+    to SGD (Nesterov) and never pass an EMA decay, so InfoProResNet_basic's default momentum=0.9 holds;
+    InfoProResNet_mid never updates its copies. Its log k2_resnet_oldfw_k8s2_valid.json collapses."""
+    c = _load("ppll_resnet32.py:K=8,recipe=ppll-multiprocess")
+    assert (c.momentum, c.nesterov, c.learning_rate) == (0.995, True, 0.8)
+    assert (c.aux_kwargs.ema_decay, c.aux_kwargs.mid_ema) == (0.9, False)
+    assert (c.aux_head, c.global_batch_size, c.num_steps) == ("man", 1024, 400 * STEPS_PER_EPOCH)
+    with pytest.raises(ConfigError, match="recipe='sgd' is not one of ppll, ppll-multiprocess, infopro"):
+        _load("ppll_resnet32.py:recipe=sgd")
+
+
+@pytest.mark.parametrize("recipe", ["ppll", "ppll-multiprocess", "infopro"])
+def test_stl10_is_infopros_loader(recipe):
+    """InfoPro's (and MAN's) train.py on STL-10: batch 128 and lr 0.1 (1024 and 0.8 only for cifar10 and svhn,
+    InfoPro train.py:97-98), RandomCrop(96, padding=4) with zeros and RandomHorizontalFlip (:163-166),
+    Normalize(127.5 / 255, 127.5 / 255) (:145-146); 5000 training images, so 5000 // 128 + 1 steps an epoch."""
+    c = _load(f"ppll_resnet32.py:K=4,dataset=stl10,recipe={recipe}")
+    assert (c.global_batch_size, c.learning_rate) == (128, 0.1)
+    assert dict(c.dataset_kwargs) == {"crop_padding": 4, "padding_mode": "zeros", "pixel_mean": 0.5,
+                                      "pixel_std": 0.5}
+    epochs = 160 if recipe == "infopro" else 400
+    assert c.num_steps == epochs * 40 and c.warmup_steps == 10 * 40 and c.augment
+
+
+def test_stl10_loader_normalises_with_the_given_statistics(tmp_path, monkeypatch):
+    """dataset_kwargs.pixel_mean / pixel_std replace the loader's statistics (in 0..255 units: 0.5 -> 127.5);
+    bad values are refused in one line."""
+    from cdpjax.data import REGISTRY, tfds_data
+
+    monkeypatch.setattr(tfds_data, "_open", lambda name, splits, data_dir: {"train": [0] * 5, "test": [0] * 3})
+    data = REGISTRY["stl10"](crop_padding=4, pixel_mean=0.5, pixel_std=0.5)
+    assert data.mean == (127.5, 127.5, 127.5) and data.std == (127.5, 127.5, 127.5)
+    with pytest.raises(ConfigError, match="pixel_std=0 must be 1 or 3 positive numbers"):
+        REGISTRY["stl10"](data_dir=str(tmp_path), pixel_std=0)
+
+
+def test_infopro_recipe_is_infopros_table_2():
     """recipe=infopro: InfoPro's 1c2f heads with the decoder, its commands' weights by module index,
-    SGD Nesterov momentum 0.9, InfoPro's K = 16 (16 modules), zero padding; loss=contrast adds its
+    SGD Nesterov momentum 0.9, InfoPro's K = 16 (16 modules); InfoPro's train.py: 160 epochs
+    (`'epochs': 160`, train.py:96), CIFAR-10 reflect padding 4 (train.py:151-153); loss=contrast adds its
     supervised contrastive loss on 128-dimensional embeddings."""
     published = {2: (5, 1, 0, 0), 4: (6, 0, 1, 2), 8: (5, 0, 0, 2), 16: (5, 0.05, 0.2, 0.5)}
     for k, weights in published.items():
@@ -57,9 +100,32 @@ def test_infopro_recipe_is_the_one_before():
         assert c.aux_head == "infopro" and dict(c.aux_kwargs) == {
             "arch": "1c2f", "reconstruction": True, **dict(zip(("ixx_1", "ixy_1", "ixx_2", "ixy_2"), weights))}
         assert (c.momentum, c.nesterov, c.learning_rate, c.weight_decay) == (0.9, True, 0.8, 1e-4)
-        assert len(c.stages) + 1 == k and c.module_groups is None and not dict(c.dataset_kwargs)
+        assert len(c.stages) + 1 == k and c.module_groups is None
+        assert dict(c.dataset_kwargs) == {"padding_mode": "reflect"} and c.num_steps == 160 * STEPS_PER_EPOCH
     contrast = _load("ppll_resnet32.py:K=8,recipe=infopro,loss=contrast")
     assert contrast.aux_kwargs.loss == "contrast" and contrast.aux_kwargs.feature_dim == 128
+
+
+def test_reproduce_rows_are_the_papers():
+    """reproduce.py's PPLL table: the ViT rows at K = 12 one-block modules grouped [2, 3, 3, 4] on 4 devices
+    (configs/k4_vit_224_p16.yaml's four aux_depth_lists), gpipe on 4 stages of those blocks; InfoPro's rows
+    160 epochs with reflect padding."""
+    sys.path.insert(0, os.path.dirname(CONFIGS))
+    import reproduce
+
+    rows = {r.name: r for r in reproduce.ppll_rows(False)}
+    vit = [r for r in rows.values() if r.group[0] == "vit" and r.group[1] is not None]
+    assert {r.group[1] for r in vit} == {12}
+    ppll = reproduce.row_config(rows["ppll-vit-K12-ppll"], None)
+    assert len(ppll.stages) + 1 == 12 and list(ppll.module_groups) == [2, 3, 3, 4]
+    assert list(reproduce.row_config(rows["ppll-vit-K12-local"], None).module_groups) == [2, 3, 3, 4]
+    # blocks: [patch embedding, encoder 1..12, classifier]; device d starts at encoder 1 + 2, 5, 8 modules
+    assert list(reproduce.row_config(rows["ppll-vit-K12-gpipe-M1"], None).stages) == [3, 6, 9]
+    infopro = [r for r in rows.values() if r.variant == "InfoPro's recipe"]
+    assert infopro
+    for row in infopro:
+        c = reproduce.row_config(row, None)
+        assert c.num_steps == 160 * STEPS_PER_EPOCH and dict(c.dataset_kwargs) == {"padding_mode": "reflect"}
 
 
 def test_ppll_vit_recipe_is_the_released_codes():
@@ -77,6 +143,29 @@ def test_ppll_vit_recipe_is_the_released_codes():
     before = _load("ppll_vit.py:recipe=infopro")  # the recipe cdpjax had
     assert (len(before.stages) + 1, before.schedule, before.weight_decay, before.augment) == (4, "cosine", 0.0, True)
     assert before.num_steps == 200 * (50_000 // 128 + 1) and before.model_kwargs.patch == 4
+
+
+def test_vit_starts_as_released():
+    """models/vit_model.py:1937-1952 (_init_vit_weights): Linear weights trunc_normal_(std=.01), cut at +-2
+    absolute (200 standard deviations: a normal of std 0.01), biases 0; the patch Conv2d kaiming_normal_
+    (mode='fan_out'): std sqrt(2 / (patch * patch * dim)); LayerNorm 1 and 0. Empirical stds of ViT-B's
+    draws against these, within 2%."""
+    import jax
+
+    from cdpjax import models as model_lib
+
+    blocks = model_lib.REGISTRY.lookup("vit_b")(10, (32, 32, 3), patch=16)
+    params = [b.init(jax.random.key(k), np.zeros((2, *shape), np.float32))["params"]
+              for k, (b, shape) in enumerate(zip(blocks[:3], [(32, 32, 3), (5, 768), (5, 768)]))]
+    patch = np.asarray(params[0]["projection"]["kernel"])
+    assert np.std(patch) == pytest.approx((2 / (16 * 16 * 768)) ** 0.5, rel=0.02)
+    block = params[1]
+    mlp = np.asarray(block["Dense_0"]["kernel"])
+    assert np.std(mlp) == pytest.approx(0.01, rel=0.02) and np.abs(mlp).max() > 0.04  # no cut at 2 sigma
+    assert not np.asarray(block["Dense_0"]["bias"]).any()
+    query = np.asarray(block["MultiHeadDotProductAttention_0"]["query"]["kernel"])
+    assert np.std(query) == pytest.approx(0.01, rel=0.02)
+    assert np.asarray(block["LayerNorm_0"]["scale"]).min() == 1.0
 
 
 def test_reflect_padding_mirrors_without_the_edge():

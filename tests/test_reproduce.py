@@ -168,7 +168,7 @@ def test_row_lists_cover_the_paper_tables():
     assert {tuple(r.group) for r in cdp} == groups
     assert {r.method for r in cdp} == {"dp", "cdp-v1", "cdp-v2"}
     ppll = reproduce.ppll_rows(False)
-    groups = {("resnet32", k) for k in (2, 4, 8, 16)} | {("vit", 4)}
+    groups = {("resnet32", k) for k in (2, 4, 8, 16)} | {("vit", 12)}
     assert {tuple(r.group) for r in ppll if r.method == "ppll"} == groups
     assert {r.method for r in ppll} == {"e2e", "local", "ppll", "gpipe"}
     assert len({r.name for r in cdp + ppll}) == len(cdp + ppll)  # one directory per row

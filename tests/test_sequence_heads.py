@@ -88,3 +88,34 @@ def test_first_local_module_of_a_gpt_learns_from_its_head():
         losses.append(float(loss))
     assert losses[0] > 0.9 * np.log(ds.num_classes)
     assert np.mean(losses[-5:]) < 0.85 * losses[0]
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_token_output_head_is_a_copy_of_the_models_own_output_layer(depth):
+    """`token_output`: the model's own last block (its final LayerNorm and unembedding) has exactly the
+    parameter shapes of the head's output part; `depth` private causal decoder blocks of the network's own
+    shape (heads 4, MLP 24) come before it; position t reads no later position; with a task whose labels
+    are not per token it is refused in one line."""
+    from cdpjax.models import aux_heads
+
+    c = default_config()
+    c.model, c.stages, c.model_kwargs = "gpt", 2, {"width": D, "depth": 2, "heads": 4, "mlp_dim": 24}
+    net = build(c, (T,), V, input_dtype="int32")
+    heads = aux_heads.build("token_output", net, V, {"depth": depth}, task=tasks.LANGUAGE_MODELLING)
+    head = heads.heads[0].module
+    variables = head.init(jax.random.key(0), features())
+    own = net.blocks[-1].init(jax.random.key(1), features())["params"]
+    shapes = jax.tree.map(jnp.shape, variables["params"])
+    assert shapes["OutputHead_0"] == jax.tree.map(jnp.shape, own)
+    blocks = [k for k in shapes if k.startswith("EncoderBlock")]
+    assert len(blocks) == depth and (head.heads, head.mlp_dim) == (4, 24)
+    if depth:
+        assert shapes[blocks[0]]["Dense_0"]["kernel"] == (D, 24)
+    a = head.apply(variables, features())
+    b = head.apply(variables, features().at[:, 4].set(features(1)[:, 4]))
+    assert a.shape == (B, T, V) and a.dtype == jnp.float32
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    with pytest.raises(ConfigError, match="aux_head='token_output' gives module 0 outputs of shape"):
+        aux_heads.build("token_output", net, V, {}, task=tasks.CLASSIFICATION)
+    with pytest.raises(ConfigError, match="aux_kwargs.depth=-1 must be an integer >= 0"):
+        aux_heads.build("token_output", net, V, {"depth": -1}, task=tasks.LANGUAGE_MODELLING)

@@ -47,6 +47,18 @@ def _input_spec(config) -> tuple[tuple[int, ...], int, str]:
     return tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype
 
 
+def _task(config):
+    """The config's task (`config.task`, else its dataset's), without reading a tfds dataset."""
+    from cdpjax import data, tasks
+    from cdpjax.data import tfds_data
+
+    if config.get("task", ""):
+        return tasks.lookup(config.task)
+    if config.dataset in tfds_data.SPECS:
+        return tasks.CLASSIFICATION
+    return tasks.lookup(getattr(data.build(config), "task", "classification"))
+
+
 def stage_devices(config, num_stages: int) -> list[int]:
     """The device of each stage as the config's method places it (module docstring)."""
     from cdpjax.layouts import LAYOUTS
@@ -121,7 +133,7 @@ def describe(config) -> dict:
     heads = None
     if has_heads(config):
         heads = aux_heads.build(config.aux_head, net, num_classes, dict(config.get("aux_kwargs", {}) or {}),
-                                groups=config.get("module_groups", None))
+                                groups=config.get("module_groups", None), task=_task(config))
     stages = _stages(net, heads)
     for stage, device in zip(stages, stage_devices(config, net.num_stages)):
         stage["device"] = device

@@ -5,7 +5,7 @@ global batch 32 (8 images per worker), split points [3, 6, 8]: the gradient
 sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
 1.46), BatchNorm statistics per worker for dp as for CDP (the paper's code).
 
-    cdpjax bench --config experiments/configs/bench_resnet18.py --cpu-devices 4 --repeats 10 \
+    cdpjax bench --config bench_resnet18 --cpu-devices 4 --repeats 10 \
       --methods dp,cdp-v2,cdp-v2@cdp_ticks=paired@residuals=carry,cdp-zero,cdp-mp
 
 Expected (docs/measured.md): the cdp-v2 ring sends dp's bytes per worker per

@@ -7,7 +7,7 @@ devices for the pipelines. The synthetic images are not pixels: the decoder's
 targets take them as pixels of mean 0.5 and standard deviation 0.25 (clipped
 to [0, 1]), which leaves its cost, the bench's concern, as on CIFAR-10.
 
-    cdpjax bench --config experiments/configs/bench_resnet32.py --methods e2e,local,ppll,gpipe --cpu-devices 4
+    cdpjax bench --config bench_resnet32 --methods e2e,local,ppll,gpipe --cpu-devices 4
 
 Expected: ppll busy fraction 1.0 in steady state (gpipe with M=4: 4/7); on
 simulated CPU devices, which share the same cores, ppll's time per batch over

@@ -6,7 +6,7 @@ images per worker (global 512), SGD momentum 0.9, lr 0.05, weight decay 5e-4,
 step decay x0.2 every 30 epochs, 101 epochs, 4 stages balanced by FLOPs,
 random crop (pad 4) and flip.
 
-    cdpjax train --config experiments/configs/cdp_cifar10.py:model=resnet18,method=cdp-v2
+    cdpjax train --config cdp_cifar10:model=resnet18,method=cdp-v2
 
 BatchNorm: statistics per worker for DP as for CDP (the paper's code; the cross-device
 variant: `--config.bn_cross_device=True`). Rule: the authors' released rule by default

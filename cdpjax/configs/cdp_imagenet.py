@@ -5,7 +5,7 @@ the recipe of the paper's public code: 8 workers, 32 images per worker (global
 256), SGD momentum 0.9, lr 0.1, weight decay 1e-4, step decay x0.1 every 30
 epochs, 91 epochs, 4 stages balanced by FLOPs, random resized crop 224 and flip.
 
-    cdpjax train --config experiments/configs/cdp_imagenet.py:model=resnet50,method=cdp-v1
+    cdpjax train --config cdp_imagenet:model=resnet50,method=cdp-v1
 
 BatchNorm per worker for DP as for CDP, and the staleness rule (the authors' released
 `rule=paper-code` by default, on the ring; `rule=cdp-v2` for the table's rule): as in

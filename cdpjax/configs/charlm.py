@@ -7,8 +7,8 @@ Adam 3e-3 with a cosine schedule, global batch 64 windows (2,048 tokens), 300
 steps (about 0.14 epochs of the 139k training windows); the model is cut into
 `stages` stages (4: [embedding + block], [block], [block], [block + head]).
 
-    cdpjax train --config experiments/configs/charlm.py:method=e2e
-    cdpjax train --config experiments/configs/charlm.py:method=dp
+    cdpjax train --config charlm:method=e2e
+    cdpjax train --config charlm:method=dp
 
 Expected (measured on this project's shared 2-core CPU machine; dp on 8 simulated
 devices): per-token test loss 4.12 at initialisation (about log 61 = 4.11), 2.52

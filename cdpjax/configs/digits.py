@@ -4,8 +4,8 @@ Reproduces, in miniature, the CDP paper's claim that CDP-v1 / CDP-v2 train as we
 as DP, and PPLL's claim that pipelined local learning equals sequential local
 learning. 4-stage MLP, global batch 128, 600 steps (about 51 epochs).
 
-    cdpjax train --config experiments/configs/digits.py:method=cdp-v2
-    cdpjax train --config experiments/configs/digits.py:method=ppll
+    cdpjax train --config digits:method=cdp-v2
+    cdpjax train --config digits:method=ppll
 
 Expected: dp, cdp-v1, cdp-v2 about 97-98% test accuracy (within 1 point of each
 other); e2e about 97-98%; local and ppll equal to each other and within 2 points

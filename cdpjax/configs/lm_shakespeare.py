@@ -11,8 +11,8 @@ position) and its 'test' split (55,770; windows side by side), 65 characters. Pr
 once where TensorFlow and the internet are (cdpjax/data/tfds_text.py; `cdpjax train`
 says the command if it is missing), then point --config.data_dir at it:
 
-    cdpjax train --config experiments/configs/lm_shakespeare.py:method=dp --config.data_dir=DIR
-    cdpjax train --config experiments/configs/lm_shakespeare.py:method=e2e,steps=2000 --config.data_dir=DIR
+    cdpjax train --config lm_shakespeare:method=dp --config.data_dir=DIR
+    cdpjax train --config lm_shakespeare:method=e2e,steps=2000 --config.data_dir=DIR
 
 Hardware: one GPU (e2e) or one per data-parallel worker (dp). Expected: not measured here
 yet (no GPU run of this file so far). The reference: nanoGPT's model of these sizes, with

@@ -1,9 +1,9 @@
 """ViT-B-shaped (768 wide, 12 heads, 12 blocks), blocks as local modules: e2e / local / ppll / gpipe.
 
-    cdpjax train --config experiments/configs/ppll_vit.py:method=ppll                       # K=12 on 4 GPUs
-    cdpjax train --config experiments/configs/ppll_vit.py:method=ppll,devices=2,dataset=svhn_cropped
-    cdpjax train --config experiments/configs/ppll_vit.py:K=4,recipe=infopro,method=ppll
-    cdpjax describe --config experiments/configs/ppll_vit.py:K=12,devices=4
+    cdpjax train --config ppll_vit:method=ppll                       # K=12 on 4 GPUs
+    cdpjax train --config ppll_vit:method=ppll,devices=2,dataset=svhn_cropped
+    cdpjax train --config ppll_vit:K=4,recipe=infopro,method=ppll
+    cdpjax describe --config ppll_vit:K=12,devices=4
 
 `recipe=ppll` (default): PPLL's released ViT code (gxy233/Faster-Multi-GPU-Training-with-PPLL;
 the differences that remain, and why, are in docs/ppll.md), each value from:
@@ -28,7 +28,21 @@ the differences that remain, and why, are in docs/ppll.md), each value from:
 patch 4 at 32x32 and 12 at 96x96.
 
 Arguments: K, devices (PPLL's GPUs: default 4 for recipe=ppll, one per module for
-infopro), method, dataset, epochs, recipe, patch.
+infopro), method, dataset, epochs, recipe, patch. A backprop pipeline (`gpipe`, ...) on
+fewer devices than modules runs one stage per device holding that device's blocks (PPLL's
+"model parallelism": [2, 3, 3, 4] blocks on 4 GPUs).
+
+Epochs: every method runs the recipe's 50 by default, so that the table compares equal
+work. The released baselines ran longer: end-to-end `train_vite2e.py` defaults to 400
+epochs (`train_vite2e.py:174`, at batch 1024, `:175`, with the rate divided by 10 at
+epochs 80 and 120, `:70-74`), the pipeline baseline `train_vitpp.py` 200 (`run_vitpp.sh:2`,
+`--epochs 200`); `epochs=400` / `epochs=200` gives those lengths (batch and schedule stay
+the recipe's).
+
+Initialisation: `cdpjax.models.vit`'s default, PPLL's `_init_vit_weights`
+(`models/vit_model.py:1937-1952`: linear layers `trunc_normal_(std=.01)`, biases 0, the patch
+projection `kaiming_normal_(mode="fan_out")`), class token and positions std 0.02
+(`:789-793`), for the auxiliary heads too (`aux_head='vit'`).
 
 Hardware: one GPU per device of the pipeline (`devices`). Expected: PPLL's paper, 2.62x
 sequential local learning and 1.25x model parallelism on 4 GPUs, accuracy comparable to e2e.
@@ -39,6 +53,7 @@ TRAIN_SIZES = {"cifar10": 50_000, "svhn_cropped": 73_257, "stl10": 5_000}
 DEPTH = 12
 # GPUs -> modules per GPU of PPLL's K=12 configs (the length of each part's aux_depth_list).
 PPLL_GROUPS = {4: [2, 3, 3, 4], 2: [5, 7]}
+LOCAL_METHODS = ("local", "ppll")  # the methods with local modules (module groups); others get one stage a device
 
 
 def get_config(arg=None):
@@ -57,8 +72,12 @@ def get_config(arg=None):
     c.stages = [1 + DEPTH * i // k for i in range(1, k)]
     devices = int(a["devices"]) or (4 if ppll else k)
     if devices != k:  # contiguous, as even as the counts allow where PPLL has no file
-        c.module_groups = (PPLL_GROUPS.get(devices) if ppll and k == DEPTH else None) or [
+        groups = (PPLL_GROUPS.get(devices) if ppll and k == DEPTH else None) or [
             k // devices + (d < k % devices) for d in range(devices)]
+        if c.method in LOCAL_METHODS:
+            c.module_groups = groups
+        else:  # a backprop pipeline: one stage per device, holding that device's modules' blocks
+            c.stages = [c.stages[sum(groups[:d]) - 1] for d in range(1, devices)]
     c.aux_head = "vit"
     c.optimizer, c.learning_rate, c.momentum = "sgd", 8e-4, 0.9
     c.weight_decay, c.schedule, c.augment = (5e-5, "constant", False) if ppll else (0.0, "cosine", True)

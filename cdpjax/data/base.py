@@ -41,6 +41,8 @@ class Dataset:
         and std after augmentation) or an integer dtype (token ids, passed as they are).
       label_shape: one example's label shape: () for a class, (T,) for a window's next tokens.
       task: the `cdpjax.tasks` name this dataset is for (`config.task` '' takes it).
+      label_dtype: the labels' dtype in a batch ('int32' class ids or token ids; 'float32'
+        regression targets): the task's `label_dtype`.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Dataset:
     input_dtype: str = "float32"
     label_shape: tuple[int, ...] = ()
     task: str = "classification"
+    label_dtype: str = "int32"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -86,7 +89,7 @@ class Dataset:
             images = images.astype(np.float32) if self.image_inputs else images
             if augment and self.augment is not None:
                 images = self.augment(images, rng)
-        return {"image": self._normalise(images), "label": labels.astype(np.int32)}
+        return {"image": self._normalise(images), "label": labels.astype(self.label_dtype)}
 
     def test_batches(self, batch_size: int, limit: int | None = None):
         """The test split in order, the last batch padded and masked (`mask` is 0 for padding)."""
@@ -99,7 +102,7 @@ class Dataset:
             if pad:
                 images = np.concatenate([images, np.repeat(images[-1:], pad, 0)])
                 labels = np.concatenate([labels, np.repeat(labels[-1:], pad, 0)])
-            yield {"image": self._normalise(images), "label": labels.astype(np.int32), "mask": mask}
+            yield {"image": self._normalise(images), "label": labels.astype(self.label_dtype), "mask": mask}
 
 
 def epoch_permutation(epoch: int, num_examples: int, seed: int) -> np.ndarray:

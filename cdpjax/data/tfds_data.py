@@ -24,7 +24,9 @@ The crop's padding is a loader option for the fixed-size datasets:
 `dataset_kwargs.crop_padding` (pixels on every side; default as above) and
 `dataset_kwargs.padding_mode` ('zeros', default, or 'reflect': PPLL's and InfoPro's
 CIFAR-10 code pad with `F.pad(mode='reflect')`, and their SVHN code crops with zero
-padding 2; `cdpjax/configs/ppll_resnet32.py` sets them).
+padding 2; `cdpjax/configs/ppll_resnet32.py` sets them). `dataset_kwargs.pixel_mean`
+and `pixel_std` (one number or one per channel, [0, 1] units) replace the normalisation's
+statistics: InfoPro's and MAN's STL-10 and SVHN code normalise with 0.5 and 0.5.
 
 (ImageNet resizing is bilinear with PIL's antialiasing, as torchvision on PIL images.)
 
@@ -194,14 +196,27 @@ def _imagenet_readers(sources: dict):
     return read, read_augmented
 
 
+def _per_channel(value, key: str, channels: int, positive: bool) -> tuple[float, ...]:
+    """`value` (one number or one per channel, [0, 1] pixel units) as `channels` floats."""
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if len(values) not in (1, channels) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                               or (positive and v <= 0) for v in values):
+        raise ConfigError(f"dataset_kwargs.{key}={value!r} must be 1 or {channels} "
+                          f"{'positive ' if positive else ''}numbers ([0, 1] pixel units)")
+    return tuple(float(v) for v in values) * (channels if len(values) == 1 else 1)
+
+
 def _builder(name: str):
     spec = SPECS[name]
 
     def build(data_dir: str | None = None, train_split: str = "train", test_split: str | None = None,
-              crop_padding: int | None = None, padding_mode: str = "zeros", **unknown) -> Dataset:
+              crop_padding: int | None = None, padding_mode: str = "zeros", pixel_mean=None, pixel_std=None,
+              **unknown) -> Dataset:
         if unknown:
-            raise ConfigError(f"unknown dataset_kwargs {sorted(unknown)} for {name!r}; "
-                              "accepted: data_dir, train_split, test_split, crop_padding, padding_mode")
+            raise ConfigError(f"unknown dataset_kwargs {sorted(unknown)} for {name!r}; accepted: data_dir, "
+                              "train_split, test_split, crop_padding, padding_mode, pixel_mean, pixel_std")
+        mean = spec.mean if pixel_mean is None else _per_channel(pixel_mean, "pixel_mean", 3, False)
+        std = spec.std if pixel_std is None else _per_channel(pixel_std, "pixel_std", 3, True)
         pad = spec.pad if crop_padding is None else crop_padding
         if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
             raise ConfigError(f"dataset_kwargs.crop_padding={crop_padding!r} must be an integer >= 0 (pixels)")
@@ -228,8 +243,8 @@ def _builder(name: str):
             num_test=len(sources["test"]),
             read=read,
             augment=augment,
-            mean=tuple(255.0 * m for m in spec.mean),
-            std=tuple(255.0 * s for s in spec.std),
+            mean=tuple(255.0 * m for m in mean),
+            std=tuple(255.0 * s for s in std),
             read_augmented=read_augmented,
         )
 

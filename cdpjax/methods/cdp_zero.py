@@ -328,7 +328,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
 
     def flush(state):
         images = jnp.zeros((batch, *net.input_shape), stages.input_dtype, device=per_worker)
-        labels = jnp.zeros((batch, *stages.label_shape), jnp.int32, device=per_worker)
+        labels = jnp.zeros((batch, *stages.label_shape), stages.label_dtype, device=per_worker)
         for _ in range(z.max_lag):
             state = step(state, images, labels, False)[0]
         return state

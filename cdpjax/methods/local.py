@@ -58,18 +58,19 @@ def setup(ctx: Context, stages=None, groups=None):
         for key, value in pixel_stats(cfg).items():
             kwargs.setdefault(key, value)
     groups = cfg.get("module_groups", None) if groups is None else groups
-    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs, groups=groups)
+    heads = aux_heads.build(kind, net, ctx.num_classes, kwargs, groups=groups, task=ctx.task)
     return net, heads, ctx.optimizer(), optim.make(cfg, learning_rate_scale=scale)
 
 
 def pixel_stats(cfg) -> dict:
-    """`pixel_mean` and `pixel_std` of the config's dataset ([0, 1] units per channel), which
-    map the network's input back to the raw image that InfoPro's decoder reconstructs."""
+    """`pixel_mean` and `pixel_std` of the config's dataset ([0, 1] units per channel; its
+    `dataset_kwargs` where they set them), which map the network's input back to the raw image
+    that InfoPro's decoder reconstructs."""
     from cdpjax.data import tfds_data
 
     if cfg.dataset in tfds_data.SPECS:
-        spec = tfds_data.SPECS[cfg.dataset]
-        return {"pixel_mean": spec.mean, "pixel_std": spec.std}
+        spec, given = tfds_data.SPECS[cfg.dataset], dict(cfg.get("dataset_kwargs", {}) or {})
+        return {"pixel_mean": given.get("pixel_mean", spec.mean), "pixel_std": given.get("pixel_std", spec.std)}
     if cfg.dataset == "digits":  # read in [0, 1] already, so its normalisation is in pixel units
         from cdpjax.data.digits import digits
 

@@ -281,6 +281,7 @@ class _Runtime:
         self.carry = program.carries
         self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes), ctx.task)
         self.label_shape = tuple(ctx.task.label_shape(tuple(net.input_shape)))
+        self.label_dtype = jnp.dtype(ctx.task.label_dtype)
         place = program.placement
         self.units, self.U, self.V, self.D = place.units, len(place.units), place.chunks, place.devices
         # unit at (device, chunk), -1 where a device holds fewer units
@@ -320,7 +321,7 @@ class _Runtime:
     def residual_sizes(self) -> list[int]:
         """Per unit, the elements of one micro-batch's kept residuals."""
         params, state = jax.eval_shape(lambda: self.net.init(jax.random.key(0)))
-        labels = jax.ShapeDtypeStruct((self.micro, *self.label_shape), jnp.int32)
+        labels = jax.ShapeDtypeStruct((self.micro, *self.label_shape), self.label_dtype)
 
         def trace_inside(probe):
             def fn():
@@ -527,7 +528,8 @@ class _Runtime:
         if self.lag:
             state["fed"] = jnp.zeros((self.lag,), bool)
             # the labels of the last `lag` batches: an op of an earlier step reads them here
-            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.label_shape), jnp.int32)
+            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.label_shape),
+                                        self.label_dtype)
             state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype)
                                 for k, a in self.buffer_shapes().items()}
         if prog.grads_in_flight:
@@ -579,7 +581,7 @@ class _Runtime:
             c["buffers"] = varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.buffer_shapes()),
                                    self.axes)
             c["fed"] = jnp.zeros((0,), bool)
-            c["labels"] = jnp.zeros((0, M, mb, *self.label_shape), jnp.int32)
+            c["labels"] = jnp.zeros((0, M, mb, *self.label_shape), self.label_dtype)
         if not self.program.grads_in_flight:  # every gradient of the period is applied within it
             c["grads"] = varying({n: jnp.zeros_like(r) for n, r in s["rows"].items()}, self.axes)
         L = self.net.num_stages
@@ -676,7 +678,7 @@ class _Runtime:
         if self.lag:
             def flush(state):
                 images = np.zeros((self.lag, B, *self.net.input_shape), self.input_spec.dtype)
-                labels = np.zeros((self.lag, B, *self.label_shape), np.int32)
+                labels = np.zeros((self.lag, B, *self.label_shape), self.label_dtype)
                 return run(state, images, labels, np.zeros((self.lag,), bool))[0]
 
         def export(state):

@@ -90,6 +90,7 @@ class Stages:
     residuals: tuple | None = None
     input_dtype: Any = jnp.float32
     label_shape: tuple = ()
+    label_dtype: Any = jnp.int32  # the task's (`Task.label_dtype`)
 
     @property
     def L(self) -> int:
@@ -100,7 +101,8 @@ def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> St
     outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
     inputs = ((micro, *net.input_shape), *outputs[:-1])
     stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS), task), micro, inputs, outputs,
-                    input_dtype=jnp.dtype(net.input_dtype), label_shape=tuple(task.label_shape(tuple(net.input_shape))))
+                    input_dtype=jnp.dtype(net.input_dtype), label_shape=tuple(task.label_shape(tuple(net.input_shape))),
+                    label_dtype=jnp.dtype(task.label_dtype))
     if residuals == "recompute":
         return stages
     params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
@@ -112,7 +114,7 @@ def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> St
         jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=(), out_specs=P(AXIS), check_vma=True))
 
     shapes = [jax.ShapeDtypeStruct(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(inputs)]
-    labels = jax.ShapeDtypeStruct((micro, *stages.label_shape), jnp.int32)
+    labels = jax.ShapeDtypeStruct((micro, *stages.label_shape), stages.label_dtype)
     found = stages.ops.residual_shapes(params, state, shapes, labels, trace_inside)
     return dataclasses.replace(stages, residuals=found)
 
@@ -487,7 +489,7 @@ def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
     out = {"model_state": model_state,
            "acts": [zeros(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(stages.inputs)],
            "cots": [zeros(s) for s in stages.outputs[:-1]],
-           "labels": zeros((stages.micro, *stages.label_shape), jnp.int32)}
+           "labels": zeros((stages.micro, *stages.label_shape), stages.label_dtype)}
     if carry:
         out["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
     return out
@@ -554,7 +556,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
 
     def flush(state):
         images = jnp.zeros((batch, *net.input_shape), stages.input_dtype, device=per_worker)
-        labels = jnp.zeros((batch, *stages.label_shape), jnp.int32, device=per_worker)
+        labels = jnp.zeros((batch, *stages.label_shape), stages.label_dtype, device=per_worker)
         for _ in range(ticks.max_lag):
             state = step(state, images, labels, False)[0]
         return state

@@ -2,7 +2,7 @@
 
 In local learning module (stage) j < K-1 is trained on the loss of its own
 head, built from the shape of the module's output; the last module has no head
-and trains on the network's own cross-entropy. Heads may hold mutable state
+and trains on the network's own loss, the task's (`cdpjax.tasks`). Heads may hold mutable state
 (BatchNorm running averages, and parameters that follow the next module by an
 exponential moving average): `init` gives per-module parameters and state, and
 `loss` returns the new state. BatchNorm statistics are those of each call (one
@@ -20,10 +20,15 @@ folder can hold one: `experiments/own_head/`). The entry (`HeadKind`) is:
   as `module(features, train)` and returns the head's outputs; a `Head` wraps one
   with what is particular to module j (its own loss, whether it reads the image,
   parameters kept as a moving average of the next module's).
-- `loss(outputs, labels, images) -> (loss, accuracy)`: the local loss on the
-  outputs (default `classification_loss`: cross-entropy and accuracy of logits).
-  It is a plain function of the outputs so that a task (classification, language
-  modelling) can supply it.
+- `loss(outputs, labels, images) -> (loss, score)`: the kind's own local loss on
+  the outputs, or None (the default): the task's (`task_loss`: `Task.loss` and
+  `Task.score` of the head's outputs: cross-entropy for classification, per-token
+  cross-entropy for language modelling, a user's task its own), so that local
+  learning follows the task. Labels reach it as the task gives them (a regression
+  task's float targets unchanged).
+- `tasks`: the tasks a kind's own loss serves (default: classification, which every
+  built-in own loss is); a kind on another task is refused in one line, as is a
+  task-loss head whose outputs are not the task's (`Task.check_outputs`).
 - `options`: the `aux_kwargs` it accepts (default: the factory's keyword
   arguments, less `ctx`); every kind also takes `head_lr_scale` (read by the methods).
 - `grouped`: whether its heads depend on which modules share a device
@@ -53,8 +58,9 @@ Where we differ from the reference code, and why:
 - DGL's module also builds a BatchNorm `self.bn` that its forward uses only
   when `mlp_layers=0`: we build it only then (2C fewer parameters otherwise).
 - Initialisation follows each reference: the DGL head's weights and biases
-  PyTorch's default U(+-1/sqrt(fan_in)); BatchNorm scale 1, bias 0. `greedy`
-  and `vit` keep flax's defaults (no reference code fixes them; with
+  PyTorch's default U(+-1/sqrt(fan_in)); BatchNorm scale 1, bias 0. `vit`'s
+  linear layers as the network's blocks (PPLL's released ViT, `_init_vit_weights`:
+  a normal of std 0.01, biases 0; `cdpjax.models.vit`). `greedy` keeps flax's defaults (no reference code fixes it; with
   PyTorch's, `local` with greedy heads on digits reached 95.7% against e2e's
   98.3%, outside the 2 points `tests/test_accuracy.py` allows).
 """
@@ -76,7 +82,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.models import norms, partition
 from cdpjax.models.resnet import _torch_linear_bias
 from cdpjax.models.staging import StagedNet, accuracy, cross_entropy
-from cdpjax.models.vit import EncoderBlock
+from cdpjax.models.vit import RELEASED_DENSE, EncoderBlock
 from cdpjax.registry import Registry
 
 PPLL_VIT_BLOCKS = (2, 2, 2, 1, 1, 1)  # then 0 for deeper modules
@@ -89,9 +95,20 @@ LocalLoss = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]
 
 
 def classification_loss(outputs, labels, images=None):
-    """The default local loss: (mean softmax cross-entropy, accuracy) of a head's logits."""
+    """(mean softmax cross-entropy, accuracy) of a head's logits: classification's local loss, for kinds
+    that compose their own with it."""
     del images
     return cross_entropy(outputs, labels), accuracy(outputs, labels)
+
+
+def task_loss(task) -> LocalLoss:
+    """The task's local loss on a head's outputs: `(task.loss, task.score)` (score 0 where the task
+    has none); labels as the task gives them."""
+    def loss(outputs, labels, images=None):
+        del images
+        score = task.score(outputs, labels) if task.score is not None else jnp.zeros((), jnp.float32)
+        return task.loss(outputs, labels), score
+    return loss
 
 
 # ---------------------------------------------------------------- the registry
@@ -110,6 +127,7 @@ class HeadContext:
         device when not given).
       block_shapes: `() -> shapes`, the input shape of every block of `net` and then its
         output shape (`cdpjax.models.partition.block_shapes`, batch 1), computed once.
+      task: the task the heads learn (`cdpjax.tasks`): its loss is the default local loss.
     """
 
     index: int
@@ -118,6 +136,7 @@ class HeadContext:
     feature_shapes: tuple[tuple[int, ...], ...]
     groups: tuple[int, ...]
     block_shapes: Callable[[], list] = dataclasses.field(default=None, compare=False, repr=False)
+    task: Any = None  # the run's `cdpjax.tasks.Task` (None: classification)
 
     @property
     def num_modules(self) -> int:
@@ -188,22 +207,25 @@ class HeadKind:
 
     name: str
     factory: Callable[..., Any]
-    loss: LocalLoss = classification_loss
+    loss: LocalLoss | None = None  # None: the task's (`task_loss`)
     options: tuple[str, ...] = ()
     grouped: bool = False
+    tasks: tuple[str, ...] = ("classification",)  # the tasks its own loss (the kind's or a `Head`'s) serves
 
 
 REGISTRY: Registry[HeadKind] = Registry("auxiliary head")
 
 
-def register(name: str, *, loss: LocalLoss | None = None, options=None, grouped: bool = False):
+def register(name: str, *, loss: LocalLoss | None = None, options=None, grouped: bool = False,
+             tasks=("classification",)):
     """Decorator: `@aux_heads.register("my_head")` on a factory `factory(ctx, **options)`
-    (module docstring); `loss` is its local loss (default: cross-entropy of logits), `options`
-    its `aux_kwargs` (default: the factory's arguments after the first, the context)."""
+    (module docstring); `loss` is its own local loss (default None: the task's), `options`
+    its `aux_kwargs` (default: the factory's arguments after the first, the context), `tasks` the
+    tasks its own loss serves (where it has one)."""
     def add(factory):
         context = next(iter(inspect.signature(factory).parameters), None)  # the first argument: the context
         opts = tuple(options) if options is not None else tuple(sorted(declared_options(factory, (context,))))
-        REGISTRY.add(name, HeadKind(name, factory, loss or classification_loss, opts, grouped))
+        REGISTRY.add(name, HeadKind(name, factory, loss, opts, grouped, tuple(tasks)))
         return factory
     return add
 
@@ -237,6 +259,7 @@ class AuxHeads:
       grouped: whether the heads depend on `groups` (`HeadKind.grouped`).
       pixel_mean, pixel_std: the network's input -> the raw image in [0, 1], per channel
         (kinds that reconstruct it).
+      task: the run's task (None: classification).
     """
 
     kind: str
@@ -247,6 +270,7 @@ class AuxHeads:
     grouped: bool = False
     pixel_mean: tuple[float, ...] = (0.0,)
     pixel_std: tuple[float, ...] = (1.0,)
+    task: Any = None  # the `cdpjax.tasks.Task` whose loss the last module (and task-loss heads) train on
 
     @property
     def num_stages(self) -> int:
@@ -286,14 +310,15 @@ class AuxHeads:
     def loss(self, j: int, params, state, features, labels, images=None, train: bool = True):
         """Module j's local loss on its output `features`: `(loss, (accuracy, new_state))`.
 
-        The last module's features are the network's logits: its loss is their cross-entropy
+        The last module's features are the network's outputs: its loss is the task's on them
         and `state` passes through. With `train`, BatchNorm uses this call's statistics and
         updates its running averages in the new state; EMA parameters pass through (no
         gradient reaches them).
         """
         head = self.heads[j]
         if head is None:
-            return cross_entropy(features, labels), (accuracy(features, labels), state)
+            loss, score = task_loss(_task(self.task))(features, labels)
+            return loss, (score, state)
         ema = state.get("ema")
         mutable = {k: v for k, v in state.items() if k != "ema"}
         variables = {"params": {**params, **lax.stop_gradient(ema)} if ema else params, **mutable}
@@ -360,28 +385,57 @@ def block_stages(outputs) -> tuple[int, ...]:
     return tuple(stages)
 
 
-def build(kind: str, net, num_classes: int, kwargs: dict | None = None, groups=None) -> AuxHeads:
+def _task(task):
+    if task is None:
+        from cdpjax import tasks
+
+        return tasks.CLASSIFICATION
+    return task
+
+
+def _check_task(kind: str, entry: HeadKind, head: Head, task, j: int, feature_shape, num_classes: int,
+                input_shape) -> Head:
+    """`head` with its local loss: its own where the kind serves `task` with one, else the task's on outputs
+    of the task's shape; a ConfigError otherwise."""
+    own = head.loss or entry.loss
+    if own is not None:
+        if task.name not in entry.tasks:
+            raise ConfigError(f"aux_head={kind!r} trains on its own loss, for task {', '.join(entry.tasks)}; this "
+                              f"run's task is {task.name!r}: choose a head that takes the task's loss")
+        return dataclasses.replace(head, loss=own)
+    outputs = jax.eval_shape(lambda: head.module.init_with_output(
+        jax.random.key(0), jnp.zeros((1, *feature_shape), jnp.float32))[0]).shape[1:]
+    labels = tuple(task.label_shape(tuple(input_shape)))
+    if tuple(outputs[:-1]) != labels or not outputs or outputs[-1] < num_classes:
+        raise ConfigError(f"aux_head={kind!r} gives module {j} outputs of shape {tuple(outputs)} per example; task "
+                          f"{task.name!r} needs {(*labels, num_classes)} (labels {labels}, {num_classes} scores)")
+    return dataclasses.replace(head, loss=task_loss(task))
+
+
+def build(kind: str, net, num_classes: int, kwargs: dict | None = None, groups=None, task=None) -> AuxHeads:
     """The heads of `kind` for the local modules (stages) of `net` (a StagedNet), options from
     `kwargs` (the config's `aux_kwargs`), for modules grouped on devices as `groups` says
-    (`config.module_groups`; None: one module per device)."""
+    (`config.module_groups`; None: one module per device), learning `task` (a `cdpjax.tasks.Task`;
+    None: classification)."""
     kwargs = dict(kwargs or {})
     check_options(kind, kwargs)
     entry = REGISTRY.lookup(kind)
+    task = _task(task)
     shapes = tuple(tuple(s[1:]) for s in net.stage_output_shapes(1))
     own = {k: v for k, v in kwargs.items() if k not in SHARED_OPTIONS}
     groups = _groups(groups, len(shapes), kind, entry.grouped)
     shapes_of_blocks = functools.cache(lambda: partition.block_shapes(net.blocks, net.input_shape))
     heads = []
     for j in range(len(shapes) - 1):
-        made = entry.factory(HeadContext(j, net, num_classes, shapes, groups, shapes_of_blocks), **own)
+        made = entry.factory(HeadContext(j, net, num_classes, shapes, groups, shapes_of_blocks, task), **own)
         head = made if isinstance(made, Head) else Head(made)
-        heads.append(head if head.loss is not None else dataclasses.replace(head, loss=entry.loss))
+        heads.append(_check_task(kind, entry, head, task, j, shapes[j], num_classes, net.input_shape))
     mean, std = (0.0,), (1.0,)
     if "pixel_mean" in entry.options:
         channels = net.input_shape[-1]
         mean = per_channel(kwargs, "pixel_mean", 0.0, channels, False)
         std = per_channel(kwargs, "pixel_std", 1.0, channels, True)
-    return AuxHeads(kind, (*heads, None), shapes, tuple(net.input_shape), groups, entry.grouped, mean, std)
+    return AuxHeads(kind, (*heads, None), shapes, tuple(net.input_shape), groups, entry.grouped, mean, std, task)
 
 
 def head_lr_scale(kwargs: dict | None) -> float:
@@ -482,22 +536,24 @@ class ViTHead(nn.Module):
     heads: int
     mlp_dim: int
     pool: str = "cls"
+    kernel_init: Any = RELEASED_DENSE  # of its linear layers: the network's blocks' (`_encoder_shape`)
 
     @nn.compact
     def __call__(self, y, train: bool = False):
         for _ in range(self.depth):
-            y = EncoderBlock(self.heads, self.mlp_dim)(y)
+            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         y = y[:, 0] if self.pool == "cls" else y.mean(axis=1)
-        return nn.Dense(self.num_classes)(y)
+        return nn.Dense(self.num_classes, kernel_init=self.kernel_init)(y)
 
 
-def _encoder_shape(net, width: int) -> tuple[int, int]:
-    """Heads and MLP width of the network's own encoder blocks (else 64-wide heads, MLP 4x)."""
+def _encoder_shape(net, width: int) -> tuple[int, int, Any]:
+    """Heads, MLP width and linear layers' initialiser of the network's own encoder blocks (else
+    64-wide heads, MLP 4x, PPLL's released initialiser)."""
     for block in net.blocks:
         if isinstance(block, EncoderBlock):
-            return block.heads, block.mlp_dim
-    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width
+            return block.heads, block.mlp_dim, block.kernel_init
+    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE
 
 
 @register("greedy")
@@ -519,23 +575,23 @@ def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = Non
                           f"gives {list(shape)}: use greedy, dgl or infopro")
     blocks = tuple(blocks)
     depth = int(blocks[j]) if j < len(blocks) else 0
-    own_heads, own_mlp = _encoder_shape(ctx.net, shape[-1])
+    own_heads, own_mlp, kernel_init = _encoder_shape(ctx.net, shape[-1])
     heads = int(own_heads if num_heads is None else num_heads)
     if shape[-1] % heads:
         raise ConfigError(f"aux_kwargs.num_heads={heads} does not divide the token width {shape[-1]}")
     if pool not in ("cls", "mean"):
         raise ConfigError(f"aux_kwargs.pool={pool!r} is not one of cls, mean")
-    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool)
+    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init)
 
 
 # InfoPro's classifiers and decoder, and PPLL's momentum heads, register themselves on import.
 from cdpjax.models import infopro as _infopro  # noqa: E402
-from cdpjax.models import sequence_heads as _sequence_heads  # noqa: E402,F401 - registers token_linear, token_blocks
+from cdpjax.models import sequence_heads as _sequence_heads  # noqa: E402,F401 - registers token_linear, token_blocks, token_output
 from cdpjax.models.infopro import (  # noqa: E402,F401 - the InfoPro pieces, under their old names too
     INFOPRO_ARCHS, binary_cross_entropy, infopro_conv, infopro_weights, resize_align_corners, supcon_loss)
 
 __all__ = ["AuxHeads", "Head", "HeadContext", "HeadKind", "INFOPRO_ARCHS", "PPLL_VIT_BLOCKS", "REGISTRY",
            "adaptive_avg_pool", "binary_cross_entropy", "block_stages", "build", "check_options",
-           "classification_loss", "head_lr_scale", "infopro_conv", "infopro_weights", "register",
+           "classification_loss", "head_lr_scale", "task_loss", "infopro_conv", "infopro_weights", "register",
            "resize_align_corners", "supcon_loss"]
 del _infopro

@@ -77,14 +77,16 @@ Where we differ from the reference code, and why:
   with (`InfoProResNet_basic(momentum=0.9)`, never passed by its `train_front`,
   `train_mid`, `train_back`); the configs' `momentum: 0.995` goes to SGD there. MAN's
   own model (`models/resnetInfoPro_MAN.py`, default 0.999) takes its `momentum` as the
-  EMA decay, and the repository's `run.sh` passes `--momentum 0.995` to a `train.py`
-  that is not released: `ema_decay=0.995` with `--config.momentum=0.9` is that reading.
+  EMA decay, and the repository's `run.sh` passes `--momentum 0.995` to MAN's
+  `train.py` (not in PPLL's release), whose SGD momentum is 0.9: the runs behind the
+  logged accuracies. `cdpjax/configs/ppll_resnet32.py` has both readings
+  (`recipe=ppll`: `ema_decay=0.995`, SGD 0.9; `recipe=ppll-multiprocess`: 0.9, SGD 0.995).
 - The released middle parts (`InfoProResNet_mid`) have no EMA update: their copies
-  that should follow stay at their initial values. That reads as an omission (the
-  front and back parts update theirs, and MAN's idea is the update), so by default
-  every copy whose next module shares its device follows; `mid_ema=False`
-  reproduces the released middle parts (copies of middle groups, but for each
-  group's last, never move).
+  that should follow stay at their initial values. The default, `mid_ema=False`, is
+  that release (copies of middle groups, but for each group's last, never move);
+  `mid_ema=True` moves every copy whose next module shares its device, as the front
+  and back parts and MAN's single-process model do (`recipe=ppll` sets it: MAN's
+  `train.py` ran those runs).
 - The copies compute in the dtype of the blocks they copy (`config.dtype`); the
   rest of the head in float32.
 """
@@ -360,7 +362,7 @@ def infopro(ctx: HeadContext, **options):
 
 @register("man", options=MAN_OPTIONS + INFOPRO_OPTIONS, grouped=True)
 def man(ctx: HeadContext, *, copy_depth: int = 1, ema_decay: float = MAN_EMA_DECAY, learned_copy: bool = True,
-        mid_ema: bool = True, **options):
+        mid_ema: bool = False, **options):
     first, end = ctx.next_bounds
     depth = number(copy_depth, "copy_depth", int, 1)
     if depth > end - first:

@@ -16,6 +16,12 @@ tokens, so the mean over tokens of the batch is the mean over windows of their m
 
 - `TokenLinearHead`: one linear layer applied to every token (the "greedy" head of a
   sequence: no pooling, one prediction per position).
+- `TokenOutputHead` (`aux_head='token_output'`): a copy of the model's own output head,
+  its final LayerNorm and unembedding (`cdpjax.models.gpt.OutputHead`, untied, fresh
+  parameters of the same shapes and initialisation), optionally after `depth` private
+  causal decoder blocks of the network's own shape (default 0): the design of published
+  block-local training of transformer language models (each module's head is the model's
+  own output layer, with a few private blocks).
 - `TokenBlocksHead`: PPLL's ViT head made for sequences: `depth` fresh decoder
   blocks of the network's own shape, then LayerNorm and a per-token linear layer.
   The blocks are causal, as the network's are: position t of a module's output holds
@@ -33,7 +39,7 @@ import jax.numpy as jnp
 
 from cdpjax.errors import ConfigError
 from cdpjax.models.aux_heads import PPLL_VIT_BLOCKS, register
-from cdpjax.models.gpt import decoder_block
+from cdpjax.models.gpt import OutputHead, decoder_block
 from cdpjax.models.vit import EncoderBlock
 
 
@@ -69,6 +75,22 @@ class TokenBlocksHead(nn.Module):
             y = decoder_block(self.heads, self.mlp_dim)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         return nn.Dense(self.vocab)(y).astype(jnp.float32)
+
+
+class TokenOutputHead(nn.Module):
+    """`depth` private causal decoder blocks, then a copy of the model's final LayerNorm and unembedding."""
+
+    vocab: int
+    depth: int = 0
+    heads: int = 1
+    mlp_dim: int = 4
+
+    @nn.compact
+    def __call__(self, features, train: bool = False):
+        y = _tokens(features)
+        for _ in range(self.depth):
+            y = decoder_block(self.heads, self.mlp_dim)(y)
+        return OutputHead(self.vocab)(y)
 
 
 def ppll_depth(j: int, blocks=PPLL_VIT_BLOCKS) -> int:
@@ -108,5 +130,19 @@ def token_blocks(ctx, *, depth: int | None = None):
     return token_blocks_head(ctx.net, ctx.index, ctx.feature_shape[-1], ctx.num_classes, depth)
 
 
-__all__ = ["TokenBlocksHead", "TokenLinearHead", "decoder_shape", "ppll_depth", "token_blocks", "token_blocks_head",
-           "token_linear"]
+@register("token_output")
+def token_output(ctx, *, depth: int = 0):
+    """A copy of the model's own final LayerNorm and unembedding, after `depth` private decoder blocks."""
+    if len(ctx.feature_shape) != 2:
+        raise ConfigError(f"aux_head='token_output' needs token outputs [T, D]; module {ctx.index} of "
+                          f"{ctx.net.name!r} gives {list(ctx.feature_shape)}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ConfigError(f"aux_kwargs.depth={depth!r} must be an integer >= 0 (private decoder blocks)")
+    last = ctx.net.blocks[-1]
+    vocab = last.vocab if isinstance(last, OutputHead) else ctx.num_classes
+    heads, mlp_dim = decoder_shape(ctx.net, ctx.feature_shape[-1])
+    return TokenOutputHead(vocab, depth, heads, mlp_dim)
+
+
+__all__ = ["TokenBlocksHead", "TokenLinearHead", "TokenOutputHead", "decoder_shape", "ppll_depth", "token_blocks",
+           "token_blocks_head", "token_linear", "token_output"]

@@ -32,7 +32,9 @@ What a runtime needs (the whole contract):
 The trainer logs `task.finish` of the sums added over its logging window (train lines)
 and over the test split (test lines); a method that reports no `metric_sums` has its
 `loss` and `accuracy` averaged as before. Labels are integer class ids of shape
-`[B, *label_shape]` and outputs float scores `[B, *label_shape, classes]`.
+`[B, *label_shape]` (dtype `Task.label_dtype`: class ids, or a regression task's float
+targets, which reach its loss as they are) and outputs float scores `[B, *label_shape,
+classes]`.
 
 `config.task` picks the task by name; '' (the default) takes the dataset's own
 (`Dataset.task`). `resolve(config, dataset)` does that and checks that the dataset's
@@ -65,6 +67,10 @@ class Task:
       headline: the reported metric a one-line summary names first.
       short_names: reported metric -> the progress bar's label for it.
       rate_label: the progress bar's label for the throughput.
+      label_dtype: the labels' dtype as the dataset gives them and every method carries them
+        ('int32' class ids; a regression task's 'float32' targets).
+      score: `(outputs, labels) -> scalar`, what local learning logs beside each module's local
+        loss (classification: accuracy); None: 0.
     """
 
     name: str
@@ -78,6 +84,8 @@ class Task:
     headline: str
     short_names: dict = dataclasses.field(default_factory=dict)
     rate_label: str = "items_s"
+    label_dtype: str = "int32"
+    score: Callable[[Any, Any], Any] | None = None
 
     def loss(self, outputs, labels):
         """The mean of the per-example losses: what every method minimises."""
@@ -121,6 +129,10 @@ def resolve(config, dataset) -> Task:
             f"task {task.name!r} reads labels of shape {want} per example from inputs of shape "
             f"{tuple(dataset.image_shape)}, but dataset {dataset.name!r} gives labels of shape {have} (its task: "
             f"{getattr(dataset, 'task', 'classification')!r}): set --config.task='' to use the dataset's own")
+    dtype = getattr(dataset, "label_dtype", "int32")
+    if dtype != task.label_dtype:
+        raise ConfigError(f"task {task.name!r} reads {task.label_dtype} labels, but dataset {dataset.name!r} gives "
+                          f"{dtype} ones (its task: {getattr(dataset, 'task', 'classification')!r})")
     return task
 
 

@@ -38,8 +38,14 @@ def finish(sums) -> dict:
     return {"loss": sums[0] / count, "accuracy": sums[1] / count}
 
 
+def accuracy(logits, labels):
+    """The fraction of examples whose largest logit is their label."""
+    return (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+
+
 @register("classification")
 def task() -> Task:
     return Task("classification", example_losses, metric_sums, SUM_NAMES, finish, ("loss", "accuracy"),
                 label_shape=lambda input_shape: (), unit="images", headline="accuracy",
-                short_names={"loss": "loss", "accuracy": "acc"}, rate_label="img_s")
+                short_names={"loss": "loss", "accuracy": "acc"}, rate_label="img_s", score=accuracy)
+

@@ -49,9 +49,16 @@ def finish(sums) -> dict:
     return {"loss": loss, "perplexity": exp(loss), "token_accuracy": sums[1] / count}
 
 
+def token_accuracy(logits, labels):
+    """The fraction of tokens whose largest logit is the next token."""
+    return (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+
+
 @register("language_modelling")
 def task() -> Task:
     return Task("language_modelling", example_losses, metric_sums, SUM_NAMES, finish,
                 ("loss", "perplexity", "token_accuracy"), label_shape=lambda input_shape: tuple(input_shape),
                 unit="tokens", headline="loss",
-                short_names={"loss": "loss", "perplexity": "ppl", "token_accuracy": "tok_acc"}, rate_label="tok_s")
+                short_names={"loss": "loss", "perplexity": "ppl", "token_accuracy": "tok_acc"}, rate_label="tok_s",
+                score=token_accuracy)
+
