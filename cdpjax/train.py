@@ -222,10 +222,13 @@ def check_batches(dataset, config, net, step: int = 0) -> dict:
         if image.dtype != np.dtype(net.input_dtype):
             raise ConfigError(f"dataset {dataset.name!r} gives {split} inputs of dtype {image.dtype}, but it declares "
                               f"input_dtype {net.input_dtype!r}: fix the loader or its input_dtype")
-        if label.shape != (n, *label_shape) or not np.issubdtype(label.dtype, np.integer):
+        if label.shape != (n, *label_shape) or label.dtype != np.dtype(task.label_dtype):
             raise ConfigError(f"dataset {dataset.name!r} gives {split} labels of shape {label.shape} and dtype "
-                              f"{label.dtype}; task {task.name!r} expects integer labels of shape {(n, *label_shape)}")
-        if label.size and (label.min() < 0 or label.max() >= dataset.num_classes):
+                              f"{label.dtype}; task {task.name!r} expects {task.label_dtype} labels of shape "
+                              f"{(n, *label_shape)}")
+        # Class or token ids index the outputs; a regression task's float targets have no range to check.
+        if np.issubdtype(label.dtype, np.integer) and label.size and (
+                label.min() < 0 or label.max() >= dataset.num_classes):
             raise ConfigError(f"dataset {dataset.name!r} gives {split} labels in [{label.min()}, {label.max()}], "
                               f"outside [0, {dataset.num_classes}) for its {dataset.num_classes} classes")
     return batch

@@ -2,7 +2,9 @@
 error on one float output, float targets) trains under every method, ppll and local included, with
 a falling MSE; its float targets reach every module's loss unchanged; a head whose own loss cannot
 serve a task is refused in one line."""
+import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -104,7 +106,21 @@ def test_a_head_whose_loss_cannot_serve_the_task_is_refused(own_task):
     with pytest.raises(ConfigError, match="aux_head='infopro' trains on its own loss, for task classification; "
                                           "this run's task is 'ink'"):
         aux_heads.build("infopro", net, 1, {}, task=tasks.lookup("ink"))
-    gpt = cfg_lib.load_file(os.path.join(ROOT, "experiments", "configs", "charlm.py"))
+    gpt = cfg_lib.load_file(os.path.join(ROOT, "cdpjax", "configs", "charlm.py"))
     lm = models.build(gpt, (16,), 65, input_dtype="int32")
     with pytest.raises(ConfigError, match="aux_head='token_linear' gives module 0 outputs of shape \\(16, 65\\)"):
         aux_heads.build("token_linear", lm, 65, {}, task=tasks.CLASSIFICATION)
+
+
+def test_a_regression_task_trains_from_the_command_line(tmp_path):
+    """`cdpjax train --config experiments/own_task/config.py:method=local` from another folder: the
+    trainer's batch check takes the task's float labels (it refused every label that was not an
+    integer), and the run writes a finite test loss, the task's own metric."""
+    work = tmp_path / "local"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "train", "--config",
+                           os.path.join(EXAMPLE, "config.py") + ":method=local,steps=3", "--workdir", str(work),
+                           "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["steps"] == 3 and np.isfinite(summary["test_loss"]), summary

@@ -11,9 +11,8 @@ head (`greedy`: one output) on the task's own loss.
 
 Expected (train MSE, every method, as tests/test_own_task.py drives them from Python on
 this machine): below the targets' variance (0.11) within 200 steps: local about 0.03,
-e2e about 0.01, cdp-v1 about 0.09 (its delayed gradients). From the command line the run
-also needs the trainer's batch check (`cdpjax.train.check_batches`) to take the task's
-label dtype; today it refuses labels that are not integers.
+e2e about 0.01, cdp-v1 about 0.09 (its delayed gradients); from the command line as from
+Python (tests/test_own_task.py runs the first command).
 """
 import my_task  # noqa: F401 - registers the task "ink" and the dataset "digits_ink"
 
