@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -641,6 +642,31 @@ def test_disk_errors_are_one_line(where, error, runs, tmp_path, capfd, monkeypat
     elif where != "lock":
         assert str(work / target.split(".tmp")[0]) in line and "last complete checkpoint: step 8" in line, line
     assert leftovers(work) == [], leftovers(work)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_disk_full_at_orbaxs_commit_is_one_line(async_save, runs, tmp_path, capfd, monkeypatch):
+    """The disk fills as orbax commits checkpoint 12 (its `commit_success.txt`, written just before
+    the rename; with checkpoint.async_save in orbax's own thread, while training goes on): one
+    line, exit 2, naming checkpoint 12 and the last complete one (8), no traceback from orbax's
+    logs, no temporary directory left; checkpoint 8 stays the newest."""
+    from orbax.checkpoint._src.path import async_path
+
+    work = copy_of(runs, tmp_path)
+    write_text, threads = async_path.write_text, []
+
+    async def full_disk_write_text(path, text):
+        if "12.orbax-checkpoint-tmp" in str(path) and str(path).endswith("commit_success.txt"):
+            threads.append(threading.current_thread() is not threading.main_thread())
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return await write_text(path, text)
+
+    monkeypatch.setattr(async_path, "write_text", full_disk_write_text)
+    line = fails(cli_train(work, f"--config.checkpoint.async_save={async_save}"), capfd)
+    assert threads and (all(threads) or not async_save), threads  # async: it failed in orbax's own thread
+    assert f"cannot write {work}/checkpoints/12: no space left on the device" in line, line
+    assert "last complete checkpoint: step 8" in line, line
+    assert leftovers(work) == [] and steps(work) == [4, 8], (leftovers(work), steps(work))
 
 
 # 5. A peer's death in a multi-process run -------------------------------------------------------------
