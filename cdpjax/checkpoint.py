@@ -184,11 +184,15 @@ class _HeldErrors(logging.Filter):
     runs: held, and logged after all only if it succeeds; a failure is said in one line by the
     caller instead."""
 
-    def __init__(self):
+    def __init__(self, active: bool = True):
         super().__init__()
         self.held = []
+        self.active = active  # holding now (a save's filter: from the save until it is waited for)
+        self.passing = False  # while held records are logged after all
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.passing or not self.active:
+            return True
         if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
             self.held.append(record)
             return False
@@ -266,7 +270,10 @@ class Checkpointer:
         self.async_save = async_save
         self.committed: int | None = None  # the newest checkpoint this object wrote and saw committed
         self.in_flight: int | None = None  # an asynchronous save not yet waited for
-        self._held: _HeldErrors | None = None  # orbax's error logs while a save is in flight
+        # Orbax's error logs from a save until it is waited for, and after a save failed for as long as
+        # this object lives: its threads log a failed write with a traceback, some of them after the
+        # caller has heard of the failure (and said it in one line).
+        self._held = _HeldErrors(active=False)
         _check_directory(self.directory)
         if remove_leftovers and jax.process_index() == 0 and os.path.isdir(self.directory):
             # What a writer that died left behind; orbax never lists it. Removed here, before the
@@ -275,6 +282,7 @@ class Checkpointer:
                 if TMP_MARK in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         logging.getLogger("absl").addFilter(_MISSING_METADATA)  # once: a filter is added only if absent
+        logging.getLogger("absl").addFilter(self._held)
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -353,17 +361,21 @@ class Checkpointer:
 
     def _hold(self) -> None:
         """Orbax's error logs held from the start of a save until it is waited for (its threads
-        log a failed write with a traceback before the save's caller hears of it)."""
-        if self._held is None:
-            self._held = _HeldErrors()
-            logging.getLogger("absl").addFilter(self._held)
+        log a failed write with a traceback before, and after, the save's caller hears of it)."""
+        self._held.active = True
 
     def _release(self, ok: bool) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            logging.getLogger("absl").removeFilter(held)
-            for record in held.held if ok else ():
+        """A save waited for: its held logs logged after all if it succeeded; dropped if it failed,
+        and the logs of its threads that come later dropped too."""
+        records, self._held.held = self._held.held, []
+        if not ok:
+            return
+        self._held.active, self._held.passing = False, True
+        try:
+            for record in records:
                 logging.getLogger("absl").handle(record)
+        finally:
+            self._held.passing = False
 
     def _failed(self, step: int, e: Exception):
         self.in_flight = None
@@ -495,6 +507,7 @@ class Checkpointer:
                 self.manager.close()
         finally:
             self._release(False)
+            logging.getLogger("absl").removeFilter(self._held)
 
 
 def read_meta(workdir: str) -> dict | None:

@@ -569,11 +569,14 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.parametrize("size", ["64k", "1200k"])
-def test_a_tmpfs_too_small_ends_in_one_line(size, tmp_path):
-    """The work directory on a tmpfs of 64 kB (full at the first checkpoint) or 1.2 MB (full at
-    the third, after two complete ones): `cdpjax train` exits 2 with one line naming the file it
-    could not write and the last complete checkpoint, and leaves no temporary file behind."""
+@pytest.mark.parametrize("size,async_save", [("64k", False), ("560k", False), ("1200k", False), ("560k", True),
+                                             ("1200k", True)], ids=lambda x: {True: "async", False: "sync"}.get(x, x))
+def test_a_tmpfs_too_small_ends_in_one_line(size, async_save, tmp_path):
+    """The work directory on a tmpfs of 64 kB (full at the first checkpoint), 560 kB (full inside
+    the second checkpoint's arrays, where orbax's threads log tracebacks, some after the save has
+    failed) or 1.2 MB (full at the third, after two complete ones), with synchronous and
+    asynchronous saves: `cdpjax train` exits 2 with one line naming the file it could not write
+    and the last complete checkpoint, no traceback, and leaves no temporary file behind."""
     if not _can_mount_tmpfs():
         pytest.skip("no tmpfs can be mounted here (unshare -rm); test_disk_errors_are_one_line covers it")
     mount = tmp_path / "small"
@@ -581,7 +584,8 @@ def test_a_tmpfs_too_small_ends_in_one_line(size, tmp_path):
     work = mount / "run"
     command = shlex.join(subprocess_command(work, overrides=[*OVERRIDES[:1], "--config.num_steps=40",
                                                              "--config.checkpoint_every=4", "--config.eval_every=0",
-                                                             "--config.global_batch_size=128"]))
+                                                             "--config.global_batch_size=128",
+                                                             f"--config.checkpoint.async_save={async_save}"]))
     script = f"mount -t tmpfs -o size={size} tmpfs {mount} && {{ {command}; echo \"rc=$?\"; find {mount} -print; }}"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_without_device_flag(),
                           capture_output=True, text=True)
