@@ -31,6 +31,14 @@ the token of WORKDIR's lock; orbax's own name is the same for every writer, and 
 such a directory it finds), and a failed save removes only its own: a run frozen inside a
 write and thawed after `--force` took the directory over finishes (or fails) in its own
 directory, never in the new owner's.
+
+With `async_save`, orbax writes the arrays in its own threads while training goes on: `save`
+returns once the arrays are copied off the devices (their checksums taken before), and the
+step's directory, meta and arrays together, is renamed to `<step>` only once every array is
+committed, as for a synchronous save; so a process killed while such a write is in flight
+leaves the previous checkpoint the newest complete one. `committed` names the newest step known
+whole; `wait` finishes the write in flight (the next `save`, `close`, the run's end and a
+preemption call it), raising the StorageError of a write that failed.
 """
 from __future__ import annotations
 
@@ -53,6 +61,9 @@ from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes checkpoint N to N.orbax-checkpoint-tmp*, then renames it
 DAMAGED_MARK = ".damaged-"  # a damaged checkpoint set aside: N.damaged-<time> (orbax lists only N)
+# Test hook: the write of this step's checkpoint waits, its arrays and meta written but not yet
+# renamed into place, until the file named by CDPJAX_TEST_WAIT_FILE exists (an async save: in orbax's thread).
+WAIT_IN_COMMIT_ENV = "CDPJAX_TEST_WAIT_IN_COMMIT"
 DISCARD_WAIT_S = 2.0  # how long a save waits for a checkpoint at its step to be discarded by its writer
 
 
@@ -173,11 +184,15 @@ class _HeldErrors(logging.Filter):
     runs: held, and logged after all only if it succeeds; a failure is said in one line by the
     caller instead."""
 
-    def __init__(self):
+    def __init__(self, active: bool = True):
         super().__init__()
         self.held = []
+        self.active = active  # holding now (a save's filter: from the save until it is waited for)
+        self.passing = False  # while held records are logged after all
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.passing or not self.active:
+            return True
         if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
             self.held.append(record)
             return False
@@ -229,17 +244,36 @@ def _temporary_path_class(owner: str):
         def from_final(cls, final_path, **kwargs):
             return cls(final_path.parent / f"{final_path.name}{TMP_MARK}-{owner}", final_path, **kwargs)
 
+        async def finalize(self, *args, **kwargs):
+            if os.environ.get(WAIT_IN_COMMIT_ENV) == self.get_final().name:
+                import asyncio
+
+                release = os.environ["CDPJAX_TEST_WAIT_FILE"]
+                open(release + ".waiting", "w").close()
+                while not os.path.exists(release):
+                    await asyncio.sleep(0.05)
+            return await super().finalize(*args, **kwargs)
+
     return OwnTemporaryPath
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False, owner: str | None = None):
+    def __init__(self, workdir: str, max_to_keep: int = 2, remove_leftovers: bool = False, owner: str | None = None,
+                 async_save: bool = False):
         """WORKDIR/checkpoints. `remove_leftovers`: remove temporary checkpoint directories, which
         only the owner of WORKDIR's lock may ask for, when their writer is known to be dead.
         `owner`: the writer's own name for its temporary directories (the same in every process
-        of a run); None: orbax's (a reader's)."""
+        of a run); None: orbax's (a reader's). `async_save`: orbax writes in its own threads
+        (`wait` finishes a write)."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.owner = owner
+        self.async_save = async_save
+        self.committed: int | None = None  # the newest checkpoint this object wrote and saw committed
+        self.in_flight: int | None = None  # an asynchronous save not yet waited for
+        # Orbax's error logs from a save until it is waited for, and after a save failed for as long as
+        # this object lives: its threads log a failed write with a traceback, some of them after the
+        # caller has heard of the failure (and said it in one line).
+        self._held = _HeldErrors(active=False)
         _check_directory(self.directory)
         if remove_leftovers and jax.process_index() == 0 and os.path.isdir(self.directory):
             # What a writer that died left behind; orbax never lists it. Removed here, before the
@@ -248,11 +282,12 @@ class Checkpointer:
                 if TMP_MARK in name:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         logging.getLogger("absl").addFilter(_MISSING_METADATA)  # once: a filter is added only if absent
+        logging.getLogger("absl").addFilter(self._held)
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
                 options=ocp.CheckpointManagerOptions(
-                    max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
+                    max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
                     temporary_path_class=_temporary_path_class(owner) if owner else None),
             )
         except Exception as e:  # noqa: BLE001 - a directory that cannot be made: say which and why
@@ -276,8 +311,11 @@ class Checkpointer:
         return self.all_steps()
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Writes checkpoint `step` (a signal waits for it: `shutdown.critical`). A failure removes
-        what it wrote; one of the disk (full, quota, read-only) is a StorageError naming the path."""
+        """Writes checkpoint `step` (a signal waits for it: `shutdown.critical`; with `async_save`
+        only for the copy off the devices, the write in flight after it until `wait`). A failure
+        removes what it wrote; one of the disk (full, quota, read-only) is a StorageError naming
+        the path. The save before it is waited for first."""
+        self.wait()
         meta = {**meta, "step": step, "tree": tree_signature(state), "checksums": array_checksums(state)}
         meta["digest"] = _digest(meta)
         with shutdown.critical():
@@ -289,22 +327,64 @@ class Checkpointer:
             if os.path.lexists(self.path(step)):  # orbax would replace it (force=True): never another's
                 raise ConfigError(f"checkpoint {step} exists already in {self.directory}, which this run did not "
                                   f"write (another run writes into this directory); it is left as it is")
+            self._hold()
             try:
-                with _errors_held():
-                    saved = self.manager.save(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-                    self.manager.wait_until_finished()
+                saved = self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
             except Exception as e:  # noqa: BLE001 - cleaned up, then said in one line if it is the disk
-                self.remove_unfinished(step)
-                reason = storage_problem(e)
-                if reason is None:
-                    raise
-                raise StorageError(self.path(step), reason) from None
+                self._failed(step, e)
+            if saved:
+                self.in_flight = step
+            if not self.async_save:
+                self.wait()
+            elif not saved:
+                self._release(True)
         if not saved:
             newer = [s for s in self.steps() if s >= step]
             raise ConfigError(f"checkpoint {step} was not written: {self.directory} holds checkpoint "
                               f"{newer[-1] if newer else '?'}, which this run did not write (another run wrote "
                               f"into this directory): move it away and run the same command again")
+
+    def wait(self) -> int | None:
+        """Finishes the save in flight (if any): `committed` names it once it is whole; a write
+        that failed is removed and raised (a StorageError for the disk). Returns `committed`."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return self.committed
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - cleaned up, then said in one line if it is the disk
+            self._failed(step, e)
+        self._release(True)
+        self.committed = step
+        return step
+
+    def _hold(self) -> None:
+        """Orbax's error logs held from the start of a save until it is waited for (its threads
+        log a failed write with a traceback before, and after, the save's caller hears of it)."""
+        self._held.active = True
+
+    def _release(self, ok: bool) -> None:
+        """A save waited for: its held logs logged after all if it succeeded; dropped if it failed,
+        and the logs of its threads that come later dropped too."""
+        records, self._held.held = self._held.held, []
+        if not ok:
+            return
+        self._held.active, self._held.passing = False, True
+        try:
+            for record in records:
+                logging.getLogger("absl").handle(record)
+        finally:
+            self._held.passing = False
+
+    def _failed(self, step: int, e: Exception):
+        self.in_flight = None
+        self.remove_unfinished(step)
+        self._release(False)
+        reason = storage_problem(e)
+        if reason is None:
+            raise e
+        raise StorageError(self.path(step), reason) from None
 
     def remove_unfinished(self, step: int) -> None:
         """Removes this process's temporary directory of checkpoint `step` (a save that failed),
@@ -325,6 +405,8 @@ class Checkpointer:
     def discard(self, step: int) -> None:
         """Removes checkpoint `step`, which this process has just written (a run that lost the
         directory to another while writing it: the directory is no longer its to write)."""
+        with contextlib.suppress(Exception):
+            self.wait()  # an asynchronous write of it is finished first (then removed)
         if jax.process_index() == 0:
             shutil.rmtree(self.path(step), ignore_errors=True)
         self.manager.reload()
@@ -416,7 +498,16 @@ class Checkpointer:
         return state, meta
 
     def close(self):
-        self.manager.close()
+        """Waits for a save in flight (errors held: the run has said its line already), then closes."""
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._hold()
+        try:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+        finally:
+            self._release(False)
+            logging.getLogger("absl").removeFilter(self._held)
 
 
 def read_meta(workdir: str) -> dict | None:

@@ -54,7 +54,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Checkpoints: how many to keep (the newest; the final one counts), and whether a resume
     # refuses a checkpoint written with other hyperparameters that the train state allows
     # (learning rate, momentum, weight decay...) instead of saying the change and going on.
-    c.checkpoint = ml_collections.ConfigDict({"keep": 2, "strict_resume": False})
+    # `async_save`: orbax writes a checkpoint in its own threads while training goes on (the
+    # next save, the run's end and a preemption wait for it; a kill meanwhile leaves the previous one).
+    c.checkpoint = ml_collections.ConfigDict({"keep": 2, "strict_resume": False, "async_save": False})
     c.log_every = 20
     c.seed = 0
     # Optimizer: optax; one state per stage for the staged methods.
@@ -378,7 +380,7 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
 _BOOLS = ("bn_cross_device", "augment", "nesterov")
 _STRINGS = ("method", "model", "dataset", "data_dir", "task")
 _DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed", "checkpoint")
-_CHECKPOINT = {"keep": (int, 1, 2**20), "strict_resume": bool}
+_CHECKPOINT = {"keep": (int, 1, 2**20), "strict_resume": bool, "async_save": bool}
 # Processes of one run, from any source (the config, CDPJAX_NUM_PROCESSES, SLURM's task count).
 PROCESS_LIMIT = 2**20
 _DISTRIBUTED = {
@@ -509,8 +511,9 @@ def _check_checkpoint(d) -> None:
             raise ConfigError(f"unknown config key 'checkpoint.{key}'; known: {', '.join(_CHECKPOINT)}")
     if "keep" in d:
         _check_number("checkpoint.keep", d["keep"], *_CHECKPOINT["keep"])
-    if "strict_resume" in d and not isinstance(d["strict_resume"], bool):
-        raise ConfigError(f"checkpoint.strict_resume must be True or False, got {d['strict_resume']!r}")
+    for key in ("strict_resume", "async_save"):
+        if key in d and not isinstance(d[key], bool):
+            raise ConfigError(f"checkpoint.{key} must be True or False, got {d[key]!r}")
 
 
 def _check_distributed(d) -> None:

@@ -551,6 +551,27 @@ def balance_by_time(blocks: Sequence, input_shape, stages: int, batch_size: int,
     return points, report
 
 
+# How far a prediction may lie from the step measured beside it before the output says why it differs.
+PREDICTION_TOLERANCE = 0.25
+
+
+def why_it_differs(p: dict, measured: float) -> str | None:
+    """One line saying what the model assumes that the measured step does not, when the predicted
+    step is off the measured one by more than PREDICTION_TOLERANCE either way; None within it."""
+    ratio = p["step_seconds"] / measured
+    if 1 / (1 + PREDICTION_TOLERANCE) <= ratio <= 1 + PREDICTION_TOLERANCE:
+        return None
+    timed = ("each timed alone on one device, the others idle" if p.get("calibrate", "alone") == "alone"
+             else f"each timed with {p['devices']} devices running at once")
+    uneven = (f"; its stages' op times are uneven (imbalance {p['imbalance']:.2f}), which a noisy calibration on "
+              f"a busy machine also gives" if p.get("imbalance", 1.0) > 2 else "")
+    replay = ("in lockstep ticks, each as long as its slowest device" if p.get("model", "lockstep") == "lockstep"
+              else "on each device in its table's order, as soon as their inputs arrive")
+    return (f"why {ratio:.2f}x, not within {PREDICTION_TOLERANCE:.0%}: the model adds up ops {replay}, {timed} "
+            f"and each paying its own launch, and charges a transfer its bytes / --bandwidth only; the measured "
+            f"step is one compiled program on simulated devices sharing the cores{uneven}")
+
+
 def format_predictions(records: list[dict]) -> str:
     lines = ["prediction on real devices (cdpjax.speedup; assumptions in its docstring):"]
     for r in records:
@@ -563,6 +584,9 @@ def format_predictions(records: list[dict]) -> str:
                          f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
                          + (f"; {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
                             if r.get("step_seconds") else ""))
+            why = why_it_differs(p, r["step_seconds"]) if r.get("step_seconds") else None
+            if why:
+                lines.append(f"  {'':>8}  {why}")
             lines.append(f"  {'':>8}  {op_times_words(p)}")
     return "\n".join(lines)
 

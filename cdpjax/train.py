@@ -729,7 +729,8 @@ def open_checkpoints(workdir: str, config, lock, require_checkpoint: bool,
     with writing(os.path.join(workdir, "checkpoints")):
         ckpt = Checkpointer(workdir, max_to_keep=int(config.get("checkpoint", {}).get("keep", 2)),
                             remove_leftovers=lock is not None and lock.may_clean,
-                            owner=f"run{token}" if token else None)
+                            owner=f"run{token}" if token else None,
+                            async_save=bool(config.get("checkpoint", {}).get("async_save", False)))
     try:
         steps = ckpt.steps()
         latest = steps[-1] if steps else None
@@ -1020,7 +1021,8 @@ def _nonfinite(p: Prepared, metrics, flags, skip: bool, progress: Progress) -> N
 def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
     """Checkpoint `step`, written only while this run holds WORKDIR (checked before and after:
     a run that lost the directory while writing removes what it wrote and stops). A signal
-    waits for the write, and for `p.intact` to name it."""
+    waits for the write, and for `p.intact` to name it; an asynchronous write
+    (checkpoint.async_save) is named there once `finish_saves` (or the next save) has waited for it."""
     p.check_lock()
     try:
         with shutdown.critical():
@@ -1028,7 +1030,8 @@ def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
                 _wait_for_release(os.environ[WAIT_FILE_ENV])
             p.check_lock()  # again: a process frozen until now may have lost the directory meanwhile
             p.ckpt.save(step, p.state, meta)
-            p.intact = step
+            # (the step itself once committed: at once for a synchronous save, at the next wait for an async one)
+            p.intact = p.ckpt.committed if p.ckpt.committed is not None else p.intact
     except Exception:
         p.check_lock()  # another run wrote this step too: losing the directory is the news
         raise
@@ -1038,6 +1041,12 @@ def save_checkpoint(p: Prepared, step: int, meta: dict) -> None:
         p.ckpt.discard(step)
         p.intact = None
         raise
+
+
+def finish_saves(p: Prepared) -> None:
+    """Waits for an asynchronous checkpoint write in flight; `p.intact` then names it."""
+    committed = p.ckpt.wait()
+    p.intact = committed if committed is not None else p.intact
 
 
 @contextlib.contextmanager
@@ -1194,8 +1203,10 @@ def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: di
     """A preemption at step boundary `done`: checkpoint `done` written (unless it just was), and the
     Interrupted that ends the run naming it (exit status 128 + the signal's number)."""
     signum = boundary.take() or signal.SIGTERM  # (a process that another's signal or JAX's notice stopped)
+    finish_saves(p)  # a checkpoint of this step still in flight (async_save) is then whole
     if p.intact != done:
         save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window, "time": p.clock()})
+    finish_saves(p)
     how = shutdown.HOW.get(signum, f"stopped by signal {signum}")
     return Interrupted(f"{how} at step {done}; checkpoint {done} saved in {p.ckpt.directory}; run the same "
                        f"command to resume from it", shutdown.EXIT_STATUS.get(signum, 128 + signum))
@@ -1238,6 +1249,7 @@ def _finish(p: Prepared, log: MetricsLog, eval_fn, eval_batch: int, here: dict, 
     if p.latest != config.num_steps:
         save_checkpoint(p, config.num_steps, {**here, "skipped_steps": p.skipped, "flushed": True,
                                               "time": p.clock(), "metrics": log.digest()})
+    finish_saves(p)  # the run ends with its checkpoints whole (an asynchronous save waited for)
     summary = {
         "method": config.method,
         "model": config.model,
@@ -1352,6 +1364,8 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
         except KeyboardInterrupt as e:
             if isinstance(e, Interrupted):
                 raise
+            with contextlib.suppress(Exception):
+                finish_saves(p)  # an asynchronous checkpoint write is let finish, so the line can name it
             raise _interrupted(p, e) from None
         except Exception as e:  # noqa: BLE001 - worded with the run's position, or passed on as it is
             worded = _with_position(p, e)

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -568,11 +569,14 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.parametrize("size", ["64k", "1200k"])
-def test_a_tmpfs_too_small_ends_in_one_line(size, tmp_path):
-    """The work directory on a tmpfs of 64 kB (full at the first checkpoint) or 1.2 MB (full at
-    the third, after two complete ones): `cdpjax train` exits 2 with one line naming the file it
-    could not write and the last complete checkpoint, and leaves no temporary file behind."""
+@pytest.mark.parametrize("size,async_save", [("64k", False), ("560k", False), ("1200k", False), ("560k", True),
+                                             ("1200k", True)], ids=lambda x: {True: "async", False: "sync"}.get(x, x))
+def test_a_tmpfs_too_small_ends_in_one_line(size, async_save, tmp_path):
+    """The work directory on a tmpfs of 64 kB (full at the first checkpoint), 560 kB (full inside
+    the second checkpoint's arrays, where orbax's threads log tracebacks, some after the save has
+    failed) or 1.2 MB (full at the third, after two complete ones), with synchronous and
+    asynchronous saves: `cdpjax train` exits 2 with one line naming the file it could not write
+    and the last complete checkpoint, no traceback, and leaves no temporary file behind."""
     if not _can_mount_tmpfs():
         pytest.skip("no tmpfs can be mounted here (unshare -rm); test_disk_errors_are_one_line covers it")
     mount = tmp_path / "small"
@@ -580,7 +584,8 @@ def test_a_tmpfs_too_small_ends_in_one_line(size, tmp_path):
     work = mount / "run"
     command = shlex.join(subprocess_command(work, overrides=[*OVERRIDES[:1], "--config.num_steps=40",
                                                              "--config.checkpoint_every=4", "--config.eval_every=0",
-                                                             "--config.global_batch_size=128"]))
+                                                             "--config.global_batch_size=128",
+                                                             f"--config.checkpoint.async_save={async_save}"]))
     script = f"mount -t tmpfs -o size={size} tmpfs {mount} && {{ {command}; echo \"rc=$?\"; find {mount} -print; }}"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_without_device_flag(),
                           capture_output=True, text=True)
@@ -641,6 +646,31 @@ def test_disk_errors_are_one_line(where, error, runs, tmp_path, capfd, monkeypat
     elif where != "lock":
         assert str(work / target.split(".tmp")[0]) in line and "last complete checkpoint: step 8" in line, line
     assert leftovers(work) == [], leftovers(work)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_disk_full_at_orbaxs_commit_is_one_line(async_save, runs, tmp_path, capfd, monkeypatch):
+    """The disk fills as orbax commits checkpoint 12 (its `commit_success.txt`, written just before
+    the rename; with checkpoint.async_save in orbax's own thread, while training goes on): one
+    line, exit 2, naming checkpoint 12 and the last complete one (8), no traceback from orbax's
+    logs, no temporary directory left; checkpoint 8 stays the newest."""
+    from orbax.checkpoint._src.path import async_path
+
+    work = copy_of(runs, tmp_path)
+    write_text, threads = async_path.write_text, []
+
+    async def full_disk_write_text(path, text):
+        if "12.orbax-checkpoint-tmp" in str(path) and str(path).endswith("commit_success.txt"):
+            threads.append(threading.current_thread() is not threading.main_thread())
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return await write_text(path, text)
+
+    monkeypatch.setattr(async_path, "write_text", full_disk_write_text)
+    line = fails(cli_train(work, f"--config.checkpoint.async_save={async_save}"), capfd)
+    assert threads and (all(threads) or not async_save), threads  # async: it failed in orbax's own thread
+    assert f"cannot write {work}/checkpoints/12: no space left on the device" in line, line
+    assert "last complete checkpoint: step 8" in line, line
+    assert leftovers(work) == [] and steps(work) == [4, 8], (leftovers(work), steps(work))
 
 
 # 5. A peer's death in a multi-process run -------------------------------------------------------------

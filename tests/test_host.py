@@ -219,3 +219,23 @@ def test_a_prediction_states_the_op_times_it_replayed_and_where_they_came_from()
                     "cdpjax.speedup.measure_stage_costs, median of 5 runs on 2 devices at once, backwards from "
                     "kept residuals): F [1, 2]; B [3, 4]; B input [1.5, 2.5]; W [1.5, 1.5]")
     assert "0.50x the measured step" in text.splitlines()[1]
+
+
+@pytest.mark.parametrize("predicted,says_why", [(0.02, False), (0.024, False), (0.017, False), (0.026, True),
+                                                (0.015, True), (0.18, True)])
+def test_a_prediction_off_the_measured_step_by_more_than_25_percent_says_why(predicted, says_why):
+    """Measured step 20 ms: a prediction within 25% either way (16 ms to 25 ms, 20/1.25 and 20*1.25)
+    is printed as it is; one outside it gains one line saying what the model assumes that the
+    measured step does not (lockstep ticks, ops timed alone, transfers as bytes / bandwidth)."""
+    from cdpjax.speedup import format_predictions
+
+    prediction = {"method": "dp", "model": "lockstep", "step_seconds": predicted, "devices": 2, "speedup": 2.0,
+                  "imbalance": 1.1, "calibrate": "alone", "micro_batch": 64, "repeats": 5,
+                  "stage_forward": (0.001,), "stage_backward": (0.002,), "split_backward": False,
+                  "heads_timed": False, "stage_head": (), "backward_from": "recompute"}
+    lines = format_predictions([{"method": "dp", "step_seconds": 0.02, "prediction": prediction}]).splitlines()
+    why = [line.strip() for line in lines if line.strip().startswith("why ")]
+    assert len(lines) == 3 + says_why and len(why) == says_why, lines
+    if says_why:
+        assert why[0].startswith(f"why {predicted / 0.02:.2f}x, not within 25%: ") and "lockstep ticks" in why[0]
+        assert "timed alone" in why[0] and "bandwidth" in why[0], why[0]

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from cdpjax import data as data_lib
+from cdpjax import checkpoint as checkpoint_lib
 from cdpjax import methods, train
 from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
@@ -463,9 +464,11 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
 
 PREEMPTED = [("dp", signal.SIGTERM), ("cdp-v2", signal.SIGTERM), ("ppll", signal.SIGTERM), ("dp", signal.SIGHUP),
              *[pytest.param("dp", s, marks=pytest.mark.heavy) for s in (signal.SIGQUIT, signal.SIGUSR1)]]
+PREEMPTED_ASYNC = ("dp", "async")  # the same with checkpoint.async_save: checkpoint 4 and 6 written in orbax's threads
 
 
-@pytest.mark.parametrize("name,sig", PREEMPTED, ids=lambda x: x if isinstance(x, str) else signal.Signals(x).name)
+@pytest.mark.parametrize("name,sig", [*PREEMPTED, PREEMPTED_ASYNC],
+                         ids=lambda x: x if isinstance(x, str) else signal.Signals(x).name)
 def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(name, sig, reference, tmp_path):
     """SIGTERM (or SIGHUP, SIGQUIT, SIGUSR1, taken as it) after step 5, between checkpoints 4 and 8,
     one method of each engine (dp: the data axis; cdp-v2: the ring; ppll: the stage axis): the
@@ -476,7 +479,8 @@ def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_en
     ref = reference(name)
     work = tmp_path / "run"
     env, release = _wait_env(tmp_path, 5)
-    command = _cli(name, work)
+    command = _cli(name, work, *([ASYNC] if sig == "async" else []))
+    sig = signal.SIGTERM if sig == "async" else sig
     command[command.index("--cpu-devices") + 1] = str(len(layout(name)[1]))  # the method's own mesh, as the reference
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(pathlib.Path(f"{release}.waiting"), proc)
@@ -484,7 +488,8 @@ def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_en
     release.touch()
     _, err = proc.communicate()
     assert proc.returncode == 128 + int(sig), err[-3000:]
-    lines = [line for line in err.strip().splitlines() if not re.match(r"cdpjax: (training|\d+ simulated)", line)]
+    said_before = r"cdpjax: (training|\d+ simulated|compil)"  # the start-up and compile lines
+    lines = [line for line in err.strip().splitlines() if not re.match(said_before, line)]
     assert lines == [f"cdpjax: terminated ({signal.Signals(sig).name}) at step 6; checkpoint 6 saved in "
                      f"{work}/checkpoints; run the same command to resume from it"], err
     assert steps(work) == [4, 6] and not (work / "lock.json").exists()
@@ -521,6 +526,78 @@ def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(
     assert f"took over the lock of {work} from process {os.getpid()} " in err and "forced (--force)" in err
     assert writing.exists() and not (work / "lock.json").exists()
     assert json.loads((work / "summary.json").read_text())["resumed_from"] == RESUMED_FROM
+
+
+ASYNC = "--config.checkpoint.async_save=True"
+
+
+def test_an_async_save_returns_before_its_checkpoint_is_committed(tmp_path, monkeypatch):
+    """Checkpointer(async_save=True): `save` returns while orbax's thread is held before the rename
+    (the test hook), the step not yet listed and `committed` not naming it; `wait` then finishes it,
+    and the checkpoint reads back with its checksums verified."""
+    release = tmp_path / "release"
+    monkeypatch.setenv(checkpoint_lib.WAIT_IN_COMMIT_ENV, "3")
+    monkeypatch.setenv(train.WAIT_FILE_ENV, str(release))
+    state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    ckpt = Checkpointer(str(tmp_path), owner="run7", async_save=True)
+    try:
+        ckpt.save(3, state, {})
+        deadline = time.time() + 60
+        while not pathlib.Path(f"{release}.waiting").exists():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert ckpt.steps() == [] and ckpt.committed is None and ckpt.in_flight == 3
+        release.touch()
+        assert ckpt.wait() == 3 and ckpt.steps() == [3]
+        restored, meta = ckpt.restore(3, state)
+        np.testing.assert_array_equal(restored["w"], state["w"])
+        assert meta["step"] == 3
+    finally:
+        release.touch()
+        ckpt.close()
+
+
+def test_an_async_saved_run_resumes_to_the_same_end(reference, tmp_path):
+    """checkpoint.async_save: dp stopped after step 6 (checkpoint 4 written in orbax's threads,
+    waited for when the run ends) and resumed ends as the uninterrupted synchronous run: the
+    whole train state (restored with every array checked against the meta's checksums) and
+    metrics.jsonl without its timing fields."""
+    ref = reference("dp")
+    c = small_config("dp")
+    c.checkpoint.async_save = True
+    work, devices = tmp_path / "run", layout("dp")[1]
+    assert train.train(c, str(work), progress=False, devices=devices, stop_after=KILLED_AFTER) == {
+        "stopped_at": KILLED_AFTER}
+    assert steps(work) == [4]
+    resumed = train.train(c, str(work), progress=False, devices=devices)
+    assert resumed["resumed_from"] == 4 and steps(work) == [8, 12]
+    _equal_trees(final_state(c, work, devices)[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
+def test_a_run_killed_while_an_async_save_is_in_flight_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    """`cdpjax train` with checkpoint.async_save SIGKILLed while orbax's thread holds checkpoint 8
+    written but not yet renamed into place (the test hook holds the commit): checkpoint 4 is the
+    newest complete one, the half-committed write is never listed, and the same command resumes
+    from 4 (removing the dead writer's temporary directory) and ends as the uninterrupted run."""
+    ref = reference("dp")
+    work, release = tmp_path / "run", tmp_path / "release"
+    env = {**os.environ, checkpoint_lib.WAIT_IN_COMMIT_ENV: "8", train.WAIT_FILE_ENV: str(release)}
+    proc = subprocess.Popen(_cli("dp", work, ASYNC), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(pathlib.Path(f"{release}.waiting"), proc)
+    proc.kill()
+    proc.communicate()
+    assert steps(work) == [4]
+    assert [p.name for p in (work / "checkpoints").iterdir() if p.name.startswith("8.orbax-checkpoint-tmp")]
+    again = subprocess.run(_cli("dp", work, ASYNC), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((work / "summary.json").read_text())["resumed_from"] == 4
+    assert not [p.name for p in (work / "checkpoints").iterdir() if "orbax-checkpoint-tmp" in p.name]
+    _equal_trees(final_state(small_config("dp"), work, layout("dp")[1])[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
 
 
 # 2. Other device counts ------------------------------------------------------------------------
