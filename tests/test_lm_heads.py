@@ -47,6 +47,7 @@ def test_loss_at_step_interpolates_between_evaluations():
     assert lm_heads.loss_at_step(run, 30) == 1.5 and lm_heads.loss_at_step(run, 5) == 3.0
 
 
+@pytest.mark.heavy  # five programs compiled and trained: about 7 minutes on 2 busy cores
 def test_tiny_comparison_runs_and_its_numbers_hold(tmp_path, capsys):
     figure = tmp_path / "copy.png"
     assert lm_heads.main(["--tiny", "--out", str(tmp_path), "--figure", str(figure)]) == 0
