@@ -150,7 +150,7 @@ def _flip_a_stale_flag(d):
 
 
 TABLE_EDITS = {  # edit of cdp-v2's table (2 workers, 2 stages, 3 steps, 14 ticks), flags, words of the refusal
-    "one-worker": (lambda d: d.update(workers=1), [], "micro=1 must be below max(workers, microbatches)=1"),
+    "one-worker": (lambda d: d.update(workers=1, applies=[]), [], "micro=1 must be below max(workers, microbatches)=1"),
     "micro-past-the-workers": (lambda d: d["ops"][0].update(micro=2), [],
                                "micro=2 must be below max(workers, microbatches)=2"),
     "stale-flag-changes-between-steps": (_flip_a_stale_flag, [], "the rule is one per (worker, stage)"),
@@ -245,7 +245,7 @@ def test_a_process_count_from_the_environment_is_bounded(tmp_path, capfd, compil
     """CDPJAX_NUM_PROCESSES=99999999999 was a 25-line TypeError inside jax.distributed (the same value as
     a config override was refused): one line naming the variable."""
     monkeypatch.setenv("CDPJAX_NUM_PROCESSES", "99999999999")
-    monkeypatch.setenv("CDPJAX_COORDINATOR", "localhost:1234")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
     monkeypatch.setenv("CDPJAX_PROCESS_ID", "0")
     line = one_line(["train", "--workdir", tmp_path / "w", "--no-progress"], capfd, compiles)
     assert "CDPJAX_NUM_PROCESSES=99999999999: a run has at most 1048576 processes" in line, line

@@ -220,7 +220,7 @@ def test_processes_with_different_configs_refuse_in_one_line_each(tmp_path):
         env={**env, **_launch_env("coordinator-variable", pid, port)}, stderr=subprocess.PIPE, text=True)
         for pid, steps in ((0, 100), (1, 50))]
     try:
-        errs = [p.communicate(timeout=240)[1] for p in procs]
+        errs = [p.communicate(timeout=3600)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -110,7 +110,7 @@ def test_reproduce_rows_are_the_papers():
     """reproduce.py's PPLL table: the ViT rows at K = 12 one-block modules grouped [2, 3, 3, 4] on 4 devices
     (configs/k4_vit_224_p16.yaml's four aux_depth_lists), gpipe on 4 stages of those blocks; InfoPro's rows
     160 epochs with reflect padding."""
-    sys.path.insert(0, os.path.dirname(CONFIGS))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(CONFIGS)), "experiments"))
     import reproduce
 
     rows = {r.name: r for r in reproduce.ppll_rows(False)}
