@@ -1164,7 +1164,9 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 # exactly what an uninterrupted one does.
                 save_checkpoint(p, done, {**here, "skipped_steps": p.skipped, "log_window": p.window,
                                           "time": p.clock(), "metrics": log.digest()})
-            if preempted:
+            # A signal that came during this step's evaluation or checkpoint write stops the run here
+            # (every process asks again at the same sync step, so they still agree).
+            if preempted or done < config.num_steps and _preempted(boundary, done):
                 raise _save_and_stop(p, boundary, done, {**here, "metrics": log.digest()})
             bar.leave_out(time.perf_counter() - t_aside)
             timed.restart()  # evaluation and checkpoints are not train steps
