@@ -5,7 +5,9 @@ Every helper takes what it needs as arguments (no module state but the cached di
 so that a test reads as its claim: build two methods, run both on the same batches, compare.
 """
 import functools
+import importlib.util
 import math
+import sys
 
 import chex
 import jax
@@ -217,3 +219,12 @@ def same_pixels(a, b) -> bool:
 
     pa, pb = (np.asarray(Image.open(p).convert("RGBA")) for p in (a, b))
     return pa.shape == pb.shape and bool((pa == pb).all())
+
+
+def load_script(path, name: str):
+    """An experiment script (`experiments/*.py`, not a package) imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

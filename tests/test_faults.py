@@ -698,6 +698,15 @@ def _process(pid, port, work, count=2, timeout_s=PEER_TIMEOUT_S):
         env=env, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_for_a_checkpoint(procs, work) -> None:
+    """Until the processes of a run have written their first checkpoint in `work` (all alive)."""
+    deadline = time.time() + WAIT_S
+    while not (work / "checkpoints").is_dir() or not steps(work):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.heavy)],
                          ids=["process-1-killed", "coordinator-killed"])
 def test_a_killed_peer_ends_the_survivor_in_one_line(killed, tmp_path):
@@ -708,11 +717,7 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(killed, tmp_path):
     port, work = _free_port(), tmp_path / "two"
     procs = [_process(pid, port, work) for pid in range(2)]
     try:
-        deadline = time.time() + WAIT_S
-        while not (work / "checkpoints").is_dir() or not steps(work):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            assert time.time() < deadline
-            time.sleep(0.2)
+        _wait_for_a_checkpoint(procs, work)
         procs[killed].kill()
         t0 = time.time()
         survivor = procs[1 - killed]
@@ -739,11 +744,7 @@ def test_a_sigterm_to_one_process_saves_the_same_step_on_every_process(tmp_path)
     port, work = _free_port(), tmp_path / "two"
     procs = [_process(pid, port, work, timeout_s=120) for pid in range(2)]
     try:
-        deadline = time.time() + WAIT_S
-        while not (work / "checkpoints").is_dir() or not steps(work):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            assert time.time() < deadline
-            time.sleep(0.2)
+        _wait_for_a_checkpoint(procs, work)
         procs[1].send_signal(signal.SIGTERM)
         errs = [p.communicate(timeout=WAIT_S)[1] for p in procs]
     finally:

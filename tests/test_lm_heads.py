@@ -2,13 +2,13 @@
 one row per method and head, every final loss beats the corpus' unigram entropy, e2e's beats the
 uniform guess, the heads' FLOPs are those of their layers, and the equal-FLOPs reading interpolates."""
 import collections
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import pytest
+
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "lm_heads.py"
@@ -18,15 +18,7 @@ ROWS = ["e2e", "1f1b", "ppll token_linear", "ppll token_output", "ppll token_out
 BATCH, WINDOW, WIDTH, LOCAL_HEADS, VOCAB = 64, 32, 64, 3, 61
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("experiments_lm_heads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-lm_heads = _module()
+lm_heads = load_script(SCRIPT, "experiments_lm_heads")
 
 
 def unigram_entropy(text: str) -> float:

@@ -1,6 +1,5 @@
 """experiments/reproduce.py: the tiny CDP table runs end to end, its numbers are the time
 table's and the runs', a rerun resumes from what is there, and rows that cannot run say why."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,21 +11,13 @@ import pytest
 from cdpjax import methods, plotting
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.config import ConfigError, validate
-from helpers import capture_figures, line_data, png_matches, same_pixels
+from helpers import capture_figures, line_data, load_script, png_matches, same_pixels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "reproduce.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("experiments_reproduce", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-reproduce = _module()
+reproduce = load_script(SCRIPT, "experiments_reproduce")
 
 
 def _run(*args):
