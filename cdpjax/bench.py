@@ -237,19 +237,6 @@ def _one_device_figures(method, sizes, per_step: int) -> dict[str, Any]:
                                  "device_mean_bytes": whole / 2}}
 
 
-def _padded_figures(method, sizes) -> dict[str, Any]:
-    """What a uniform carrier would send if every relayed gradient were one padded stage row."""
-    carrier = method.carrier
-    p_max = getattr(carrier, "p_max", None)
-    if p_max is None or method.table is None or not hasattr(method.table, "comm_balance"):
-        return {}
-    padded = {"param_bytes": [int(p_max) * 4] * len(sizes["param_bytes"]),
-              "activation_bytes": sizes["activation_bytes"]}
-    figures = table_figures(method.table, padded)
-    return {"comm_balance_padded": figures.get("comm_balance"),
-            "table_bytes_padded_per_device_per_step": figures.get("table_bytes_per_device_per_step")}
-
-
 def micro_batch(method, config, mesh) -> int:
     """Examples per micro-batch as the method runs them: its program's (the batch split over the
     data groups, then into the program's micro-batches per call: a ring worker's data group is
@@ -353,7 +340,6 @@ def _record(run: dict, step_seconds: float) -> dict[str, Any]:
         "stage_activation_bytes": sizes["activation_bytes"],
         "largest_stage_param_bytes": int(max(sizes["param_bytes"])),
         **(table_figures(table, sizes) if table is not None else _one_device_figures(method, sizes, 1)),
-        **_padded_figures(method, sizes),
         "report": method_report(method),
     }
     if run.get("timing_note"):

@@ -221,10 +221,3 @@ def check_same_config(config, timeout_s: int) -> None:
             what = config_difference(mine, theirs["config"]) or "their configs differ"
             raise ConfigError(f"process {me} and process {other} of this run have different configs ({what}): "
                               f"start every process with the same command and config")
-
-
-def is_primary() -> bool:
-    """Whether this process writes the run's files (process 0)."""
-    import jax
-
-    return jax.process_index() == 0

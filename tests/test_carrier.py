@@ -1,21 +1,22 @@
 """The uniform stage carrier: stages of different shapes as padded rows on one `stage` axis.
 
 Claims: packing is lossless, the padding stays exactly zero under the elementwise
-optimizers (so they can run on the padded rows), a `lax.switch` over the rows runs
-each device's own stage, and the padding report says what the uniform layout costs.
+optimizers (so they can run on the padded rows), and the layouts' padding says what the
+uniform layout costs. (That a `lax.switch` over the rows runs each device's own stage is
+shown by every equality test of a stage-axis method against its reference.)
 """
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from cdpjax import models
-from cdpjax.carrier import FlatLayout, StageCarrier, init_opt, squeeze
+from cdpjax.carrier import ActLayout, FlatLayout
 from cdpjax.optim import apply as update
 from cdpjax.config import default_config
-from cdpjax.mesh import make_mesh
 
 
 def _net(model="resnet_tiny", stages=4, norm="batch"):
@@ -24,12 +25,26 @@ def _net(model="resnet_tiny", stages=4, norm="batch"):
     return models.build(c, (8, 8, 1), 10)
 
 
+class Layouts(NamedTuple):
+    """A staged network's layouts, built here as the stage-axis engine builds its own."""
+
+    params: FlatLayout
+    model_state: FlatLayout
+    acts: ActLayout
+
+
+def _layouts(net) -> Layouts:
+    params, state = jax.eval_shape(lambda: net.init(jax.random.key(0)))
+    inputs = [tuple(net.input_shape)] + [s[1:] for s in net.stage_output_shapes(1)[:-1]]
+    return Layouts(FlatLayout.from_trees(params), FlatLayout.from_trees(state), ActLayout.from_shapes(inputs))
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    """resnet_tiny cut into 4 stages of different shapes, its parameters and state, its carrier."""
+    """resnet_tiny cut into 4 stages of different shapes, its parameters and state, its layouts."""
     net = _net()
     params, state = net.init(jax.random.key(0))
-    return net, params, state, StageCarrier.from_net(net, 4)
+    return net, params, state, _layouts(net)
 
 
 def test_stages_differ_in_shape(tiny):
@@ -41,10 +56,10 @@ def test_stages_differ_in_shape(tiny):
 
 def test_params_and_state_round_trip(tiny):
     net, params, state, carrier = tiny
-    rows = carrier.pack_params(params)
+    rows = carrier.params.pack(params)
     assert rows.shape == (net.num_stages, max(carrier.params.sizes))
-    jax.tree.map(np.testing.assert_array_equal, carrier.unpack_params(rows), params)
-    jax.tree.map(np.testing.assert_array_equal, carrier.unpack_state(carrier.pack_state(state)), state)
+    jax.tree.map(np.testing.assert_array_equal, carrier.params.unpack(rows), params)
+    jax.tree.map(np.testing.assert_array_equal, carrier.model_state.unpack(carrier.model_state.pack(state)), state)
     for j, size in enumerate(carrier.params.sizes):
         assert not np.any(np.asarray(rows[j, size:])), f"stage {j}: padding is not zero"
 
@@ -53,29 +68,28 @@ def test_activation_round_trip_and_padding(tiny):
     carrier = tiny[3]
     for j, shape in enumerate(carrier.acts.shapes):
         x = jax.random.normal(jax.random.key(j), (4, *shape))
-        buf = carrier.pack_act(j, x)
+        buf = carrier.acts.pack_one(j, x)
         assert buf.shape == (4, carrier.acts.width)
-        np.testing.assert_array_equal(carrier.unpack_act(j, buf), x)
+        np.testing.assert_array_equal(carrier.acts.unpack_one(j, buf), x)
         assert not np.any(np.asarray(buf[:, x[0].size:]))
 
 
-def test_padding_report(tiny):
+def test_padding(tiny):
     """Padded over real storage, L rows of the largest stage against the stages' sum, from sizes
     counted here: each stage's parameters (its leaves) and each stage's input (the image, then the
     outputs of running the stages one after another)."""
     net, params, state, carrier = tiny
-    report = carrier.padding_report()
     sizes = [sum(int(np.size(x)) for x in jax.tree.leaves(p)) for p in params]
     x, inputs = jnp.zeros((1, 8, 8, 1)), []
     for j in range(net.num_stages):
         inputs.append(x[0].size)
         x, _ = net.apply_stage(j, params[j], state[j], x, False)
-    assert report["param_sizes"] == sizes and report["activation_sizes"] == inputs
-    np.testing.assert_allclose(report["params"], len(sizes) * max(sizes) / sum(sizes))
-    np.testing.assert_allclose(report["activations"], len(inputs) * max(inputs) / sum(inputs))
-    assert report["params"] > 1.0 and report["activations"] > 1.0
-    one = StageCarrier.from_net(_net(stages=1), 4).padding_report()
-    assert one["params"] == 1.0 and one["activations"] == 1.0  # one stage: nothing to pad
+    assert list(carrier.params.sizes) == sizes and [int(np.prod(s)) for s in carrier.acts.shapes] == inputs
+    np.testing.assert_allclose(carrier.params.padding(), len(sizes) * max(sizes) / sum(sizes))
+    np.testing.assert_allclose(carrier.acts.padding(), len(inputs) * max(inputs) / sum(inputs))
+    assert carrier.params.padding() > 1.0 and carrier.acts.padding() > 1.0
+    one = _layouts(_net(stages=1))
+    assert one.params.padding() == 1.0 and one.acts.padding() == 1.0  # one stage: nothing to pad
 
 
 @pytest.mark.parametrize("name,tx", [
@@ -99,39 +113,13 @@ def test_elementwise_optimizer_on_padded_rows(name, tx):
             params[j] = optax.apply_updates(params[j], u)
         return rows, opt_rows, params, opt_trees
 
-    rows, opt_rows = layout.pack(params), init_opt(tx, layout.pack(params))
+    rows, opt_rows = layout.pack(params), jax.vmap(tx.init)(layout.pack(params))  # one state per stage
     opt_trees = [tx.init(p) for p in params]
     for k in range(3):
         rows, opt_rows, params, opt_trees = step(rows, opt_rows, params, opt_trees, jax.random.key(k))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), layout.unpack(rows), params)
     for j, size in enumerate(layout.sizes):
         assert not np.any(np.asarray(rows[j, size:])), f"{name}: stage {j}'s padding moved"
-
-
-def test_switch_runs_each_devices_stage(tiny):
-    """On 4 devices each runs its own stage (different shapes) on its input through `lax.switch`."""
-    net, params, state, carrier = tiny
-    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
-    inputs, outputs = [], []
-    for j in range(net.num_stages):
-        inputs.append(x)
-        x, _ = net.apply_stage(j, params[j], state[j], x, False)
-        outputs.append(x)
-    mesh = make_mesh({"stage": 4}, jax.devices()[:4])
-    act_in = jnp.stack([carrier.pack_act(j, v) for j, v in enumerate(inputs)])
-
-    def stage_forward(j, row, buf):
-        y, _ = net.apply_stage(j, carrier.params.unpack_one(j, row), state[j], carrier.unpack_act(j, buf), False)
-        return jnp.pad(y.reshape(4, -1), ((0, 0), (0, carrier.acts.width - y[0].size)))
-
-    def local(rows, bufs):
-        row, buf = squeeze((rows, bufs))
-        return carrier.switch(stage_forward, row, buf)[None]
-
-    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P("stage")), out_specs=P("stage")))
-    out = run(carrier.pack_params(params), act_in)
-    for j, y in enumerate(outputs):
-        np.testing.assert_allclose(out[j, :, : y[0].size].reshape(y.shape), y, atol=1e-5)
 
 
 def test_flat_layout_refuses_a_foreign_tree():

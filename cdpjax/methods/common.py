@@ -183,10 +183,5 @@ def step_metrics(task: tasks.Task, loss, sums) -> dict:
     return {**task.finish(sums), "loss": loss, "metric_sums": sums}
 
 
-def init_params(net: models.StagedNet, rng):
-    """Per-stage parameters and model state, the same for every method given the seed."""
-    return net.init(rng)
-
-
 def tree_select(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
