@@ -280,11 +280,11 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
 
 def _prepare(config, devices=None, built=None) -> dict:
     """Builds and compiles `config.method`'s train step; everything but its timing. `built`: what
-    `train.setup(config, devices)` returned, where the caller set it up already."""
-    from cdpjax import train
+    `cdpjax.setup.setup(config, devices)` returned, where the caller set it up already."""
+    from cdpjax import setup
 
-    dataset, mesh, method = built or train.setup(config, devices)
-    batch = train.put_batch(dataset.train_batch(0, config.global_batch_size, config.seed, False), mesh,
+    dataset, mesh, method = built or setup.setup(config, devices)
+    batch = setup.put_batch(dataset.train_batch(0, config.global_batch_size, config.seed, False), mesh,
                             method.input_sharding)
     state = method.init(jax.random.key(config.seed))
     t0 = time.perf_counter()
@@ -301,7 +301,7 @@ def _prepare(config, devices=None, built=None) -> dict:
 
 
 def _record(run: dict, step_seconds: float) -> dict[str, Any]:
-    from cdpjax.train import method_report
+    from cdpjax.runlog import method_report
 
     config, mesh, method, compiled = run["config"], run["mesh"], run["method"], run["compiled"]
     table = method.table
@@ -396,7 +396,7 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5, buil
     """One record per config (its `method`): every step compiled first, then timed in `repeats`
     interleaved rounds (one step of each method per round; median per method), so that load
     on the machine falls on all methods alike. `devices`: one device list (or None) per config.
-    Every config is set up (`train.setup`: checked, its method built) before any compiles, so that
+    Every config is set up (`cdpjax.setup.setup`: checked, its method built) before any compiles, so that
     a method that refuses its config fails at once, not after the others compiled; `built`: those
     set-ups, where the caller made them (`setup_all`)."""
     devices = devices or [None] * len(configs)
@@ -425,10 +425,10 @@ def bench_methods(configs, devices=None, warmup: int = 2, repeats: int = 5, buil
 
 
 def setup_all(configs, devices=None) -> list:
-    """`train.setup` of each config ((dataset, mesh, method)): every check, nothing compiled."""
-    from cdpjax import train
+    """`cdpjax.setup.setup` of each config ((dataset, mesh, method)): every check, nothing compiled."""
+    from cdpjax import setup
 
-    return [train.setup(c, d) for c, d in zip(configs, devices or [None] * len(configs))]
+    return [setup.setup(c, d) for c, d in zip(configs, devices or [None] * len(configs))]
 
 
 def oversubscribed(mesh) -> str | None:

@@ -118,7 +118,7 @@ def cmd_train(args, overrides) -> int:
     joined = distributed.initialize(config)
     if joined:
         distributed.check_same_config(config, int(config.distributed.timeout_s))
-    from cdpjax import train
+    from cdpjax import rundir, runlog, train
     from cdpjax.commands.common import enable_cache
 
     enable_cache(args)
@@ -126,7 +126,7 @@ def cmd_train(args, overrides) -> int:
         raise ConfigError("a multi-process run needs --workdir (the same shared directory for every process)")
     if args.resume and not args.workdir:
         raise ConfigError("--resume needs --workdir (the directory of the run to resume)")
-    workdir = args.workdir or train.default_workdir(config)
+    workdir = args.workdir or rundir.default_workdir(config)
     import jax
 
     summary = train.train(config, workdir, progress=not args.no_progress, require_checkpoint=args.resume,
@@ -134,8 +134,8 @@ def cmd_train(args, overrides) -> int:
     with shutdown.critical():  # a signal from now on finds the run completed: exit status 0
         shutdown.completed()
         if jax.process_index() == 0 and not summary.get("already_finished"):
-            shutdown.write_line(f"{train.result_words(summary)} after {summary['steps']} steps, "
-                                f"{train.throughput_words(summary)} on {summary['devices']} device(s); "
+            shutdown.write_line(f"{runlog.result_words(summary)} after {summary['steps']} steps, "
+                                f"{runlog.throughput_words(summary)} on {summary['devices']} device(s); "
                                 f"summary in {workdir}/summary.json")
     return 0
 
@@ -253,7 +253,7 @@ def _main(argv: list[str]) -> int:
         shutdown.quiet_from_now()
         return 2
     except KeyboardInterrupt as e:
-        from cdpjax.train import Interrupted
+        from cdpjax.loop import Interrupted
         from cdpjax.workdir import Terminated
 
         if isinstance(e, Interrupted):  # during training: where the run stands, on its own line

@@ -9,6 +9,10 @@ opened) and opened without blocking (a FIFO made in between waits for no writer)
 again on the open descriptor; a regular file that grows while it is read is read up to its limit
 and refused. Limits: `SMALL_LIMIT` for a run's JSON records, `METRICS_LIMIT` for metrics.jsonl,
 `cdpjax.table_json.JSON_LIMIT` for a time table.
+
+Writing the files a run writes: inside `writing(path)` a failure of the disk (full, a quota,
+read-only, permission) is a StorageError naming the file; `write_atomic` replaces a file whole
+(readers see the old file or the new one, never half).
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import os
 import stat
 from typing import BinaryIO, Iterator
 
-from cdpjax.errors import ConfigError
+from cdpjax import shutdown
+from cdpjax.errors import ConfigError, StorageError, storage_problem
 
 SMALL_LIMIT = 16 * 2**20  # lock.json, config.json, summary.json, run.json: a few kB when a run writes them
 METRICS_LIMIT = 2**30  # metrics.jsonl: a million steps logged at a few hundred bytes a line, with room
@@ -79,3 +84,37 @@ def read_text(path: str, limit: int = SMALL_LIMIT) -> str:
 
 __all__ = ["METRICS_LIMIT", "SMALL_LIMIT", "FileRefused", "check_regular", "kind", "open_bounded", "read_bytes",
            "read_text"]
+
+
+class writing:
+    """Around a write: a failure of the disk (full, quota, read-only, permission) becomes a
+    StorageError naming `path`, to which the trainer adds the last complete checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, ConfigError) or not isinstance(e, Exception):
+            return False
+        reason = storage_problem(e)
+        if reason is None:
+            return False
+        raise StorageError(getattr(e, "filename", None) or self.path, reason) from None
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Readers (other processes, a resumed run) see the old file or the new one, never half; a
+    failure leaves neither a temporary file nor half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with shutdown.critical(), writing(path):
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isfile(tmp):
+                os.unlink(tmp)
+            raise

@@ -44,9 +44,9 @@ def abstract(tree) -> Any:
 def abstract_batch(dataset, mesh, method, global_batch_size: int) -> dict:
     """One global batch as the trainer feeds it: images and integer labels, placed where the
     method takes them (`Method.input_sharding`, else over `data`)."""
-    from cdpjax import train
+    from cdpjax import setup
 
-    sharding = method.input_sharding or train.batch_sharding(mesh)
+    sharding = method.input_sharding or setup.batch_sharding(mesh)
     images = jax.ShapeDtypeStruct((global_batch_size, *dataset.image_shape), jnp.float32, sharding=sharding)
     labels = jax.ShapeDtypeStruct((global_batch_size,), jnp.int32, sharding=sharding)
     return {"image": images, "label": labels}
@@ -56,7 +56,7 @@ def programs(config, devices=None, rng=None) -> dict[str, tuple]:
     """The programs the trainer compiles for `config.method`: name -> (jitted function, abstract
     arguments).
 
-    `train_step` is the trainer's own step (`cdpjax.train.guarded_step`: the method's step
+    `train_step` is the trainer's own step (`cdpjax.guard.guarded_step`: the method's step
     with its finite checks and `export`, skipping as `config.nonfinite` says), `flush` the
     pipelines' end-of-run flush. The state is the method's `init(rng)` on this machine's mesh,
     made abstract (concrete first: a small config's state is cheap, and its shardings are then
@@ -66,16 +66,16 @@ def programs(config, devices=None, rng=None) -> dict[str, tuple]:
     where it does, the trainer's key is used instead. A ConfigError of the method's builder
     propagates.
     """
-    from cdpjax import train
+    from cdpjax import guard, setup
 
-    dataset, mesh, method = train.setup(config, devices)
+    dataset, mesh, method = setup.setup(config, devices)
     key = jax.random.key(config.seed)
     state = method.init(key if rng is None else rng)
     if rng is not None and any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state)):
         state = method.init(key)  # the keys' implementation is part of the programs
     state = abstract(state)
     batch = abstract_batch(dataset, mesh, method, config.global_batch_size)
-    step = train.guarded_step(method, skip=config.get("nonfinite", "stop") == "skip")
+    step = guard.guarded_step(method, skip=config.get("nonfinite", "stop") == "skip")
     out = {"train_step": (step, (state, batch))}
     if method.flush is not None:
         out["flush"] = (method.flush if hasattr(method.flush, "lower") else jax.jit(method.flush), (state,))

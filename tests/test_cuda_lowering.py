@@ -21,7 +21,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import layouts, lowering, methods, models, train
+from cdpjax import layouts, lowering, methods, models
+from cdpjax import setup as setup_lib
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
 from cdpjax.mesh import make_mesh
@@ -147,8 +148,8 @@ def test_a_cpu_only_method_is_reported(kind):
     with LAYOUTS.temporarily("cpu-only-toy", layout):
         config = small_config("cpu-only-toy")
         if runs_here:  # the path is CPU-only, not broken
-            dataset, mesh, method = train.setup(config)
-            batch = train.put_batch(dataset.train_batch(0, 32, 0, False), mesh)
+            dataset, mesh, method = setup_lib.setup(config)
+            batch = setup_lib.put_batch(dataset.train_batch(0, 32, 0, False), mesh)
             _, metrics = method.train_step(method.init(cheap_key()), batch)
             assert np.isfinite(float(metrics["loss"]))
         problems = lowering.cuda_problems(config, rng=cheap_key())

@@ -33,7 +33,9 @@ import numpy as np
 import pytest
 
 from cdpjax import data as data_lib
-from cdpjax import distributed, train
+from cdpjax import distributed, rundir, train
+from cdpjax import setup as setup_lib
+from cdpjax.errors import NonFiniteError
 from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import default_config
@@ -105,7 +107,7 @@ def fails(args, capfd, compiles=None, code=2) -> str:
 
 
 def final_state(workdir):
-    _, _, method = train.setup(small_config())
+    _, _, method = setup_lib.setup(small_config())
     ckpt = Checkpointer(str(workdir))
     state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(0)))
     ckpt.close()
@@ -350,7 +352,7 @@ def test_nonfinite_after_a_fall_back_names_the_intact_checkpoint(runs, tmp_path,
             return {**b, "image": np.full_like(b["image"], np.nan)} if step == 5 else b
 
     monkeypatch.setattr(data_lib, "build", lambda config: Poisoned(build(config)))
-    with pytest.raises(train.NonFiniteError, match=r"at step 6 .* the last good checkpoint \(step 4\)"):
+    with pytest.raises(NonFiniteError, match=r"at step 6 .* the last good checkpoint \(step 4\)"):
         train.train(small_config(), str(work), progress=False)
 
 
@@ -373,7 +375,7 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
     train.train(c, str(reference), progress=False)
     work = tmp_path / "run"
     old = subprocess.Popen(subprocess_command(work, overrides=FORCE_OVERRIDES),
-                           env=env_without_device_flag(**{train.DELAY_ENV: 0.1}),
+                           env=env_without_device_flag(**{rundir.DELAY_ENV: 0.1}),
                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + WAIT_S
     while not (work / "checkpoints").is_dir() or len(steps(work)) < 2:
@@ -394,7 +396,7 @@ def test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_who
     assert 0 < summary["resumed_from"] < FORCE_STEPS
     assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
         (reference / "metrics.jsonl").read_text())
-    _, _, method = train.setup(c)
+    _, _, method = setup_lib.setup(c)
     states = []
     for d in (work, reference):
         ckpt = Checkpointer(str(d))
@@ -416,7 +418,7 @@ def test_a_thawed_owner_frozen_inside_a_checkpoint_write_cannot_break_a_force_ta
     train.train(c, str(reference), progress=False)
     work = tmp_path / "run"
     old = subprocess.Popen(subprocess_command(work, overrides=FORCE_OVERRIDES),
-                           env=env_without_device_flag(**{train.DELAY_ENV: 0.05}), stderr=subprocess.PIPE, text=True)
+                           env=env_without_device_flag(**{rundir.DELAY_ENV: 0.05}), stderr=subprocess.PIPE, text=True)
     deadline = time.time() + WAIT_S
     while True:  # frozen inside a write: its temporary directory is there once it is stopped
         assert old.poll() is None and time.time() < deadline, old.communicate()[1][-3000:]
@@ -446,7 +448,7 @@ def test_a_thawed_owner_frozen_inside_a_checkpoint_write_cannot_break_a_force_ta
     assert json.loads((work / "summary.json").read_text())["steps"] == FORCE_STEPS
     assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
         (reference / "metrics.jsonl").read_text())
-    _, _, method = train.setup(c)
+    _, _, method = setup_lib.setup(c)
     ckpt = Checkpointer(str(work))
     equal_trees(jax.device_get(ckpt.restore(FORCE_STEPS, method.init(jax.random.key(0)))[0]),
                 jax.device_get(Checkpointer(str(reference)).restore(FORCE_STEPS, method.init(jax.random.key(0)))[0]))
@@ -496,7 +498,7 @@ def test_a_signal_at_any_moment_ends_in_one_line(signals, tmp_path):
 def held_in_checkpoint_write(work, step, release):
     """`cdpjax train` in WORKDIR `work`, once it is held inside the write of checkpoint `step`
     (the trainer's test hook: it waits there until `release` exists)."""
-    env = env_without_device_flag(**{train.WAIT_IN_CHECKPOINT_ENV: step, train.WAIT_FILE_ENV: release})
+    env = env_without_device_flag(**{rundir.WAIT_IN_CHECKPOINT_ENV: step, rundir.WAIT_FILE_ENV: release})
     proc = subprocess.Popen(subprocess_command(work), env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + WAIT_S
     while not pathlib.Path(f"{release}.waiting").exists():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cdpjax import data, methods, train
+from cdpjax import setup as setup_lib
 from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
@@ -53,7 +54,7 @@ def test_dp_gradient_is_mean_not_sum(digits_config):
 def _final_params(config, workdir):
     from cdpjax.checkpoint import Checkpointer
 
-    _, _, method = train.setup(config)
+    _, _, method = setup_lib.setup(config)
     ckpt = Checkpointer(workdir)
     state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(config.seed)))
     ckpt.close()

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from helpers import context
 
-from cdpjax import methods, tasks, train
+from cdpjax import loop, methods, tasks, train
+from cdpjax import setup as setup_lib
 from cdpjax.cli import main
 from cdpjax.commands import plot as plot_cmd
 from cdpjax.config import load_file
@@ -24,10 +25,10 @@ STEPS = 100  # of the config's 300: the fall is already well past 30% (test loss
 
 def start_loss(config) -> float:
     """The per-token test loss of the initial parameters (the trainer's own evaluation)."""
-    dataset, _, method = train.setup(config)
+    dataset, _, method = setup_lib.setup(config)
     task = tasks.resolve(config, dataset)
     params, state = method.export(method.init(jax.random.key(config.seed)))
-    return train.evaluate(train.make_eval_fn(method.net, task), params, state, dataset, 512, task)["loss"]
+    return loop.evaluate(loop.make_eval_fn(method.net, task), params, state, dataset, 512, task)["loss"]
 
 
 PIPELINE_MESH = ("--config.mesh.stage=4", "--config.mesh.data=2")  # 4 stage devices x 2 data groups: the 8 here

@@ -345,7 +345,7 @@ def test_ppll_resume_equals_uninterrupted(head, digits_config, tmp_path):
     """The pipeline's queues are part of the checkpointed state: a run killed mid-way and resumed
     ends with the parameters and metrics of an uninterrupted one (flushed once, at the end). With
     `man` heads (4 modules as [2, 2]) their EMA copies are checkpointed state too."""
-    from cdpjax import train
+    from cdpjax import setup as setup_lib, train
     from cdpjax.checkpoint import Checkpointer
 
     c = digits_config
@@ -360,7 +360,7 @@ def test_ppll_resume_equals_uninterrupted(head, digits_config, tmp_path):
     assert resumed["resumed_from"] == 4 and resumed["test_accuracy"] == full["test_accuracy"]
 
     def final(workdir):
-        _, _, method = train.setup(c)
+        _, _, method = setup_lib.setup(c)
         ckpt = Checkpointer(str(workdir))
         state, _ = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(c.seed)))
         ckpt.close()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cdpjax import distributed, train
+from cdpjax import setup as setup_lib
 from cdpjax.checkpoint import Checkpointer
 from cdpjax.config import ConfigError, default_config
 
@@ -45,7 +46,7 @@ def _free_port() -> int:
 
 
 def _params(workdir):
-    _, _, method = train.setup(_config())
+    _, _, method = setup_lib.setup(_config())
     ckpt = Checkpointer(str(workdir))
     state, meta = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(0)))
     ckpt.close()

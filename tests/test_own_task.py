@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cdpjax import config as cfg_lib
-from cdpjax import data, layouts, methods, models, tasks, train
+from cdpjax import data, layouts, methods, models, tasks
+from cdpjax import setup as setup_lib
 from cdpjax.errors import ConfigError
 from cdpjax.models import aux_heads
 
@@ -38,13 +39,13 @@ def own_task():
 def _train(config, steps: int = STEPS) -> tuple[list[float], list[np.ndarray]]:
     """`steps` steps of the config's method as `cdpjax.train` runs them: (train losses, per-module losses)."""
     needed = layouts.devices_needed(config) or len(jax.devices())
-    dataset, mesh, method = train.setup(config, jax.devices()[:needed])
+    dataset, mesh, method = setup_lib.setup(config, jax.devices()[:needed])
     state = method.init(jax.random.key(config.seed))
     losses, stage_losses = [], []
     for step in range(steps):
         batch = dataset.train_batch(step, config.global_batch_size, config.seed, augment=False)
         assert batch["label"].dtype == np.float32
-        state, metrics = method.train_step(state, train.put_batch(batch, mesh, method.input_sharding))
+        state, metrics = method.train_step(state, setup_lib.put_batch(batch, mesh, method.input_sharding))
         losses.append(float(metrics["loss"]))
         if "stage_loss" in metrics:
             stage_losses.append(np.asarray(metrics["stage_loss"]))

@@ -29,7 +29,9 @@ import pytest
 
 from cdpjax import data as data_lib
 from cdpjax import checkpoint as checkpoint_lib
-from cdpjax import methods, train
+from cdpjax import methods, rundir, train
+from cdpjax import setup as setup_lib
+from cdpjax.errors import NonFiniteError
 from cdpjax.checkpoint import Checkpointer
 from cdpjax.cli import main
 from cdpjax.config import ConfigError, default_config
@@ -100,13 +102,13 @@ def small_config(name, **overrides):
 
 
 class Recorder:
-    """Wraps `cdpjax.data.build` and `train.setup` to count what the trainer reads and feeds."""
+    """Wraps `cdpjax.data.build` and `cdpjax.setup.setup` to count what the trainer reads and feeds."""
 
     def __init__(self, monkeypatch, poison=(), insert=False, snapshot=None):
         """`snapshot=(step, workdir, copy)`: once step `step` has ended, WORKDIR is copied to `copy`:
         what a process killed after `step` steps leaves behind."""
         self.reads, self.fed, self.flushes, self.has_flush = [], 0, 0, False
-        build, setup, put = data_lib.build, train.setup, train.put_batch
+        build, setup, put = data_lib.build, setup_lib.setup, setup_lib.put_batch
 
         def counting_build(config):
             ds = build(config)
@@ -134,16 +136,16 @@ class Recorder:
             self.fed += 1  # batches are put on the devices ahead of their step (cdpjax.data.prefetch)
             return put(batch, mesh, sharding)
 
-        def snapshot_after(done, hooks=train._test_hooks):
+        def snapshot_after(done, hooks=rundir.test_hooks):
             if snapshot and done == snapshot[0]:  # step `done` has ended: what a kill now leaves
                 shutil.copytree(snapshot[1], snapshot[2])
                 as_if_dead(snapshot[2])
             hooks(done)
 
         monkeypatch.setattr(data_lib, "build", counting_build)
-        monkeypatch.setattr(train, "setup", counting_setup)
-        monkeypatch.setattr(train, "put_batch", counting_put)
-        monkeypatch.setattr(train, "_test_hooks", snapshot_after)
+        monkeypatch.setattr(setup_lib, "setup", counting_setup)
+        monkeypatch.setattr(setup_lib, "put_batch", counting_put)
+        monkeypatch.setattr(rundir, "test_hooks", snapshot_after)
 
 
 class PoisonedDataset:
@@ -178,7 +180,7 @@ def as_if_dead(workdir):
 
 def final_state(config, workdir, devices):
     """The whole train state of the last checkpoint (in-flight buffers, optimizer states...)."""
-    _, _, method = train.setup(config, devices)
+    _, _, method = setup_lib.setup(config, devices)
     ckpt = Checkpointer(str(workdir))
     state, meta = ckpt.restore(ckpt.latest_step(), method.init(jax.random.key(config.seed)))
     ckpt.close()
@@ -268,7 +270,7 @@ def test_killed_run_resumes_to_the_same_end(name, reference, tmp_path):
 
 
 def _has_flush(name):
-    return train.setup(small_config(name), layout(name)[1])[2].flush is not None
+    return setup_lib.setup(small_config(name), layout(name)[1])[2].flush is not None
 
 
 # Methods whose flush the extension test runs in CI (one per engine with a flush); the others with `make test-heavy`.
@@ -325,7 +327,7 @@ def test_sigkill_between_checkpoints_then_restart(reference, tmp_path):
     metrics lines past step 8 are replaced and the lock is released at the end."""
     ref = reference("dp")
     work = tmp_path / "run"
-    env = {**os.environ, train.KILL_ENV: "10"}
+    env = {**os.environ, rundir.KILL_ENV: "10"}
     killed = subprocess.run([sys.executable, *_cli_args("dp", work)], env=env, capture_output=True,
                             text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -386,7 +388,7 @@ def _cli(name, workdir, *extra, progress=False):
 def _wait_env(tmp_path, step):
     """The test hook that holds a run after `step` until the test lets it go."""
     release = tmp_path / "release"
-    return {**os.environ, train.WAIT_ENV: str(step), train.WAIT_FILE_ENV: str(release)}, release
+    return {**os.environ, rundir.WAIT_ENV: str(step), rundir.WAIT_FILE_ENV: str(release)}, release
 
 
 def _wait_for(path, proc, timeout=3600):
@@ -537,7 +539,7 @@ def test_an_async_save_returns_before_its_checkpoint_is_committed(tmp_path, monk
     and the checkpoint reads back with its checksums verified."""
     release = tmp_path / "release"
     monkeypatch.setenv(checkpoint_lib.WAIT_IN_COMMIT_ENV, "3")
-    monkeypatch.setenv(train.WAIT_FILE_ENV, str(release))
+    monkeypatch.setenv(rundir.WAIT_FILE_ENV, str(release))
     state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
     ckpt = Checkpointer(str(tmp_path), owner="run7", async_save=True)
     try:
@@ -583,7 +585,7 @@ def test_a_run_killed_while_an_async_save_is_in_flight_resumes_from_the_previous
     from 4 (removing the dead writer's temporary directory) and ends as the uninterrupted run."""
     ref = reference("dp")
     work, release = tmp_path / "run", tmp_path / "release"
-    env = {**os.environ, checkpoint_lib.WAIT_IN_COMMIT_ENV: "8", train.WAIT_FILE_ENV: str(release)}
+    env = {**os.environ, checkpoint_lib.WAIT_IN_COMMIT_ENV: "8", rundir.WAIT_FILE_ENV: str(release)}
     proc = subprocess.Popen(_cli("dp", work, ASYNC), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     _wait_for(pathlib.Path(f"{release}.waiting"), proc)
@@ -625,7 +627,7 @@ def on_another_mesh(name):
         return ON_ANOTHER_MESH[name]
     c = small_config(name)
     mesh, devices = layout(name)
-    if not train.setup(c, devices)[2].state_depends_on_mesh:
+    if not setup_lib.setup(c, devices)[2].state_depends_on_mesh:
         return RESUMES
     other, other_devices = other_layout(name)
     return (f"on mesh {mesh} ({len(devices)} devices); this run has mesh {other} ({len(other_devices)} devices)",
@@ -683,16 +685,16 @@ def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tm
     config.method = "x"
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(5, {"w": np.arange(24.0).reshape(8, 3)}, {"method": "x", "mesh": {"data": 8}, "devices": 8,
-                                                        "run": train.run_identity(config)})
+                                                        "run": rundir.run_identity(config)})
     method = SimpleNamespace(state_depends_on_mesh=declared, stale=None, workers=None, info={})
     mesh = SimpleNamespace(shape={"data": 4}, devices=np.zeros(4))
     like = {"w": jax.device_put(np.zeros(shape))}
     if message is None:
-        state, _ = train.restore_state(ckpt, 5, like, method, mesh, config)
+        state, _ = rundir.restore_state(ckpt, 5, like, method, mesh, config)
         np.testing.assert_array_equal(state["w"], np.arange(24.0).reshape(8, 3))
     else:
         with pytest.raises(ConfigError, match=message) as err:
-            train.restore_state(ckpt, 5, like, method, mesh, config)
+            rundir.restore_state(ckpt, 5, like, method, mesh, config)
         assert "{'data': 8} (8 devices); this run has mesh {'data': 4} (4 devices)" in str(err.value)
         assert "start a fresh --workdir" in str(err.value)
     ckpt.close()
@@ -723,7 +725,7 @@ def test_nonfinite_stops_naming_step_and_stage(name, tmp_path, monkeypatch):
     Recorder(monkeypatch, poison=(2,))
     c = small_config(name, checkpoint_every=2, eval_every=0)
     mesh, devices = layout(name)
-    with pytest.raises(train.NonFiniteError) as err:
+    with pytest.raises(NonFiniteError) as err:
         train.train(c, str(tmp_path), progress=False, devices=devices)
     message = str(err.value)
     assert re.search(r"non-finite values at step 3 in (stage \d+|the in-flight state|the loss)", message), message
@@ -739,7 +741,7 @@ def test_nonfinite_stops_naming_step_and_stage(name, tmp_path, monkeypatch):
 def test_nonfinite_names_the_first_stage_that_broke(tmp_path, monkeypatch):
     """e2e with NaN images: every stage's gradient is NaN, stage 0 is named first."""
     Recorder(monkeypatch, poison=(2,))
-    with pytest.raises(train.NonFiniteError, match=r"at step 3 in stage 0: its parameters after the update"):
+    with pytest.raises(NonFiniteError, match=r"at step 3 in stage 0: its parameters after the update"):
         train.train(small_config("e2e", checkpoint_every=2, eval_every=0), str(tmp_path), progress=False,
                     devices=layout("e2e")[1])
 

@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from cdpjax import train
+from cdpjax import guard, train
 from cdpjax.cli import main
 from cdpjax.commands import plot as plot_cmd
 from cdpjax.config import default_config
@@ -213,7 +213,7 @@ def test_top_level_help_lists_every_command(capsys):
 def test_first_eta_leaves_compilation_out(tmp_path, capsys, monkeypatch):
     """A first step that takes 4 s (as compiling does) and fast steps after it: no state of the
     bar shows 3 s or more elapsed, nor an ETA of 3 s or more."""
-    real = train.guarded_step
+    real = guard.guarded_step
 
     def slow_first(method, skip):
         step, calls = real(method, skip), []
@@ -225,7 +225,7 @@ def test_first_eta_leaves_compilation_out(tmp_path, capsys, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(train, "guarded_step", slow_first)
+    monkeypatch.setattr(guard, "guarded_step", slow_first)
     train.train(small_config(eval_every=0), str(tmp_path), progress=True)
     err = capsys.readouterr().err
     shown = re.findall(r"\[(\d\d):(\d\d)<(?:(\d\d):(\d\d)|\?)", err)

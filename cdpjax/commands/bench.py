@@ -1,6 +1,6 @@
 """`cdpjax bench`: several methods on the same model and batch, side by side in one process.
 
-Its arguments are checked before anything is compiled: every method's config (`train.setup`),
+Its arguments are checked before anything is compiled: every method's config (`cdpjax.setup.setup`),
 `--repeats` in [1, REPEATS_LIMIT], `--bandwidth` a finite number > 0, `--predict` in [0,
 PREDICT_LIMIT], `--cpu-devices` in range, and `--json` a file in a folder that exists, created
 before the work (so that a bench's results are never lost at the end; removed again, empty, if
