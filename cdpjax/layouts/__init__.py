@@ -48,6 +48,31 @@ COLOURS = ("worker", "micro", "step")
 
 
 @dataclasses.dataclass(frozen=True)
+class Reference:
+    """The method a layout's gradients and updates equal (its equality test): after the same
+    steps on the same batches, and a flush where the method has one, the same parameters.
+
+    Attributes:
+      method: a registered method's name, formatted with the config ('{cdp_rule}': the CDP
+        rule the config runs, for a method whose rule is a config key).
+      settings: config keys the reference runs with on top of the method's config, as
+        (key, value) pairs (CDP's ring against `cdp_impl='simulate'`).
+    """
+
+    method: str
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def config_of(self, config):
+        """The reference's config: `config` with its method and settings (a copy)."""
+        ref = config.copy_and_resolve_references()
+        with ref.unlocked():
+            ref.method = self.method.format_map(config)
+            for key, value in self.settings:
+                ref[key] = value
+        return ref
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """A method: its program, its mesh, its time table and how to draw it.
 
@@ -72,6 +97,9 @@ class Layout:
       title: the diagram's title, formatted with the table's fields.
       columns: 'worker' or 'device': what a row of the text grid is.
       summary: one line saying what the method is.
+      reference: what the method must equal (`Reference`): the equality test every registered
+        method gets from its registration (`tests/test_references.py`); None only for e2e and
+        local, the two references, checked against rules written out in their own tests.
     """
 
     name: str
@@ -87,6 +115,7 @@ class Layout:
     title: str = "{method}: {stages} stages"
     columns: str = "device"
     summary: str = ""
+    reference: Reference | None = None
 
     def __post_init__(self):
         if self.colour not in COLOURS:
@@ -220,5 +249,5 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["COLOURS", "LAYOUTS", "Layout", "TABLE_SIZES", "devices_needed", "mesh_for", "register", "stage_count",
-           "stage_devices", "table_for_config"]
+__all__ = ["COLOURS", "LAYOUTS", "Layout", "Reference", "TABLE_SIZES", "devices_needed", "mesh_for", "register",
+           "stage_count", "stage_devices", "table_for_config"]

@@ -45,7 +45,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
 from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
 
@@ -296,9 +296,12 @@ def cdp_v2_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = 
 
 
 register(Layout("dp", "cdpjax.methods.dp:build", table=dp_table,
-                summary="data parallel: every device a worker, gradients averaged once per step", **_CDP_LOOK))
+                summary="data parallel: every device a worker, gradients averaged once per step", **_CDP_LOOK,
+                reference=Reference("e2e")))
 register(Layout("cdp-v1", "cdpjax.methods.cdp:build_v1", table=cdp_v1_table,
-                summary="cyclic data parallel, every step reads the previous version", **_CDP_LOOK))
+                summary="cyclic data parallel, every step reads the previous version", **_CDP_LOOK,
+                reference=Reference("cdp-v1", (("cdp_impl", "simulate"),))))
 register(Layout("cdp-v2", "cdpjax.methods.cdp:build_v2", table=cdp_v2_table,
                 summary="cyclic data parallel, the version each forward finds (derived from the ticks; "
-                        "--rule paper-code: the authors' released rule)", **_CDP_LOOK))
+                        "--rule paper-code: the authors' released rule)", **_CDP_LOOK,
+                reference=Reference("cdp-v2", (("cdp_impl", "simulate"),))))

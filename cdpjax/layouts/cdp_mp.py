@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.timetable import TimeTable
 
@@ -43,4 +43,5 @@ register(Layout(
     colour="worker", label="{kind}w{micro}",
     legend="Fw<i>/Bw<i>: forward/backward of worker i's micro-batch",
     title="{method}: {workers} workers' micro-batches through {stages} stage devices",
-    summary="cyclic pipeline: stages on devices, every device busy every tick, no gradient communication"))
+    summary="cyclic pipeline: stages on devices, every device busy every tick, no gradient communication",
+    reference=Reference("{cdp_rule}", (("cdp_impl", "simulate"),))))

@@ -37,7 +37,7 @@ import functools
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp import cdp_table, check_sizes
 from cdpjax.program.zero import Visit, visits
 from cdpjax.timetable import Message, TimeTable
@@ -117,4 +117,4 @@ register(Layout("cdp-zero", "cdpjax.methods.cdp_zero:build", axes=("data",), dev
                 columns="worker", legend="F<j>/B<j>/W<j>: forward/backward/weight gradient of stage j",
                 title="{method}: N={workers} workers, L={stages} stages, {steps} steps, offsets {offsets}",
                 summary="CDP with every stage partitioned over the workers (ZeRO-3), gathered and "
-                        "reduce-scattered point to point"))
+                        "reduce-scattered point to point", reference=Reference("{cdp_rule}", (("cdp_impl", "ring"),))))

@@ -6,7 +6,7 @@ layout of its own name would only repeat this table, so the tables and benches s
 """
 from __future__ import annotations
 
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -26,4 +26,4 @@ register(Layout(
     "gpipe", "cdpjax.methods.gpipe:build", axes=("stage", "data"), device_axis="stage", table=gpipe_table,
     microbatches=True, colour="micro", label="{kind}{micro}", legend="F<m>/B<m>: forward/backward of micro-batch m",
     title="{method}: {stages} stages, M={microbatches} micro-batches",
-    summary="backprop pipeline baseline (M micro-batches; M=1 is plain model parallelism)"))
+    summary="backprop pipeline baseline (M micro-batches; M=1 is plain model parallelism)", reference=Reference("e2e")))

@@ -10,7 +10,7 @@ V-fold against GPipe's at the price of V times the point-to-point messages.
 from __future__ import annotations
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -50,4 +50,4 @@ register(Layout(
     table=interleaved_table, microbatches=True, colour="micro", label="{kind}{micro}",
     diagram_label="{kind}{micro}", legend="F<m>/B<m>: forward/backward of micro-batch m (rows: devices)",
     title="{method}: {stages} stages on {devices} devices, M={microbatches} micro-batches",
-    summary="Megatron's interleaved 1F1B: each device holds V non-adjacent stages"))
+    summary="Megatron's interleaved 1F1B: each device holds V non-adjacent stages", reference=Reference("e2e")))

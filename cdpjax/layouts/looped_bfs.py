@@ -14,7 +14,7 @@ accumulation over the whole batch for one stage before the next).
 from __future__ import annotations
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -44,4 +44,5 @@ register(Layout(
     diagram_label="{kind}{micro}",
     legend="F<m>s<j>/B<m>s<j>: forward/backward of micro-batch m through stage j (rows: devices)",
     title="{method}: {stages} stages on {devices} devices, M={microbatches} micro-batches",
-    summary="breadth-first looped pipeline: each device all micro-batches through one of its stages, then the next"))
+    summary="breadth-first looped pipeline: each device all micro-batches through one of its stages, then the next",
+    reference=Reference("e2e")))

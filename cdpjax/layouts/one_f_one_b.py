@@ -9,7 +9,7 @@ memory.
 """
 from __future__ import annotations
 
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -33,4 +33,5 @@ register(Layout(
     table=one_f_one_b_table, microbatches=True, colour="micro", label="{kind}{micro}",
     legend="F<m>/B<m>: forward/backward of micro-batch m",
     title="{method}: {stages} stages, M={microbatches} micro-batches",
-    summary="PipeDream-flush: warm-up forwards, one forward one backward, cool-down, flush each step"))
+    summary="PipeDream-flush: warm-up forwards, one forward one backward, cool-down, flush each step",
+    reference=Reference("e2e")))

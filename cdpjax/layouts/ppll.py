@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import Op, TimeTable, Update, positive
 
 
@@ -46,4 +46,4 @@ register(Layout(
     colour="step", label="FB{step}",
     legend="FB<b>: forward, local backward and update of batch b (modules of one device joined by +)",
     title="{method}: {stages} local modules on {devices} devices, {steps} batches",
-    summary="local learning pipelined over devices (K local modules on D devices)"))
+    summary="local learning pipelined over devices (K local modules on D devices)", reference=Reference("local")))

@@ -14,7 +14,7 @@ equal cost the bubble is a third of 1F1B's.
 """
 from __future__ import annotations
 
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -43,5 +43,5 @@ register(Layout(
     "zb-h1", "cdpjax.methods.zb_h1:build", axes=("stage", "data"), device_axis="stage",
     table=zb_h1_table, microbatches=True, colour="micro", label="{kind}{micro}",
     legend="F<m>/B<m>/W<m>: forward / input backward / weight gradient of micro-batch m",
-    title="{method}: {stages} stages, M={microbatches} micro-batches",
+    title="{method}: {stages} stages, M={microbatches} micro-batches", reference=Reference("e2e"),
     summary="zero bubble ZB-H1: the backward split into B (input) and W (weights), Ws deferred into the bubble"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 
 from cdpjax.errors import ConfigError
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
 
@@ -72,4 +72,4 @@ register(Layout(
     legend="F<m>s<j>/B<m>s<j>/W<m>s<j>: forward / input backward / weight gradient of micro-batch m through "
            "stage j (rows: devices, each holding stages r and 2D-1-r)",
     title="{method}: {stages} stages on {devices} devices (V placement), M={microbatches} micro-batches",
-    summary="zero bubble ZB-V: two stages per device in a V, backward split into B and W"))
+    summary="zero bubble ZB-V: two stages per device in a V, backward split into B and W", reference=Reference("e2e")))
