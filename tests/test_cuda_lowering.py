@@ -190,3 +190,23 @@ def test_exported_step_has_the_trainers_shardings():
     shardings = exported.in_shardings_jax(make_mesh({"data": 8}))
     assert [s.spec for s in shardings[-2:]] == [P("data"), P("data")]
     assert all(s.spec == P() for s in shardings[:-2])
+
+
+def test_bench_and_the_lowering_set_a_method_up_without_the_trainer():
+    """`cdpjax bench`'s set-up and the lowering's programs come from `cdpjax.setup`: in a fresh
+    process, neither imports the trainer's loop, its run directory or its logging."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from cdpjax import bench, lowering\n"
+            "from cdpjax.config import default_config\n"
+            "c = default_config()\n"
+            "c.method, c.model, c.stages, c.global_batch_size = 'gpipe', 'mlp', 2, 32\n"
+            "bench.setup_all([c])\n"
+            "assert 'train_step' in lowering.programs(c)\n"
+            "print(sorted(m for m in sys.modules if m in ('cdpjax.train', 'cdpjax.loop', 'cdpjax.rundir', "
+            "'cdpjax.runlog')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
