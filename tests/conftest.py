@@ -42,7 +42,7 @@ def _remove_compilation_cache():
 # `--dist loadfile` hands a worker the next file when it is free, in collection order, so a long
 # file collected last (alphabetically, test_reliability.py) left the other worker idle for minutes.
 SLOW_FILES = ("test_reliability.py", "test_readme_figures.py", "test_faults.py", "test_cdp_zero.py",
-              "test_language_model.py", "test_cdp_mp.py", "test_gpipe.py", "test_cdp.py")
+              "test_language_model.py", "test_cdp_mp.py", "test_references.py", "test_gpipe.py", "test_cdp.py")
 
 
 def pytest_collection_modifyitems(config, items):
