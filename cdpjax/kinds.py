@@ -15,7 +15,13 @@ every reader of a table needs to know about it:
   holds it during its own tick only;
 - whether it computes the stage's weight gradient (`weight_gradient`; where a `W`
   follows, `B` does not: `completes_gradient`), which decides when a stage's update
-  can be applied.
+  can be applied;
+- whether it computes the cotangent of the stage's input and sends it to the previous
+  stage (`cotangent`); a backward op that runs no forward reads the cotangent of its
+  stage's output (`reads_cotangent`).
+
+The engines and the lowerings read these flags, never a kind's letters: a new kind is
+its registration here and its piece in each engine that runs it.
 
 The kinds here:
 
@@ -64,6 +70,7 @@ class OpKind:
       split_weight_gradient: whether it still computes the weight gradient in a table that
         splits the backward (None: as `weight_gradient`; `B`: False, the `W` after it does).
       shade: 'forward' | 'backward' | 'weight' | 'local', the diagrams' shading.
+      cotangent: computes the cotangent of the stage's input, sent to the previous stage.
     """
 
     name: str
@@ -76,6 +83,7 @@ class OpKind:
     weight_gradient: bool = False
     split_weight_gradient: bool | None = None
     shade: str = "forward"
+    cotangent: bool = False
 
     def __post_init__(self):
         if self.shade not in SHADES:
@@ -87,6 +95,12 @@ class OpKind:
         if split_backward and self.split_weight_gradient is not None:
             return self.split_weight_gradient
         return self.weight_gradient
+
+    @property
+    def reads_cotangent(self) -> bool:
+        """Backward work without a forward of its own: it starts from the cotangent of its stage's
+        output (the loss, at the last stage) and keeps its stage's input (or residuals) alive until it runs."""
+        return self.backward and not self.forward
 
 
 # The diagrams' shades, with what the legends call them (cdpjax.plotting draws them).
@@ -106,7 +120,7 @@ register(OpKind("F", "forward of one micro-batch through a stage",
 register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
                 after=lambda j, L: ("B", j + 1) if j + 1 < L else ("F", j), cost="backward",
                 split_cost="backward_input", backward=True, weight_gradient=True, split_weight_gradient=False,
-                shade="backward"))
+                shade="backward", cotangent=True))
 register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
                 after=lambda j, L: ("B", j), cost="backward_weight", backward=True, weight_gradient=True,
                 shade="weight"))

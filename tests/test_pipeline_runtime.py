@@ -2,6 +2,7 @@
 every buffer slot holds what the op that reads it expects, 1F1B keeps fewer micro-batches than
 GPipe (its point), and a layout added from outside the package (a table and a registration) is
 seen by `schedule`, `bench` and the speedup model with no other edit."""
+import itertools
 import json
 
 import jax
@@ -52,24 +53,26 @@ def laid_out(name, steps):
 
 def replay(prog, calls, fed_calls):
     """The ops and updates a runtime following `prog` runs over `calls` calls, of which the first
-    `fed_calls` feed a batch (call k feeds step k): an op of step k + rel runs only where that
+    `fed_calls` feed a batch (call k feeds step k): an op of step k - lag runs only where that
     step was fed, as the runtime masks it."""
     ops, updates = set(), set()
     fed = lambda step: 0 <= step < fed_calls  # noqa: E731
     for k in range(calls):
         for t in range(prog.period):
             for d in range(prog.placement.devices):
-                step = k + int(prog.rel[t, d])
-                if prog.kind[t, d] != IDLE and fed(step):
-                    u = int(prog.unit[t, d])
-                    for j in prog.placement.units[u]:
-                        ops.add((k * prog.period + t, d, j, KIND[int(prog.kind[t, d])], int(prog.micro[t, d]), step))
+                for lane in range(prog.kind.shape[2]):
+                    step = k - int(prog.program.ticks.lag[t, d, lane])
+                    if prog.kind[t, d, lane] != IDLE and fed(step):
+                        u = int(prog.unit[t, d, lane])
+                        for j in prog.placement.units[u]:
+                            ops.add((k * prog.period + t, d, j, KIND[int(prog.kind[t, d, lane])],
+                                     int(prog.micro[t, d, lane]), step))
                 for v in range(prog.placement.chunks):
-                    if prog.update[t, d, v] and fed(k + int(prog.update_rel[t, d, v])):
+                    if prog.update[t, d, v] and fed(k - int(prog.update_lag[t, d, v])):
                         u = [w for w in range(len(prog.placement.units))
                              if prog.placement.device[w] == d and prog.placement.chunk[w] == v][0]
                         for j in prog.placement.units[u]:
-                            updates.add((k * prog.period + t, j, k + int(prog.update_rel[t, d, v])))
+                            updates.add((k * prog.period + t, j, k - int(prog.update_lag[t, d, v])))
     return ops, updates
 
 
@@ -106,14 +109,15 @@ def test_slots_hold_what_each_op_reads(name, carry):
     for k in range(S + prog.lag):
         for t in range(prog.period):
             arriving = []
-            for d in range(D):
-                kind, u, m = KIND.get(int(prog.kind[t, d])), int(prog.unit[t, d]), int(prog.micro[t, d])
-                step = k + int(prog.rel[t, d])
+            for d, lane in itertools.product(range(D), range(prog.kind.shape[2])):
+                at = (t, d, lane)
+                kind, u, m = KIND.get(int(prog.kind[at])), int(prog.unit[at]), int(prog.micro[at])
+                step = k - int(prog.program.ticks.lag[at])
                 if kind is None or not 0 <= step < S:
                     continue
                 key = (u, m, step)
-                a, r, c, i = (int(prog.act_slot[t, d]), int(prog.residual_slot[t, d]), int(prog.cot_slot[t, d]),
-                              int(prog.input_slot[t, d]))
+                a, r, c, i = (int(prog.act_slot[at]), int(prog.residual_slot[at]), int(prog.cot_slot[at]),
+                              int(prog.input_slot[at]))
                 if kind in ("F", "FB"):
                     if u > 0:
                         assert act[d][a] == key, (t, d, key, act[d][a])
