@@ -1,4 +1,4 @@
-"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV, LoopedBFS): the same gradients
+"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV, DualPipeV, LoopedBFS): the same gradients
 and updates as `e2e` on one device.
 
 Claims: the gradient summed over M micro-batches flowing forward and backward
@@ -36,6 +36,8 @@ CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, 
     "zb-h1-mlp-K2-M2-data2": ("zb-h1", "mlp", 2, 2, 2, 2, "carry", False),
     "zbv-resnet-K4-on-2-M4-carry": ("zbv", "resnet_tiny", 4, 2, 1, 4, "carry", True),
     "zbv-mlp-K4-on-2-M2": ("zbv", "mlp", 4, 2, 1, 2, "recompute", True),
+    "dualpipev-mlp-K4-on-2-M4": ("dualpipev", "mlp", 4, 2, 1, 4, "recompute", True),
+    "dualpipev-resnet-K4-on-2-M4-carry-data2": ("dualpipev", "resnet_tiny", 4, 2, 2, 4, "carry", True),
     "looped-bfs-mlp-K4-on-2-M4": ("looped-bfs", "mlp", 4, 2, 1, 4, "recompute", True),
     "looped-bfs-resnet-K6-on-2-M2-carry": ("looped-bfs", "resnet_tiny", 6, 2, 1, 2, "carry", False),
 }
