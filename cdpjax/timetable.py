@@ -400,7 +400,8 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple]], stages: int, mic
             entries += 1
             progressed = True
         if not progressed:
-            stuck = "; ".join(f"device {d}'s {order[position[d]]} waits for {waits_for(order[position[d]])}"
+            shown = lambda entry: entry[0] if len(entry) == 1 else entry  # noqa: E731
+            stuck = "; ".join(f"device {d}'s {shown(order[position[d]])} waits for {waits_for(order[position[d]])}"
                               for d, order in enumerate(orders) if position[d] < len(order))
             raise ConfigError(f"{method}: the device orders deadlock ({stuck})")
     span = max(done.values()) + 1
