@@ -12,11 +12,11 @@ from cdpjax import bench, plotting, speedup
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
-from cdpjax.program.stage_axis import CODE, IDLE, lower_stage_axis
+from cdpjax.program.stage_axis import IDLE, kind_codes, lower_stage_axis
 from cdpjax.timetable import from_orders, table
 from helpers import capture_figures, png_matches, schedule_boxes
 
-KIND = {code: kind for kind, code in CODE.items()}
+KIND = {code: kind for kind, code in kind_codes().items()}
 
 
 def compile_table(tbl, carry_residuals=False):

@@ -72,7 +72,7 @@ from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import RESIDUALS, Program, carries
-from cdpjax.program.stage_axis import CODE, LANE_FIELDS, lower_stage_axis
+from cdpjax.program.stage_axis import LANE_FIELDS, kind_codes, lower_stage_axis
 from cdpjax.timetable import TimeTable
 
 MODEL_STATE = ("sequential", "step_mean")
@@ -148,6 +148,7 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
         raise ConfigError(f"{method} has no backward to carry residuals to: use residuals='recompute'")
     program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
                                carry_image=heads is not None and heads.needs_image)
+    op_kinds.refuse_unknown(program.kinds, PIECES, "the stage-axis engine")
     groups = check_mesh(ctx, method, program.devices)
     net = ctx.net(stages=ctx.config.stages)
     if net.num_stages != table.stages:
@@ -370,9 +371,10 @@ PIECES = {"F": forward_piece, "B": backward_piece, "W": backward_piece, "FB": lo
 
 
 def _flags(flag: str) -> np.ndarray:
-    """[codes] bool: the op kinds (by `CODE`, 0 idle) whose `OpKind` has `flag` set."""
-    out = np.zeros((max(CODE.values()) + 1,), bool)
-    for name, code in CODE.items():
+    """[codes] bool: the op kinds (by `kind_codes()`, 0 idle) whose `OpKind` has `flag` set."""
+    codes = kind_codes()
+    out = np.zeros((max(codes.values()) + 1,), bool)
+    for name, code in codes.items():
         out[code] = bool(getattr(op_kinds.lookup(name), flag))
     return out
 

@@ -47,7 +47,13 @@ from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
 IDLE = 0
-CODE = {name: i + 1 for i, name in enumerate(op_kinds.KINDS)}  # op kind -> the arrays' code (0: idle)
+
+
+def kind_codes() -> dict[str, int]:
+    """Each registered op kind's code in the arrays (0: idle), in the registry's order (read at
+    lowering time, so that a kind registered later, from outside the package, has one too)."""
+    return {name: i + 1 for i, name in enumerate(op_kinds.KINDS)}
+
 LANE_FIELDS = ("kind", "unit", "micro", "lag", "version", "act_slot", "input_slot", "residual_slot", "cot_slot")
 
 
@@ -87,7 +93,7 @@ class StageTicks:
     overlaps them (dualpipev). cell [P, D]: the index of the cell's ops in `cells` (0: idle),
     the engine's switch index. cells: per index, the (kind, unit) of each lane.
 
-    Per lane, [P, D, K]: kind: `CODE` of the op (0: no op in this lane). unit: the unit it runs.
+    Per lane, [P, D, K]: kind: `kind_codes()` of the op (0: no op in this lane). unit: the unit it runs.
     micro: its micro-batch. lag: how many steps before this call's batch its step is (>= 0).
     version: 0 current, 1 previous. act_slot: where its input is kept (-1 none). input_slot:
     where the first unit's batch input is kept for a backward in a later call (-1 none).
@@ -134,7 +140,7 @@ class StageTicks:
     def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
         """Per device, (kind, stage) of every stage each op's unit runs and ('update', stage) of
         every stage its updates apply to, over the period."""
-        kind_of = {code: kind for kind, code in CODE.items()}
+        kind_of = {code: kind for kind, code in kind_codes().items()}
         per = [[] for _ in range(devices)]
         for t in range(self.kind.shape[0]):
             for d in range(devices):
@@ -163,8 +169,9 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     learning). carry_image: each micro-batch's input image goes along with it to every unit
     (heads that reconstruct the image read it)."""
     carry = carries(residuals)
-    present = sorted({o.kind for o in table.ops}, key=list(CODE).index)
-    op_kinds.refuse_unknown(present, CODE, "the stage-axis engine")
+    codes = kind_codes()
+    present = sorted({o.kind for o in table.ops}, key=list(codes).index)
+    op_kinds.refuse_unknown(present, codes, "the stage-axis engine")
     split = op_kinds.split(present)
     place = placement(table)
     unit_of = place.unit_of
@@ -172,14 +179,16 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     m, lag = period_window(table)
     lo, hi = m * P, (m + 1) * P
     ops = [o for o in table.ops if o.stage == place.units[unit_of[o.stage]][0]]  # one op per unit
-    tick_of = {(o.kind, unit_of[o.stage], o.micro, o.step): o.tick for o in ops}
+    # (unit, micro, step) -> the tick whose end sends the unit's output on (a forward kind), its input's cotangent back
+    sends = {flag: {(unit_of[o.stage], o.micro, o.step): o.tick for o in ops if getattr(op_kinds.lookup(o.kind), flag)}
+             for flag in ("forward", "cotangent")}
     last_backward = {}  # (unit, micro, step) -> the tick of the last op that reads its cotangent (B, or its W)
     for o in ops:
         if op_kinds.lookup(o.kind).reads_cotangent:
             key = (unit_of[o.stage], o.micro, o.step)
             last_backward[key] = max(last_backward.get(key, -1), o.tick)
     periodic = lag > 0
-    lives = _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic)
+    lives = _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic)
     slots = {name: _slots(life, periodic) for name, life in lives.items()}
     slot_of = {name: s[0] for name, s in slots.items()}
     count = {name: max(s[1], 1) for name, s in slots.items()}
@@ -234,6 +243,7 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
     step m, with the messages they send and the cells' (kind, unit) lanes."""
     unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
     lo, hi = m * P, (m + 1) * P
+    codes = kind_codes()
     cells = _cells(table, ops, place, lo, hi)
     K = max((len(c) for c in cells.values()), default=1)
     arrays = {k: np.full((P, D, K), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
@@ -251,7 +261,7 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
             u = unit_of[o.stage]
             kind = op_kinds.lookup(o.kind)
             key = (d, (u, o.micro, o.step))
-            for name, value in (("kind", CODE[o.kind]), ("unit", u), ("micro", o.micro), ("lag", m - o.step),
+            for name, value in (("kind", codes[o.kind]), ("unit", u), ("micro", o.micro), ("lag", m - o.step),
                                 ("version", int(o.slot == "previous"))):
                 arrays[name][t, d, k] = value
             for name in ("act", "input", "residual"):
@@ -272,7 +282,7 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
     return arrays, messages, tuple(sorted(index, key=index.get))
 
 
-def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict[str, dict]:
+def _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic) -> dict[str, dict]:
     """Per buffer kind, each device's (first tick, last tick, (unit, micro, step)) lifetimes."""
     lives = {name: defaultdict(list) for name in ("act", "input", "residual", "cot")}
     for o in ops:
@@ -281,7 +291,7 @@ def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict
         done = last_backward.get(key)
         kind = op_kinds.lookup(o.kind)
         if kind.forward:
-            arrival = o.tick if u == 0 else tick_of[(o.kind, u - 1, o.micro, o.step)] + 1
+            arrival = o.tick if u == 0 else sends["forward"][(u - 1, o.micro, o.step)] + 1
             if u > 0:
                 lives["act"][o.device].append((arrival, o.tick if (carry or done is None) else done, key))
             elif done is not None and not carry and periodic:
@@ -290,7 +300,7 @@ def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict
             if carry and done is not None:
                 lives["residual"][o.device].append((o.tick, done, key))
         elif kind.cotangent and u + 1 < U:  # not the last unit's: its cotangent arrives from the next one
-            lives["cot"][o.device].append((tick_of[(o.kind, u + 1, o.micro, o.step)] + 1, done, key))
+            lives["cot"][o.device].append((sends["cotangent"][(u + 1, o.micro, o.step)] + 1, done, key))
     return lives
 
 
@@ -397,7 +407,7 @@ def _slots(lives: dict, periodic: bool) -> tuple[dict, int]:
 def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     """Whether a unit's gradient sum spans calls: some gradient op of the period comes after the
     unit's last update in it (cdp-mp), rather than every sum being applied where it is made."""
-    gradient = {code for name, code in CODE.items() if op_kinds.lookup(name).backward}
+    gradient = {code for name, code in kind_codes().items() if op_kinds.lookup(name).backward}
     for d in range(place.devices):
         for v in range(place.chunks):
             last_update = max((t for t in range(P) if ticks.update[t, d, v]), default=-1)
@@ -408,4 +418,4 @@ def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     return False
 
 
-__all__ = ["CODE", "IDLE", "LANE_FIELDS", "StageTicks", "lower_stage_axis", "period_window", "placement"]
+__all__ = ["IDLE", "LANE_FIELDS", "StageTicks", "kind_codes", "lower_stage_axis", "period_window", "placement"]
