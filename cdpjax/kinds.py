@@ -102,6 +102,12 @@ class OpKind:
         output (the loss, at the last stage) and keeps its stage's input (or residuals) alive until it runs."""
         return self.backward and not self.forward
 
+    @property
+    def splits_backward(self) -> bool:
+        """The weight half of a split backward (`W`): backward work that reads the output's
+        cotangent but sends none; a table with such ops has backwards (`B`) that send only."""
+        return self.reads_cotangent and not self.cotangent
+
 
 # The diagrams' shades, with what the legends call them (cdpjax.plotting draws them).
 SHADES = {"forward": "forward (light)", "backward": "backward (dark)", "weight": "weight gradient (W)",
@@ -115,16 +121,16 @@ def register(kind: OpKind) -> OpKind:
     return KINDS.add(kind.name, kind)
 
 
-register(OpKind("F", "forward of one micro-batch through a stage",
+FORWARD = register(OpKind("F", "forward of one micro-batch through a stage",
                 after=lambda j, L: ("F", j - 1) if j > 0 else None, cost="forward", forward=True))
-register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
+BACKWARD = register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
                 after=lambda j, L: ("B", j + 1) if j + 1 < L else ("F", j), cost="backward",
                 split_cost="backward_input", backward=True, weight_gradient=True, split_weight_gradient=False,
                 shade="backward", cotangent=True))
-register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
+WEIGHT = register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
                 after=lambda j, L: ("B", j), cost="backward_weight", backward=True, weight_gradient=True,
                 shade="weight"))
-register(OpKind("FB", "local learning: forward, local loss through the auxiliary head, backward and update",
+LOCAL = register(OpKind("FB", "local learning: forward, local loss through the auxiliary head, backward and update",
                 after=lambda j, L: ("FB", j - 1) if j > 0 else None, cost="local", forward=True, backward=True,
                 weight_gradient=True, shade="local"))
 
@@ -135,8 +141,9 @@ def lookup(name: str) -> OpKind:
 
 
 def split(kinds: Iterable[str]) -> bool:
-    """Whether ops of these kinds split the backward (some `W` among them)."""
-    return "W" in set(kinds)
+    """Whether ops of these kinds split the backward: some kind among them is the weight half of
+    a backward (`splits_backward`, as `W`)."""
+    return any(lookup(name).splits_backward for name in set(kinds))
 
 
 def gradient_kind(split_backward: bool) -> str:
@@ -191,5 +198,5 @@ def refuse_unknown(kinds: Iterable[str], supported: Iterable[str], who: str) -> 
                               f"{', '.join(supported)}")
 
 
-__all__ = ["KINDS", "OpKind", "SHADES", "completes_gradient", "cost_field", "gradient_kind", "lookup", "refuse_unknown",
-           "register", "requires", "split"]
+__all__ = ["BACKWARD", "FORWARD", "KINDS", "LOCAL", "OpKind", "SHADES", "WEIGHT", "completes_gradient", "cost_field",
+           "gradient_kind", "lookup", "refuse_unknown", "register", "requires", "split"]

@@ -163,7 +163,7 @@ class TimeTable:
             return out
         seen = {}
         for op in self.ops:
-            if op.kind == "F":
+            if KINDS[op.kind].forward:
                 key = (op.micro, op.stage)
                 if seen.setdefault(key, op.stale) != op.stale:
                     raise AssertionError(f"{self.method}: worker/stage {key} changes rule between steps")

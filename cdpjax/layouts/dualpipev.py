@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 
+from cdpjax import kinds
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import Layout, register
 from cdpjax.layouts.zbv import v_placement
@@ -41,7 +42,7 @@ from cdpjax.timetable import TimeTable, from_orders, positive
 
 # The kinds an order is written in (`cdpjax.kinds`): a forward, the input-cotangent half of a
 # backward, its weight-gradient half; a whole backward is the two halves in one tick.
-FORWARD, INPUT_BACKWARD, WEIGHT_BACKWARD = "F", "B", "W"
+FORWARD, INPUT_BACKWARD, WEIGHT_BACKWARD = kinds.FORWARD.name, kinds.BACKWARD.name, kinds.WEIGHT.name
 
 
 def dualpipev_order(device: int, devices: int, microbatches: int) -> list[tuple]:

@@ -367,7 +367,8 @@ def local_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
 
 
 # An op kind's piece, by the kind's name: a new kind adds its registration (`cdpjax.kinds`) and its piece here.
-PIECES = {"F": forward_piece, "B": backward_piece, "W": backward_piece, "FB": local_piece}
+PIECES = {op_kinds.FORWARD.name: forward_piece, op_kinds.BACKWARD.name: backward_piece,
+          op_kinds.WEIGHT.name: backward_piece, op_kinds.LOCAL.name: local_piece}
 
 
 def _flags(flag: str) -> np.ndarray:
