@@ -272,7 +272,7 @@ def test_a_table_survives_json(name, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", [pytest.param("1f1b", marks=pytest.mark.heavy),
                                   pytest.param("interleaved-1f1b", marks=pytest.mark.heavy),
-                                  "zb-h1", "zbv", "looped-bfs"])
+                                  "zb-h1", "zbv", "dualpipev", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config digits:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""
