@@ -1,12 +1,14 @@
 """The tick runtime: every stage-axis layout runs its lowered program through this module.
 
-gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, looped-bfs, cdp-mp and ppll differ in
-their tables (and in a few declared rules); the runtime is this one. A table is
-lowered once (`cdpjax.program.stage_axis`) into a `Program`: per tick and device
-the op (its kind, unit, micro-batch, step, version, the slots of its inputs), the
-messages of every boundary, the updates. Per tick each device of the `stage` axis
-runs its op through the *piece* of its kind (`PIECES`: F, B, W, FB), behind the
-stage carrier, and the messages follow the program:
+gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, looped-bfs, cdp-mp and ppll
+differ in their tables (and in a few declared rules); the runtime is this one. A
+table is lowered once (`cdpjax.program.stage_axis`) into a `Program`: per tick and
+device the ops of its cell (each op's kind, unit, micro-batch, lag, version, the
+slots of its inputs; one op in most tables, an overlapped forward and backward in
+dualpipev's), the messages of every boundary, the updates. Per tick each device of
+the `stage` axis runs each op of its cell through the *piece* of its kind (`PIECES`,
+built on the kind's declared flags, `cdpjax.kinds`), behind the stage carrier, and
+the messages follow the program:
 
 - **F**: a unit's forward of one micro-batch; its input was kept where it arrived
   (to recompute the backward ops), or its `jax.vjp` residuals are kept with
@@ -38,8 +40,10 @@ last worker's gradient op ends, reading the versions of CDP's table: it equals C
 local loss: it equals sequential `local`.
 
 SPMD realisation: one `shard_map` over (`stage`, `data`), a `lax.scan` over the
-ticks of one period inside a `lax.scan` over the steps of a call, one
-`lax.switch` per tick over [idle, the pieces of each kind for each unit] on the
+ticks of one period inside a `lax.scan` over the steps of a call (its carry a
+`LoopState`: fixed fields, None where the program has no such part), one
+`lax.switch` per tick over the program's cells (idle first; a cell's branch runs
+its ops' pieces one after another, typed `Operands` to `Results`) on the
 uniform carrier (`cdpjax.carrier`: parameters, optimizer and model state as
 padded rows, a device's units as its rows), collectives outside the switch. A
 period's ops that belong to the previous steps (cdp-mp, ppll) find their inputs
