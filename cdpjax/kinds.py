@@ -15,7 +15,13 @@ every reader of a table needs to know about it:
   holds it during its own tick only;
 - whether it computes the stage's weight gradient (`weight_gradient`; where a `W`
   follows, `B` does not: `completes_gradient`), which decides when a stage's update
-  can be applied.
+  can be applied;
+- whether it computes the cotangent of the stage's input and sends it to the previous
+  stage (`cotangent`); a backward op that runs no forward reads the cotangent of its
+  stage's output (`reads_cotangent`).
+
+The engines and the lowerings read these flags, never a kind's letters: a new kind is
+its registration here and its piece in each engine that runs it.
 
 The kinds here:
 
@@ -64,6 +70,7 @@ class OpKind:
       split_weight_gradient: whether it still computes the weight gradient in a table that
         splits the backward (None: as `weight_gradient`; `B`: False, the `W` after it does).
       shade: 'forward' | 'backward' | 'weight' | 'local', the diagrams' shading.
+      cotangent: computes the cotangent of the stage's input, sent to the previous stage.
     """
 
     name: str
@@ -76,6 +83,7 @@ class OpKind:
     weight_gradient: bool = False
     split_weight_gradient: bool | None = None
     shade: str = "forward"
+    cotangent: bool = False
 
     def __post_init__(self):
         if self.shade not in SHADES:
@@ -87,6 +95,18 @@ class OpKind:
         if split_backward and self.split_weight_gradient is not None:
             return self.split_weight_gradient
         return self.weight_gradient
+
+    @property
+    def reads_cotangent(self) -> bool:
+        """Backward work without a forward of its own: it starts from the cotangent of its stage's
+        output (the loss, at the last stage) and keeps its stage's input (or residuals) alive until it runs."""
+        return self.backward and not self.forward
+
+    @property
+    def splits_backward(self) -> bool:
+        """The weight half of a split backward (`W`): backward work that reads the output's
+        cotangent but sends none; a table with such ops has backwards (`B`) that send only."""
+        return self.reads_cotangent and not self.cotangent
 
 
 # The diagrams' shades, with what the legends call them (cdpjax.plotting draws them).
@@ -101,16 +121,16 @@ def register(kind: OpKind) -> OpKind:
     return KINDS.add(kind.name, kind)
 
 
-register(OpKind("F", "forward of one micro-batch through a stage",
+FORWARD = register(OpKind("F", "forward of one micro-batch through a stage",
                 after=lambda j, L: ("F", j - 1) if j > 0 else None, cost="forward", forward=True))
-register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
+BACKWARD = register(OpKind("B", "backward of one micro-batch through a stage (input cotangent only where a W follows)",
                 after=lambda j, L: ("B", j + 1) if j + 1 < L else ("F", j), cost="backward",
                 split_cost="backward_input", backward=True, weight_gradient=True, split_weight_gradient=False,
-                shade="backward"))
-register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
+                shade="backward", cotangent=True))
+WEIGHT = register(OpKind("W", "weight gradient of a stage for one micro-batch, from its kept residuals and cotangent",
                 after=lambda j, L: ("B", j), cost="backward_weight", backward=True, weight_gradient=True,
                 shade="weight"))
-register(OpKind("FB", "local learning: forward, local loss through the auxiliary head, backward and update",
+LOCAL = register(OpKind("FB", "local learning: forward, local loss through the auxiliary head, backward and update",
                 after=lambda j, L: ("FB", j - 1) if j > 0 else None, cost="local", forward=True, backward=True,
                 weight_gradient=True, shade="local"))
 
@@ -121,8 +141,9 @@ def lookup(name: str) -> OpKind:
 
 
 def split(kinds: Iterable[str]) -> bool:
-    """Whether ops of these kinds split the backward (some `W` among them)."""
-    return "W" in set(kinds)
+    """Whether ops of these kinds split the backward: some kind among them is the weight half of
+    a backward (`splits_backward`, as `W`)."""
+    return any(lookup(name).splits_backward for name in set(kinds))
 
 
 def gradient_kind(split_backward: bool) -> str:
@@ -177,5 +198,5 @@ def refuse_unknown(kinds: Iterable[str], supported: Iterable[str], who: str) -> 
                               f"{', '.join(supported)}")
 
 
-__all__ = ["KINDS", "OpKind", "SHADES", "completes_gradient", "cost_field", "gradient_kind", "lookup", "refuse_unknown",
-           "register", "requires", "split"]
+__all__ = ["BACKWARD", "FORWARD", "KINDS", "LOCAL", "OpKind", "SHADES", "WEIGHT", "completes_gradient", "cost_field",
+           "gradient_kind", "lookup", "refuse_unknown", "register", "requires", "split"]

@@ -172,7 +172,7 @@ def check_references(f: dict) -> None:
     if any(op.stale for op in f["ops"]):
         rule = {}
         for i, op in enumerate(f["ops"]):
-            if op.kind != "F":
+            if not KINDS[op.kind].forward:
                 continue
             if op.micro >= workers:
                 raise _wrong(f"ops[{i}] = {dataclasses.asdict(op)}: a table with stale ops has a worker x stage "

@@ -163,7 +163,7 @@ class TimeTable:
             return out
         seen = {}
         for op in self.ops:
-            if op.kind == "F":
+            if KINDS[op.kind].forward:
                 key = (op.micro, op.stage)
                 if seen.setdefault(key, op.stale) != op.stale:
                     raise AssertionError(f"{self.method}: worker/stage {key} changes rule between steps")
@@ -343,48 +343,66 @@ def table(method: str, **sizes) -> TimeTable:
     return LAYOUTS.lookup(method).make_table(**sizes)
 
 
-def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], stages: int, microbatches: int,
+def from_orders(method: str, orders: Sequence[Sequence[tuple]], stages: int, microbatches: int,
                 steps: int = 1, device_of: Sequence[int] | None = None) -> TimeTable:
     """A flushed pipeline's table from each device's ordered list of actions, as
     `torch.distributed.pipelining` writes a schedule: `orders[d]` lists device d's
     (kind, stage, micro-batch) in the order it runs them, of registered kinds (`cdpjax.kinds`):
     'F' and 'B', and 'W' where the schedule splits the backward (then B is the input
-    cotangent only, and W the weight gradient).
+    cotangent only, and W the weight gradient). An entry may instead be a tuple of actions
+    that the device runs together in one tick (an overlapped cell: dualpipev's forward of one
+    micro-batch beside the backward of another; a whole backward as its B and W), in the
+    order given.
 
-    Each action takes one tick and starts at the first tick at which its device is
-    free and its input exists, the op its kind's `after` rule names: a forward of stage
-    j > 0 after the forward of stage j-1 of the same micro-batch, a backward after the
-    backward of stage j+1 (the last stage: after its own forward), a W after its own B;
-    a device never reorders its list. Every stage and micro-batch must have one op of each
-    kind the lists use, and of each kind those depend on. Every stage updates at the end
-    of the step's last tick (the flush), and step k repeats step 0 shifted by k spans.
-    `device_of[j]` is stage j's device (default: device j).
+    Each entry takes one tick and starts at the first tick at which its device is
+    free and the inputs of its actions exist, the ops their kinds' `after` rules name (an op
+    earlier in the same entry counts as done): a forward of stage j > 0 after the forward of
+    stage j-1 of the same micro-batch, a backward after the backward of stage j+1 (the last
+    stage: after its own forward), a W after its own B; a device never reorders its list.
+    Every stage and micro-batch must have one op of each kind the lists use, and of each kind
+    those depend on. Every stage updates at the end of the step's last tick (the flush), and
+    step k repeats step 0 shifted by k spans. `device_of[j]` is stage j's device (default: device j).
     """
     positive(stages=stages, microbatches=microbatches, steps=steps)
     device_of = list(range(stages)) if device_of is None else list(device_of)
-    _check_orders(method, orders, stages, microbatches, device_of)
+    orders = [[_entry(a) for a in order] for order in orders]
+    _check_orders(method, [[a for entry in order for a in entry] for order in orders], stages, microbatches, device_of)
     done: dict[tuple[str, int, int], int] = {}  # action -> its tick
     position = [0] * len(orders)
     free = [0] * len(orders)
     total = sum(len(o) for o in orders)
-    while len(done) < total:
+    entries = 0
+
+    def waits_for(entry):
+        """The first action an entry's ops wait for that is not done, or None."""
+        inside = set()
+        for kind, j, m in entry:
+            need = KINDS[kind].after(j, stages)
+            if need is not None and (*need, m) not in done and (*need, m) not in inside:
+                return (*need, m)
+            inside.add((kind, j, m))
+        return None
+
+    while entries < total:
         progressed = False
         for d, order in enumerate(orders):
             if position[d] == len(order):
                 continue
-            kind, j, m = order[position[d]]
-            need = KINDS[kind].after(j, stages)
-            if need is not None and (*need, m) not in done:
+            entry = order[position[d]]
+            if waits_for(entry) is not None:
                 continue
-            ready = 0 if need is None else done[(*need, m)] + 1
-            done[(kind, j, m)] = max(free[d], ready)
-            free[d] = done[(kind, j, m)] + 1
+            ready = max([done[(*need, m)] + 1 for kind, j, m in entry
+                         if (need := KINDS[kind].after(j, stages)) is not None and (*need, m) in done], default=0)
+            tick = max(free[d], ready)
+            done.update({action: tick for action in entry})
+            free[d] = tick + 1
             position[d] += 1
+            entries += 1
             progressed = True
         if not progressed:
-            stuck = "; ".join(f"device {d}'s {(k, j, m)} waits for {(*KINDS[k].after(j, stages), m)}"
-                              for d, order in enumerate(orders) if position[d] < len(order)
-                              for k, j, m in [order[position[d]]])
+            shown = lambda entry: entry[0] if len(entry) == 1 else entry  # noqa: E731
+            stuck = "; ".join(f"device {d}'s {shown(order[position[d]])} waits for {waits_for(order[position[d]])}"
+                              for d, order in enumerate(orders) if position[d] < len(order))
             raise ConfigError(f"{method}: the device orders deadlock ({stuck})")
     span = max(done.values()) + 1
     ops, updates = [], []
@@ -395,6 +413,12 @@ def from_orders(method: str, orders: Sequence[Sequence[tuple[str, int, int]]], s
     ops.sort(key=lambda o: (o.tick, o.device))
     return TimeTable(method, 1, stages, steps, span * steps, max(device_of) + 1, span, tuple(ops), tuple(updates),
                      microbatches=microbatches, steady=(0, span))
+
+
+def _entry(entry) -> tuple[tuple[str, int, int], ...]:
+    """An order's entry as the actions of its tick: one (kind, stage, micro-batch), or several."""
+    entry = tuple(entry)
+    return (entry,) if entry and isinstance(entry[0], str) else tuple(tuple(a) for a in entry)
 
 
 def _check_orders(method, orders, stages, microbatches, device_of) -> None:

@@ -1,4 +1,4 @@
-"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV, LoopedBFS): the same gradients
+"""The backprop pipelines (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV, DualPipeV, LoopedBFS): the same gradients
 and updates as `e2e` on one device.
 
 Claims: the gradient summed over M micro-batches flowing forward and backward
@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from cdpjax.config import ConfigError
+from cdpjax.kinds import KINDS, OpKind
+from cdpjax.layouts import LAYOUTS, Layout
 from cdpjax.methods.common import loss_and_metrics
+from cdpjax.timetable import from_orders
 from helpers import assert_trees_close, build, max_diff, random_batches, small_config
 
 BATCH = 16
@@ -36,6 +39,8 @@ CASES = {  # layout, model, K stages, stage devices, data groups, M, residuals, 
     "zb-h1-mlp-K2-M2-data2": ("zb-h1", "mlp", 2, 2, 2, 2, "carry", False),
     "zbv-resnet-K4-on-2-M4-carry": ("zbv", "resnet_tiny", 4, 2, 1, 4, "carry", True),
     "zbv-mlp-K4-on-2-M2": ("zbv", "mlp", 4, 2, 1, 2, "recompute", True),
+    "dualpipev-mlp-K4-on-2-M4": ("dualpipev", "mlp", 4, 2, 1, 4, "recompute", True),
+    "dualpipev-resnet-K4-on-2-M4-carry-data2": ("dualpipev", "resnet_tiny", 4, 2, 2, 4, "carry", True),
     "looped-bfs-mlp-K4-on-2-M4": ("looped-bfs", "mlp", 4, 2, 1, 4, "recompute", True),
     "looped-bfs-resnet-K6-on-2-M2-carry": ("looped-bfs", "resnet_tiny", 6, 2, 1, 2, "carry", False),
 }
@@ -107,3 +112,51 @@ def test_trains_in_the_training_loop(digits_config, tmp_path):
     c.mesh = {"stage": 2, "data": -1}
     summary = train.train(c, str(tmp_path), progress=False)
     assert summary["test_accuracy"] > 0.5  # digits: chance is 0.1
+
+
+# --------------------------------------------------------------- an op kind from outside
+
+
+def whole_backward_table(stages=3, microbatches=2, steps=2):
+    """1F1B's orders with each backward written as the test's own kind 'BWX' (one op: input cotangent
+    and weight gradient)."""
+    def order(j):
+        w = min(stages - 1 - j, microbatches)
+        kinds = ["F"] * w + ["F", "BWX"] * (microbatches - w) + ["BWX"] * w
+        seen = {"F": 0, "BWX": 0}
+        out = []
+        for k in kinds:
+            out.append((k, j, seen[k]))
+            seen[k] += 1
+        return out
+    return from_orders("toy-bwx", [order(j) for j in range(stages)], stages, microbatches, steps)
+
+
+WHOLE_BACKWARD = OpKind("BWX", "a whole backward in one op (a test's kind)",
+                        after=lambda j, L: ("BWX", j + 1) if j + 1 < L else ("F", j), cost="backward",
+                        backward=True, weight_gradient=True, cotangent=True, shade="backward")
+
+
+def test_an_op_kind_from_outside_is_its_registration_and_its_piece(monkeypatch):
+    """A kind registered from here, with its piece (the backward piece: what it computes follows its
+    flags), runs on the stage engine with no other edit and gives e2e's gradient; without the piece
+    the engine refuses it, naming it."""
+    from cdpjax.methods import pipeline
+
+    def toy_build(ctx):
+        return pipeline.build(ctx, "toy-bwx", whole_backward_table(3, int(ctx.config.microbatches), 3))
+
+    toy = Layout("toy-bwx", toy_build, axes=("stage", "data"), device_axis="stage", table=whole_backward_table,
+                 microbatches=True)
+    config = _config("toy-bwx", "mlp", stages=3, microbatches=2)
+    with KINDS.temporarily("BWX", WHOLE_BACKWARD), LAYOUTS.temporarily("toy-bwx", toy):
+        with pytest.raises(ConfigError, match="the stage-axis engine has no piece for op kind 'BWX'"):
+            build(config, {"stage": 3})
+        monkeypatch.setitem(pipeline.PIECES, "BWX", pipeline.backward_piece)
+        method = build(config, {"stage": 3})
+        e2e = build(_config("e2e", "mlp", stages=3, microbatches=2), {"data": 1})
+        b = random_batches(1, BATCH)[0]
+        s_e2e = e2e.init(jax.random.key(0))
+        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
+                                                        b["label"])[0])(s_e2e["params"])
+        assert_trees_close(method.gradients(method.init(jax.random.key(0)), b), reference)

@@ -46,7 +46,7 @@ def _config(method: str):
     c.method, c.model, c.stages = method, "mlp", STAGES
     c.global_batch_size, c.num_steps, c.log_every = 64, 6, 2
     c.eval_every = c.checkpoint_every = 0
-    c.microbatches, c.schedule = 2, "constant"
+    c.microbatches, c.schedule = STAGES, "constant"  # dualpipev needs a micro-batch per stage
     return c
 
 

@@ -2,6 +2,7 @@
 every buffer slot holds what the op that reads it expects, 1F1B keeps fewer micro-batches than
 GPipe (its point), and a layout added from outside the package (a table and a registration) is
 seen by `schedule`, `bench` and the speedup model with no other edit."""
+import itertools
 import json
 
 import jax
@@ -11,11 +12,11 @@ from cdpjax import bench, plotting, speedup
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
-from cdpjax.program.stage_axis import CODE, IDLE, lower_stage_axis
+from cdpjax.program.stage_axis import IDLE, kind_codes, lower_stage_axis
 from cdpjax.timetable import from_orders, table
 from helpers import capture_figures, png_matches, schedule_boxes
 
-KIND = {code: kind for kind, code in CODE.items()}
+KIND = {code: kind for kind, code in kind_codes().items()}
 
 
 def compile_table(tbl, carry_residuals=False):
@@ -42,6 +43,9 @@ TABLES = {  # name -> (layout, sizes); laid out over enough steps for the progra
     "cdp-mp-v1-L3": ("cdp-mp", dict(stages=3, rule="cdp-v1")),
     "ppll-K4": ("ppll", dict(stages=4)),
     "ppll-K8-on-3": ("ppll", dict(stages=8, module_groups=(4, 2, 2))),
+    "zbv-D2-M4": ("zbv", dict(stages=4, microbatches=4)),
+    "dualpipev-D2-M4": ("dualpipev", dict(stages=4, microbatches=4)),  # overlapped cells: several lanes a tick
+    "dualpipev-D3-M6": ("dualpipev", dict(stages=6, microbatches=6)),
 }
 
 
@@ -52,24 +56,26 @@ def laid_out(name, steps):
 
 def replay(prog, calls, fed_calls):
     """The ops and updates a runtime following `prog` runs over `calls` calls, of which the first
-    `fed_calls` feed a batch (call k feeds step k): an op of step k + rel runs only where that
+    `fed_calls` feed a batch (call k feeds step k): an op of step k - lag runs only where that
     step was fed, as the runtime masks it."""
     ops, updates = set(), set()
     fed = lambda step: 0 <= step < fed_calls  # noqa: E731
     for k in range(calls):
         for t in range(prog.period):
             for d in range(prog.placement.devices):
-                step = k + int(prog.rel[t, d])
-                if prog.kind[t, d] != IDLE and fed(step):
-                    u = int(prog.unit[t, d])
-                    for j in prog.placement.units[u]:
-                        ops.add((k * prog.period + t, d, j, KIND[int(prog.kind[t, d])], int(prog.micro[t, d]), step))
+                for lane in range(prog.kind.shape[2]):
+                    step = k - int(prog.program.ticks.lag[t, d, lane])
+                    if prog.kind[t, d, lane] != IDLE and fed(step):
+                        u = int(prog.unit[t, d, lane])
+                        for j in prog.placement.units[u]:
+                            ops.add((k * prog.period + t, d, j, KIND[int(prog.kind[t, d, lane])],
+                                     int(prog.micro[t, d, lane]), step))
                 for v in range(prog.placement.chunks):
-                    if prog.update[t, d, v] and fed(k + int(prog.update_rel[t, d, v])):
+                    if prog.update[t, d, v] and fed(k - int(prog.update_lag[t, d, v])):
                         u = [w for w in range(len(prog.placement.units))
                              if prog.placement.device[w] == d and prog.placement.chunk[w] == v][0]
                         for j in prog.placement.units[u]:
-                            updates.add((k * prog.period + t, j, k + int(prog.update_rel[t, d, v])))
+                            updates.add((k * prog.period + t, j, k - int(prog.update_lag[t, d, v])))
     return ops, updates
 
 
@@ -106,14 +112,15 @@ def test_slots_hold_what_each_op_reads(name, carry):
     for k in range(S + prog.lag):
         for t in range(prog.period):
             arriving = []
-            for d in range(D):
-                kind, u, m = KIND.get(int(prog.kind[t, d])), int(prog.unit[t, d]), int(prog.micro[t, d])
-                step = k + int(prog.rel[t, d])
+            for d, lane in itertools.product(range(D), range(prog.kind.shape[2])):
+                at = (t, d, lane)
+                kind, u, m = KIND.get(int(prog.kind[at])), int(prog.unit[at]), int(prog.micro[at])
+                step = k - int(prog.program.ticks.lag[at])
                 if kind is None or not 0 <= step < S:
                     continue
                 key = (u, m, step)
-                a, r, c, i = (int(prog.act_slot[t, d]), int(prog.residual_slot[t, d]), int(prog.cot_slot[t, d]),
-                              int(prog.input_slot[t, d]))
+                a, r, c, i = (int(prog.act_slot[at]), int(prog.residual_slot[at]), int(prog.cot_slot[at]),
+                              int(prog.input_slot[at]))
                 if kind in ("F", "FB"):
                     if u > 0:
                         assert act[d][a] == key, (t, d, key, act[d][a])
@@ -133,7 +140,7 @@ def test_slots_hold_what_each_op_reads(name, carry):
                         assert kept_input[d][i] == key, (t, d, key, kept_input[d][i])
                     if u < last:
                         assert cot[d][c] == key, (t, d, key, cot[d][c])
-                    if u > 0:
+                    if u > 0 and kind == "B":  # B sends its input's cotangent; W sends nothing
                         assert prog.send_cot[t, u - 1] == 1
                         arriving.append((place.device[u - 1], "cot", int(prog.recv_cot[t, u - 1]), (u - 1, m, step)))
             for d, what, slot, key in arriving:  # at the end of the tick
@@ -268,7 +275,7 @@ def test_a_table_survives_json(name, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", [pytest.param("1f1b", marks=pytest.mark.heavy),
                                   pytest.param("interleaved-1f1b", marks=pytest.mark.heavy),
-                                  "zb-h1", "zbv", "looped-bfs"])
+                                  "zb-h1", "zbv", "dualpipev", "looped-bfs"])
 def test_new_layouts_train_from_the_digits_config(name, tmp_path):
     """`cdpjax train --config digits:method=NAME` trains (a short run): the
     config names no mesh, the layout's own is taken."""

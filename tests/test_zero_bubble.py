@@ -1,4 +1,4 @@
-"""The zero-bubble schedules ZB-H1 and ZB-V, and LoopedBFS: each device's order against an order
+"""The zero-bubble schedules ZB-H1 and ZB-V, DualPipeV and LoopedBFS: each device's order against an order
 written out independently here (by hand for the small sizes, by a second rule for the others),
 W after its B and before the flush, and their bubbles and activation memory beside 1F1B's,
 GPipe's and interleaved 1F1B's, by the formulas of their papers."""
@@ -6,6 +6,7 @@ import collections
 
 import pytest
 
+from cdpjax.errors import ConfigError
 from cdpjax.layouts.looped_bfs import looped_bfs_order
 from cdpjax.layouts.zb_h1 import zb_h1_order
 from cdpjax.layouts.zbv import zbv_order
@@ -139,6 +140,58 @@ def test_looped_bfs_orders(D, M, V):
     assert {o.stage: o.device for o in t.ops} == {s: s % D for s in range(V * D)}
     if (D, V, M) in LOOPED_BFS_BY_HAND:
         assert expected == [parse(row) for row in LOOPED_BFS_BY_HAND[D, V, M]]
+
+
+# -------------------------------------------------------------------- DualPipeV
+
+
+# torch.distributed.pipelining's ScheduleDualPipeV, each rank's actions written out by hand from its
+# eight steps (rank r: stage r down, 2D-1-r up), in torch's words: F forward, I input backward,
+# W weight backward (the oldest owed), B a whole backward, "F+B" an overlapped forward and backward
+# of other micro-batches; "<stage>.<micro-batch>".
+DUALPIPEV_BY_TORCH = {
+    (2, 4): ["F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 F0.3+B3.1 F3.2+B0.0 B3.2 F3.3+B0.1 B3.3 I0.2 W0.2 I0.3 W0.3",
+             "F1.0 F2.0 F1.1 F2.1 F1.2 B2.0 F2.2+B1.0 F1.3+B2.1 F2.3+B1.1 B2.2 B1.2 I2.3 I1.3 W2.3 W1.3"],
+    (3, 6): ["F0.0 F0.1 F0.2 F0.3 F0.4 F5.0 I5.0 W5.0 F5.1 I5.1 W5.1 F5.2 F0.5+B5.2 F5.3+B0.0 B5.3 F5.4+B0.1 "
+             "B5.4 F5.5+B0.2 B5.5 I0.3 W0.3 I0.4 W0.4 I0.5 W0.5",
+             "F1.0 F1.1 F1.2 F4.0 F1.3 F4.1 I4.0 W4.0 F4.2 F1.4+B4.1 F4.3+B1.0 F1.5+B4.2 F4.4+B1.1 B4.3 F4.5+B1.2 "
+             "B4.4 B1.3 I4.5 I1.4 W4.5 I1.5 W1.4 W1.5",
+             "F2.0 F3.0 F2.1 F3.1 F2.2 F3.2 F2.3 B3.0 F3.3+B2.0 F2.4+B3.1 F3.4+B2.1 F2.5+B3.2 F3.5+B2.2 B3.3 B2.3 "
+             "B3.4 I2.4 I3.5 I2.5 W2.4 W3.5 W2.5"],
+}
+
+
+def in_torch_words(t, step=0):
+    """Each device's ticks as torch's actions: a lone F, B or W is F, I (the input half) or W; a B and
+    W of one stage and micro-batch in one tick a whole backward B; beside a forward, an overlap F+B."""
+    cells = collections.defaultdict(list)
+    for o in t.ops:
+        if o.step == step:
+            cells[o.device, o.tick].append(o)
+    rows = [[] for _ in range(t.devices)]
+    for (d, _), ops in sorted(cells.items()):
+        forward = [f"F{o.stage}.{o.micro}" for o in ops if o.kind == "F"]
+        halves = {(o.stage, o.micro): {p.kind for p in ops if (p.stage, p.micro) == (o.stage, o.micro)}
+                  for o in ops if o.kind != "F"}
+        backward = [({"B": "I", "W": "W"}[next(iter(k))] if len(k) == 1 else "B") + f"{j}.{m}"
+                    for (j, m), k in halves.items()]
+        assert len(forward) + len(backward) <= 2 and all(k <= {"B", "W"} for k in halves.values()), ops
+        rows[d].append("+".join(forward + backward))
+    return rows
+
+
+@pytest.mark.parametrize("D,M", list(DUALPIPEV_BY_TORCH))
+def test_dualpipev_is_torchs_order(D, M):
+    """Each device's ticks, in order, are torch's DualPipeV actions for its rank, overlapped pairs in one tick."""
+    t = table("dualpipev", stages=2 * D, microbatches=M, steps=1)
+    assert in_torch_words(t) == [row.split() for row in DUALPIPEV_BY_TORCH[D, M]]
+    assert {o.stage: o.device for o in t.ops} == {s: min(s, 2 * D - 1 - s) for s in range(2 * D)}
+    assert any("+" in cell for cell in t.grid().ravel())  # the grid shows the overlapped ticks
+
+
+def test_dualpipev_needs_a_micro_batch_per_stage():
+    with pytest.raises(ConfigError, match=r"microbatches=3 with stages=4 \(give microbatches >= 4\)"):
+        table("dualpipev", stages=4, microbatches=3)
 
 
 # ------------------------------------------------------- W after B, before the flush

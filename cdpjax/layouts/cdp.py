@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from cdpjax.errors import ConfigError
-from cdpjax.kinds import gradient_kind
+from cdpjax import kinds
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
 from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
@@ -63,13 +63,14 @@ def phase_ops(stages: int, ticks: str = "whole") -> tuple[tuple[tuple[str, int],
     if ticks not in TICKS:
         raise ConfigError(f"cdp_ticks={ticks!r} is not one of {', '.join(TICKS)}")
     L = int(stages)
-    backwards = [(("B", j),) for j in reversed(range(L))]
+    F, B, W = kinds.FORWARD.name, kinds.BACKWARD.name, kinds.WEIGHT.name
+    backwards = [((B, j),) for j in reversed(range(L))]
     if ticks == "whole":
-        return tuple([(("F", j),) for j in range(L)] + backwards)
+        return tuple([((F, j),) for j in range(L)] + backwards)
     if ticks == "split":
-        return tuple([(("F", j),) for j in range(L)]
-                     + [(op,) for j in reversed(range(L)) for op in (("B", j), ("W", j))])
-    return tuple([tuple(("F", j) for j in range(a, min(a + 2, L))) for a in range(0, L, 2)] + backwards)
+        return tuple([((F, j),) for j in range(L)]
+                     + [(op,) for j in reversed(range(L)) for op in ((B, j), (W, j))])
+    return tuple([tuple((F, j) for j in range(a, min(a + 2, L))) for a in range(0, L, 2)] + backwards)
 
 
 def check_sizes(workers: int, stages: int, ticks: str = "whole") -> None:
@@ -171,7 +172,7 @@ def _laid_out(method: str, N: int, L: int, S: int, ticks: str, period: int) -> T
 def _ops(method, N, L, steps, offsets, phases):
     """Ops (with versions and slots), updates and each update's completing worker."""
     T = len(phases)
-    grad = gradient_kind(any(kind == "W" for tick in phases for kind, _ in tick))
+    grad = kinds.gradient_kind(kinds.split(kind for tick in phases for kind, _ in tick))
     # Lay out step -1 as well (then drop it), so that step 0 obeys the same rule as
     # the steady state: its stale reads are of "theta_{-1}" := theta_0.
     raw = []  # (tick, worker, stage, kind, step)
@@ -180,7 +181,7 @@ def _ops(method, N, L, steps, offsets, phases):
             for p, tick_ops in enumerate(phases):
                 raw += [(offsets[i] + T * k + p, i, j, kind, k) for kind, j in tick_ops]
     back_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == grad}  # the gradient ops
-    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == "F"}
+    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if kinds.lookup(kind).forward}
     if method == "dp":
         update_tick = {(j, k): T * k + T - 1 for j in range(L) for k in range(-1, steps)}
     else:
@@ -222,7 +223,7 @@ def _ops(method, N, L, steps, offsets, phases):
 def _partials(ops, N):
     """The running partial sum of each (stage, step) hops from worker to worker in the order
     they finish its gradient op (B, or W where the backward is split)."""
-    grad = gradient_kind(any(o.kind == "W" for o in ops))
+    grad = kinds.gradient_kind(kinds.split(o.kind for o in ops))
     by = {}
     for o in ops:
         if o.kind == grad:

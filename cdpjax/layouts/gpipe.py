@@ -6,6 +6,7 @@ layout of its own name would only repeat this table, so the tables and benches s
 """
 from __future__ import annotations
 
+from cdpjax.kinds import BACKWARD, FORWARD
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -18,7 +19,7 @@ def gpipe_table(stages: int = 4, microbatches: int = 4, steps: int = 2) -> TimeT
     which 2(K - 1) idle on each device. Stage j on device j; M=1 is plain model parallelism."""
     positive(stages=stages, microbatches=microbatches)
     K, M = int(stages), int(microbatches)
-    orders = [[("F", j, m) for m in range(M)] + [("B", j, m) for m in range(M)] for j in range(K)]
+    orders = [[(FORWARD.name, j, m) for m in range(M)] + [(BACKWARD.name, j, m) for m in range(M)] for j in range(K)]
     return from_orders("gpipe", orders, K, M, steps)
 
 

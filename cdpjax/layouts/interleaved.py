@@ -10,6 +10,7 @@ V-fold against GPipe's at the price of V times the point-to-point messages.
 from __future__ import annotations
 
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import BACKWARD, FORWARD
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -21,14 +22,14 @@ def interleaved_order(device: int, devices: int, chunks: int, microbatches: int)
 
     def action(kind, k):
         group, within = divmod(k % (D * V), D)
-        chunk = group if kind == "F" else V - 1 - group
-        return kind, chunk * D + device, (k // (D * V)) * D + within
+        chunk = group if kind.forward else V - 1 - group
+        return kind.name, chunk * D + device, (k // (D * V)) * D + within
 
     warmup = min((D - 1 - device) * 2 + (V - 1) * D, total)
-    order = [action("F", k) for k in range(warmup)]
+    order = [action(FORWARD, k) for k in range(warmup)]
     for i in range(total - warmup):
-        order += [action("F", warmup + i), action("B", i)]
-    return order + [action("B", k) for k in range(total - warmup, total)]
+        order += [action(FORWARD, warmup + i), action(BACKWARD, i)]
+    return order + [action(BACKWARD, k) for k in range(total - warmup, total)]
 
 
 def interleaved_table(stages: int = 8, chunks: int = 2, microbatches: int = 4, steps: int = 2) -> TimeTable:

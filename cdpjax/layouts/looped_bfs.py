@@ -14,6 +14,7 @@ accumulation over the whole batch for one stage before the next).
 from __future__ import annotations
 
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import BACKWARD, FORWARD
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -22,8 +23,8 @@ def looped_bfs_order(device: int, devices: int, chunks: int, microbatches: int) 
     """Device `device`'s actions: every micro-batch's forward stage by stage, then the backwards
     from its last stage down, each stage's micro-batches in reverse."""
     own = [c * devices + device for c in range(chunks)]
-    forwards = [("F", s, m) for s in own for m in range(microbatches)]
-    return forwards + [("B", s, m) for s in reversed(own) for m in reversed(range(microbatches))]
+    forwards = [(FORWARD.name, s, m) for s in own for m in range(microbatches)]
+    return forwards + [(BACKWARD.name, s, m) for s in reversed(own) for m in reversed(range(microbatches))]
 
 
 def looped_bfs_table(stages: int = 8, chunks: int = 2, microbatches: int = 4, steps: int = 2) -> TimeTable:

@@ -9,6 +9,7 @@ memory.
 """
 from __future__ import annotations
 
+from cdpjax.kinds import BACKWARD, FORWARD
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -16,10 +17,10 @@ from cdpjax.timetable import TimeTable, from_orders, positive
 def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
     """Device `stage`'s actions: warm-up forwards, then forward/backward pairs, then cool-down."""
     warmup = min(stages - 1 - stage, microbatches)
-    order = [("F", stage, m) for m in range(warmup)]
+    order = [(FORWARD.name, stage, m) for m in range(warmup)]
     for i in range(microbatches - warmup):
-        order += [("F", stage, warmup + i), ("B", stage, i)]
-    return order + [("B", stage, m) for m in range(microbatches - warmup, microbatches)]
+        order += [(FORWARD.name, stage, warmup + i), (BACKWARD.name, stage, i)]
+    return order + [(BACKWARD.name, stage, m) for m in range(microbatches - warmup, microbatches)]
 
 
 def one_f_one_b_table(stages: int = 4, microbatches: int = 4, steps: int = 2) -> TimeTable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import LOCAL
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import Op, TimeTable, Update, positive
 
@@ -34,7 +35,7 @@ def ppll_table(stages: int = 4, steps: int | None = None, module_groups: Sequenc
         for j in range(K):
             b = t - device_of[j]
             if 0 <= b < T:
-                ops.append(Op(t, device_of[j], j, "FB", b, 0, version=b))
+                ops.append(Op(t, device_of[j], j, LOCAL.name, b, 0, version=b))
                 updates.append(Update(t, j, b))
     steady = (D - 1, T) if T >= D else (0, T + D - 1)
     meta = {"module_groups": [device_of.count(d) for d in range(D)]} if D != K else {}

@@ -14,6 +14,7 @@ equal cost the bubble is a third of 1F1B's.
 """
 from __future__ import annotations
 
+from cdpjax.kinds import BACKWARD, FORWARD, WEIGHT
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -22,15 +23,15 @@ def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
     """Device `stage`'s actions: warm-up forwards, then F/B pairs with each W `stage` Bs late, then
     the cool-down Bs and the Ws still owed."""
     warmup = min(stages - 1 - stage, microbatches)
-    order = [("F", stage, m) for m in range(warmup)]
+    order = [(FORWARD.name, stage, m) for m in range(warmup)]
     owed = iter(range(microbatches))  # the Ws, in micro-batch order
     for m in range(microbatches):
         if warmup + m < microbatches:
-            order.append(("F", stage, warmup + m))
-        order.append(("B", stage, m))
+            order.append((FORWARD.name, stage, warmup + m))
+        order.append((BACKWARD.name, stage, m))
         if m >= stage:
-            order.append(("W", stage, next(owed)))
-    return order + [("W", stage, m) for m in owed]
+            order.append((WEIGHT.name, stage, next(owed)))
+    return order + [(WEIGHT.name, stage, m) for m in owed]
 
 
 def zb_h1_table(stages: int = 4, microbatches: int = 4, steps: int = 2) -> TimeTable:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import BACKWARD, FORWARD, WEIGHT
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.timetable import TimeTable, from_orders, positive
 
@@ -45,14 +46,15 @@ def zbv_order(device: int, devices: int, microbatches: int) -> list[tuple[str, i
             order.append((kind, stage, runs[kind, stage]))
             runs[kind, stage] += 1
 
-    run(*[("F", down)] * (2 * (D - r) - 1))
-    run(*[("F", up), ("F", down)] * r)
-    run(*[("F", up), ("B", up), ("W", up)] * (D - r))
-    while runs["F", up] < n:
-        run(*[("F", down)] * (runs["F", down] < n), ("B", down), ("W", down), ("F", up), ("B", up), ("W", up))
-    run(*[("B", down), ("B", up)] * r)
-    run(*[("B", down), ("W", down)] * (D - r))
-    run(*[("W", up)] * (n - runs["W", up]), *[("W", down)] * (n - runs["W", down]))
+    F, B, W = FORWARD.name, BACKWARD.name, WEIGHT.name
+    run(*[(F, down)] * (2 * (D - r) - 1))
+    run(*[(F, up), (F, down)] * r)
+    run(*[(F, up), (B, up), (W, up)] * (D - r))
+    while runs[F, up] < n:
+        run(*[(F, down)] * (runs[F, down] < n), (B, down), (W, down), (F, up), (B, up), (W, up))
+    run(*[(B, down), (B, up)] * r)
+    run(*[(B, down), (W, down)] * (D - r))
+    run(*[(W, up)] * (n - runs[W, up]), *[(W, down)] * (n - runs[W, down]))
     return [a for a in order if a[2] < microbatches]
 
 

@@ -1,12 +1,14 @@
 """The tick runtime: every stage-axis layout runs its lowered program through this module.
 
-gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, looped-bfs, cdp-mp and ppll differ in
-their tables (and in a few declared rules); the runtime is this one. A table is
-lowered once (`cdpjax.program.stage_axis`) into a `Program`: per tick and device
-the op (its kind, unit, micro-batch, step, version, the slots of its inputs), the
-messages of every boundary, the updates. Per tick each device of the `stage` axis
-runs its op through the *piece* of its kind (`PIECES`: F, B, W, FB), behind the
-stage carrier, and the messages follow the program:
+gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, looped-bfs, cdp-mp and ppll
+differ in their tables (and in a few declared rules); the runtime is this one. A
+table is lowered once (`cdpjax.program.stage_axis`) into a `Program`: per tick and
+device the ops of its cell (each op's kind, unit, micro-batch, lag, version, the
+slots of its inputs; one op in most tables, an overlapped forward and backward in
+dualpipev's), the messages of every boundary, the updates. Per tick each device of
+the `stage` axis runs each op of its cell through the *piece* of its kind (`PIECES`,
+built on the kind's declared flags, `cdpjax.kinds`), behind the stage carrier, and
+the messages follow the program:
 
 - **F**: a unit's forward of one micro-batch; its input was kept where it arrived
   (to recompute the backward ops), or its `jax.vjp` residuals are kept with
@@ -38,8 +40,10 @@ last worker's gradient op ends, reading the versions of CDP's table: it equals C
 local loss: it equals sequential `local`.
 
 SPMD realisation: one `shard_map` over (`stage`, `data`), a `lax.scan` over the
-ticks of one period inside a `lax.scan` over the steps of a call, one
-`lax.switch` per tick over [idle, the pieces of each kind for each unit] on the
+ticks of one period inside a `lax.scan` over the steps of a call (its carry a
+`LoopState`: fixed fields, None where the program has no such part), one
+`lax.switch` per tick over the program's cells (idle first; a cell's branch runs
+its ops' pieces one after another, typed `Operands` to `Results`) on the
 uniform carrier (`cdpjax.carrier`: parameters, optimizer and model state as
 padded rows, a device's units as its rows), collectives outside the switch. A
 period's ops that belong to the previous steps (cdp-mp, ppll) find their inputs
@@ -56,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,13 +69,14 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
+from cdpjax import kinds as op_kinds
 from cdpjax import optim
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import RESIDUALS, Program, carries
-from cdpjax.program.stage_axis import CODE, lower_stage_axis
+from cdpjax.program.stage_axis import LANE_FIELDS, kind_codes, lower_stage_axis
 from cdpjax.timetable import TimeTable
 
 MODEL_STATE = ("sequential", "step_mean")
@@ -132,10 +138,10 @@ class _Layouts:
 
 
 def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), shown: TimeTable | None = None,
-          heads=None, optimizers: dict | None = None) -> Method:
+          heads=None, optimizers: "Rows | None" = None) -> Method:
     """The method `method` running `table` (laid out over enough steps for a steady period).
 
-    `heads`, `optimizers` ({'body': tx, 'head': tx}): local learning's auxiliary heads and
+    `heads`, `optimizers` (`Rows(body=tx, head=tx)`): local learning's auxiliary heads and
     optimizers (default: the config's optimizer for the bodies). `shown`: the table the
     method reports (a few steps), default `table`.
     """
@@ -146,6 +152,7 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
         raise ConfigError(f"{method} has no backward to carry residuals to: use residuals='recompute'")
     program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
                                carry_image=heads is not None and heads.needs_image)
+    op_kinds.refuse_unknown(program.kinds, PIECES, "the stage-axis engine")
     groups = check_mesh(ctx, method, program.devices)
     net = ctx.net(stages=ctx.config.stages)
     if net.num_stages != table.stages:
@@ -154,94 +161,196 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
     batch = ctx.config.global_batch_size // groups
     ctx.require_divisible("global_batch_size / mesh.data", batch, program.microbatches,
                           "micro-batches per step" if not rules.local else "1")
-    optimizers = optimizers or {"body": ctx.optimizer()}
+    optimizers = optimizers or Rows(body=ctx.optimizer())
     runtime = _Runtime(ctx, method, program, rules, net, heads, optimizers, groups, batch // program.microbatches)
     return runtime.method(shown or table)
 
 
+# ====================================================================== typed state
+# The engine's values, each a NamedTuple with fixed fields; a part a program does not have
+# is None (no key comes and goes with the program's flags).
+
+
+class Rows(NamedTuple):
+    """Per-unit rows of one kind of value, by part: the bodies' and (local learning) the
+    auxiliary heads'. Used for parameters (`[V, width]` on a device, one unit's `[width]` in
+    a piece), their optimizer states, gradient sums and the optimizers themselves."""
+
+    body: Any
+    head: Any = None
+
+
+class Buffers(NamedTuple):
+    """A device's slot buffers (`StageTicks`' slots; None where the program declares none): `act`
+    [slots, mb, width] each unit's input (and a split backward's recomputation input), `input`
+    the first unit's batch input kept for a later call's backward, `image` the micro-batch's image
+    beside each input (heads that reconstruct it), `cot` [slots, mb, width] incoming cotangents,
+    `residual` [slots, width] carried residuals, one raveled row per slot."""
+
+    act: jax.Array
+    input: jax.Array | None = None
+    image: jax.Array | None = None
+    cot: jax.Array | None = None
+    residual: jax.Array | None = None
+
+
+class Sums(NamedTuple):
+    """What a period adds up over its ticks (summed over devices at its end): the task's metric
+    sums, each local module's loss and whether it ran (ppll's per-module figures)."""
+
+    metrics: jax.Array
+    stage_loss: jax.Array
+    stage_valid: jax.Array
+
+
+class LoopState(NamedTuple):
+    """The scan carry of one device, over the steps of a call and the ticks of a period.
+
+    rows / opt_state / model_state / head_state: each unit's parameters, optimizer state, running
+    averages and heads' state, `[V, ...]`. previous: the previous version of the body rows
+    (cdp-mp's tables read it). state_sums: the step's running-average updates not yet applied
+    ('step_mean'). grads: the gradient sums of the units (within a period; between periods only
+    where the program keeps them in flight). buffers: the slot buffers (between periods only
+    where ops of a step spill into the next call, `Program.lag` > 0). fed / labels: whether each
+    of the last `lag` calls fed a batch, and their labels. sums: the period's `Sums` (None
+    between periods)."""
+
+    rows: Rows
+    opt_state: Rows
+    model_state: jax.Array
+    head_state: jax.Array | None = None
+    previous: jax.Array | None = None
+    state_sums: jax.Array | None = None
+    grads: Rows | None = None
+    buffers: Buffers | None = None
+    fed: jax.Array | None = None
+    labels: jax.Array | None = None
+    sums: Sums | None = None
+
+
+class Lane(NamedTuple):
+    """One lane of a device's cell at a tick (`StageTicks`, [tick, device, lane] arrays): scalars."""
+
+    kind: jax.Array
+    unit: jax.Array
+    micro: jax.Array
+    lag: jax.Array
+    version: jax.Array
+    act_slot: jax.Array
+    input_slot: jax.Array
+    residual_slot: jax.Array
+    cot_slot: jax.Array
+
+
+class Operands(NamedTuple):
+    """What one op's piece reads: its unit's rows (the body at the version its op reads), model
+    and heads' state; its input row `x` from the activation slot (units after the first), the
+    batch's `first_input` (the first unit), the micro-batch's `image` and `label`; the cotangent
+    of its output (`cot`, backward ops); its residual row (`residual` [1, width], 'carry')."""
+
+    rows: Rows
+    model_state: jax.Array
+    head_state: jax.Array | None
+    x: jax.Array
+    first_input: jax.Array
+    image: jax.Array
+    label: jax.Array
+    cot: jax.Array | None
+    residual: jax.Array | None
+
+
+class Results(NamedTuple):
+    """What one op's piece gives back: the output row sent to the next unit (`act`) and the
+    input's cotangent sent back (`cot`) (zeros where it sends none), its residual row (written
+    back where it was read), its gradients, its unit's new model and heads' state, its `Sums`."""
+
+    act: jax.Array
+    cot: jax.Array
+    residual: jax.Array | None
+    grads: Rows
+    model_state: jax.Array
+    head_state: jax.Array | None
+    sums: Sums
+
+
 # ====================================================================== the pieces
-# One piece per op kind: `piece(rt, u)` is the switch branch of that kind for unit u,
-# mapping the tick's operands (`_Runtime._operands`) to results (`_Runtime.results`).
-# No collectives inside.
+# One piece per op kind: `piece(rt, u, kind)` is the branch of an op of that kind of unit u,
+# `Operands` -> `Results`, built on the kind's declared flags (`cdpjax.kinds.OpKind`). No
+# collectives inside. A cell of several ops runs their pieces one after another in one branch.
 
 
-def forward_piece(rt: "_Runtime", u: int):
-    (j,) = rt.units[u]
-    lay, last = rt.layouts, u == rt.U - 1
+def forward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
+    """A unit's forward of one micro-batch ('carry': keeping its `jax.vjp` residuals)."""
+    (j,) = rt.place.units[u]
+    lay, last = rt.layouts, u == rt.place.U - 1
 
-    def branch(ops):
+    def branch(ops: Operands) -> Results:
         out = rt.results(ops)
-        p = lay.params.unpack_one(u, ops["rows"]["body"])[0]
-        s = lay.model_state.unpack_one(u, ops["ms"])[0]
+        p = lay.params.unpack_one(u, ops.rows.body)[0]
+        s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
         if rt.carry:
-            y, kept, (new_state, metrics) = rt.ops.forward_kept(j, p, s, x, ops["label"])
-            out["residual"] = _write_leaves(ops["residual"], kept)
+            y, kept, (new_state, metrics) = rt.ops.forward_kept(j, p, s, x, ops.label)
+            out = out._replace(residual=_write_leaves(ops.residual, kept))
         elif last and lay.model_state.sizes[u] == 0:  # the backward computes the loss; nothing to run
             return out
         else:
-            y, (new_state, metrics) = rt.ops.run(j, p, s, x, ops["label"])
+            y, (new_state, metrics) = rt.ops.run(j, p, s, x, ops.label)
         if last and rt.carry:  # recomputing backwards count the loss where they compute it
-            out["metrics"] = metrics
-        out["ms"] = lay.model_state.pack_one(u, [new_state])
+            out = out._replace(sums=out.sums._replace(metrics=metrics))
+        out = out._replace(model_state=lay.model_state.pack_one(u, [new_state]))
         if not last:
-            out["act"] = lay.acts.pack_one(u + 1, y)
+            out = out._replace(act=lay.acts.pack_one(u + 1, y))
         return out
     return branch
 
 
-def _backward_piece(rt: "_Runtime", u: int, want: tuple[str, ...]):
-    """A backward op of unit u computing the gradients in `want` ('params', 'input')."""
-    (j,) = rt.units[u]
+def backward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
+    """A backward op of unit u: the parameter gradient where the kind completes it in this
+    program (B of a whole backward, W of a split one), the input cotangent where the kind sends
+    it (B). The op that sends the cotangent counts the loss it recomputes."""
+    (j,) = rt.place.units[u]
     lay = rt.layouts
+    want = (("params",) if kind.completes_gradient(rt.program.split_backward) else ()) + \
+        (("input",) if kind.cotangent else ())
 
-    def branch(ops):
+    def branch(ops: Operands) -> Results:
         out = rt.results(ops)
-        p = lay.params.unpack_one(u, ops["rows"]["body"])[0]
-        s = lay.model_state.unpack_one(u, ops["ms"])[0]
+        p = lay.params.unpack_one(u, ops.rows.body)[0]
+        s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
-        cotangent = lay.acts.unpack_one(u + 1, ops["cot"]) if u < rt.U - 1 else None
+        cotangent = lay.acts.unpack_one(u + 1, ops.cot) if u < rt.place.U - 1 else None
         kept = None
         if rt.carry:
-            kept = lambda template: _read_leaves(ops["residual"], template)  # noqa: E731
-        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops["label"], cotangent, kept, want)
+            kept = lambda template: _read_leaves(ops.residual, template)  # noqa: E731
+        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops.label, cotangent, kept, want)
         if d_params is not None:
-            out["grad"] = {**out["grad"], "body": lay.params.pack_one(u, [d_params])}
+            out = out._replace(grads=out.grads._replace(body=lay.params.pack_one(u, [d_params])))
         if d_input is not None:
-            out["cot"] = lay.acts.pack_one(u, d_input)
-        if metrics is not None and "input" in want:  # B counts the loss it recomputes; W does not
-            out["metrics"] = metrics
+            out = out._replace(cot=lay.acts.pack_one(u, d_input))
+        if metrics is not None and kind.cotangent:
+            out = out._replace(sums=out.sums._replace(metrics=metrics))
         return out
     return branch
 
 
-def backward_piece(rt: "_Runtime", u: int):
-    """B: the whole backward, or the input cotangent only where the table has W ops."""
-    return _backward_piece(rt, u, ("input",) if rt.program.split_backward else ("params", "input"))
+def local_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
+    """Local learning: unit u's modules one after another, each on its own local loss (`local`'s
+    stage step)."""
+    lay, stages, last = rt.layouts, rt.place.units[u], u == rt.place.U - 1
 
-
-def weight_piece(rt: "_Runtime", u: int):
-    """W: the weight gradient of a split backward."""
-    return _backward_piece(rt, u, ("params",))
-
-
-def local_piece(rt: "_Runtime", u: int):
-    """FB: unit u's modules one after another, each on its own local loss (`local`'s stage step)."""
-    lay, stages, last = rt.layouts, rt.units[u], u == rt.U - 1
-
-    def branch(ops):
+    def branch(ops: Operands) -> Results:
         out = rt.results(ops)
-        bodies = lay.params.unpack_one(u, ops["rows"]["body"])
-        heads = lay.head.unpack_one(u, ops["rows"]["head"])
-        states = lay.model_state.unpack_one(u, ops["ms"])
-        head_states = lay.head_state.unpack_one(u, ops["hs"])
-        x = ops["first_input"] if u == 0 else lay.acts.unpack_one(u, ops["x"])
+        bodies = lay.params.unpack_one(u, ops.rows.body)
+        heads = lay.head.unpack_one(u, ops.rows.head)
+        states = lay.model_state.unpack_one(u, ops.model_state)
+        head_states = lay.head_state.unpack_one(u, ops.head_state)
+        x = rt.stage_input(u, ops)
         grads_body, grads_head, new_states, new_head_states = [], [], [], []
-        stage_loss = out["stage_loss"]
+        stage_loss = out.sums.stage_loss
         for k, j in enumerate(stages):
             g_body, g_head, x, s, hs, loss, acc = stage_grads(
-                rt.net, rt.heads, j, bodies[k], heads[k], states[k], head_states[k], x, ops["label"],
-                ops["image"])
+                rt.net, rt.heads, j, bodies[k], heads[k], states[k], head_states[k], x, ops.label, ops.image)
             if k + 1 < len(stages):  # the next module runs here: its head may follow it (pre-update)
                 hs = rt.heads.follow(j, heads[k], hs, bodies[k + 1])
             grads_body.append(g_body)
@@ -249,60 +358,112 @@ def local_piece(rt: "_Runtime", u: int):
             new_states.append(s)
             new_head_states.append(hs)
             stage_loss = stage_loss.at[j].set(loss)
-        out["stage_valid"] = out["stage_valid"].at[jnp.asarray(stages)].set(1.0)
-        out["grad"] = {"body": lay.params.pack_one(u, grads_body), "head": lay.head.pack_one(u, grads_head)}
-        out["ms"] = lay.model_state.pack_one(u, new_states)
-        out["hs"] = lay.head_state.pack_one(u, new_head_states)
-        out["stage_loss"] = stage_loss
+        sums = out.sums._replace(stage_loss=stage_loss,
+                                 stage_valid=out.sums.stage_valid.at[jnp.asarray(stages)].set(1.0))
         if last:  # x: the network's outputs
-            out["metrics"] = rt.ops.metrics(x, ops["label"])
+            sums = sums._replace(metrics=rt.ops.metrics(x, ops.label))
         else:
-            out["act"] = lay.acts.pack_one(u + 1, x)
-        return out
+            out = out._replace(act=lay.acts.pack_one(u + 1, x))
+        return out._replace(grads=Rows(lay.params.pack_one(u, grads_body), lay.head.pack_one(u, grads_head)),
+                            model_state=lay.model_state.pack_one(u, new_states),
+                            head_state=lay.head_state.pack_one(u, new_head_states), sums=sums)
     return branch
 
 
-PIECES = {"F": forward_piece, "B": backward_piece, "W": weight_piece, "FB": local_piece}
+# An op kind's piece, by the kind's name: a new kind adds its registration (`cdpjax.kinds`) and its piece here.
+PIECES = {op_kinds.FORWARD.name: forward_piece, op_kinds.BACKWARD.name: backward_piece,
+          op_kinds.WEIGHT.name: backward_piece, op_kinds.LOCAL.name: local_piece}
+
+
+def _flags(flag: str) -> np.ndarray:
+    """[codes] bool: the op kinds (by `kind_codes()`, 0 idle) whose `OpKind` has `flag` set."""
+    codes = kind_codes()
+    out = np.zeros((max(codes.values()) + 1,), bool)
+    for name, code in codes.items():
+        out[code] = bool(getattr(op_kinds.lookup(name), flag))
+    return out
 
 
 # ===================================================================== the runtime
 
 
-class _Runtime:
-    """The pieces of one built layout (a class only to share the set-up; every piece is a pure function)."""
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where the units live: `units[u]` its stages; U units on D devices, V per device;
+    `unit_at[d, v]` the unit at (device, chunk) (-1 where a device holds fewer); `chunk_of[u]`."""
 
-    def __init__(self, ctx, method, program: Program, rules: Rules, net, heads, optimizers, groups, micro):
+    units: tuple[tuple[int, ...], ...]
+    U: int
+    V: int
+    D: int
+    unit_at: np.ndarray
+    chunk_of: np.ndarray
+
+    @classmethod
+    def of(cls, place) -> "_Place":
+        U = len(place.units)
+        unit_at = np.full((place.devices, place.chunks), -1, np.int32)
+        for u in range(U):
+            unit_at[place.device[u], place.chunk[u]] = u
+        return cls(place.units, U, place.chunks, place.devices, unit_at, np.asarray(place.chunk, np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    """One data group's shapes: `groups` data groups, micro-batches of `micro` examples, the
+    batch input's and the labels' `ShapeDtypeStruct` of one micro-batch."""
+
+    groups: int
+    micro: int
+    input: jax.ShapeDtypeStruct
+    label: jax.ShapeDtypeStruct
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """The mesh and the axes a device's values vary over (`stage`, and `data` where the mesh has it)."""
+
+    mesh: Any
+    names: tuple[str, ...]
+    data: bool
+
+
+class _Runtime:
+    """The pieces of one built layout (a class only to share the set-up; every piece is a pure function).
+
+    Its parts: `program` (the lowered table), `rules`, `net` / `heads` / `optimizers` (`Rows`),
+    `place` (`_Place`), `shapes` (`_Shapes`), `axes` (`_Axes`), `layouts` (the carrier's rows),
+    `ops` (the stage maths)."""
+
+    def __init__(self, ctx, method, program: Program, rules: Rules, net, heads, optimizers: Rows, groups, micro):
         self.ctx, self.name, self.program, self.rules = ctx, method, program, rules
-        self.net, self.heads, self.optimizers, self.groups, self.micro = net, heads, optimizers, groups, micro
-        self.ticks = program.ticks
-        self.mesh = ctx.mesh
-        self.data = "data" in self.mesh.axis_names
-        self.axes = ("stage", "data") if self.data else ("stage",)
+        self.net, self.heads, self.optimizers = net, heads, optimizers
+        names = ("stage", "data") if "data" in ctx.mesh.axis_names else ("stage",)
+        self.axes = _Axes(ctx.mesh, names, "data" in names)
+        label_shape = tuple(ctx.task.label_shape(tuple(net.input_shape)))
+        self.shapes = _Shapes(groups, micro,
+                              jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.dtype(net.input_dtype)),
+                              jax.ShapeDtypeStruct((micro, *label_shape), jnp.dtype(ctx.task.label_dtype)))
+        self.place = _Place.of(program.placement)
+        self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes.names), ctx.task)
         self.carry = program.carries
-        self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes), ctx.task)
-        self.label_shape = tuple(ctx.task.label_shape(tuple(net.input_shape)))
-        self.label_dtype = jnp.dtype(ctx.task.label_dtype)
-        place = program.placement
-        self.units, self.U, self.V, self.D = place.units, len(place.units), place.chunks, place.devices
-        # unit at (device, chunk), -1 where a device holds fewer units
-        self.unit_at = np.full((self.D, self.V), -1, np.int32)
-        for u in range(self.U):
-            self.unit_at[place.device[u], place.chunk[u]] = u
-        self.chunk_of = np.asarray(place.chunk, np.int32)
-        self.input_spec = jax.ShapeDtypeStruct((micro, *net.input_shape), jnp.dtype(net.input_dtype))
         self.layouts = self._layouts()
-        self.lag = program.lag
-        if self.carry:  # the F branch writes its residuals unconditionally: every F must have a slot
-            arrays = self.ticks.arrays()
-            if np.any(arrays["residual_slot"][arrays["kind"] == CODE["F"]] < 0):
+        if self.carry:  # a forward's branch writes its residuals unconditionally: every forward must have a slot
+            ticks = program.ticks
+            backprop_forward = _flags("forward")[ticks.kind] & ~_flags("backward")[ticks.kind]
+            if np.any(ticks.residual_slot[backprop_forward] < 0):
                 raise AssertionError(f"{method}: a forward with no residual slot (residuals='carry')")
+
+    @property
+    def lag(self) -> int:
+        return self.program.lag
 
     # ------------------------------------------------------------------ layouts
 
     def _layouts(self) -> _Layouts:
         params, state = jax.eval_shape(lambda: self.net.init(jax.random.key(0)))
-        per_unit = lambda tree: [[tree[j] for j in stages] for stages in self.units]  # noqa: E731
-        acts = carriers.ActLayout.from_shapes([self._inputs()[stages[0]].shape[1:] for stages in self.units])
+        per_unit = lambda tree: [[tree[j] for j in stages] for stages in self.place.units]  # noqa: E731
+        acts = carriers.ActLayout.from_shapes([self._inputs()[stages[0]].shape[1:] for stages in self.place.units])
         layouts = dict(params=carriers.FlatLayout.from_trees(per_unit(params)),
                        model_state=carriers.FlatLayout.from_trees(per_unit(state)), acts=acts)
         if self.heads is not None:
@@ -315,200 +476,205 @@ class _Runtime:
 
     def _inputs(self) -> list:
         """Each stage's input for one micro-batch (stage 0's: the batch)."""
-        outputs = self.net.stage_output_shapes(self.micro)
-        return [self.input_spec] + [jax.ShapeDtypeStruct(s, jnp.float32) for s in outputs[:-1]]
+        outputs = self.net.stage_output_shapes(self.shapes.micro)
+        return [self.shapes.input] + [jax.ShapeDtypeStruct(s, jnp.float32) for s in outputs[:-1]]
 
     def residual_sizes(self) -> list[int]:
         """Per unit, the elements of one micro-batch's kept residuals."""
         params, state = jax.eval_shape(lambda: self.net.init(jax.random.key(0)))
-        labels = jax.ShapeDtypeStruct((self.micro, *self.label_shape), self.label_dtype)
 
         def trace_inside(probe):
             def fn():
-                probe(lambda tree: varying(tree, self.axes))
-                return varying(jnp.zeros((1,)), self.axes)
-            jax.eval_shape(jax.shard_map(fn, mesh=self.mesh, in_specs=(), out_specs=P(self.axes), check_vma=True))
+                probe(lambda tree: varying(tree, self.axes.names))
+                return varying(jnp.zeros((1,)), self.axes.names)
+            jax.eval_shape(jax.shard_map(fn, mesh=self.axes.mesh, in_specs=(), out_specs=P(self.axes.names),
+                                         check_vma=True))
 
-        shapes = self.ops.residual_shapes(params, state, self._inputs(), labels, trace_inside)
-        return [int(sum(math.prod(a.shape) for a in shapes[j])) for (j,) in self.units]
+        shapes = self.ops.residual_shapes(params, state, self._inputs(), self.shapes.label, trace_inside)
+        return [int(sum(math.prod(a.shape) for a in shapes[j])) for (j,) in self.place.units]
 
     def rows(self, layout: carriers.FlatLayout, trees_per_unit) -> jax.Array:
         """[D, V, width]: each device's units as its rows (zeros where it holds fewer)."""
         zero = jnp.zeros((layout.width,), jnp.float32)
         return jnp.stack([jnp.stack([layout.pack_one(u, trees_per_unit[u]) if u >= 0 else zero for u in row])
-                          for row in self.unit_at.tolist()])
+                          for row in self.place.unit_at.tolist()])
 
     def unrows(self, layout: carriers.FlatLayout, rows) -> list:
         """Per stage, from [D, V, width] rows."""
         out = [None] * self.net.num_stages
         place = self.program.placement
-        for u, stages in enumerate(self.units):
+        for u, stages in enumerate(self.place.units):
             for j, tree in zip(stages, layout.unpack_one(u, rows[place.device[u], place.chunk[u]])):
                 out[j] = tree
         return out
 
     # ------------------------------------------------------------------ branches
 
-    def results(self, ops) -> dict:
-        """What every piece returns: zeros, and the model states and the residual row it leaves as they are."""
-        lay, mb, L = self.layouts, self.micro, self.net.num_stages
-        out = {"act": jnp.zeros((mb, lay.acts.width), jnp.float32), "cot": jnp.zeros((mb, lay.acts.width), jnp.float32),
-               "residual": ops["residual"],
-               "grad": {"body": jnp.zeros((lay.params.width,), jnp.float32)},
-               "metrics": self.ops.no_metrics(), "stage_loss": jnp.zeros((L,), jnp.float32),
-               "stage_valid": jnp.zeros((L,), jnp.float32), "ms": ops["ms"], "hs": ops["hs"]}
-        if lay.head is not None:
-            out["grad"]["head"] = jnp.zeros((lay.head.width,), jnp.float32)
-        return out
+    def no_sums(self) -> Sums:
+        L = self.net.num_stages
+        return Sums(self.ops.no_metrics(), jnp.zeros((L,), jnp.float32), jnp.zeros((L,), jnp.float32))
 
-    def stage_input(self, u, ops):
-        return ops["first_input"] if u == 0 else self.layouts.acts.unpack_one(u, ops["x"])
+    def results(self, ops: Operands) -> Results:
+        """What every piece starts from (and an idle lane gives): zeros, and the model states and
+        the residual row as they were read."""
+        lay, mb = self.layouts, self.shapes.micro
+        zeros = lambda layout: None if layout is None else jnp.zeros((layout.width,), jnp.float32)  # noqa: E731
+        return Results(act=jnp.zeros((mb, lay.acts.width), jnp.float32),
+                       cot=jnp.zeros((mb, lay.acts.width), jnp.float32), residual=ops.residual,
+                       grads=Rows(zeros(lay.params), zeros(lay.head)), model_state=ops.model_state,
+                       head_state=ops.head_state, sums=self.no_sums())
+
+    def stage_input(self, u, ops: Operands):
+        return ops.first_input if u == 0 else self.layouts.acts.unpack_one(u, ops.x)
 
     def branches(self) -> list:
-        """[idle, then for each kind of the program its piece for each unit]."""
-        pieces = [PIECES[kind](self, u) for kind in self.program.kinds for u in range(self.U)]
-        return [lambda ops, f=f: varying(f(ops), self.axes) for f in [self.results, *pieces]]
+        """Per cell of the program (`StageTicks.cells`; the first idle), the branch that runs its
+        lanes' pieces one after another, an idle lane giving back what it read."""
+        lanes = self.program.ticks.lanes
 
-    def branch_index(self, code, u):
-        """The switch index of an op of kind `code` of unit u (0 idle)."""
-        position = np.zeros((max(CODE.values()) + 1,), np.int32)
-        for i, kind in enumerate(self.program.kinds):
-            position[CODE[kind]] = i
-        return 1 + jnp.asarray(position)[code] * self.U + u
+        def cell_branch(cell):
+            pieces = [PIECES[name](self, u, op_kinds.lookup(name)) for name, u in cell]
+            pieces += [self.results] * (lanes - len(cell))
+            return lambda ops: varying(tuple(piece(o) for piece, o in zip(pieces, ops)), self.axes.names)
+
+        return [cell_branch(cell) for cell in self.program.ticks.cells]
 
     # ------------------------------------------------------------------ the tick
 
-    def _operands(self, c, x, me, images, labels):
-        """The op of this device at this tick and what its piece reads."""
-        pick = lambda name: x[name][me]  # noqa: E731
-        code, u, m, rel = pick("kind"), pick("unit"), pick("micro"), pick("rel")
-        v = jnp.asarray(self.chunk_of)[u]
-        buf = c["buffers"]
-        read = lambda name, slot: buf[name][jnp.maximum(slot, 0)]  # noqa: E731
-        batch_image = images[m]
+    def _operands(self, c: LoopState, lane: Lane, images, labels) -> Operands:
+        """What the op of one lane reads."""
+        v = jnp.asarray(self.place.chunk_of)[lane.unit]
+        buf = c.buffers
+        read = lambda a, slot: a[jnp.maximum(slot, 0)]  # noqa: E731
+        batch_image = images[lane.micro]
         first_input = batch_image
-        if "input" in buf:  # a backward op's first-unit input of an earlier call, kept where its forward ran
-            kept = (pick("input_slot") >= 0) & (code != CODE["F"]) & (code != CODE["FB"])
-            first_input = jnp.where(kept, read("input", pick("input_slot")), batch_image)
+        if buf.input is not None:  # a backward op's first-unit input of an earlier call, kept where its forward ran
+            kept = (lane.input_slot >= 0) & ~jnp.asarray(_flags("forward"))[lane.kind]
+            first_input = jnp.where(kept, read(buf.input, lane.input_slot), batch_image)
         image = batch_image
-        if "image" in buf:  # heads that reconstruct it read the micro-batch's image at every unit
-            image = jnp.where(u == 0, batch_image, read("image", pick("act_slot")))
-        rows = {name: r[v] for name, r in c["rows"].items()}
-        if "previous" in c:
-            rows["body"] = jnp.where(pick("version") == 1, c["previous"][v], rows["body"])
-        ms_rows, hs_rows = c["model_state"], c.get("head_state")
-        ops = {"rows": rows, "ms": ms_rows[v], "hs": hs_rows[v] if hs_rows is not None else jnp.zeros((1,)),
-               "x": read("act", pick("act_slot")), "label": labels[-rel][m], "image": image,
-               "first_input": first_input,
-               "cot": read("cot", pick("cot_slot")) if "cot" in buf else jnp.zeros_like(read("act", 0)),
-               # the op's slot row: F writes it, B and W read it, the others give it back unchanged
-               "residual": read("residual", pick("residual_slot"))[None] if "residual" in buf
-               else jnp.zeros((1, 1), jnp.float32)}
-        return ops, (code, u, m, rel, v)
+        if buf.image is not None:  # heads that reconstruct it read the micro-batch's image at every unit
+            image = jnp.where(lane.unit == 0, batch_image, read(buf.image, lane.act_slot))
+        body = c.rows.body[v]
+        if c.previous is not None:
+            body = jnp.where(lane.version == 1, c.previous[v], body)
+        return Operands(
+            rows=Rows(body, None if c.rows.head is None else c.rows.head[v]), model_state=c.model_state[v],
+            head_state=None if c.head_state is None else c.head_state[v], x=read(buf.act, lane.act_slot),
+            first_input=first_input, image=image, label=labels[lane.lag][lane.micro],
+            cot=None if buf.cot is None else read(buf.cot, lane.cot_slot),
+            # the op's slot row: a forward writes it, backward ops read it, the others give it back unchanged
+            residual=None if buf.residual is None else read(buf.residual, lane.residual_slot)[None])
 
-    def _tick(self, c, x, feeding, images, labels, branches, apply_updates):
-        """One tick on one device: its op, the messages, the updates the table gives."""
+    def _tick(self, c: LoopState, x, fed, images, labels, branches, apply_updates):
+        """One tick on one device: its cell's ops, the messages, the updates the table gives.
+        `fed[h]`: the batch of h calls ago was fed; `labels[h]`: its labels."""
         me = lax.axis_index("stage")
-        pick = lambda name: x[name][me]  # noqa: E731
-        fed = jnp.concatenate([feeding[None], c["fed"]])  # fed[h]: the batch of h calls ago was fed
-        c = dict(c)
+        lanes = [Lane(*(x[name][me, k] for name in LANE_FIELDS)) for k in range(self.program.ticks.lanes)]
+        forward = jnp.asarray(_flags("forward"))
         if self.rules.model_state == "step_mean":  # the last step's mean update lands before its first forward
-            code, u, m = pick("kind"), pick("unit"), pick("micro")
-            v = jnp.asarray(self.chunk_of)[u]
-            land = (code == CODE["F"]) & fed[-pick("rel")] & (m == 0)
-            c["model_state"] = c["model_state"].at[v].add(jnp.where(land, c["state_sums"][v], 0.0))
-            c["state_sums"] = c["state_sums"].at[v].set(jnp.where(land, 0.0, c["state_sums"][v]))
-        operands, (code, u, m, rel, v) = self._operands(c, x, me, images, labels)
-        valid = (code > 0) & fed[-rel]
-        index = jnp.where(valid, self.branch_index(code, u), 0)
-        out = lax.switch(index, branches, varying(operands, self.axes))
-        buf = dict(c["buffers"])
-
-        def keep(name, slot, value):  # a buffer written only where the op names a slot
-            at = jnp.maximum(slot, 0)
-            return buf[name].at[at].set(jnp.where(valid & (slot >= 0), value, buf[name][at]))
-
-        forward = (code == CODE["F"]) | (code == CODE["FB"])
-        if "input" in buf:
-            buf["input"] = keep("input", jnp.where(forward & (u == 0), pick("input_slot"), -1),
-                                operands["first_input"])
-        if self.carry:  # the row read above, as the op left it, back where it was read (no select)
-            buf["residual"] = lax.dynamic_update_slice(buf["residual"], out["residual"],
-                                                       (jnp.maximum(pick("residual_slot"), 0), 0))
-        c["grads"] = {name: c["grads"][name].at[v].add(g) for name, g in out["grad"].items()}
-        ms_rows = c["model_state"]
-        new_ms, update = out["ms"], out["ms"] - ms_rows[v]
-        if self.data:  # every data group's running averages, averaged (linear, so at every tick)
-            new_ms, update = lax.pmean((new_ms, update), "data")
-        if self.rules.model_state == "step_mean":
-            scale = 1.0 / self.program.microbatches
-            c["state_sums"] = c["state_sums"].at[v].add(jnp.where(valid & (code == CODE["F"]), update * scale, 0.0))
-        else:
-            c["model_state"] = ms_rows.at[v].set(jnp.where(valid & forward, new_ms, ms_rows[v]))
-        if "head_state" in c:
-            new_hs = lax.pmean(out["hs"], "data") if self.data else out["hs"]
-            c["head_state"] = c["head_state"].at[v].set(jnp.where(valid, new_hs, c["head_state"][v]))
-        c["metrics"] = c["metrics"] + out["metrics"]
-        c["stage_loss"] = c["stage_loss"] + out["stage_loss"]
-        c["stage_valid"] = c["stage_valid"] + out["stage_valid"]
-        c["buffers"] = self._messages(buf, out, operands["image"], x, me)
+            for lane in lanes:
+                v = jnp.asarray(self.place.chunk_of)[lane.unit]
+                land = forward[lane.kind] & fed[lane.lag] & (lane.micro == 0)
+                c = c._replace(model_state=c.model_state.at[v].add(jnp.where(land, c.state_sums[v], 0.0)),
+                               state_sums=c.state_sums.at[v].set(jnp.where(land, 0.0, c.state_sums[v])))
+        operands = tuple(self._operands(c, lane, images, labels) for lane in lanes)
+        cell = x["cell"][me]
+        valid = (cell > 0) & fed[lanes[0].lag]  # a cell's lanes are ops of one step (the lowering checks)
+        outs = lax.switch(jnp.where(valid, cell, 0), branches, varying(operands, self.axes.names))
+        buf = c.buffers
+        # lanes in reverse: a lane with no op (trailing) writes back the residual row it read before
+        # an op's lane writes its own, so an empty lane's slot 0 never undoes a real write
+        for lane, ops, out in reversed(list(zip(lanes, operands, outs))):
+            v = jnp.asarray(self.place.chunk_of)[lane.unit]
+            here = valid & (lane.kind > 0)
+            if buf.input is not None:
+                slot = jnp.where(forward[lane.kind] & (lane.unit == 0), lane.input_slot, -1)
+                at = jnp.maximum(slot, 0)
+                buf = buf._replace(input=buf.input.at[at].set(
+                    jnp.where(here & (slot >= 0), ops.first_input, buf.input[at])))
+            if self.carry:  # the row read above, as the op left it, back where it was read (no select)
+                buf = buf._replace(residual=lax.dynamic_update_slice(
+                    buf.residual, out.residual, (jnp.maximum(lane.residual_slot, 0), 0)))
+            c = c._replace(grads=jax.tree.map(lambda g, d: g.at[v].add(d), c.grads, out.grads))
+            c = self._model_state(c, v, out, here & forward[lane.kind])
+            if c.head_state is not None:
+                new_hs = lax.pmean(out.head_state, "data") if self.axes.data else out.head_state
+                c = c._replace(head_state=c.head_state.at[v].set(jnp.where(here, new_hs, c.head_state[v])))
+            c = c._replace(sums=jax.tree.map(jnp.add, c.sums, out.sums))
+        # a cell sends at most one output and one cotangent (the lowering checks): the lanes' sum is it
+        act = functools.reduce(jnp.add, [out.act for out in outs])
+        cot = functools.reduce(jnp.add, [out.cot for out in outs])
+        c = c._replace(buffers=self._messages(buf, act, cot, operands[0].image, x, me))
         if apply_updates:
             c = self._updates(c, x, me, fed)
         return c, None
 
-    def _messages(self, buf, out, image, x, me):
+    def _model_state(self, c: LoopState, v, out: Results, forward) -> LoopState:
+        """The running averages after a lane's op: a forward's update applied ('sequential'), or added
+        to the step's mean ('step_mean'); data groups' averaged (linear, so at every tick)."""
+        rows = c.model_state
+        new, update = out.model_state, out.model_state - rows[v]
+        if self.axes.data:
+            new, update = lax.pmean((new, update), "data")
+        if self.rules.model_state == "step_mean":
+            scale = 1.0 / self.program.microbatches
+            return c._replace(state_sums=c.state_sums.at[v].add(jnp.where(forward, update * scale, 0.0)))
+        return c._replace(model_state=rows.at[v].set(jnp.where(forward, new, rows[v])))
+
+    def _messages(self, buf: Buffers, act, cot, image, x, me) -> Buffers:
         """Each boundary's message of this tick, at its own size: a unit's output (with its image,
         for heads that reconstruct it) to the next unit's device, a cotangent back."""
         lay = self.layouts
-        for b, (src, dst) in enumerate(self.ticks.boundaries):
+        for b, (src, dst) in enumerate(self.program.ticks.boundaries):
             width = math.prod(lay.acts.shapes[b + 1])
-            message = {"act": out["act"][:, :width]}
-            if "image" in buf:
+            message = {"act": act[:, :width]}
+            if buf.image is not None:
                 message["image"] = image
-            arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes)
+            arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes.names)
             buf = _deliver(buf, arrived, x["recv_act"][b], (me == dst) & (x["send_act"][b] > 0), lay.acts.width)
-            if "cot" in buf:
-                back = _gated_permute({"cot": out["cot"][:, :width]}, x["send_cot"][b], dst, src, self.axes)
+            if buf.cot is not None:
+                back = _gated_permute({"cot": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names)
                 buf = _deliver(buf, back, x["recv_cot"][b], (me == src) & (x["send_cot"][b] > 0), lay.acts.width)
         return buf
 
-    def _updates(self, c, x, me, fed):
+    def _updates(self, c: LoopState, x, me, fed) -> LoopState:
         """Units whose update the table gives at this tick apply it (gradients averaged over `data`)."""
-        grads = c["grads"]
-        if self.data:  # only at ticks where some unit updates: a loop, so that no collective sits in a branch
-            zeros = jax.tree.map(lambda g: varying(jnp.zeros(g.shape, g.dtype), "stage"), c["grads"])
-            grads = lax.fori_loop(0, x["any_update"], lambda _, g: lax.pmean(c["grads"], "data"), zeros)
-        rows, opt, previous = dict(c["rows"]), dict(c["opt"]), c.get("previous")
-        new_grads = dict(c["grads"])
-        for v in range(self.V):
-            apply = x["update"][me, v] & fed[-x["update_rel"][me, v]]
-            for name, tx in self.optimizers.items():
+        grads = c.grads
+        if self.axes.data:  # only at ticks where some unit updates: a loop, so that no collective sits in a branch
+            zeros = jax.tree.map(lambda g: varying(jnp.zeros(g.shape, g.dtype), "stage"), c.grads)
+            grads = lax.fori_loop(0, x["any_update"], lambda _, g: lax.pmean(c.grads, "data"), zeros)
+        rows, opt_state, new_grads, previous = c.rows, c.opt_state, c.grads, c.previous
+        for v in range(self.place.V):
+            apply = x["update"][me, v] & fed[x["update_lag"][me, v]]
+            for part, tx in self.optimizers._asdict().items():
+                if tx is None:
+                    continue
+
                 def step(row, state, grad, tx=tx):
                     return optim.apply(tx, row, state, grad)
 
                 def keep(row, state, grad):
                     return row, state
 
-                chunk_opt = jax.tree.map(lambda a: a[v], opt[name])
-                new, new_opt = lax.cond(apply, step, keep, rows[name][v], chunk_opt, grads[name][v])
-                rows[name] = rows[name].at[v].set(new)
-                opt[name] = jax.tree.map(lambda a, b: a.at[v].set(b), opt[name], new_opt)
-                new_grads[name] = new_grads[name].at[v].set(jnp.where(apply, 0.0, new_grads[name][v]))
+                row, part_opt, part_grads = getattr(rows, part), getattr(opt_state, part), getattr(new_grads, part)
+                new, new_opt = lax.cond(apply, step, keep, row[v], jax.tree.map(lambda a: a[v], part_opt),
+                                        getattr(grads, part)[v])
+                rows = rows._replace(**{part: row.at[v].set(new)})
+                opt_state = opt_state._replace(**{part: jax.tree.map(lambda a, b: a.at[v].set(b), part_opt, new_opt)})
+                new_grads = new_grads._replace(**{part: part_grads.at[v].set(jnp.where(apply, 0.0, part_grads[v]))})
             if previous is not None:
-                previous = previous.at[v].set(jnp.where(apply, c["rows"]["body"][v], previous[v]))
-        c = dict(c, rows=rows, opt=opt, grads=new_grads)
-        if previous is not None:
-            c["previous"] = previous
-        return c
+                previous = previous.at[v].set(jnp.where(apply, c.rows.body[v], previous[v]))
+        return c._replace(rows=rows, opt_state=opt_state, grads=new_grads, previous=previous)
 
     # -------------------------------------------------------------------- state
 
     def init_state(self, rng) -> dict:
-        """The train state: rows per device and chunk, optimizer states, and (layouts that keep
-        work in flight between calls) the slot buffers, gradient sums and which calls fed."""
+        """The train state (what checkpoints hold; `LoopState` is its typed view inside a call): rows
+        per device and chunk, optimizer states, and (layouts that keep work in flight between calls)
+        the slot buffers, gradient sums and which calls fed."""
         lay, prog = self.layouts, self.program
         params, model_state = self.net.init(rng)
-        per_unit = lambda tree: [[tree[j] for j in stages] for stages in self.units]  # noqa: E731
+        per_unit = lambda tree: [[tree[j] for j in stages] for stages in self.place.units]  # noqa: E731
         rows = {"body": self.rows(lay.params, per_unit(params))}
         head_state = None
         if self.heads is not None:
@@ -517,7 +683,8 @@ class _Runtime:
             head_params, head_state = self.heads.init(jax.random.fold_in(rng, HEADS_KEY))
             rows["head"] = self.rows(lay.head, per_unit(head_params))
         state = {"rows": rows,
-                 "opt": {name: jax.vmap(jax.vmap(tx.init))(rows[name]) for name, tx in self.optimizers.items()},
+                 "opt_state": {name: jax.vmap(jax.vmap(getattr(self.optimizers, name).init))(r)
+                               for name, r in rows.items()},
                  "model_state": self.rows(lay.model_state, per_unit(model_state))}
         if head_state is not None:
             state["head_state"] = self.rows(lay.head_state, per_unit(head_state))
@@ -528,12 +695,12 @@ class _Runtime:
         if self.lag:
             state["fed"] = jnp.zeros((self.lag,), bool)
             # the labels of the last `lag` batches: an op of an earlier step reads them here
-            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.label_shape),
-                                        self.label_dtype)
+            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.shapes.label.shape[1:]),
+                                        self.shapes.label.dtype)
             state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype)
                                 for k, a in self.buffer_shapes().items()}
         if prog.grads_in_flight:
-            state["grads"] = {name: jnp.zeros((self.D, self.groups, *r.shape[1:]), jnp.float32)
+            state["grads"] = {name: jnp.zeros((self.place.D, self.shapes.groups, *r.shape[1:]), jnp.float32)
                               for name, r in rows.items()}
         return state
 
@@ -542,16 +709,16 @@ class _Runtime:
         the example axis (so that ppll's in-flight batches restore onto another number of data
         groups); carried residuals are flat rows, one per group."""
         if name == "residual":
-            return (self.D, shape[0], self.groups, *shape[1:])
-        return (self.D, shape[0], self.groups * shape[1], *shape[2:])
+            return (self.place.D, shape[0], self.shapes.groups, *shape[1:])
+        return (self.place.D, shape[0], self.shapes.groups * shape[1], *shape[2:])
 
     def buffer_shapes(self) -> dict:
         """One device's (one data group's) slot buffers, as the program declares them."""
-        lay, tk, mb = self.layouts, self.ticks, self.micro
+        lay, tk, mb = self.layouts, self.program.ticks, self.shapes.micro
         declared = {b.name for b in self.program.buffers}
         image = tuple(self.net.input_shape)
         shapes = {"act": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
-                  "input": ((tk.input_slots, mb, *image), self.input_spec.dtype),
+                  "input": ((tk.input_slots, mb, *image), self.shapes.input.dtype),
                   "image": ((tk.act_slots, mb, *image), jnp.float32),
                   "cot": ((tk.cot_slots, mb, lay.acts.width), jnp.float32),
                   "residual": ((tk.residual_slots, lay.residual_width), jnp.float32)}
@@ -559,7 +726,7 @@ class _Runtime:
 
     def specs(self, state) -> dict:
         """`P('stage')` for the rows; what each data group keeps in flight split over `data`."""
-        data = "data" if self.data else None
+        data = "data" if self.axes.data else None
         specs = jax.tree.map(lambda _: P("stage"), state)
         if "buffers" in state:
             specs["buffers"] = jax.tree.map(lambda _: P("stage", None, data), state["buffers"])
@@ -570,88 +737,102 @@ class _Runtime:
             specs["labels"] = P(None, data)
         return specs
 
+    def loop_state(self, state: dict) -> LoopState:
+        """The typed view of one device's train state (inside `shard_map`: leading axes of size 1)."""
+        M, mb = self.program.microbatches, self.shapes.micro
+        one = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+        c = LoopState(rows=Rows(**one(state["rows"])), opt_state=Rows(**one(state["opt_state"])),
+                      model_state=one(state["model_state"]), head_state=one(state.get("head_state")),
+                      previous=one(state.get("previous")), state_sums=one(state.get("state_sums")))
+        if self.lag:
+            c = c._replace(buffers=Buffers(**{k: a[0][:, 0] if k == "residual" else a[0]
+                                              for k, a in state["buffers"].items()}),
+                           fed=state["fed"],
+                           labels=state["labels"].reshape(self.lag, M, mb, *self.shapes.label.shape[1:]))
+        if self.program.grads_in_flight:
+            c = c._replace(grads=Rows(**jax.tree.map(lambda a: a[0, 0], state["grads"])))
+        return c
+
+    def train_state(self, c: LoopState) -> dict:
+        """`loop_state`'s inverse: the train state's dict of one device."""
+        M, mb = self.program.microbatches, self.shapes.micro
+        one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+        parts = lambda rows: {k: v for k, v in rows._asdict().items() if v is not None}  # noqa: E731
+        state = {"rows": one(parts(c.rows)), "opt_state": one(parts(c.opt_state)), "model_state": one(c.model_state)}
+        for name in ("head_state", "previous", "state_sums"):
+            if getattr(c, name) is not None:
+                state[name] = one(getattr(c, name))
+        if self.lag:
+            state["buffers"] = {k: a[None][:, :, None] if k == "residual" else a[None]
+                                for k, a in parts(c.buffers).items()}
+            state["fed"], state["labels"] = c.fed, c.labels.reshape(self.lag, M * mb, *self.shapes.label.shape[1:])
+        if self.program.grads_in_flight:
+            state["grads"] = jax.tree.map(lambda a: a[None, None], parts(c.grads))
+        return state
+
     # ------------------------------------------------------------------ periods
 
-    def _period(self, s, step, branches, apply_updates):
+    def _period(self, c: LoopState, step, branches, apply_updates):
         """One period (one call's ticks) on one device."""
         images_p, labels_p, fed_now = step
-        M, mb = self.program.microbatches, self.micro
-        c = dict(s)
+        M, mb, names = self.program.microbatches, self.shapes.micro, self.axes.names
+        label_shape = self.shapes.label.shape[1:]
         if not self.lag:  # nothing in flight between calls: the buffers are this call's temporaries
-            c["buffers"] = varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.buffer_shapes()),
-                                   self.axes)
-            c["fed"] = jnp.zeros((0,), bool)
-            c["labels"] = jnp.zeros((0, M, mb, *self.label_shape), self.label_dtype)
+            c = c._replace(buffers=Buffers(**varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                                                  self.buffer_shapes()), names)))
         if not self.program.grads_in_flight:  # every gradient of the period is applied within it
-            c["grads"] = varying({n: jnp.zeros_like(r) for n, r in s["rows"].items()}, self.axes)
-        L = self.net.num_stages
-        c["metrics"] = varying(self.ops.no_metrics(), self.axes)
-        c["stage_loss"] = varying(jnp.zeros((L,), jnp.float32), self.axes)
-        c["stage_valid"] = varying(jnp.zeros((L,), jnp.float32), self.axes)
+            c = c._replace(grads=varying(jax.tree.map(jnp.zeros_like, c.rows), names))
+        c = c._replace(sums=varying(self.no_sums(), names))
         batch_images = images_p.reshape(M, mb, *images_p.shape[1:])
-        labels_now = jnp.concatenate([labels_p.reshape(M, mb, *self.label_shape)[None], c["labels"]])
-        xs = jax.tree.map(jnp.asarray, self.ticks.arrays())
-        c, _ = lax.scan(lambda c, x: self._tick(c, x, fed_now, batch_images, labels_now, branches, apply_updates),
-                        c, xs)
-        metrics, stage_loss, stage_valid = c.pop("metrics"), c.pop("stage_loss"), c.pop("stage_valid")
-        if "previous" in c:  # after a flush both versions are the newest, as at step 0
-            c["previous"] = jnp.where(fed_now, c["previous"], c["rows"]["body"])
+        batch_labels = labels_p.reshape(M, mb, *label_shape)[None]
+        fed = fed_now[None] if c.fed is None else jnp.concatenate([fed_now[None], c.fed])
+        labels = batch_labels if c.labels is None else jnp.concatenate([batch_labels, c.labels])
+        xs = jax.tree.map(jnp.asarray, self.program.ticks.arrays())
+        c, _ = lax.scan(lambda c, x: self._tick(c, x, fed, batch_images, labels, branches, apply_updates), c, xs)
+        if c.previous is not None:  # after a flush both versions are the newest, as at step 0
+            c = c._replace(previous=jnp.where(fed_now, c.previous, c.rows.body))
         if self.lag:
-            c["fed"] = jnp.concatenate([fed_now[None], c["fed"][:-1]])
-            c["labels"] = labels_now[:-1]
-        sums = lax.psum(metrics, self.axes)
-        stage_loss, stage_valid = lax.psum((stage_loss, stage_valid), "stage")
-        if self.data:
+            c = c._replace(fed=fed[:-1], labels=labels[:-1])
+        sums = lax.psum(c.sums.metrics, names)
+        stage_loss, stage_valid = lax.psum((c.sums.stage_loss, c.sums.stage_valid), "stage")
+        if self.axes.data:
             stage_loss, stage_valid = lax.pmean((stage_loss, stage_valid), "data")
         out = {**self.ops.finish(sums), "stage_loss": stage_loss, "stage_valid": stage_valid > 0}
         if not apply_updates:
-            out["grads"] = lax.pmean(c["grads"], "data") if self.data else c["grads"]
+            grads = {k: v for k, v in c.grads._asdict().items() if v is not None}
+            out["grads"] = lax.pmean(grads, "data") if self.axes.data else grads
+        c = c._replace(sums=None)
         if not self.lag:
-            c.pop("buffers"), c.pop("fed"), c.pop("labels")
+            c = c._replace(buffers=None)
         if not self.program.grads_in_flight:
-            c.pop("grads")
+            c = c._replace(grads=None)
         return c, out
 
     def local_run(self, state, images, labels, feeding, apply_updates=True):
         """S periods on one device (inside `shard_map`): images [S, B_group, ...], feeding [S]."""
         branches = self.branches()
-        M, mb = self.program.microbatches, self.micro
-        s = {k: v for k, v in state.items() if k not in ("buffers", "grads", "fed", "labels")}
-        s = jax.tree.map(lambda a: a[0], s)
-        if self.lag:
-            s["buffers"] = {k: a[0][:, 0] if k == "residual" else a[0] for k, a in state["buffers"].items()}
-            s["fed"], s["labels"] = state["fed"], state["labels"].reshape(self.lag, M, mb, *self.label_shape)
-        if self.program.grads_in_flight:
-            s["grads"] = jax.tree.map(lambda a: a[0, 0], state["grads"])
-        s, metrics = lax.scan(lambda s, step: self._period(s, step, branches, apply_updates), s,
-                              (images, labels, feeding))
+        c, metrics = lax.scan(lambda c, step: self._period(c, step, branches, apply_updates),
+                              self.loop_state(state), (images, labels, feeding))
         grads = metrics.pop("grads", None)
-        new = {k: jax.tree.map(lambda a: a[None], v) for k, v in s.items()
-               if k not in ("buffers", "grads", "fed", "labels")}
-        if self.lag:
-            new["buffers"] = {k: a[None][:, :, None] if k == "residual" else a[None] for k, a in s["buffers"].items()}
-            new["fed"], new["labels"] = s["fed"], s["labels"].reshape(self.lag, M * mb, *self.label_shape)
-        if self.program.grads_in_flight:
-            new["grads"] = jax.tree.map(lambda a: a[None, None], s["grads"])
         if grads is not None:
             metrics["grads"] = jax.tree.map(lambda a: a[-1][None], grads)
-        return new, metrics
+        return self.train_state(c), metrics
 
     def run(self, state, images, labels, feeding, apply_updates=True):
         """S periods in one program: images [S, B, ...], labels [S, B], feeding [S] bool."""
         specs = self.specs(state)
-        batch = P(None, "data") if self.data else P()
+        batch = P(None, "data") if self.axes.data else P()
         metric_specs = {name: P() for name in (*self.ctx.task.metric_names, "metric_sums", "stage_loss", "stage_valid")}
         if not apply_updates:
             metric_specs["grads"] = jax.tree.map(lambda _: P("stage"), state["rows"])
-        sharded = jax.shard_map(lambda s, x, y, f: self.local_run(s, x, y, f, apply_updates), mesh=self.mesh,
+        sharded = jax.shard_map(lambda s, x, y, f: self.local_run(s, x, y, f, apply_updates), mesh=self.axes.mesh,
                                 in_specs=(specs, batch, batch, P()), out_specs=(specs, metric_specs), check_vma=True)
         return sharded(state, images, labels, feeding)
 
     # ------------------------------------------------------------------- method
 
     def method(self, shown: TimeTable) -> Method:
-        mesh, cfg = self.mesh, self.ctx.config
+        mesh, cfg = self.axes.mesh, self.ctx.config
         shapes = jax.eval_shape(self.init_state, jax.random.key(0))
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(shapes))
         init = jax.jit(self.init_state, out_shardings=shardings)
@@ -677,8 +858,8 @@ class _Runtime:
         flush = None
         if self.lag:
             def flush(state):
-                images = np.zeros((self.lag, B, *self.net.input_shape), self.input_spec.dtype)
-                labels = np.zeros((self.lag, B, *self.label_shape), self.label_dtype)
+                images = np.zeros((self.lag, B, *self.net.input_shape), self.shapes.input.dtype)
+                labels = np.zeros((self.lag, B, *self.shapes.label.shape[1:]), self.shapes.label.dtype)
                 return run(state, images, labels, np.zeros((self.lag,), bool))[0]
 
         def export(state):
@@ -699,11 +880,11 @@ class _Runtime:
         if self.heads is not None:
             export_heads = lambda state: self.unrows(self.layouts.head, state["rows"]["head"])  # noqa: E731
         padding = self.layouts.padding_report()
-        print(f"cdpjax: {self.name}: {self.net.num_stages} stages as {self.U} units on {self.D} devices x "
-              f"{self.groups} data groups, {self.program.microbatches} micro-batch(es) of {self.micro} per step, "
-              f"{self.ticks.act_slots} activation slot(s); {carriers.format_report(padding)}")
+        print(f"cdpjax: {self.name}: {self.net.num_stages} stages as {self.place.U} units on {self.place.D} devices x "
+              f"{self.shapes.groups} data groups, {self.program.microbatches} micro-batch(es) of {self.shapes.micro} "
+              f"per step, {self.program.ticks.act_slots} activation slot(s); {carriers.format_report(padding)}")
         return Method(self.name, self.net, init, train_step, export, flush=flush, table=shown, run_steps=run_steps,
-                      carrier=self.layouts, devices=self.D * self.groups,
+                      carrier=self.layouts, devices=self.place.D * self.shapes.groups,
                       # in-flight micro-batches are rows of a data group's slice only when a step has one
                       state_depends_on_mesh=bool(self.lag) and self.program.microbatches > 1,
                       program=self.program, periods=run, gradients=gradients, heads=self.heads,
@@ -738,16 +919,17 @@ def _read_leaves(row, template):
     return out
 
 
-def _deliver(buf: dict, arrived: dict, slot, write, width: int) -> dict:
+def _deliver(buf: Buffers, arrived: dict, slot, write, width: int) -> Buffers:
     """The arrived message stored in `slot` of its buffers where `write`; activations and
     cotangents padded back to the carrier's rows of `width`."""
-    buf = dict(buf)
     at = jnp.maximum(slot, 0)
     for name, value in arrived.items():
         if name in ("act", "cot"):
             value = jnp.pad(value, ((0, 0), (0, width - value.shape[1])))
-        buf[name] = buf[name].at[at].set(jnp.where(write, value, buf[name][at]))
+        held = getattr(buf, name)
+        buf = buf._replace(**{name: held.at[at].set(jnp.where(write, value, held[at]))})
     return buf
 
 
-__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Rules", "build", "check_mesh"]
+__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Buffers", "LoopState", "Operands", "Results", "Rows", "Rules", "Sums",
+           "build", "check_mesh"]

@@ -75,7 +75,7 @@ def build(ctx: Context) -> Method:
                        module_groups=groups if len(groups) != net.num_stages else None)
     shown = ppll_table(stages=net.num_stages, module_groups=groups if len(groups) != net.num_stages else None)
     method = pipeline.build(ctx, "ppll", table, pipeline.Rules(local=True), shown=shown, heads=heads,
-                            optimizers={"body": body_tx, "head": head_tx})
+                            optimizers=pipeline.Rows(body=body_tx, head=head_tx))
     return dataclasses.replace(
         method, module_groups=tuple(groups),
         export_head_state=lambda state: per_module(method, method.carrier.head_state, state["head_state"]))

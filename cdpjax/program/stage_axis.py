@@ -12,8 +12,8 @@ reads with `lax.axis_index('stage')`.
   V-shaped layouts), stored as the rows of its carrier.
 - **Period.** One call runs the ticks of one training step: the whole step for a
   flushed layout, one steady-state period for a layout whose ops of a step spill
-  into the next call (cdp-mp: 2L ticks; ppll: one tick). `rel` is an op's step
-  relative to the batch this call feeds (0, -1, ...); `lag` the most negative.
+  into the next call (cdp-mp: 2L ticks; ppll: one tick). An op's `lag` is how many
+  steps before the batch this call feeds its step is (0, 1, ...); the program's `lag` the largest.
 - **Slots.** A device keeps each micro-batch's input from its arrival until its last
   use (the last backward op, which recomputes from it; or the forward, when
   residuals are carried instead), its kept residuals from the forward to the last
@@ -22,13 +22,17 @@ reads with `lax.axis_index('stage')`.
   lifetimes: by interval colouring for a layout with lag 0 (the fewest buffers the
   schedule allows: 1F1B needs at most K-j where GPipe needs M), and by (unit,
   micro-batch, step) for a periodic layout, so the assignment repeats every period.
+- **Cells.** A device's ops of one tick are its cell: one op in most tables, a
+  forward of one micro-batch beside a backward of another where the schedule
+  overlaps them (dualpipev's pairs). Each op is a *lane* of the per-tick arrays
+  (`[tick, device, lane]`); the engine runs the cell as one piece, lane after lane.
 - **Sends.** Each boundary b (unit b's output to unit b+1) has its own message of
   its own size: `send_act[t, b]` says whether unit b's forward at tick t sends it
   (the receiver stores it in slot `recv_act[t, b]`), `send_cot[t, b]` whether unit
   b+1's backward sends the cotangent back (`recv_cot[t, b]`). A boundary inside
   one device (a V-shaped layout's turn) is a copy, not a message.
 - **Updates.** `update[t, d, v]`: unit v of device d applies its update at the
-  end of tick t (for the step `update_rel`).
+  end of tick t (for the step `update_lag` steps back).
 """
 from __future__ import annotations
 
@@ -43,20 +47,27 @@ from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
 IDLE = 0
-CODE = {name: i + 1 for i, name in enumerate(op_kinds.KINDS)}  # op kind -> the arrays' code (0: idle)
-FORWARD_KINDS = ("F", "FB")  # the kinds whose output goes on to the next unit
+
+
+def kind_codes() -> dict[str, int]:
+    """Each registered op kind's code in the arrays (0: idle), in the registry's order (read at
+    lowering time, so that a kind registered later, from outside the package, has one too)."""
+    return {name: i + 1 for i, name in enumerate(op_kinds.KINDS)}
+
+LANE_FIELDS = ("kind", "unit", "micro", "lag", "version", "act_slot", "input_slot", "residual_slot", "cot_slot")
 
 
 def placement(table: TimeTable) -> Placement:
-    """Units from the table: a stage per unit, except that the stages a device runs as 'FB'
-    ops in the same tick (ppll's module groups) form one unit."""
+    """Units from the table: a stage per unit, except that the stages a device runs as local
+    ops (a kind that is forward and backward at once: ppll's 'FB') in the same tick form one unit."""
     device_of: dict[int, int] = {}
     together: dict[tuple[int, int], list[int]] = defaultdict(list)
     for op in table.ops:
         if device_of.setdefault(op.stage, op.device) != op.device:
             raise ConfigError(f"{table.method}: stage {op.stage} runs on devices {device_of[op.stage]} and "
                               f"{op.device}; the runtime keeps each stage on one device")
-        if op.kind == "FB":
+        kind = op_kinds.lookup(op.kind)
+        if kind.forward and kind.backward:
             together[(op.tick, op.device)].append(op.stage)
     units: list[tuple[int, ...]] = []
     seen: set[int] = set()
@@ -75,23 +86,29 @@ def placement(table: TimeTable) -> Placement:
 
 @dataclasses.dataclass(frozen=True)
 class StageTicks:
-    """One period as arrays; [P, D] unless noted (P ticks, D devices, B boundaries).
+    """One period as arrays (P ticks, D devices, K lanes, B boundaries).
 
-    kind: `CODE` of the op (0 idle). unit: the unit it runs. micro: its micro-batch. rel: its
-    step relative to this call's batch. version: 0 current, 1 previous. act_slot: where its
-    input is kept (-1 none). input_slot: where the first unit's batch input is kept for a
-    backward in a later call (-1 none). residual_slot: where a forward keeps, and its backward
-    ops read, carried residuals. cot_slot: where a backward op finds its output's cotangent
-    (-1: the last unit, seeded by the loss). send_act / send_cot [P, B]: boundary b's message
-    is sent at the end of the tick (0 / 1); recv_act / recv_cot [P, B]: the slot it lands in
-    on the receiving device. update [P, D, chunks], update_rel: see the module docstring.
-    any_update [P]: some unit updates then (0 / 1).
+    A device's cell of a tick holds up to K ops (*lanes*, in the table's order): one op in most
+    tables; a forward of one micro-batch beside a backward of another where the schedule
+    overlaps them (dualpipev). cell [P, D]: the index of the cell's ops in `cells` (0: idle),
+    the engine's switch index. cells: per index, the (kind, unit) of each lane.
+
+    Per lane, [P, D, K]: kind: `kind_codes()` of the op (0: no op in this lane). unit: the unit it runs.
+    micro: its micro-batch. lag: how many steps before this call's batch its step is (>= 0).
+    version: 0 current, 1 previous. act_slot: where its input is kept (-1 none). input_slot:
+    where the first unit's batch input is kept for a backward in a later call (-1 none).
+    residual_slot: where a forward keeps, and its backward ops read, carried residuals.
+    cot_slot: where a backward op finds its output's cotangent (-1: the last unit, seeded by
+    the loss). send_act / send_cot [P, B]: boundary b's message is sent at the end of the tick
+    (0 / 1); recv_act / recv_cot [P, B]: the slot it lands in on the receiving device. update
+    [P, D, chunks], update_lag: see the module docstring. any_update [P]: some unit updates then.
     """
 
+    cell: np.ndarray
     kind: np.ndarray
     unit: np.ndarray
     micro: np.ndarray
-    rel: np.ndarray
+    lag: np.ndarray
     version: np.ndarray
     act_slot: np.ndarray
     input_slot: np.ndarray
@@ -102,13 +119,18 @@ class StageTicks:
     send_cot: np.ndarray
     recv_cot: np.ndarray
     update: np.ndarray
-    update_rel: np.ndarray
+    update_lag: np.ndarray
     any_update: np.ndarray
     act_slots: int
     input_slots: int
     cot_slots: int
     residual_slots: int
     boundaries: tuple[tuple[int, int], ...]  # (source device, destination device) of each boundary
+    cells: tuple[tuple[tuple[str, int], ...], ...] = ((),)
+
+    @property
+    def lanes(self) -> int:
+        return self.kind.shape[2]
 
     @property
     def slots(self) -> dict[str, int]:
@@ -118,12 +140,14 @@ class StageTicks:
     def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
         """Per device, (kind, stage) of every stage each op's unit runs and ('update', stage) of
         every stage its updates apply to, over the period."""
-        kind_of = {code: kind for kind, code in CODE.items()}
+        kind_of = {code: kind for kind, code in kind_codes().items()}
         per = [[] for _ in range(devices)]
         for t in range(self.kind.shape[0]):
             for d in range(devices):
-                if self.kind[t, d]:
-                    per[d] += [(kind_of[int(self.kind[t, d])], j) for j in placement.units[int(self.unit[t, d])]]
+                for k in range(self.lanes):
+                    if self.kind[t, d, k]:
+                        per[d] += [(kind_of[int(self.kind[t, d, k])], j)
+                                   for j in placement.units[int(self.unit[t, d, k])]]
                 for v in range(placement.chunks):
                     if self.update[t, d, v]:
                         u = next(u for u in placement.of_device(d) if placement.chunk[u] == v)
@@ -145,8 +169,9 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     learning). carry_image: each micro-batch's input image goes along with it to every unit
     (heads that reconstruct the image read it)."""
     carry = carries(residuals)
-    present = sorted({o.kind for o in table.ops}, key=list(CODE).index)
-    op_kinds.refuse_unknown(present, CODE, "the stage-axis engine")
+    codes = kind_codes()
+    present = sorted({o.kind for o in table.ops}, key=list(codes).index)
+    op_kinds.refuse_unknown(present, codes, "the stage-axis engine")
     split = op_kinds.split(present)
     place = placement(table)
     unit_of = place.unit_of
@@ -154,86 +179,119 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     m, lag = period_window(table)
     lo, hi = m * P, (m + 1) * P
     ops = [o for o in table.ops if o.stage == place.units[unit_of[o.stage]][0]]  # one op per unit
-    tick_of = {(o.kind, unit_of[o.stage], o.micro, o.step): o.tick for o in ops}
-    last_backward = {}  # (unit, micro, step) -> the tick of the last backward op (B, or its W)
+    # (unit, micro, step) -> the tick whose end sends the unit's output on (a forward kind), its input's cotangent back
+    sends = {flag: {(unit_of[o.stage], o.micro, o.step): o.tick for o in ops if getattr(op_kinds.lookup(o.kind), flag)}
+             for flag in ("forward", "cotangent")}
+    last_backward = {}  # (unit, micro, step) -> the tick of the last op that reads its cotangent (B, or its W)
     for o in ops:
-        if o.kind in ("B", "W"):
+        if op_kinds.lookup(o.kind).reads_cotangent:
             key = (unit_of[o.stage], o.micro, o.step)
             last_backward[key] = max(last_backward.get(key, -1), o.tick)
     periodic = lag > 0
-    lives = _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic)
+    lives = _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic)
     slots = {name: _slots(life, periodic) for name, life in lives.items()}
     slot_of = {name: s[0] for name, s in slots.items()}
     count = {name: max(s[1], 1) for name, s in slots.items()}
-    arrays, messages = _tick_arrays(table, ops, place, slot_of, m, carry_image)
+    arrays, messages, cells = _tick_arrays(table, ops, place, slot_of, m, carry_image)
     update = np.zeros((P, D, place.chunks), bool)
-    update_rel = np.zeros((P, D, place.chunks), np.int32)
+    update_lag = np.zeros((P, D, place.chunks), np.int32)
     for up in table.updates:
         if lo <= up.tick < hi and up.stage == place.units[unit_of[up.stage]][0]:
             u = unit_of[up.stage]
             update[up.tick - lo, place.device[u], place.chunk[u]] = True
-            update_rel[up.tick - lo, place.device[u], place.chunk[u]] = up.step - m
-    ticks = StageTicks(update=update, update_rel=update_rel, any_update=update.any(axis=(1, 2)).astype(np.int32),
+            update_lag[up.tick - lo, place.device[u], place.chunk[u]] = m - up.step
+    ticks = StageTicks(update=update, update_lag=update_lag, any_update=update.any(axis=(1, 2)).astype(np.int32),
                        act_slots=count["act"], input_slots=count["input"], cot_slots=count["cot"],
                        residual_slots=count["residual"],
-                       boundaries=tuple((place.device[u], place.device[u + 1]) for u in range(U - 1)), **arrays)
+                       boundaries=tuple((place.device[u], place.device[u + 1]) for u in range(U - 1)),
+                       cells=cells, **arrays)
     microbatches = max(o.micro for o in ops) + 1
     versions = 2 if any(o.slot == "previous" for o in ops) else 1
     in_flight = _grads_in_flight(ticks, place, P)
     buffers = _buffers(place, ticks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-                       backprop=any(o.kind in ("B", "W") for o in ops))
+                       backprop=any(op_kinds.lookup(o.kind).reads_cotangent for o in ops))
     return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
                    in_flight, place, buffers, tuple(messages), ticks)
 
 
-def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list]:
-    """The [tick, device] op arrays and the [tick, boundary] send arrays of the period of step m,
-    with the messages they send."""
+def _cells(table, ops, place, lo, hi) -> dict[tuple[int, int], list]:
+    """The ops of each (tick of the period, device), in the table's order; refuses a cell the
+    engine cannot run as one piece (naming it): ops of different steps, two ops of one unit and
+    kind, two that send to the next unit or two that send a cotangent back."""
+    unit_of = place.unit_of
+    cells = defaultdict(list)
+    for o in ops:
+        if lo <= o.tick < hi:
+            cells[(o.tick - lo, o.device)].append(o)
+    for (t, d), cell in cells.items():
+        what = " + ".join(f"{o.kind} of stage {o.stage} (micro-batch {o.micro}, step {o.step})" for o in cell)
+        flags = [op_kinds.lookup(o.kind) for o in cell]
+        if len({o.step for o in cell}) > 1:
+            raise ConfigError(f"{table.method}: device {d} runs ops of different steps in tick {lo + t} ({what}); "
+                              f"the stage-axis engine runs a cell's ops for one step")
+        if len({(o.kind, unit_of[o.stage]) for o in cell}) < len(cell):
+            raise ConfigError(f"{table.method}: device {d} runs two {cell[0].kind} ops of one unit in tick {lo + t} "
+                              f"({what})")
+        if sum(k.forward for k in flags) > 1 or sum(k.cotangent for k in flags) > 1:
+            raise ConfigError(f"{table.method}: device {d} in tick {lo + t} runs {what}: the stage-axis engine "
+                              f"overlaps at most one forward and one backward that sends a cotangent per cell")
+    return cells
+
+
+def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list, tuple]:
+    """The [tick, device, lane] op arrays and the [tick, boundary] send arrays of the period of
+    step m, with the messages they send and the cells' (kind, unit) lanes."""
     unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
     lo, hi = m * P, (m + 1) * P
-    arrays = {k: np.full((P, D), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
-    arrays.update({k: np.zeros((P, D), np.int32) for k in ("kind", "unit", "micro", "rel", "version")})
+    codes = kind_codes()
+    cells = _cells(table, ops, place, lo, hi)
+    K = max((len(c) for c in cells.values()), default=1)
+    arrays = {k: np.full((P, D, K), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
+    arrays.update({k: np.zeros((P, D, K), np.int32) for k in ("kind", "unit", "micro", "lag", "version")})
+    arrays["cell"] = np.zeros((P, D), np.int32)
     arrays.update({k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")})
     arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
     boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
     messages = []
-    for o in ops:
-        if not lo <= o.tick < hi:
-            continue
-        t, d, u = o.tick - lo, o.device, unit_of[o.stage]
-        if arrays["kind"][t, d] != IDLE:
-            raise ConfigError(f"{table.method}: device {d} runs two units in tick {o.tick}")
-        key = (d, (u, o.micro, o.step))
-        for name, value in (("kind", CODE[o.kind]), ("unit", u), ("micro", o.micro), ("rel", o.step - m),
-                            ("version", int(o.slot == "previous"))):
-            arrays[name][t, d] = value
-        for name in ("act", "input", "residual"):
-            arrays[f"{name}_slot"][t, d] = slot_of[name].get(key, -1)
-        if o.kind in ("B", "W"):
-            arrays["cot_slot"][t, d] = slot_of["cot"].get(key, -1)
-        if o.kind in FORWARD_KINDS and u == 0 and o.step != m:
-            raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
-                              f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
-        if o.kind in FORWARD_KINDS and u + 1 < U:  # its output goes to the next unit's device
-            arrays["send_act"][t, u] = 1
-            arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
-        if o.kind == "B" and u > 0:  # the cotangent of its input goes back
-            arrays["send_cot"][t, u - 1] = 1
-            arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
-    return arrays, messages
+    index: dict[tuple, int] = {(): IDLE}
+    for (t, d), cell in sorted(cells.items()):
+        lanes = tuple((o.kind, unit_of[o.stage]) for o in cell)
+        arrays["cell"][t, d] = index.setdefault(lanes, len(index))
+        for k, o in enumerate(cell):
+            u = unit_of[o.stage]
+            kind = op_kinds.lookup(o.kind)
+            key = (d, (u, o.micro, o.step))
+            for name, value in (("kind", codes[o.kind]), ("unit", u), ("micro", o.micro), ("lag", m - o.step),
+                                ("version", int(o.slot == "previous"))):
+                arrays[name][t, d, k] = value
+            for name in ("act", "input", "residual"):
+                arrays[f"{name}_slot"][t, d, k] = slot_of[name].get(key, -1)
+            if kind.reads_cotangent:
+                arrays["cot_slot"][t, d, k] = slot_of["cot"].get(key, -1)
+            if kind.forward and u == 0 and o.step != m:
+                raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
+                                  f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
+            if kind.forward and u + 1 < U:  # its output goes to the next unit's device
+                arrays["send_act"][t, u] = 1
+                arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
+                messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
+            if kind.cotangent and u > 0:  # the cotangent of its input goes back
+                arrays["send_cot"][t, u - 1] = 1
+                arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
+                messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
+    return arrays, messages, tuple(sorted(index, key=index.get))
 
 
-def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict[str, dict]:
+def _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic) -> dict[str, dict]:
     """Per buffer kind, each device's (first tick, last tick, (unit, micro, step)) lifetimes."""
     lives = {name: defaultdict(list) for name in ("act", "input", "residual", "cot")}
     for o in ops:
         u = unit_of[o.stage]
         key = (u, o.micro, o.step)
         done = last_backward.get(key)
-        if o.kind in FORWARD_KINDS:
-            arrival = o.tick if u == 0 else tick_of[(o.kind, u - 1, o.micro, o.step)] + 1
+        kind = op_kinds.lookup(o.kind)
+        if kind.forward:
+            arrival = o.tick if u == 0 else sends["forward"][(u - 1, o.micro, o.step)] + 1
             if u > 0:
                 lives["act"][o.device].append((arrival, o.tick if (carry or done is None) else done, key))
             elif done is not None and not carry and periodic:
@@ -241,8 +299,8 @@ def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict
                 lives["input"][o.device].append((arrival, done, key))
             if carry and done is not None:
                 lives["residual"][o.device].append((o.tick, done, key))
-        elif o.kind == "B" and u + 1 < U:  # not the last unit's: its cotangent arrives
-            lives["cot"][o.device].append((tick_of[("B", u + 1, o.micro, o.step)] + 1, done, key))
+        elif kind.cotangent and u + 1 < U:  # not the last unit's: its cotangent arrives from the next one
+            lives["cot"][o.device].append((sends["cotangent"][(u + 1, o.micro, o.step)] + 1, done, key))
     return lives
 
 
@@ -269,14 +327,14 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
     rows = lambda of, between=True: Size(of, units, True, V)  # noqa: E731 - a carrier row per unit
     inputs = tuple((u[0],) for u in units)
     out = [Buffer("rows.body", "parameters", rows("param"), True),
-           Buffer("opt.body", "optimizer_state", rows("param"), True),
+           Buffer("opt_state.body", "optimizer_state", rows("param"), True),
            Buffer("model_state", "model_state", rows("model_state"), True),
            Buffer("grads", "gradients", rows("param"), in_flight)]
     if versions == 2:
         out.append(Buffer("previous", "previous_parameters", rows("param"), True))
     if heads:
         out += [Buffer("rows.head", "parameters", rows("head_param"), True),
-                Buffer("opt.head", "optimizer_state", rows("head_param"), True),
+                Buffer("opt_state.head", "optimizer_state", rows("head_param"), True),
                 Buffer("head_state", "model_state", rows("head_state"), True),
                 Buffer("grads.head", "gradients", rows("head_param"), in_flight)]
     between = lag > 0
@@ -349,14 +407,15 @@ def _slots(lives: dict, periodic: bool) -> tuple[dict, int]:
 def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     """Whether a unit's gradient sum spans calls: some gradient op of the period comes after the
     unit's last update in it (cdp-mp), rather than every sum being applied where it is made."""
-    gradient = {CODE["B"], CODE["W"], CODE["FB"]}
+    gradient = {code for name, code in kind_codes().items() if op_kinds.lookup(name).backward}
     for d in range(place.devices):
         for v in range(place.chunks):
             last_update = max((t for t in range(P) if ticks.update[t, d, v]), default=-1)
             for t in range(last_update + 1, P):
-                if ticks.kind[t, d] in gradient and place.chunk[ticks.unit[t, d]] == v:
-                    return True
+                for k in range(ticks.lanes):
+                    if ticks.kind[t, d, k] in gradient and place.chunk[ticks.unit[t, d, k]] == v:
+                        return True
     return False
 
 
-__all__ = ["CODE", "IDLE", "StageTicks", "lower_stage_axis", "period_window", "placement"]
+__all__ = ["IDLE", "LANE_FIELDS", "StageTicks", "kind_codes", "lower_stage_axis", "period_window", "placement"]
