@@ -55,7 +55,8 @@ own temporaries (docs/measured.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ from cdpjax import optim
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import RingTicks, accesses, lower_ring
+from cdpjax.program.ring import RingRouting, RingTicks, lower_ring, ring_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = "data"
@@ -321,15 +322,48 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
     return (b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
 
 
+class RingState(NamedTuple):
+    """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
+    optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
+    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
+    gradient buffers stacked by slot (`RingRouting.slots`); the metric sums of the period."""
+
+    params: tuple
+    opt: tuple
+    ms: tuple
+    acts: tuple
+    cots: tuple
+    kept: tuple
+    labels: Any
+    grads: tuple
+    metrics: Any
+
+
+def _at(tree, slot):
+    return jax.tree.map(lambda a: a[slot], tree)
+
+
+def _put(tree, slot, value):
+    return jax.tree.map(lambda a, v: a.at[slot].set(v), tree, value)
+
+
+def _set(items: tuple, j: int, value) -> tuple:
+    return items[:j] + (value,) + items[j + 1:]
+
+
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
     stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
     labels, grads (the in-flight gradient buffers, in `ticks.live` order), fed (per lag >= 1).
 
-    Each tick runs its ops (`_op_order`), the applies from the sums held before the sends,
-    the sends, the applies from the sums received; then the gradient buffers no later tick
-    reads are dropped and the tick is fenced (`Buffers.barrier`).
+    The period is one `lax.scan` over its T ticks (`RingState` the carry), the routing data
+    (`cdpjax.program.ring.RingRouting`, indexed by tick and `axis_index`): per tick each worker
+    runs its ops (a `lax.switch` over the (kind, stage) pairs of that position, an op of a step
+    not fed idle), its applies from the sums held before the sends (a switch over stages), the
+    tick's sends (a switch over ticks, indexed by the scan's counter, the same on every
+    device: each branch the tick's static `ppermute`s of real stage sizes), its applies from the
+    sums received. The program holds each op's piece once per position, whatever N.
     """
 
     def __init__(self, stages: Stages, program: Program, tx):
@@ -337,89 +371,141 @@ class Period:
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
-        L = self.ticks.stages
-        self.fwd = [forward_piece(stages, j, carry) for j in range(L)]
-        self.bwd = {(j, start): backward_piece(stages, j, carry, self.split, start) for j in range(L)
-                    for start in (False, True)}
-        self.wgt = {(j, start): weight_piece(stages, j, carry, start) for j in range(L) for start in (False, True)}
-        self.dead = _dead_after(self.ticks)
+        self.routing: RingRouting = ring_routing(self.ticks)
+        self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
+        self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [lambda c, slot: c]
+        self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
+
+    # -- one op of the device, in its natural shapes
+    def _op(self, kind: str, j: int):
+        if kind == "F":
+            return self._forward(j)
+        return self._gradient_op(kind, j)
+
+    def _forward(self, j: int):
+        stages, carry, L = self.stages, self.carry, self.ticks.stages
+        ops = stages.ops
+
+        def run(c: RingState, images, new_labels, read, write, start):
+            x = images if j == 0 else c.acts[j]
+            labels = new_labels if j == 0 else c.labels
+            kept = c.kept
+            if carry:
+                out, k, (ms, metrics) = ops.forward_kept(j, c.params[j], c.ms[j], x, labels)
+                kept = _set(kept, j, k)
+            else:
+                out, (ms, metrics) = ops.run(j, c.params[j], c.ms[j], x, labels)
+            acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
+            if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
+                acts = _set(acts, 0, images)
+            c = c._replace(acts=acts, kept=kept, ms=_set(c.ms, j, ms), metrics=c.metrics + metrics,
+                           labels=new_labels if j == 0 else c.labels)
+            return varying(c, AXIS)
+        return run
+
+    def _gradient_op(self, kind: str, j: int):
+        """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
+        gradient only): the gradient added to the partial sum in slot `read` (or a new sum where
+        `start`), written to slot `write`."""
+        L, carry = self.ticks.stages, self.carry
+        cotangent = kind == "B"
+        gradient = kind == "W" or not self.split
+        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+
+        def run(c: RingState, images, new_labels, read, write, start):
+            seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
+            keep = c.kept[j] if carry else None
+            d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
+                                                            want)
+            if cotangent and j > 0:
+                c = c._replace(cots=_set(c.cots, j - 1, d_input))
+            if gradient:
+                partial = _at(c.grads[j], read)
+                total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
+                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, total)))
+            return varying(c, AXIS)
+        return run
+
+    def _apply(self, j: int):
+        tx = self.tx
+
+        def run(c: RingState, slot):
+            p, o = optim.apply(tx, c.params[j], c.opt[j], _at(c.grads[j], slot))
+            return varying(c._replace(params=_set(c.params, j, p), opt=_set(c.opt, j, o)), AXIS)
+        return run
+
+    def _sends(self, tk):
+        """The tick's messages, each a static `ppermute` of one stage's gradient buffer."""
+        slot, N = self.routing.slot, self.ticks.workers
+
+        def run(grads: tuple, me):
+            for j, lag, pairs in tk.partials:
+                s = slot(("partial", j, lag))
+                grads = _set(grads, j, _put(grads[j], s, lax.ppermute(_at(grads[j], s), AXIS, list(pairs))))
+            for j, lag, pairs, merge in tk.sums:
+                s = slot(("sum", j, lag))
+                held = _at(grads[j], s)
+                rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
+                sent = [lax.ppermute(held, AXIS, list(r)) for r in rounds]
+                value = sent[0]
+                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
+                    value = held
+                    for r, got in zip(rounds, sent):
+                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
+                                             got, value)
+                grads = _set(grads, j, _put(grads[j], s, value))
+            return varying(grads, AXIS)
+        return run
 
     def __call__(self, state, images, new_labels, feeding):
-        ticks = self.ticks
+        ticks, r = self.ticks, self.routing
         me = lax.axis_index(AXIS)
-        b = Buffers(_named(state, ticks, self.carry))
-        b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
-        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, ticks.max_lag + 1)]
-        for t, tk in enumerate(ticks.ticks):
-            self.tick(b, tk, valid, me, images, new_labels)
-            for name in self.dead[t]:  # a gradient buffer no later tick reads: not carried on
-                b.values.pop(name, None)
-            b.barrier()
-        new = _unnamed(b, state, ticks, self.carry)
-        new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
-        return new, b[("metrics",)]
+        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
+        table = {name: jnp.asarray(getattr(r, name)) for name in
+                 ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot")}
+        c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
+                              tuple(state["acts"]), tuple(state["cots"]),
+                              tuple(state["kept"]) if self.carry else (), state["labels"],
+                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics()), AXIS)
 
-    def tick(self, b, tk, valid, me, images, new_labels):
-        N = self.ticks.workers
-        for w, kind, j, lag in _op_order(tk):
-            pred = (me == w) & valid[lag]
-            if kind == "F":
-                forward_op(b, j, pred, images, new_labels, self.fwd[j], ("params", j), self.ticks.stages, self.carry)
-                continue
-            start = (w, j) in tk.chain_start
-            if kind == "B":
-                total = self.backward(b, j, pred, start, lag)
-            else:
-                total = self.weight(b, j, pred, start, lag)
-            if kind in tk.gradient_kinds:
-                done = (w, j, lag) in tk.completes
-                b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
-        self.applies(b, tk, valid, me, after=False)
-        for j, lag, pairs in tk.partials:
-            b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
-        for j, lag, pairs, merge in tk.sums:
-            key = ("sum", j, lag)
-            rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
-            sent = [lax.ppermute(b[key], AXIS, list(r)) for r in rounds]
-            if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
-                for r, value in zip(rounds, sent):
-                    _pick(b, _member(me, [d for _, d in r], N), key, value)
-            else:
-                b[key] = sent[0]
-        self.applies(b, tk, valid, me, after=True)
+        def tick(c: RingState, t):
+            for k, branches in enumerate(self.op_branches):
+                at = (t, me, k)
+                idle = len(branches) - 1
+                branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], idle)
+                c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
+                               table["op_write"][at], table["op_start"][at])
+            c = self._applies(c, table, valid, t, me, 0)
+            c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
+            c = self._applies(c, table, valid, t, me, 1)
+            return c, None
 
-    def backward(self, b, j, pred, start, lag):
-        """B: the input's cotangent to cots[j-1]; with whole backwards, the partial sum plus its
-        gradient (returned)."""
-        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
-        zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        name = ("partial", j, lag)
-        gradient = not self.split
-        partial = b[name] if gradient and not start else zero
-        cot = b[("cots", j - 1)] if j > 0 else zero
-        writes = ([("cots", j - 1)] if j > 0 else []) + ([name] if gradient and not start else [])
-        total, cot = b.cond(pred, *self.bwd[(j, start)], (*operands, partial, cot), reads, writes)
-        if j > 0:
-            b[("cots", j - 1)] = cot
-        return total if gradient else None
+        c, _ = lax.scan(tick, c, jnp.arange(ticks.period_ticks, dtype=jnp.int32))
+        # The in-flight buffers go on, their step one call older.
+        new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
+               "cots": list(c.cots), "labels": c.labels,
+               "grads": [_at(c.grads[j], r.slot((kind, j, lag - 1))) for kind, j, lag in ticks.live],
+               "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
+        if self.carry:
+            new["kept"] = list(c.kept)
+        return new, c.metrics
 
-    def weight(self, b, j, pred, start, lag):
-        """W: the partial sum plus stage j's weight gradient."""
-        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
-        name = ("partial", j, lag)
-        partial = varying(jnp.zeros((), jnp.float32), AXIS) if start else b[name]
-        return b.cond(pred, *self.wgt[(j, start)], (*operands, partial), reads, [] if start else [name])
+    def _applies(self, c, table, valid, t, me, phase):
+        for a in range(table["apply_stage"].shape[-1]):
+            at = (phase, t, me, a)
+            stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
+            c = lax.switch(stage, self.apply_branches, c, table["apply_slot"][at])
+        return c
 
-    def applies(self, b, tk, valid, me, after):
-        tx = self.tx
-        for j, lag, workers, when in tk.applies:
-            if when == after:
-                pred = _member(me, workers, self.ticks.workers) & valid[lag]
-                p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                              lambda p, o, g: varying((p, o), AXIS),
-                              (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
-                              reads=[("sum", j, lag)], writes=[("params", j), ("opt", j)])
-                b[("params", j)], b[("opt", j)] = p, o
+    def _stacked(self, grads, params) -> tuple:
+        """Per stage, its gradient buffers stacked by slot: the carried ones from `grads`
+        (`ticks.live` order), the others zeros (a stage with no gradient buffer: no slot)."""
+        given = dict(zip(self.ticks.live, grads))
+        out = []
+        for j, names in enumerate(self.routing.slots):
+            rows = [given[n] if n in given else jax.tree.map(jnp.zeros_like, params[j]) for n in names]
+            out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
+        return tuple(out)
 
 
 def _rounds(pairs) -> list[list]:
@@ -436,47 +522,8 @@ def _rounds(pairs) -> list[list]:
     return rounds
 
 
-def _dead_after(program: RingTicks) -> list[list]:
-    """Per tick, the gradient buffers whose last read in the period is in that tick (and that
-    the next period does not take)."""
-    carried = {(kind, j, lag - 1) for kind, j, lag in program.live}
-    last = {}
-    for t, tk in enumerate(program.ticks):
-        for name, _, _ in accesses(tk):
-            last[name] = t
-    dead = [[] for _ in program.ticks]
-    for name, t in last.items():
-        if name not in carried:
-            dead[t].append(name)
-    return dead
-
-
-def _op_order(tk):
-    """The tick's ops in the order the device program runs them: forwards, then backward ops by
-    stage (earlier stages first: the larger activations), those that start a new partial sum
-    last (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
-
-
-def _named(state, program, carry):
-    named = {}
-    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
-                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
-        named.update({(key, j): v for j, v in enumerate(state[plural])})
-    named[("labels",)] = state["labels"]
-    named.update(zip(program.live, state["grads"]))
-    return named
-
-
-def _unnamed(b, state, program, carry):
-    new = {}
-    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
-                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
-        new[plural] = [b[(key, j)] for j in range(len(state[plural]))]
-    new["labels"] = b[("labels",)]
-    # The in-flight buffers go on, their step one call older.
-    new["grads"] = [b[(kind, j, lag - 1)] for kind, j, lag in program.live]
-    return new
+def _idle(c: RingState, *_):
+    return varying(c, AXIS)
 
 
 # ------------------------------------------------------------------ the method

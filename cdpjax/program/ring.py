@@ -155,6 +155,97 @@ class RingTicks:
         return out
 
 
+def op_order(tk: RingTick) -> list[RingOp]:
+    """The tick's ops in the order a worker runs its own: forwards, then backward ops by stage
+    (earlier stages first: the larger activations), those that start a new partial sum last
+    (their new gradient buffer then never meets another op's workspace)."""
+    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
+
+
+class RingRouting(NamedTuple):
+    """The ring's period as data, for a scanned runtime: per tick t, worker w and position k (a
+    worker's ops of one tick in `op_order`, k < positions), which op it runs and on which
+    buffers; per tick, worker and position a, which stage's update it applies from which slot.
+
+    Gradient buffers: stage j's named buffers (kind, j, lag) stacked in `slots[j]` order, one
+    slot per name (no two names share one: a message zeroes a name on the workers it does not
+    reach, as the unrolled period does).
+
+    op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
+    the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
+    op_read: the slot of the partial sum a gradient op adds to; op_start: it starts one instead
+    (reads nothing); op_write: the slot its sum (partial or completed) goes to.
+    apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
+    sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
+    """
+
+    op_kinds: tuple[tuple[tuple[str, int], ...], ...]
+    op_branch: np.ndarray
+    op_lag: np.ndarray
+    op_read: np.ndarray
+    op_write: np.ndarray
+    op_start: np.ndarray
+    apply_stage: np.ndarray
+    apply_lag: np.ndarray
+    apply_slot: np.ndarray
+    slots: tuple[tuple[tuple[str, int, int], ...], ...]
+
+    def slot(self, name: tuple[str, int, int]) -> int:
+        """The slot of gradient buffer `name` in its stage's stack."""
+        return self.slots[name[1]].index(name)
+
+
+def ring_routing(ticks: RingTicks) -> RingRouting:
+    """`ticks` as the integer arrays a scanned period indexes by (tick, worker): linear in the
+    number of events."""
+    T, N, L = len(ticks.ticks), ticks.workers, ticks.stages
+    names = set(ticks.live) | {(kind, j, lag - 1) for kind, j, lag in ticks.live}
+    for tk in ticks.ticks:
+        names.update(name for name, _, _ in accesses(tk))
+    slots = tuple(tuple(sorted(n for n in names if n[1] == j)) for j in range(L))
+    slot_of = {n: i for per in slots for i, n in enumerate(per)}
+    per_worker = [[[] for _ in range(N)] for _ in range(T)]
+    for t, tk in enumerate(ticks.ticks):
+        for op in op_order(tk):
+            per_worker[t][op.worker].append(op)
+    K = max((len(ops) for row in per_worker for ops in row), default=0)
+    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
+                  for k in range(K))
+    shape = (T, N, max(K, 1))
+    branch = np.zeros(shape, np.int32)
+    for k in range(K):
+        branch[:, :, k] = len(kinds[k])
+    lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
+    start = np.zeros(shape, bool)
+    for t, tk in enumerate(ticks.ticks):
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        for w in range(N):
+            for k, o in enumerate(per_worker[t][w]):
+                branch[t, w, k] = kinds[k].index((o.kind, o.stage))
+                lag[t, w, k] = o.lag
+                if o.kind in tk.gradient_kinds:
+                    start[t, w, k] = (w, o.stage) in tk.chain_start
+                    if not start[t, w, k]:
+                        read[t, w, k] = slot_of[("partial", o.stage, o.lag)]
+                    kind = "sum" if (w, o.stage, o.lag) in done else "partial"
+                    write[t, w, k] = slot_of[(kind, o.stage, o.lag)]
+    applies = [[[[] for _ in range(N)] for _ in range(T)] for _ in range(2)]
+    for t, tk in enumerate(ticks.ticks):
+        for j, a_lag, workers, after in tk.applies:
+            for w in workers:
+                applies[int(after)][t][w].append((j, a_lag))
+    A = max((len(a) for p in applies for row in p for a in row), default=0)
+    a_shape = (2, T, N, max(A, 1))
+    a_stage, a_lag, a_slot = np.full(a_shape, L, np.int32), np.zeros(a_shape, np.int32), np.zeros(a_shape, np.int32)
+    for p in range(2):
+        for t in range(T):
+            for w in range(N):
+                for a, (j, lg) in enumerate(applies[p][t][w]):
+                    a_stage[p, t, w, a], a_lag[p, t, w, a] = j, lg
+                    a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
+    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, slots)
+
+
 def ring_ticks(table: TimeTable) -> RingTicks:
     """The ring's period of a cyclic `table`, from its own events: ops (with the version each
     reads), updates, 'partial' and 'sum' messages and applies. Every event of one fully laid-out
@@ -413,5 +504,5 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 
-__all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring",
-           "ring_ticks"]
+__all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks", "SumSend", "accesses",
+           "lower_ring", "op_order", "ring_routing", "ring_ticks"]
