@@ -18,6 +18,7 @@ from cdpjax.mesh import make_mesh
 from cdpjax.methods import cdp
 from cdpjax.methods.common import Context
 from cdpjax.optim import apply_per_stage as apply_updates
+from cdpjax.program.ring import SENDS_BY_TICK
 from cdpjax.models import cross_entropy
 from cdpjax.layouts.cdp import applies_of, cdp_table
 from helpers import assert_trees_close as assert_close, assert_trees_equal, cdp_rule, max_diff, params
@@ -312,8 +313,9 @@ def collective_sizes(hlo: str, name: str) -> list[int]:
 
 def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     """The compiled step: no model-sized all-reduce (the metric scalars only), no permute larger
-    than the largest stage's gradient, no collective inside a loop (each transfer runs once a
-    step, whatever N), and the bytes it really sends are the table's, DP's within 5%."""
+    than the largest stage's gradient, every permute in the branch of its tick of the period's
+    loop (each transfer runs once a step, whatever N), and the bytes it really sends are the
+    table's, DP's within 5%."""
     from cdpjax import bench
 
     m = build("cdp-v2", "ring", workers=8, devices=8, stages=4)
@@ -327,7 +329,17 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     for other in ("all-gather", "reduce-scatter", "all-to-all"):
         assert not collective_sizes(hlo, other)
     comps, entry = bench._computations(hlo)
-    assert not any(" while(" in line for line in comps[entry])  # the period is unrolled: no loop
+    # The period is one loop over its ticks; every permute is in a branch of the switch over ticks
+    # (branch t at tick t: once a period, whatever N), as many branches as the loop's passes.
+    loops = [line for line in comps[entry] if " while(" in line]
+    assert len(loops) == 1 and f'"n":"{m.program.period_ticks}"' in loops[0]
+    by_tick = [line for lines in comps.values() for line in lines if SENDS_BY_TICK in line and "conditional(" in line]
+    assert len(by_tick) == 1
+    branches = [b.strip().lstrip("%") for b in re.search(r"branch_computations=\{([^}]*)\}", by_tick[0]).group(1)
+                .split(",")]
+    assert len(branches) == m.program.period_ticks
+    permuting = {name for name, lines in comps.items() if any("collective-permute" in x for x in lines)}
+    assert permuting and permuting <= set(branches)
     sent = bench.traffic(hlo, 8)
     table = bench.table_figures(m.table, {"param_bytes": stage_bytes, "activation_bytes": [4] * 4})
     permuted = sent["by_kind"]["collective-permute"] / 8  # per worker; the rest: the metric scalars' psum
@@ -340,6 +352,23 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     dp_hlo = dp.train_step.lower(dp.init(jax.random.key(0)), b).compile().as_text()
     assert sum(collective_sizes(dp_hlo, "all-reduce")) * 4 >= sum(stage_bytes)
     assert sent["per_device_bytes"] <= 1.05 * bench.traffic(dp_hlo, 8)["per_device_bytes"]
+
+
+def hlo_instructions(hlo: str) -> int:
+    """Instructions of compiled HLO text (every `name = op(...)` line of every computation)."""
+    return sum(1 for line in hlo.splitlines() if re.match(r"^\s+(ROOT )?%?\S+ = ", line))
+
+
+def test_ring_program_size_does_not_grow_with_the_workers():
+    """At fixed L the compiled ring holds each stage op once per position of a tick, whatever N:
+    from N = 2 to 8 only the sends grow (one static permute per message group of a tick, at most
+    L x lags of them a tick). A period unrolled in Python holds one conditional per op, N x 2L of
+    them, and grew 4x from N = 2 to 8 (digits MLP, L = 16: 6,868 to 27,269 instructions)."""
+    counts = {}
+    for n in (2, 8):
+        m = build("cdp-v2", "ring", workers=n, devices=n, stages=4)
+        counts[n] = hlo_instructions(m.train_step.lower(m.init(jax.random.key(0)), batches()[0]).compile().as_text())
+    assert counts[8] <= 1.5 * counts[2], counts
 
 
 # ------------------------------------------------------------------ set-up

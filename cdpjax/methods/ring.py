@@ -68,7 +68,7 @@ from cdpjax import optim
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import RingRouting, RingTicks, lower_ring, ring_routing
+from cdpjax.program.ring import SENDS_BY_TICK, RingRouting, RingTicks, lower_ring, ring_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = "data"
@@ -339,6 +339,28 @@ class RingState(NamedTuple):
     metrics: Any
 
 
+class Flat:
+    """A stage's gradient as one vector where its leaves share a dtype (a message is then one
+    `ppermute`, whatever the stage's leaf count; the same bytes), else as its tree."""
+
+    def __init__(self, like):
+        leaves, self.tree = jax.tree.flatten(like)
+        self.shapes = [leaf.shape for leaf in leaves]
+        self.flat = len({leaf.dtype for leaf in leaves}) == 1 and len(leaves) > 1
+
+    def pack(self, tree):
+        if not self.flat:
+            return tree
+        return jnp.concatenate([leaf.reshape(-1) for leaf in jax.tree.leaves(tree)])
+
+    def unpack(self, value):
+        if not self.flat:
+            return value
+        sizes = np.cumsum([int(np.prod(s)) for s in self.shapes])[:-1]
+        parts = jnp.split(value, sizes)
+        return jax.tree.unflatten(self.tree, [x.reshape(s) for x, s in zip(parts, self.shapes)])
+
+
 def _at(tree, slot):
     return jax.tree.map(lambda a: a[slot], tree)
 
@@ -372,6 +394,7 @@ class Period:
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
+        self.flat = [Flat(p) for p in jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]]
         self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
         self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [lambda c, slot: c]
         self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
@@ -420,9 +443,10 @@ class Period:
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if gradient:
-                partial = _at(c.grads[j], read)
+                flat = self.flat[j]
+                partial = flat.unpack(_at(c.grads[j], read))
                 total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
-                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, total)))
+                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, flat.pack(total))))
             return varying(c, AXIS)
         return run
 
@@ -430,7 +454,7 @@ class Period:
         tx = self.tx
 
         def run(c: RingState, slot):
-            p, o = optim.apply(tx, c.params[j], c.opt[j], _at(c.grads[j], slot))
+            p, o = optim.apply(tx, c.params[j], c.opt[j], self.flat[j].unpack(_at(c.grads[j], slot)))
             return varying(c._replace(params=_set(c.params, j, p), opt=_set(c.opt, j, o)), AXIS)
         return run
 
@@ -476,7 +500,8 @@ class Period:
                 c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
                                table["op_write"][at], table["op_start"][at])
             c = self._applies(c, table, valid, t, me, 0)
-            c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
+            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
+                c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
             c = self._applies(c, table, valid, t, me, 1)
             return c, None
 
@@ -484,7 +509,8 @@ class Period:
         # The in-flight buffers go on, their step one call older.
         new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
                "cots": list(c.cots), "labels": c.labels,
-               "grads": [_at(c.grads[j], r.slot((kind, j, lag - 1))) for kind, j, lag in ticks.live],
+               "grads": [self.flat[j].unpack(_at(c.grads[j], r.slot((kind, j, lag - 1))))
+                         for kind, j, lag in ticks.live],
                "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
         if self.carry:
             new["kept"] = list(c.kept)
@@ -503,7 +529,8 @@ class Period:
         given = dict(zip(self.ticks.live, grads))
         out = []
         for j, names in enumerate(self.routing.slots):
-            rows = [given[n] if n in given else jax.tree.map(jnp.zeros_like, params[j]) for n in names]
+            rows = [self.flat[j].pack(given[n] if n in given else jax.tree.map(jnp.zeros_like, params[j]))
+                    for n in names]
             out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
         return tuple(out)
 

@@ -37,6 +37,10 @@ from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
 
+# The name scope of the scanned ring's switch over ticks that sends each tick's messages (its
+# branch t runs at tick t): `cdpjax.bench` counts each branch once per pass of the loop.
+SENDS_BY_TICK = "ring_sends_by_tick"
+
 Pairs = tuple[tuple[int, int], ...]  # (source worker, destination worker) of each message
 
 
@@ -504,5 +508,5 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 
-__all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks", "SumSend", "accesses",
-           "lower_ring", "op_order", "ring_routing", "ring_ticks"]
+__all__ = ["SENDS_BY_TICK", "Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks",
+           "SumSend", "accesses", "lower_ring", "op_order", "ring_routing", "ring_ticks"]
