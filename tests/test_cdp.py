@@ -332,12 +332,12 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     # The period is one loop over its ticks; every permute is in a branch of the switch over ticks
     # (branch t at tick t: once a period, whatever N), as many branches as the loop's passes.
     loops = [line for line in comps[entry] if " while(" in line]
-    assert len(loops) == 1 and f'"n":"{m.program.period_ticks}"' in loops[0]
+    assert len(loops) == 1 and f'"n":"{m.program.ticks.period_ticks}"' in loops[0]
     by_tick = [line for lines in comps.values() for line in lines if SENDS_BY_TICK in line and "conditional(" in line]
     assert len(by_tick) == 1
     branches = [b.strip().lstrip("%") for b in re.search(r"branch_computations=\{([^}]*)\}", by_tick[0]).group(1)
                 .split(",")]
-    assert len(branches) == m.program.period_ticks
+    assert len(branches) == m.program.ticks.period_ticks
     permuting = {name for name, lines in comps.items() if any("collective-permute" in x for x in lines)}
     assert permuting and permuting <= set(branches)
     sent = bench.traffic(hlo, 8)
