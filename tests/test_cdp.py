@@ -354,6 +354,45 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     assert sent["per_device_bytes"] <= 1.05 * bench.traffic(dp_hlo, 8)["per_device_bytes"]
 
 
+@pytest.mark.parametrize("workers,stages,ticks", [(4, 4, "whole"), (8, 4, "whole"), (2, 4, "split"), (4, 4, "paired")])
+def test_ring_routing_reads_back_as_the_period(workers, stages, ticks):
+    """The scanned ring's routing arrays, read back cell by cell, give the period's events: each
+    worker's ops of a tick (kind, stage, lag, the slot of the partial it adds to or none, the slot
+    of its partial or completed sum) and its applies (stage, lag, before or after the sends)."""
+    from cdpjax.program.ring import op_order, ring_routing, ring_ticks
+
+    period = ring_ticks(cdp_table("cdp-v2", workers, stages, 3, ticks=ticks))
+    r = ring_routing(period)
+    for t, tk in enumerate(period.ticks):
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        for w in range(workers):
+            expected = []
+            for o in (o for o in op_order(tk) if o.worker == w):
+                grad = o.kind in tk.gradient_kinds
+                start = grad and (w, o.stage) in tk.chain_start
+                read = ("partial", o.stage, o.lag) if grad and not start else None
+                write = ("sum" if (w, o.stage, o.lag) in done else "partial", o.stage, o.lag) if grad else None
+                expected.append((o.kind, o.stage, o.lag, read, write))
+            got = []
+            for k, kinds in enumerate(r.op_kinds):
+                if r.op_branch[t, w, k] < len(kinds):
+                    kind, j = kinds[r.op_branch[t, w, k]]
+                    grad = kind in tk.gradient_kinds
+                    read = r.slots[j][r.op_read[t, w, k]] if grad and not r.op_start[t, w, k] else None
+                    write = r.slots[j][r.op_write[t, w, k]] if grad else None
+                    got.append((kind, j, int(r.op_lag[t, w, k]), read, write))
+            assert got == expected, (t, w)
+            applies = sorted((j, lag, after) for j, lag, ws, after in tk.applies if w in ws)
+            read_back = sorted((int(r.apply_stage[p, t, w, a]), int(r.apply_lag[p, t, w, a]), bool(p))
+                               for p in range(2) for a in range(r.apply_stage.shape[-1])
+                               if r.apply_stage[p, t, w, a] < stages)
+            assert read_back == applies
+            for p, a in ((p, a) for p in range(2) for a in range(r.apply_stage.shape[-1])):
+                j = r.apply_stage[p, t, w, a]
+                if j < stages:
+                    assert r.slots[j][r.apply_slot[p, t, w, a]] == ("sum", j, r.apply_lag[p, t, w, a])
+
+
 def hlo_instructions(hlo: str) -> int:
     """Instructions of compiled HLO text (every `name = op(...)` line of every computation)."""
     return sum(1 for line in hlo.splitlines() if re.match(r"^\s+(ROOT )?%?\S+ = ", line))

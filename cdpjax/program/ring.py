@@ -27,6 +27,7 @@ of each period.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import NamedTuple
 
@@ -272,10 +273,12 @@ def ring_ticks(table: TimeTable) -> RingTicks:
                               f"table's step {k} differs from step {whole[-1]} at tick {t} of the "
                               f"period: {other[t]} != {ticks[t]}")
     lags = [op[3] for tk in ticks for op in tk.ops] + [a[1] for tk in ticks for a in tk.applies]
-    newest = []
-    for j in range(L):  # the worker whose apply of stage j is fewest calls late: it holds the newest version
-        lag_of = {w: lag for tk in ticks for jj, lag, ws, _ in tk.applies if jj == j for w in ws}
-        newest.append(min(range(N), key=lambda w: (lag_of.get(w, 0), w)))
+    lag_of = [{} for _ in range(L)]
+    for tk in ticks:
+        for j, lag, ws, _ in tk.applies:
+            lag_of[j].update(dict.fromkeys(ws, lag))
+    # the worker whose apply of stage j is fewest calls late: it holds the newest version
+    newest = [min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L)]
     return RingTicks(N, L, ticks, max(lags), _live(ticks, N), tuple(newest))
 
 
@@ -303,7 +306,7 @@ def _refuse_unservable(table: TimeTable) -> None:
     for ts in applied.values():
         ts.sort()
     for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
-        held = int(np.searchsorted(applied.get((o.device, o.stage), []), o.tick))
+        held = bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
         if held != o.version:
             raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
                               f"reads version {o.version}, and the worker's one stored copy holds version {held} "
@@ -354,10 +357,10 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     T, N = table.period, table.workers
     grad = gradient_kind(table.split_backward)
 
-    def at(t: int, what: str) -> tuple[int, int]:
+    def at(t: int, what) -> tuple[int, int]:  # what(): the event's words, made only for the error
         lag = t // T - step
         if lag < 0:
-            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what} of step {step} "
+            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what()} of step {step} "
                               f"at tick {t} is before worker 0 starts that step (tick {step * T})")
         return t % T, lag
 
@@ -368,7 +371,7 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     for o in table.ops:
         if o.step != step:
             continue
-        t, lag = at(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
+        t, lag = at(o.tick, lambda: f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[t]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
         if o.kind == grad and (o.device, o.stage) not in received:
@@ -388,11 +391,15 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     for (j, w), t in applied.items():
         end[(j, w)] = max(end.get((j, w), -1), t)
     for m in messages:
-        t, lag = at(m.tick, f"'{m.kind}' message of stage {m.stage}")
+        t, lag = at(m.tick, lambda: f"'{m.kind}' message of stage {m.stage}")
         if m.kind == "partial":
             ticks[t]["partials"].setdefault((m.stage, lag), []).append((m.src, m.dst))
         elif m.kind == "sum":
             ticks[t]["sums"].setdefault((m.stage, lag, m.tick), []).append((m.src, m.dst))
+    applies_at = [[] for _ in range(T)]  # per tick of the period: (stage, lag, worker)
+    for (j, w), tick in applied.items():
+        at_t, lag = at(tick, lambda: f"apply of stage {j} by worker {w}")
+        applies_at[at_t].append((j, lag, w))
     out = []
     for t, tk in enumerate(ticks):
         sums = []
@@ -403,10 +410,8 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
             sums.append(SumSend(j, lag, tuple(sorted(pairs)), keep))
         receivers = {(j, lag, d) for j, lag, pairs, _ in sums for _, d in pairs}
         applies = {}
-        for (j, w), tick in applied.items():
-            at_t, lag = at(tick, f"apply of stage {j} by worker {w}")
-            if at_t == t:
-                applies.setdefault((j, lag, (j, lag, w) in receivers), []).append(w)
+        for j, lag, w in applies_at[t]:
+            applies.setdefault((j, lag, (j, lag, w) in receivers), []).append(w)
         out.append(RingTick(
             gradient_kinds=(grad,),
             ops=tuple(sorted(tk["ops"])),
