@@ -1,16 +1,17 @@
-"""The ring engine: one CDP worker per device, the table's steady-state period unrolled.
+"""The ring engine: one CDP worker per device, the table's steady-state period as one scan.
 
 Timing and update rule are the table's (CDP's, `cdpjax.layouts.cdp`, or any other cyclic
 table): the engine runs the lowered `Program` of the table it is given
 (`cdpjax.program.ring`: T ticks from worker 0's start of a step, T = 2L with whole
 backwards, 3L with split ones, more where a table's steps end idle) in ONE `shard_map`
-over the `data` axis, every tick unrolled in Python (compile time grows with N and
-L, never with the number of steps: a `train_step` is one period, `run_steps` scans
-over periods). At tick t each device knows its own op; every op present at t is one
-`lax.cond` on `axis_index == its worker`, run by the piece of its kind
-(`forward_piece`, `backward_piece`, `weight_piece`), whose branches touch only that
-op's buffers, all in their natural shapes (nothing padded, nothing raveled); a
-stage's maths is `cdpjax.methods.stage_ops`'s:
+over the `data` axis, the period one `lax.scan` over its ticks (a `train_step` is one
+period, `run_steps` scans over periods). The per-tick routing is data
+(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`), so
+the compiled program holds each stage's op once per position of a tick whatever the
+worker count N (its sends grow with the messages of a tick: at most L x lags groups);
+at tick t each device reads its op and runs it by a `lax.switch` over the (kind, stage)
+pairs, each branch the maths of one op in natural shapes (nothing padded); a stage's
+maths is `cdpjax.methods.stage_ops`'s:
 
 - F, forward of stage j: reads the stage's parameters (the worker's one stored
   version: the plan applies each update between the worker's last read of the old
@@ -22,35 +23,35 @@ stage's maths is `cdpjax.methods.stage_ops`'s:
   (`residuals='recompute'`) or rebuilds the pullback from the kept residuals
   ('carry', whose FLOPs are then DP's) and writes the input's cotangent for the
   next tick; with whole backwards it also adds its gradient to the partial sum it
-  received.
+  received (slot `op_read`, or starts one) and writes it to slot `op_write`.
 - W (split backwards): the weight gradient of stage j from the same input or
   residuals and the cotangent its B read, added to the partial sum it received. A
   split backward makes every tick about one forward's cost, so the lockstep of
   the SPMD program (a tick lasts as long as its slowest op) no longer waits for a
   whole backward at every tick.
-- messages: each 'partial' and 'sum' of the tick is one static `lax.ppermute` whose
-  `perm` holds exactly the (src, dst) pairs that send that stage at that tick, of
-  that stage's real size; a device in no pair sends nothing. No other collective
-  but the psum of the three metric scalars.
-- applies: `lax.cond` per (stage, tick) with an apply; every worker applies the
-  same optax update (`cdpjax.optim.apply`) to its own copy.
+- messages: a `lax.switch` over the period's ticks indexed by the scan's counter
+  (the same branch on every device; `SENDS_BY_TICK`, branch t at tick t), each
+  branch that tick's static `lax.ppermute`s, one per (stage, lag) sent, whose
+  `perm` holds exactly the (src, dst) pairs that send it then, of that stage's real
+  size (a stage's gradient raveled to one vector: one permute per message, the same
+  bytes); a device in no pair sends nothing. No other collective but the psum of
+  the three metric scalars.
+- applies: per device a `lax.switch` over stages (or none) before the sends and
+  after them, from the sum's slot; every worker applies the same optax update
+  (`cdpjax.optim.apply`) to its own copy.
 
 Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed; those a period reads before writing (`RingTicks.live`) are the in-flight
-part of the train state, renamed lag -> lag + 1 at the end of each period. `flush`
-runs `max_lag` periods with nothing fed (their ops idle, their updates masked), so
-that the parameters account for every batch fed; training on after a flush
-restarts the cycle from the flushed parameters.
+was fed, stacked per stage in slots (`RingRouting.slots`); those a period reads before
+writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
+lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
+(their ops idle, their updates masked), so that the parameters account for every
+batch fed; training on after a flush restarts the cycle from the flushed parameters.
 
-Memory, as XLA lays it out: a conditional that updates a buffer in place is tied by
-a data dependency to the conditionals that read its old value (`Buffers`: without,
-XLA copies whole stages), each tick is fenced by an `optimization_barrier` (without,
-XLA interleaves ticks and stretches the in-flight sums' lives), the ops of a tick run
-the largest backward workspaces first and new partial sums last (`_op_order`), and a
-gradient buffer is dropped after the last tick that reads it. On the
-ResNet-18 bench this takes the temporaries from 94 to 80 MiB; what remains is the
-gradient sums in flight (one model's worth at every tick) plus the largest op's
-own temporaries (docs/measured.md).
+Memory: the scan's carry holds every gradient buffer of the period (one slot per
+name) for the whole period, where the unrolled period dropped each after its last
+read; docs/measured.md gives the compile time, program size and held bytes against N.
+`Buffers`, `forward_op` and the pieces are the unrolled form's, which cdp-zero's
+period (`cdpjax.methods.cdp_zero`) still runs.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ split or paired ticks, or any other table with `axis='data'`: its own ops and th
 version each reads, its updates, 'partial' and 'sum' messages and `Apply` records;
 nothing is rebuilt from a rule) into the `Program` the ring runtime
 (`cdpjax.methods.ring`) runs: one steady-state period of T ticks from worker 0's
-start of a step (`RingTicks`, every tick's typed events, unrolled by the runtime),
+start of a step (`RingTicks`, every tick's typed events; `RingRouting`, the same as
+the integer arrays the runtime's scan reads by tick and worker),
 every buffer in its natural shape (a worker holds every stage: nothing is padded)
 and every message at its stage's size:
 
@@ -174,7 +175,7 @@ class RingRouting(NamedTuple):
 
     Gradient buffers: stage j's named buffers (kind, j, lag) stacked in `slots[j]` order, one
     slot per name (no two names share one: a message zeroes a name on the workers it does not
-    reach, as the unrolled period does).
+    reach, as the unrolled period did).
 
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
