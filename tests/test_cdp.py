@@ -359,7 +359,7 @@ def test_ring_routing_reads_back_as_the_period(workers, stages, ticks):
     """The scanned ring's routing arrays, read back cell by cell, give the period's events: each
     worker's ops of a tick (kind, stage, lag, the slot of the partial it adds to or none, the slot
     of its partial or completed sum) and its applies (stage, lag, before or after the sends)."""
-    from cdpjax.program.ring import op_order, ring_routing, ring_ticks
+    from cdpjax.program.ring import accesses, op_order, ring_routing, ring_ticks
 
     period = ring_ticks(cdp_table("cdp-v2", workers, stages, 3, ticks=ticks))
     r = ring_routing(period)
@@ -372,14 +372,14 @@ def test_ring_routing_reads_back_as_the_period(workers, stages, ticks):
                 start = grad and (w, o.stage) in tk.chain_start
                 read = ("partial", o.stage, o.lag) if grad and not start else None
                 write = ("sum" if (w, o.stage, o.lag) in done else "partial", o.stage, o.lag) if grad else None
-                expected.append((o.kind, o.stage, o.lag, read, write))
+                expected.append((o.kind, o.stage, o.lag, read and r.slot(read), write and r.slot(write)))
             got = []
             for k, kinds in enumerate(r.op_kinds):
                 if r.op_branch[t, w, k] < len(kinds):
                     kind, j = kinds[r.op_branch[t, w, k]]
                     grad = kind in tk.gradient_kinds
-                    read = r.slots[j][r.op_read[t, w, k]] if grad and not r.op_start[t, w, k] else None
-                    write = r.slots[j][r.op_write[t, w, k]] if grad else None
+                    read = int(r.op_read[t, w, k]) if grad and not r.op_start[t, w, k] else None
+                    write = int(r.op_write[t, w, k]) if grad else None
                     got.append((kind, j, int(r.op_lag[t, w, k]), read, write))
             assert got == expected, (t, w)
             applies = sorted((j, lag, after) for j, lag, ws, after in tk.applies if w in ws)
@@ -390,7 +390,22 @@ def test_ring_routing_reads_back_as_the_period(workers, stages, ticks):
             for p, a in ((p, a) for p in range(2) for a in range(r.apply_stage.shape[-1])):
                 j = r.apply_stage[p, t, w, a]
                 if j < stages:
-                    assert r.slots[j][r.apply_slot[p, t, w, a]] == ("sum", j, r.apply_lag[p, t, w, a])
+                    assert r.apply_slot[p, t, w, a] == r.slot(("sum", j, r.apply_lag[p, t, w, a]))
+    # Names sharing a slot never live at once: every tick a name is touched (or, handed on from
+    # or to another period, the period's start or end) lies outside every other's first..last.
+    touched = {}
+    for t, tk in enumerate(period.ticks):
+        for name, _, _ in accesses(tk):
+            touched.setdefault(name, set()).add(t)
+    for kind, j, lag in period.live:
+        touched.setdefault((kind, j, lag), set()).add(0)
+        touched.setdefault((kind, j, lag - 1), set()).add(len(period.ticks) - 1)
+    for j in range(stages):
+        for a in r.names[j]:
+            for b in r.names[j]:
+                if a != b and r.slot(a) == r.slot(b):
+                    assert max(touched[a]) < min(touched[b]) or max(touched[b]) < min(touched[a]), (a, b)
+    assert max(r.slot_count) <= 2  # CDP: a stage's running sum and its completed sum
 
 
 def hlo_instructions(hlo: str) -> int:

@@ -41,15 +41,16 @@ maths is `cdpjax.methods.stage_ops`'s:
   (`cdpjax.optim.apply`) to its own copy.
 
 Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed, stacked per stage in slots (`RingRouting.slots`); those a period reads before
+was fed, stacked per stage in slots (`RingRouting`: names whose lives do not overlap share
+one; a message changes only its receivers' slot); those a period reads before
 writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
 lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
 (their ops idle, their updates masked), so that the parameters account for every
 batch fed; training on after a flush restarts the cycle from the flushed parameters.
 
-Memory: the scan's carry holds every gradient buffer of the period (one slot per
-name) for the whole period, where the unrolled period dropped each after its last
-read; docs/measured.md gives the compile time, program size and held bytes against N.
+Memory: the scan's carry holds every slot for the whole period (two a stage for
+CDP's tables), where the unrolled period dropped each buffer after its last read;
+docs/measured.md gives the compile time, program size and held bytes against N.
 `Buffers`, `forward_op` and the pieces are the unrolled form's, which cdp-zero's
 period (`cdpjax.methods.cdp_zero`) still runs.
 """
@@ -327,7 +328,7 @@ class RingState(NamedTuple):
     """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
     optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
     kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
-    gradient buffers stacked by slot (`RingRouting.slots`); the metric sums of the period."""
+    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period."""
 
     params: tuple
     opt: tuple
@@ -397,7 +398,8 @@ class Period:
         self.routing: RingRouting = ring_routing(self.ticks)
         self.flat = [Flat(p) for p in jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]]
         self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
-        self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [lambda c, slot: c]
+        self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
+            lambda params, opt, grads, slot: varying((params, opt), AXIS)]
         self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
 
     # -- one op of the device, in its natural shapes
@@ -454,9 +456,9 @@ class Period:
     def _apply(self, j: int):
         tx = self.tx
 
-        def run(c: RingState, slot):
-            p, o = optim.apply(tx, c.params[j], c.opt[j], self.flat[j].unpack(_at(c.grads[j], slot)))
-            return varying(c._replace(params=_set(c.params, j, p), opt=_set(c.opt, j, o)), AXIS)
+        def run(params, opt, grads, slot):  # only what an apply touches: the switch copies no other buffer
+            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(_at(grads[j], slot)))
+            return varying((_set(params, j, p), _set(opt, j, o)), AXIS)
         return run
 
     def _sends(self, tk):
@@ -464,20 +466,17 @@ class Period:
         slot, N = self.routing.slot, self.ticks.workers
 
         def run(grads: tuple, me):
-            for j, lag, pairs in tk.partials:
-                s = slot(("partial", j, lag))
-                grads = _set(grads, j, _put(grads[j], s, lax.ppermute(_at(grads[j], s), AXIS, list(pairs))))
-            for j, lag, pairs, merge in tk.sums:
-                s = slot(("sum", j, lag))
+            # Only the receivers take a message: a slot may hold another name on the other workers.
+            messages = [(("partial", j, lag), [pairs]) for j, lag, pairs in tk.partials]
+            # a worker may send one sum to two others in a tick: two permutes
+            messages += [(("sum", j, lag), _rounds(pairs)) for j, lag, pairs, _ in tk.sums]
+            for name, rounds in messages:
+                j, s = name[1], slot(name)
                 held = _at(grads[j], s)
-                rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
-                sent = [lax.ppermute(held, AXIS, list(r)) for r in rounds]
-                value = sent[0]
-                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
-                    value = held
-                    for r, got in zip(rounds, sent):
-                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
-                                             got, value)
+                value = held
+                for r in rounds:
+                    got = lax.ppermute(held, AXIS, list(r))
+                    value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
                 grads = _set(grads, j, _put(grads[j], s, value))
             return varying(grads, AXIS)
         return run
@@ -521,7 +520,8 @@ class Period:
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            c = lax.switch(stage, self.apply_branches, c, table["apply_slot"][at])
+            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_slot"][at])
+            c = c._replace(params=params, opt=opt)
         return c
 
     def _stacked(self, grads, params) -> tuple:
@@ -529,9 +529,11 @@ class Period:
         (`ticks.live` order), the others zeros (a stage with no gradient buffer: no slot)."""
         given = dict(zip(self.ticks.live, grads))
         out = []
-        for j, names in enumerate(self.routing.slots):
-            rows = [self.flat[j].pack(given[n] if n in given else jax.tree.map(jnp.zeros_like, params[j]))
-                    for n in names]
+        r = self.routing
+        for j in range(self.ticks.stages):
+            held = {r.slot(n): n for n in self.ticks.live if n[1] == j}
+            rows = [self.flat[j].pack(given[held[i]] if i in held else jax.tree.map(jnp.zeros_like, params[j]))
+                    for i in range(r.slot_count[j])]
             out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
         return tuple(out)
 

@@ -173,9 +173,11 @@ class RingRouting(NamedTuple):
     worker's ops of one tick in `op_order`, k < positions), which op it runs and on which
     buffers; per tick, worker and position a, which stage's update it applies from which slot.
 
-    Gradient buffers: stage j's named buffers (kind, j, lag) stacked in `slots[j]` order, one
-    slot per name (no two names share one: a message zeroes a name on the workers it does not
-    reach, as the unrolled period did).
+    Gradient buffers: stage j's named buffers (kind, j, lag) in `slot_count[j]` slots, names
+    whose lives in the period do not overlap sharing one (`names[j][i]` in slot
+    `slot_index[j][i]`); a name lives from its first access (the period's start where it is
+    `live`) to its last (the period's end where the next period takes it as lag + 1). A
+    message leaves the slot of the workers it does not reach as it was.
 
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
@@ -194,11 +196,14 @@ class RingRouting(NamedTuple):
     apply_stage: np.ndarray
     apply_lag: np.ndarray
     apply_slot: np.ndarray
-    slots: tuple[tuple[tuple[str, int, int], ...], ...]
+    names: tuple[tuple[tuple[str, int, int], ...], ...]
+    slot_index: tuple[tuple[int, ...], ...]
+    slot_count: tuple[int, ...]
 
     def slot(self, name: tuple[str, int, int]) -> int:
         """The slot of gradient buffer `name` in its stage's stack."""
-        return self.slots[name[1]].index(name)
+        j = name[1]
+        return self.slot_index[j][self.names[j].index(name)]
 
 
 def ring_routing(ticks: RingTicks) -> RingRouting:
@@ -208,8 +213,8 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
     names = set(ticks.live) | {(kind, j, lag - 1) for kind, j, lag in ticks.live}
     for tk in ticks.ticks:
         names.update(name for name, _, _ in accesses(tk))
-    slots = tuple(tuple(sorted(n for n in names if n[1] == j)) for j in range(L))
-    slot_of = {n: i for per in slots for i, n in enumerate(per)}
+    per_stage = tuple(tuple(sorted(n for n in names if n[1] == j)) for j in range(L))
+    slot_of = _slots(ticks, names)
     per_worker = [[[] for _ in range(N)] for _ in range(T)]
     for t, tk in enumerate(ticks.ticks):
         for op in op_order(tk):
@@ -249,7 +254,42 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                 for a, (j, lg) in enumerate(applies[p][t][w]):
                     a_stage[p, t, w, a], a_lag[p, t, w, a] = j, lg
                     a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
-    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, slots)
+    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, per_stage,
+                       tuple(tuple(slot_of[n] for n in per) for per in per_stage),
+                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage))
+
+
+def name_lives(ticks: RingTicks, names) -> dict:
+    """Gradient buffer name -> (first, last) tick of its life in the period: from its first
+    access (0 where the previous period hands it on: `live`) to its last (T - 1 where the next
+    period takes it as lag + 1)."""
+    T = len(ticks.ticks)
+    carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
+    first, last = {}, {}
+    for t, tk in enumerate(ticks.ticks):
+        for name, _, _ in accesses(tk):
+            first.setdefault(name, t)
+            last[name] = t
+    return {n: (0 if n in ticks.live else first.get(n, 0), T - 1 if n in carried else last.get(n, T - 1))
+            for n in names}
+
+
+def _slots(ticks: RingTicks, names) -> dict:
+    """Per stage, its names packed into the fewest slots whose lives do not overlap (greedy by
+    start: optimal for intervals): name -> slot."""
+    lives = name_lives(ticks, names)
+    slot_of = {}
+    for j in range(ticks.stages):
+        ends: list[int] = []  # per slot, the last tick of the life it holds
+        for n in sorted((n for n in names if n[1] == j), key=lambda n: (lives[n], n)):
+            first, last = lives[n]
+            free = next((i for i, end in enumerate(ends) if end < first), None)
+            if free is None:
+                free = len(ends)
+                ends.append(last)
+            ends[free] = last
+            slot_of[n] = free
+    return slot_of
 
 
 def ring_ticks(table: TimeTable) -> RingTicks:
@@ -515,4 +555,4 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
 
 
 __all__ = ["SENDS_BY_TICK", "Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks",
-           "SumSend", "accesses", "lower_ring", "op_order", "ring_routing", "ring_ticks"]
+           "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_routing", "ring_ticks"]
