@@ -85,7 +85,11 @@ def run_point(method: str, devices: int, stages: int, timeout: float) -> dict:
     if done.returncode != 0:
         lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
         last = lines[-1] if lines else f"exit {done.returncode}"
-        return {"error": "refused: " + last.split(": ", 1)[-1][:90] if "Error" in last else last[:100]}
+        if "does not divide" in last:
+            return {"error": "refused (N does not divide the period)"}
+        if "cannot be split" in last:
+            return {"error": "refused (fewer devices than stages)"}
+        return {"error": ("refused: " + last.split(": ", 1)[-1] if "Error" in last else last)[:100]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

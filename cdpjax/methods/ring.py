@@ -42,7 +42,7 @@ maths is `cdpjax.methods.stage_ops`'s:
 
 Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
 was fed, stacked per stage in slots (`RingRouting`: names whose lives do not overlap share
-one; a message changes only its receivers' slot); those a period reads before
+one); those a period reads before
 writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
 lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
 (their ops idle, their updates masked), so that the parameters account for every
@@ -466,17 +466,22 @@ class Period:
         slot, N = self.routing.slot, self.ticks.workers
 
         def run(grads: tuple, me):
-            # Only the receivers take a message: a slot may hold another name on the other workers.
-            messages = [(("partial", j, lag), [pairs]) for j, lag, pairs in tk.partials]
+            # A worker a message does not reach gets zeros in that slot: no other name sharing the
+            # slot lives at this tick (lives do not overlap), and the next to live there is written
+            # first on every worker.
+            messages = [(("partial", j, lag), [pairs], False) for j, lag, pairs in tk.partials]
             # a worker may send one sum to two others in a tick: two permutes
-            messages += [(("sum", j, lag), _rounds(pairs)) for j, lag, pairs, _ in tk.sums]
-            for name, rounds in messages:
+            messages += [(("sum", j, lag), _rounds(pairs), merge) for j, lag, pairs, merge in tk.sums]
+            for name, rounds, merge in messages:
                 j, s = name[1], slot(name)
                 held = _at(grads[j], s)
-                value = held
-                for r in rounds:
-                    got = lax.ppermute(held, AXIS, list(r))
-                    value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
+                sent = [lax.ppermute(held, AXIS, list(r)) for r in rounds]
+                value = sent[0]
+                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
+                    value = held
+                    for r, got in zip(rounds, sent):
+                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
+                                             got, value)
                 grads = _set(grads, j, _put(grads[j], s, value))
             return varying(grads, AXIS)
         return run

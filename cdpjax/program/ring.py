@@ -177,7 +177,8 @@ class RingRouting(NamedTuple):
     whose lives in the period do not overlap sharing one (`names[j][i]` in slot
     `slot_index[j][i]`); a name lives from its first access (the period's start where it is
     `live`) to its last (the period's end where the next period takes it as lag + 1). A
-    message leaves the slot of the workers it does not reach as it was.
+    message zeroes the slot of the workers it does not reach (as the unrolled period did):
+    no other name of that slot lives then, and the next is written before it is read.
 
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
