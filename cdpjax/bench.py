@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cdpjax import compilation
+from cdpjax.program.ring import SENDS_BY_TICK
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1, "u64": 8,
@@ -93,7 +94,9 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of the entry: a while body its
     loop's known trip count times (1 where XLA does not know it), a branch of a conditional
-    or a called computation once (an upper bound for branches)."""
+    or a called computation once (an upper bound for branches), except the branches of a
+    conditional named `SENDS_BY_TICK` (the scanned ring's sends: branch t at tick t of its
+    loop), which share their conditional's runs (each once per pass of the loop)."""
     runs = {entry: 1}
     order = [entry]
     for comp in order:
@@ -109,7 +112,9 @@ def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             else:
                 m = re.search(r"branch_computations=\{([^}]*)\}", line)
                 if m:
-                    callees += [(c.strip().lstrip("%"), 1) for c in m.group(1).split(",")]
+                    branches = m.group(1).split(",")
+                    share = 1 / len(branches) if SENDS_BY_TICK in line else 1
+                    callees += [(c.strip().lstrip("%"), share) for c in branches]
                 for key in ("true_computation", "false_computation", "to_apply", "calls"):
                     m = re.search(rf"{key}=%?([\w.\-]+)", line)
                     if m and " all-reduce" not in line and " reduce" not in line.split("=", 1)[1][:40]:

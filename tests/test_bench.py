@@ -52,6 +52,34 @@ ENTRY %main (a: f32[16]) -> f32[16] {
     assert out["per_device_bytes"] == (permute + allreduce) / 4 and out["largest_permute_bytes"] == 64
 
 
+def test_traffic_counts_the_ring_sends_by_tick_once_a_period():
+    """The scanned ring's sends: a switch over the loop's ticks (named `SENDS_BY_TICK`), branch t
+    at tick t, so each branch runs once per pass of the loop (4 ticks: 4 branches), not 4 times;
+    an ordinary conditional in the same loop counts each branch every tick (an upper bound)."""
+    from cdpjax.program.ring import SENDS_BY_TICK
+
+    branches = "\n".join(f"""%tick_{t} (p.{t}: f32[16]) -> f32[16] {{
+  %cp.{t} = f32[16]{{0}} collective-permute(f32[16]{{0}} %p.{t}), channel_id={t}, source_target_pairs={pairs}
+}}""" for t, pairs in enumerate(["{{0,1}}", "{{0,1},{1,2}}", "{{2,3}}", "{{3,0},{1,2},{0,1}}"]))
+    by_tick = ("  %c = f32[16]{0} conditional(s32[] %t, f32[16]{0} %x, f32[16]{0} %x, f32[16]{0} %x, f32[16]{0} %x), "
+               "branch_computations={%tick_0, %tick_1, %tick_2, %tick_3}, "
+               f'metadata={{op_name="jit(f)/while/body/{SENDS_BY_TICK}/cond"}}')
+    hlo = f"""{branches}
+%other (q: f32[4]) -> f32[4] {{
+  %cp.9 = f32[4]{{0}} collective-permute(f32[4]{{0}} %q), channel_id=9, source_target_pairs={{{{0,1}}}}
+}}
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {{
+{by_tick}
+  %d = f32[4]{{0}} conditional(s32[] %i, f32[4]{{0}} %y), branch_computations={{%other}}
+}}
+ENTRY %main (a: f32[16]) -> f32[16] {{
+  %w = (s32[], f32[16]{{0}}) while(%t2), condition=%cnd, body=%body, backend_config={{"known_trip_count":{{"n":"4"}}}}
+}}
+"""
+    out = bench.traffic(hlo, devices=4)
+    assert out["by_kind"]["collective-permute"] == 64 * (1 + 2 + 1 + 3) + 16 * 1 * 4
+
+
 def test_bench_records_e2e_and_dp(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--methods", "e2e,dp", "--repeats", "2", "--json", str(out),

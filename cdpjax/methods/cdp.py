@@ -38,8 +38,8 @@ Two realisations, `config.cdp_impl`:
   shard_map's transpose.
 - `ring`: the real schedule, one worker per device (N = the data axis), by the ring
   engine (`cdpjax.methods.ring`, read its docstring): the table's steady-state
-  period unrolled, every op a `lax.cond` on natural-shape buffers, every message
-  one static partial `ppermute` of the stage's real size (the running partial sum
+  period one `lax.scan` over ticks, every op a `lax.switch` branch on natural-shape
+  buffers, every message one static partial `ppermute` of the stage's real size (the running partial sum
   hopping worker to worker, the completed sum chained on to every other worker
   by the table's delivery plan, at most one 'sum' and one 'partial' send per
   worker per tick whatever N), each worker applying every update between its last

@@ -1,16 +1,17 @@
-"""The ring engine: one CDP worker per device, the table's steady-state period unrolled.
+"""The ring engine: one CDP worker per device, the table's steady-state period as one scan.
 
 Timing and update rule are the table's (CDP's, `cdpjax.layouts.cdp`, or any other cyclic
 table): the engine runs the lowered `Program` of the table it is given
 (`cdpjax.program.ring`: T ticks from worker 0's start of a step, T = 2L with whole
 backwards, 3L with split ones, more where a table's steps end idle) in ONE `shard_map`
-over the `data` axis, every tick unrolled in Python (compile time grows with N and
-L, never with the number of steps: a `train_step` is one period, `run_steps` scans
-over periods). At tick t each device knows its own op; every op present at t is one
-`lax.cond` on `axis_index == its worker`, run by the piece of its kind
-(`forward_piece`, `backward_piece`, `weight_piece`), whose branches touch only that
-op's buffers, all in their natural shapes (nothing padded, nothing raveled); a
-stage's maths is `cdpjax.methods.stage_ops`'s:
+over the `data` axis, the period one `lax.scan` over its ticks (a `train_step` is one
+period, `run_steps` scans over periods). The per-tick routing is data
+(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`), so
+the compiled program holds each stage's op once per position of a tick whatever the
+worker count N (its sends grow with the messages of a tick: at most L x lags groups);
+at tick t each device reads its op and runs it by a `lax.switch` over the (kind, stage)
+pairs, each branch the maths of one op in natural shapes (nothing padded); a stage's
+maths is `cdpjax.methods.stage_ops`'s:
 
 - F, forward of stage j: reads the stage's parameters (the worker's one stored
   version: the plan applies each update between the worker's last read of the old
@@ -22,40 +23,42 @@ stage's maths is `cdpjax.methods.stage_ops`'s:
   (`residuals='recompute'`) or rebuilds the pullback from the kept residuals
   ('carry', whose FLOPs are then DP's) and writes the input's cotangent for the
   next tick; with whole backwards it also adds its gradient to the partial sum it
-  received.
+  received (slot `op_read`, or starts one) and writes it to slot `op_write`.
 - W (split backwards): the weight gradient of stage j from the same input or
   residuals and the cotangent its B read, added to the partial sum it received. A
   split backward makes every tick about one forward's cost, so the lockstep of
   the SPMD program (a tick lasts as long as its slowest op) no longer waits for a
   whole backward at every tick.
-- messages: each 'partial' and 'sum' of the tick is one static `lax.ppermute` whose
-  `perm` holds exactly the (src, dst) pairs that send that stage at that tick, of
-  that stage's real size; a device in no pair sends nothing. No other collective
-  but the psum of the three metric scalars.
-- applies: `lax.cond` per (stage, tick) with an apply; every worker applies the
-  same optax update (`cdpjax.optim.apply`) to its own copy.
+- messages: a `lax.switch` over the period's ticks indexed by the scan's counter
+  (the same branch on every device; `SENDS_BY_TICK`, branch t at tick t), each
+  branch that tick's static `lax.ppermute`s, one per (stage, lag) sent, whose
+  `perm` holds exactly the (src, dst) pairs that send it then, of that stage's real
+  size (a stage's gradient raveled to one vector: one permute per message, the same
+  bytes); a device in no pair sends nothing. No other collective but the psum of
+  the three metric scalars.
+- applies: per device a `lax.switch` over stages (or none) before the sends and
+  after them, from the sum's slot; every worker applies the same optax update
+  (`cdpjax.optim.apply`) to its own copy.
 
 Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed; those a period reads before writing (`RingTicks.live`) are the in-flight
-part of the train state, renamed lag -> lag + 1 at the end of each period. `flush`
-runs `max_lag` periods with nothing fed (their ops idle, their updates masked), so
-that the parameters account for every batch fed; training on after a flush
-restarts the cycle from the flushed parameters.
+was fed, stacked per stage in slots (`RingRouting`: names whose lives do not overlap share
+one); those a period reads before
+writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
+lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
+(their ops idle, their updates masked), so that the parameters account for every
+batch fed; training on after a flush restarts the cycle from the flushed parameters.
 
-Memory, as XLA lays it out: a conditional that updates a buffer in place is tied by
-a data dependency to the conditionals that read its old value (`Buffers`: without,
-XLA copies whole stages), each tick is fenced by an `optimization_barrier` (without,
-XLA interleaves ticks and stretches the in-flight sums' lives), the ops of a tick run
-the largest backward workspaces first and new partial sums last (`_op_order`), and a
-gradient buffer is dropped after the last tick that reads it. On the
-ResNet-18 bench this takes the temporaries from 94 to 80 MiB; what remains is the
-gradient sums in flight (one model's worth at every tick) plus the largest op's
-own temporaries (docs/measured.md).
+Memory: the scan's carry holds every slot for the whole period (two a stage for
+CDP's tables), where the unrolled period dropped each buffer after its last read;
+docs/measured.md gives the compile time, program size and held bytes against N.
+`Buffers`, `forward_op` and the pieces are the unrolled form's, which cdp-zero's
+period (`cdpjax.methods.cdp_zero`) still runs.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +70,7 @@ from cdpjax import optim
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import RingTicks, accesses, lower_ring
+from cdpjax.program.ring import SENDS_BY_TICK, RingRouting, RingTicks, lower_ring, ring_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = "data"
@@ -321,15 +324,70 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
     return (b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
 
 
+class RingState(NamedTuple):
+    """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
+    optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
+    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
+    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period."""
+
+    params: tuple
+    opt: tuple
+    ms: tuple
+    acts: tuple
+    cots: tuple
+    kept: tuple
+    labels: Any
+    grads: tuple
+    metrics: Any
+
+
+class Flat:
+    """A stage's gradient as one vector where its leaves share a dtype (a message is then one
+    `ppermute`, whatever the stage's leaf count; the same bytes), else as its tree."""
+
+    def __init__(self, like):
+        leaves, self.tree = jax.tree.flatten(like)
+        self.shapes = [leaf.shape for leaf in leaves]
+        self.flat = len({leaf.dtype for leaf in leaves}) == 1 and len(leaves) > 1
+
+    def pack(self, tree):
+        if not self.flat:
+            return tree
+        return jnp.concatenate([leaf.reshape(-1) for leaf in jax.tree.leaves(tree)])
+
+    def unpack(self, value):
+        if not self.flat:
+            return value
+        sizes = np.cumsum([int(np.prod(s)) for s in self.shapes])[:-1]
+        parts = jnp.split(value, sizes)
+        return jax.tree.unflatten(self.tree, [x.reshape(s) for x, s in zip(parts, self.shapes)])
+
+
+def _at(tree, slot):
+    return jax.tree.map(lambda a: a[slot], tree)
+
+
+def _put(tree, slot, value):
+    return jax.tree.map(lambda a, v: a.at[slot].set(v), tree, value)
+
+
+def _set(items: tuple, j: int, value) -> tuple:
+    return items[:j] + (value,) + items[j + 1:]
+
+
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
     stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
     labels, grads (the in-flight gradient buffers, in `ticks.live` order), fed (per lag >= 1).
 
-    Each tick runs its ops (`_op_order`), the applies from the sums held before the sends,
-    the sends, the applies from the sums received; then the gradient buffers no later tick
-    reads are dropped and the tick is fenced (`Buffers.barrier`).
+    The period is one `lax.scan` over its T ticks (`RingState` the carry), the routing data
+    (`cdpjax.program.ring.RingRouting`, indexed by tick and `axis_index`): per tick each worker
+    runs its ops (a `lax.switch` over the (kind, stage) pairs of that position, an op of a step
+    not fed idle), its applies from the sums held before the sends (a switch over stages), the
+    tick's sends (a switch over ticks, indexed by the scan's counter, the same on every
+    device: each branch the tick's static `ppermute`s of real stage sizes), its applies from the
+    sums received. The program holds each op's piece once per position, whatever N.
     """
 
     def __init__(self, stages: Stages, program: Program, tx):
@@ -337,89 +395,152 @@ class Period:
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
-        L = self.ticks.stages
-        self.fwd = [forward_piece(stages, j, carry) for j in range(L)]
-        self.bwd = {(j, start): backward_piece(stages, j, carry, self.split, start) for j in range(L)
-                    for start in (False, True)}
-        self.wgt = {(j, start): weight_piece(stages, j, carry, start) for j in range(L) for start in (False, True)}
-        self.dead = _dead_after(self.ticks)
+        self.routing: RingRouting = ring_routing(self.ticks)
+        self.flat = [Flat(p) for p in jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]]
+        self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
+        self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
+            lambda params, opt, grads, slot: varying((params, opt), AXIS)]
+        self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
+
+    # -- one op of the device, in its natural shapes
+    def _op(self, kind: str, j: int):
+        if kind == "F":
+            return self._forward(j)
+        return self._gradient_op(kind, j)
+
+    def _forward(self, j: int):
+        stages, carry, L = self.stages, self.carry, self.ticks.stages
+        ops = stages.ops
+
+        def run(c: RingState, images, new_labels, read, write, start):
+            x = images if j == 0 else c.acts[j]
+            labels = new_labels if j == 0 else c.labels
+            kept = c.kept
+            if carry:
+                out, k, (ms, metrics) = ops.forward_kept(j, c.params[j], c.ms[j], x, labels)
+                kept = _set(kept, j, k)
+            else:
+                out, (ms, metrics) = ops.run(j, c.params[j], c.ms[j], x, labels)
+            acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
+            if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
+                acts = _set(acts, 0, images)
+            c = c._replace(acts=acts, kept=kept, ms=_set(c.ms, j, ms), metrics=c.metrics + metrics,
+                           labels=new_labels if j == 0 else c.labels)
+            return varying(c, AXIS)
+        return run
+
+    def _gradient_op(self, kind: str, j: int):
+        """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
+        gradient only): the gradient added to the partial sum in slot `read` (or a new sum where
+        `start`), written to slot `write`."""
+        L, carry = self.ticks.stages, self.carry
+        cotangent = kind == "B"
+        gradient = kind == "W" or not self.split
+        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+
+        def run(c: RingState, images, new_labels, read, write, start):
+            seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
+            keep = c.kept[j] if carry else None
+            d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
+                                                            want)
+            if cotangent and j > 0:
+                c = c._replace(cots=_set(c.cots, j - 1, d_input))
+            if gradient:
+                flat = self.flat[j]
+                partial = flat.unpack(_at(c.grads[j], read))
+                total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
+                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, flat.pack(total))))
+            return varying(c, AXIS)
+        return run
+
+    def _apply(self, j: int):
+        tx = self.tx
+
+        def run(params, opt, grads, slot):  # only what an apply touches: the switch copies no other buffer
+            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(_at(grads[j], slot)))
+            return varying((_set(params, j, p), _set(opt, j, o)), AXIS)
+        return run
+
+    def _sends(self, tk):
+        """The tick's messages, each a static `ppermute` of one stage's gradient buffer."""
+        slot, N = self.routing.slot, self.ticks.workers
+
+        def run(grads: tuple, me):
+            # A worker a message does not reach gets zeros in that slot: no other name sharing the
+            # slot lives at this tick (lives do not overlap), and the next to live there is written
+            # first on every worker.
+            messages = [(("partial", j, lag), [pairs], False) for j, lag, pairs in tk.partials]
+            # a worker may send one sum to two others in a tick: two permutes
+            messages += [(("sum", j, lag), _rounds(pairs), merge) for j, lag, pairs, merge in tk.sums]
+            for name, rounds, merge in messages:
+                j, s = name[1], slot(name)
+                held = _at(grads[j], s)
+                sent = [lax.ppermute(held, AXIS, list(r)) for r in rounds]
+                value = sent[0]
+                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
+                    value = held
+                    for r, got in zip(rounds, sent):
+                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
+                                             got, value)
+                grads = _set(grads, j, _put(grads[j], s, value))
+            return varying(grads, AXIS)
+        return run
 
     def __call__(self, state, images, new_labels, feeding):
-        ticks = self.ticks
+        ticks, r = self.ticks, self.routing
         me = lax.axis_index(AXIS)
-        b = Buffers(_named(state, ticks, self.carry))
-        b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
-        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, ticks.max_lag + 1)]
-        for t, tk in enumerate(ticks.ticks):
-            self.tick(b, tk, valid, me, images, new_labels)
-            for name in self.dead[t]:  # a gradient buffer no later tick reads: not carried on
-                b.values.pop(name, None)
-            b.barrier()
-        new = _unnamed(b, state, ticks, self.carry)
-        new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
-        return new, b[("metrics",)]
+        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
+        table = {name: jnp.asarray(getattr(r, name)) for name in
+                 ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot")}
+        c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
+                              tuple(state["acts"]), tuple(state["cots"]),
+                              tuple(state["kept"]) if self.carry else (), state["labels"],
+                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics()), AXIS)
 
-    def tick(self, b, tk, valid, me, images, new_labels):
-        N = self.ticks.workers
-        for w, kind, j, lag in _op_order(tk):
-            pred = (me == w) & valid[lag]
-            if kind == "F":
-                forward_op(b, j, pred, images, new_labels, self.fwd[j], ("params", j), self.ticks.stages, self.carry)
-                continue
-            start = (w, j) in tk.chain_start
-            if kind == "B":
-                total = self.backward(b, j, pred, start, lag)
-            else:
-                total = self.weight(b, j, pred, start, lag)
-            if kind in tk.gradient_kinds:
-                done = (w, j, lag) in tk.completes
-                b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
-        self.applies(b, tk, valid, me, after=False)
-        for j, lag, pairs in tk.partials:
-            b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
-        for j, lag, pairs, merge in tk.sums:
-            key = ("sum", j, lag)
-            rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
-            sent = [lax.ppermute(b[key], AXIS, list(r)) for r in rounds]
-            if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
-                for r, value in zip(rounds, sent):
-                    _pick(b, _member(me, [d for _, d in r], N), key, value)
-            else:
-                b[key] = sent[0]
-        self.applies(b, tk, valid, me, after=True)
+        def tick(c: RingState, t):
+            for k, branches in enumerate(self.op_branches):
+                at = (t, me, k)
+                idle = len(branches) - 1
+                branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], idle)
+                c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
+                               table["op_write"][at], table["op_start"][at])
+            c = self._applies(c, table, valid, t, me, 0)
+            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
+                c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
+            c = self._applies(c, table, valid, t, me, 1)
+            return c, None
 
-    def backward(self, b, j, pred, start, lag):
-        """B: the input's cotangent to cots[j-1]; with whole backwards, the partial sum plus its
-        gradient (returned)."""
-        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
-        zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        name = ("partial", j, lag)
-        gradient = not self.split
-        partial = b[name] if gradient and not start else zero
-        cot = b[("cots", j - 1)] if j > 0 else zero
-        writes = ([("cots", j - 1)] if j > 0 else []) + ([name] if gradient and not start else [])
-        total, cot = b.cond(pred, *self.bwd[(j, start)], (*operands, partial, cot), reads, writes)
-        if j > 0:
-            b[("cots", j - 1)] = cot
-        return total if gradient else None
+        c, _ = lax.scan(tick, c, jnp.arange(ticks.period_ticks, dtype=jnp.int32))
+        # The in-flight buffers go on, their step one call older.
+        new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
+               "cots": list(c.cots), "labels": c.labels,
+               "grads": [self.flat[j].unpack(_at(c.grads[j], r.slot((kind, j, lag - 1))))
+                         for kind, j, lag in ticks.live],
+               "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
+        if self.carry:
+            new["kept"] = list(c.kept)
+        return new, c.metrics
 
-    def weight(self, b, j, pred, start, lag):
-        """W: the partial sum plus stage j's weight gradient."""
-        operands, reads = backward_operands(b, j, ("params", j), self.ticks.stages, self.carry)
-        name = ("partial", j, lag)
-        partial = varying(jnp.zeros((), jnp.float32), AXIS) if start else b[name]
-        return b.cond(pred, *self.wgt[(j, start)], (*operands, partial), reads, [] if start else [name])
+    def _applies(self, c, table, valid, t, me, phase):
+        for a in range(table["apply_stage"].shape[-1]):
+            at = (phase, t, me, a)
+            stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
+            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_slot"][at])
+            c = c._replace(params=params, opt=opt)
+        return c
 
-    def applies(self, b, tk, valid, me, after):
-        tx = self.tx
-        for j, lag, workers, when in tk.applies:
-            if when == after:
-                pred = _member(me, workers, self.ticks.workers) & valid[lag]
-                p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                              lambda p, o, g: varying((p, o), AXIS),
-                              (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
-                              reads=[("sum", j, lag)], writes=[("params", j), ("opt", j)])
-                b[("params", j)], b[("opt", j)] = p, o
+    def _stacked(self, grads, params) -> tuple:
+        """Per stage, its gradient buffers stacked by slot: the carried ones from `grads`
+        (`ticks.live` order), the others zeros (a stage with no gradient buffer: no slot)."""
+        given = dict(zip(self.ticks.live, grads))
+        out = []
+        r = self.routing
+        for j in range(self.ticks.stages):
+            held = {r.slot(n): n for n in self.ticks.live if n[1] == j}
+            rows = [self.flat[j].pack(given[held[i]] if i in held else jax.tree.map(jnp.zeros_like, params[j]))
+                    for i in range(r.slot_count[j])]
+            out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
+        return tuple(out)
 
 
 def _rounds(pairs) -> list[list]:
@@ -436,47 +557,8 @@ def _rounds(pairs) -> list[list]:
     return rounds
 
 
-def _dead_after(program: RingTicks) -> list[list]:
-    """Per tick, the gradient buffers whose last read in the period is in that tick (and that
-    the next period does not take)."""
-    carried = {(kind, j, lag - 1) for kind, j, lag in program.live}
-    last = {}
-    for t, tk in enumerate(program.ticks):
-        for name, _, _ in accesses(tk):
-            last[name] = t
-    dead = [[] for _ in program.ticks]
-    for name, t in last.items():
-        if name not in carried:
-            dead[t].append(name)
-    return dead
-
-
-def _op_order(tk):
-    """The tick's ops in the order the device program runs them: forwards, then backward ops by
-    stage (earlier stages first: the larger activations), those that start a new partial sum
-    last (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
-
-
-def _named(state, program, carry):
-    named = {}
-    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
-                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
-        named.update({(key, j): v for j, v in enumerate(state[plural])})
-    named[("labels",)] = state["labels"]
-    named.update(zip(program.live, state["grads"]))
-    return named
-
-
-def _unnamed(b, state, program, carry):
-    new = {}
-    for key, plural in (("params", "params"), ("opt", "opt_state"), ("ms", "model_state"), ("acts", "acts"),
-                        ("cots", "cots")) + ((("kept", "kept"),) if carry else ()):
-        new[plural] = [b[(key, j)] for j in range(len(state[plural]))]
-    new["labels"] = b[("labels",)]
-    # The in-flight buffers go on, their step one call older.
-    new["grads"] = [b[(kind, j, lag - 1)] for kind, j, lag in program.live]
-    return new
+def _idle(c: RingState, *_):
+    return varying(c, AXIS)
 
 
 # ------------------------------------------------------------------ the method

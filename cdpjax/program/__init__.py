@@ -11,7 +11,8 @@ knowledge of the method), `train` and the tests.
 - `ticks`: the engine's per-tick work for one *period* (the ticks of one call,
   which feeds one batch): `StageTicks`, integer arrays indexed [tick, device]
   that a `lax.scan` reads (`cdpjax.program.stage_axis`); or `RingTicks`, the
-  static events of each tick of an unrolled period (`cdpjax.program.ring`).
+  events of each tick of the ring's period (`cdpjax.program.ring`; `ring_routing`
+  makes them the arrays its scan reads).
 - `buffers`: every buffer a device allocates, what it holds, its size in
   per-stage units (`Size`), whether it lives between calls (part of the train
   state, checkpointed) and, for a call's temporaries, the ticks it is live.

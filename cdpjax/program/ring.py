@@ -5,7 +5,8 @@ split or paired ticks, or any other table with `axis='data'`: its own ops and th
 version each reads, its updates, 'partial' and 'sum' messages and `Apply` records;
 nothing is rebuilt from a rule) into the `Program` the ring runtime
 (`cdpjax.methods.ring`) runs: one steady-state period of T ticks from worker 0's
-start of a step (`RingTicks`, every tick's typed events, unrolled by the runtime),
+start of a step (`RingTicks`, every tick's typed events; `RingRouting`, the same as
+the integer arrays the runtime's scan reads by tick and worker),
 every buffer in its natural shape (a worker holds every stage: nothing is padded)
 and every message at its stage's size:
 
@@ -27,6 +28,7 @@ of each period.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import NamedTuple
 
@@ -36,6 +38,10 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
 from cdpjax.timetable import TimeTable
+
+# The name scope of the scanned ring's switch over ticks that sends each tick's messages (its
+# branch t runs at tick t): `cdpjax.bench` counts each branch once per pass of the loop.
+SENDS_BY_TICK = "ring_sends_by_tick"
 
 Pairs = tuple[tuple[int, int], ...]  # (source worker, destination worker) of each message
 
@@ -155,6 +161,138 @@ class RingTicks:
         return out
 
 
+def op_order(tk: RingTick) -> list[RingOp]:
+    """The tick's ops in the order a worker runs its own: forwards, then backward ops by stage
+    (earlier stages first: the larger activations), those that start a new partial sum last
+    (their new gradient buffer then never meets another op's workspace)."""
+    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
+
+
+class RingRouting(NamedTuple):
+    """The ring's period as data, for a scanned runtime: per tick t, worker w and position k (a
+    worker's ops of one tick in `op_order`, k < positions), which op it runs and on which
+    buffers; per tick, worker and position a, which stage's update it applies from which slot.
+
+    Gradient buffers: stage j's named buffers (kind, j, lag) in `slot_count[j]` slots, names
+    whose lives in the period do not overlap sharing one (`names[j][i]` in slot
+    `slot_index[j][i]`); a name lives from its first access (the period's start where it is
+    `live`) to its last (the period's end where the next period takes it as lag + 1). A
+    message zeroes the slot of the workers it does not reach (as the unrolled period did):
+    no other name of that slot lives then, and the next is written before it is read.
+
+    op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
+    the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
+    op_read: the slot of the partial sum a gradient op adds to; op_start: it starts one instead
+    (reads nothing); op_write: the slot its sum (partial or completed) goes to.
+    apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
+    sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
+    """
+
+    op_kinds: tuple[tuple[tuple[str, int], ...], ...]
+    op_branch: np.ndarray
+    op_lag: np.ndarray
+    op_read: np.ndarray
+    op_write: np.ndarray
+    op_start: np.ndarray
+    apply_stage: np.ndarray
+    apply_lag: np.ndarray
+    apply_slot: np.ndarray
+    names: tuple[tuple[tuple[str, int, int], ...], ...]
+    slot_index: tuple[tuple[int, ...], ...]
+    slot_count: tuple[int, ...]
+
+    def slot(self, name: tuple[str, int, int]) -> int:
+        """The slot of gradient buffer `name` in its stage's stack."""
+        j = name[1]
+        return self.slot_index[j][self.names[j].index(name)]
+
+
+def ring_routing(ticks: RingTicks) -> RingRouting:
+    """`ticks` as the integer arrays a scanned period indexes by (tick, worker): linear in the
+    number of events."""
+    T, N, L = len(ticks.ticks), ticks.workers, ticks.stages
+    names = set(ticks.live) | {(kind, j, lag - 1) for kind, j, lag in ticks.live}
+    for tk in ticks.ticks:
+        names.update(name for name, _, _ in accesses(tk))
+    per_stage = tuple(tuple(sorted(n for n in names if n[1] == j)) for j in range(L))
+    slot_of = _slots(ticks, names)
+    per_worker = [[[] for _ in range(N)] for _ in range(T)]
+    for t, tk in enumerate(ticks.ticks):
+        for op in op_order(tk):
+            per_worker[t][op.worker].append(op)
+    K = max((len(ops) for row in per_worker for ops in row), default=0)
+    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
+                  for k in range(K))
+    shape = (T, N, max(K, 1))
+    branch = np.zeros(shape, np.int32)
+    for k in range(K):
+        branch[:, :, k] = len(kinds[k])
+    lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
+    start = np.zeros(shape, bool)
+    for t, tk in enumerate(ticks.ticks):
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        for w in range(N):
+            for k, o in enumerate(per_worker[t][w]):
+                branch[t, w, k] = kinds[k].index((o.kind, o.stage))
+                lag[t, w, k] = o.lag
+                if o.kind in tk.gradient_kinds:
+                    start[t, w, k] = (w, o.stage) in tk.chain_start
+                    if not start[t, w, k]:
+                        read[t, w, k] = slot_of[("partial", o.stage, o.lag)]
+                    kind = "sum" if (w, o.stage, o.lag) in done else "partial"
+                    write[t, w, k] = slot_of[(kind, o.stage, o.lag)]
+    applies = [[[[] for _ in range(N)] for _ in range(T)] for _ in range(2)]
+    for t, tk in enumerate(ticks.ticks):
+        for j, a_lag, workers, after in tk.applies:
+            for w in workers:
+                applies[int(after)][t][w].append((j, a_lag))
+    A = max((len(a) for p in applies for row in p for a in row), default=0)
+    a_shape = (2, T, N, max(A, 1))
+    a_stage, a_lag, a_slot = np.full(a_shape, L, np.int32), np.zeros(a_shape, np.int32), np.zeros(a_shape, np.int32)
+    for p in range(2):
+        for t in range(T):
+            for w in range(N):
+                for a, (j, lg) in enumerate(applies[p][t][w]):
+                    a_stage[p, t, w, a], a_lag[p, t, w, a] = j, lg
+                    a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
+    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, per_stage,
+                       tuple(tuple(slot_of[n] for n in per) for per in per_stage),
+                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage))
+
+
+def name_lives(ticks: RingTicks, names) -> dict:
+    """Gradient buffer name -> (first, last) tick of its life in the period: from its first
+    access (0 where the previous period hands it on: `live`) to its last (T - 1 where the next
+    period takes it as lag + 1)."""
+    T = len(ticks.ticks)
+    carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
+    first, last = {}, {}
+    for t, tk in enumerate(ticks.ticks):
+        for name, _, _ in accesses(tk):
+            first.setdefault(name, t)
+            last[name] = t
+    return {n: (0 if n in ticks.live else first.get(n, 0), T - 1 if n in carried else last.get(n, T - 1))
+            for n in names}
+
+
+def _slots(ticks: RingTicks, names) -> dict:
+    """Per stage, its names packed into the fewest slots whose lives do not overlap (greedy by
+    start: optimal for intervals): name -> slot."""
+    lives = name_lives(ticks, names)
+    slot_of = {}
+    for j in range(ticks.stages):
+        ends: list[int] = []  # per slot, the last tick of the life it holds
+        for n in sorted((n for n in names if n[1] == j), key=lambda n: (lives[n], n)):
+            first, last = lives[n]
+            free = next((i for i, end in enumerate(ends) if end < first), None)
+            if free is None:
+                free = len(ends)
+                ends.append(last)
+            ends[free] = last
+            slot_of[n] = free
+    return slot_of
+
+
 def ring_ticks(table: TimeTable) -> RingTicks:
     """The ring's period of a cyclic `table`, from its own events: ops (with the version each
     reads), updates, 'partial' and 'sum' messages and applies. Every event of one fully laid-out
@@ -177,10 +315,12 @@ def ring_ticks(table: TimeTable) -> RingTicks:
                               f"table's step {k} differs from step {whole[-1]} at tick {t} of the "
                               f"period: {other[t]} != {ticks[t]}")
     lags = [op[3] for tk in ticks for op in tk.ops] + [a[1] for tk in ticks for a in tk.applies]
-    newest = []
-    for j in range(L):  # the worker whose apply of stage j is fewest calls late: it holds the newest version
-        lag_of = {w: lag for tk in ticks for jj, lag, ws, _ in tk.applies if jj == j for w in ws}
-        newest.append(min(range(N), key=lambda w: (lag_of.get(w, 0), w)))
+    lag_of = [{} for _ in range(L)]
+    for tk in ticks:
+        for j, lag, ws, _ in tk.applies:
+            lag_of[j].update(dict.fromkeys(ws, lag))
+    # the worker whose apply of stage j is fewest calls late: it holds the newest version
+    newest = [min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L)]
     return RingTicks(N, L, ticks, max(lags), _live(ticks, N), tuple(newest))
 
 
@@ -208,7 +348,7 @@ def _refuse_unservable(table: TimeTable) -> None:
     for ts in applied.values():
         ts.sort()
     for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
-        held = int(np.searchsorted(applied.get((o.device, o.stage), []), o.tick))
+        held = bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
         if held != o.version:
             raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
                               f"reads version {o.version}, and the worker's one stored copy holds version {held} "
@@ -259,10 +399,10 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     T, N = table.period, table.workers
     grad = gradient_kind(table.split_backward)
 
-    def at(t: int, what: str) -> tuple[int, int]:
+    def at(t: int, what) -> tuple[int, int]:  # what(): the event's words, made only for the error
         lag = t // T - step
         if lag < 0:
-            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what} of step {step} "
+            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what()} of step {step} "
                               f"at tick {t} is before worker 0 starts that step (tick {step * T})")
         return t % T, lag
 
@@ -273,7 +413,7 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     for o in table.ops:
         if o.step != step:
             continue
-        t, lag = at(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
+        t, lag = at(o.tick, lambda: f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[t]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
         if o.kind == grad and (o.device, o.stage) not in received:
@@ -293,11 +433,15 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
     for (j, w), t in applied.items():
         end[(j, w)] = max(end.get((j, w), -1), t)
     for m in messages:
-        t, lag = at(m.tick, f"'{m.kind}' message of stage {m.stage}")
+        t, lag = at(m.tick, lambda: f"'{m.kind}' message of stage {m.stage}")
         if m.kind == "partial":
             ticks[t]["partials"].setdefault((m.stage, lag), []).append((m.src, m.dst))
         elif m.kind == "sum":
             ticks[t]["sums"].setdefault((m.stage, lag, m.tick), []).append((m.src, m.dst))
+    applies_at = [[] for _ in range(T)]  # per tick of the period: (stage, lag, worker)
+    for (j, w), tick in applied.items():
+        at_t, lag = at(tick, lambda: f"apply of stage {j} by worker {w}")
+        applies_at[at_t].append((j, lag, w))
     out = []
     for t, tk in enumerate(ticks):
         sums = []
@@ -308,10 +452,8 @@ def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
             sums.append(SumSend(j, lag, tuple(sorted(pairs)), keep))
         receivers = {(j, lag, d) for j, lag, pairs, _ in sums for _, d in pairs}
         applies = {}
-        for (j, w), tick in applied.items():
-            at_t, lag = at(tick, f"apply of stage {j} by worker {w}")
-            if at_t == t:
-                applies.setdefault((j, lag, (j, lag, w) in receivers), []).append(w)
+        for j, lag, w in applies_at[t]:
+            applies.setdefault((j, lag, (j, lag, w) in receivers), []).append(w)
         out.append(RingTick(
             gradient_kinds=(grad,),
             ops=tuple(sorted(tk["ops"])),
@@ -413,5 +555,5 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
 
 
-__all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring",
-           "ring_ticks"]
+__all__ = ["SENDS_BY_TICK", "Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks",
+           "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_routing", "ring_ticks"]
