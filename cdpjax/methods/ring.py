@@ -61,16 +61,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
+from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
 from cdpjax.program.ring import RingTicks, accesses, lower_ring
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
-AXIS = "data"
+WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
+RINGS = "data"  # rings side by side, each fed its share of the batch: their completed sums combined over it
+AXIS = (RINGS, WORKERS)  # what every value of a worker's period varies over (its specs: P(AXIS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Stages:
 
 
 def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> Stages:
+    """`Stages` of micro-batches of `micro` examples, the loss divided by `workers` (every worker of
+    every ring: their summed gradients are the mean); `mesh` the period's (`ring_mesh`)."""
     outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
     inputs = ((micro, *net.input_shape), *outputs[:-1])
     stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS), task), micro, inputs, outputs,
@@ -332,9 +337,10 @@ class Period:
     reads are dropped and the tick is fenced (`Buffers.barrier`).
     """
 
-    def __init__(self, stages: Stages, program: Program, tx):
+    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
+        self.rings = rings
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         L = self.ticks.stages
@@ -346,7 +352,7 @@ class Period:
 
     def __call__(self, state, images, new_labels, feeding):
         ticks = self.ticks
-        me = lax.axis_index(AXIS)
+        me = lax.axis_index(WORKERS)
         b = Buffers(_named(state, ticks, self.carry))
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, ticks.max_lag + 1)]
@@ -374,13 +380,14 @@ class Period:
             if kind in tk.gradient_kinds:
                 done = (w, j, lag) in tk.completes
                 b[("sum" if done else "partial", j, lag)] = total  # a partial is sent below
+        combine_rings(b, tk, self.rings)
         self.applies(b, tk, valid, me, after=False)
         for j, lag, pairs in tk.partials:
-            b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], AXIS, list(pairs))
+            b[("partial", j, lag)] = lax.ppermute(b[("partial", j, lag)], WORKERS, list(pairs))
         for j, lag, pairs, merge in tk.sums:
             key = ("sum", j, lag)
             rounds = _rounds(pairs)  # a worker may send one sum to two others in a tick: two permutes
-            sent = [lax.ppermute(b[key], AXIS, list(r)) for r in rounds]
+            sent = [lax.ppermute(b[key], WORKERS, list(r)) for r in rounds]
             if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
                 for r, value in zip(rounds, sent):
                     _pick(b, _member(me, [d for _, d in r], N), key, value)
@@ -420,6 +427,16 @@ class Period:
                               (b[("params", j)], b[("opt", j)], b[("sum", j, lag)]),
                               reads=[("sum", j, lag)], writes=[("params", j), ("opt", j)])
                 b[("params", j)], b[("opt", j)] = p, o
+
+
+def combine_rings(b: Buffers, tk, rings: int):
+    """Each sum completed at this tick made the sum over the rings (one `psum` over `RINGS` per
+    stage and step), before any worker applies it or passes it on: the same worker of every ring
+    completes it at the same tick, so each ring then applies the gradient of the whole batch."""
+    if rings == 1:
+        return
+    for _, j, lag in sorted(tk.completes):
+        b[("sum", j, lag)] = lax.psum(b[("sum", j, lag)], RINGS)
 
 
 def _rounds(pairs) -> list[list]:
@@ -525,25 +542,43 @@ def spmd_period(period, stages, mesh):
     return one_period, jax.jit(one_period), run
 
 
+def ring_mesh(mesh, workers: int):
+    """The devices of `mesh` (one `data` axis) as rings of `workers` side by side: the mesh
+    (`RINGS`: devices / workers, `WORKERS`: workers), a ring's workers on consecutive devices,
+    so that device d * workers + w is worker w of ring d and is fed the batch's rows of
+    device d * workers + w under the trainer's `data` sharding."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    if devices.size % workers:
+        raise ConfigError(f"workers={workers} does not divide the {devices.size} devices: rings of workers={workers} "
+                          f"side by side need a multiple of {workers} devices")
+    return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
+
+
 def build(ctx, name: str, net, table, residuals: str) -> Method:
-    """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
+    """The ring `Method` running `table`'s lowered program: rings of `table.workers` workers (one
+    per device) side by side over the mesh's `data` devices, each ring fed its share of every
+    global batch; each sum a ring completes is summed over the rings before it is applied or
+    passed on (`combine_rings`), so every ring applies the update of the whole batch."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
     ticks: RingTicks = program.ticks
-    mesh, tx, N = ctx.mesh, ctx.optimizer(), ticks.workers
+    tx, N = ctx.optimizer(), ticks.workers
+    mesh = ring_mesh(ctx.mesh, N)
+    rings = int(mesh.shape[RINGS])
     batch = int(ctx.config.global_batch_size)
-    micro = batch // N
+    ctx.require_divisible("global_batch_size", batch, N * rings, f"{rings} rings x {N} workers")
+    micro = batch // (N * rings)
     carry = program.carries
-    stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
-    period = Period(stages, program, tx)
+    stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
+    period = Period(stages, program, tx, rings)
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry)
         # Every worker holds its own copy of everything: a leading worker axis on `data`.
-        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), state), per_worker)
+        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 
     @jax.jit
     def train_step(state, batch):
@@ -571,8 +606,10 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
         return params, model_state
 
     return Method(name, net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
-                  periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
-                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole")})
+                  periods=run, carrier=stages, stale=table.stale, workers=N, devices=N * rings,
+                  state_depends_on_mesh=True,
+                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole"),
+                          "rings": rings})
 
 
 def reported(stages: Stages, sums) -> dict:

@@ -1,0 +1,63 @@
+"""Rings side by side: CDP on more devices than its table takes workers.
+
+Claims: on 8 devices, D rings of N workers (N * D = 8) each fed its share of every global batch,
+their completed gradient sums added over the rings once per stage and step, end where CDP's
+simulation of N workers ends when worker w's micro-batch is the union of worker w's
+micro-batches in every ring (the same table; each ring's sum then is a share of the whole
+batch's); a worker count the table does not take is refused naming the rings that fit, and with
+no worker count the ring fills the host with the largest ring the table takes.
+"""
+import jax
+import numpy as np
+import pytest
+
+from cdpjax.config import ConfigError
+from cdpjax.methods import cdp
+from helpers import assert_trees_close, max_diff, params
+from test_cdp import BATCH, STEPS, batches, build, context
+
+
+def simulate_batch(batch: dict, rings: int, workers: int) -> dict:
+    """The batch as simulate's N workers must see it: the trainer's `data` sharding gives device k
+    rows [k m, (k + 1) m) (m = B / (D N)), and device k is worker k mod N of ring k // N; simulate
+    gives worker w rows [w B / N, (w + 1) B / N): so worker w's rows are those of devices w, N + w,
+    2N + w, ... in that order."""
+    m = BATCH // (rings * workers)
+    order = [(d * workers + w) * m + r for w in range(workers) for d in range(rings) for r in range(m)]
+    return {k: np.asarray(v)[np.asarray(order)] for k, v in batch.items()}
+
+
+def train(m, feed):
+    state = m.init(jax.random.key(0))
+    for b in feed:
+        state, metrics = m.train_step(state, b)
+        assert np.isfinite(float(metrics["loss"]))
+    return m.flush(state) if m.flush is not None else state
+
+
+@pytest.mark.parametrize("rings,workers", [(2, 4), (4, 2)])
+def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers):
+    assert jax.device_count() == 8 == rings * workers
+    ring = cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=workers, stages=4), "cdp-v2")
+    assert (ring.workers, ring.devices, ring.report["rings"]) == (workers, 8, rings)
+    sim = build("cdp-v2", "simulate", workers=workers, devices=2, stages=4)
+    np.testing.assert_array_equal(ring.stale, sim.stale)
+    expected = params(sim, train(sim, [simulate_batch(b, rings, workers) for b in batches()[:STEPS]]))
+    got = params(ring, train(ring, batches()[:STEPS]))
+    assert_trees_close(got, expected)
+    # The union matters: each ring alone (its own share, no sum over the rings) ends elsewhere.
+    alone = params(sim, train(sim, batches()[:STEPS]))
+    assert max_diff(alone, expected) > 1e-6
+
+
+def test_ring_worker_counts_fill_the_host_or_name_the_rings_that_fit():
+    # L = 2, whole ticks: a step is 4 ticks, so 8 workers cannot be one ring; with no worker count
+    # the ring takes the largest worker count dividing both 8 devices and the 4 ticks.
+    m = cdp.make(context(8, method="cdp-v2", cdp_impl="ring", stages=2), "cdp-v2")
+    assert (m.workers, m.devices, m.report["rings"]) == (4, 8, 2)
+    with pytest.raises(ConfigError, match=r"workers=8 does not divide the 4 ticks.*"
+                                          r"workers=4: \{'data': 2, 'worker': 4\}, workers=2: \{'data': 4, "
+                                          r"'worker': 2\}"):
+        cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=8, stages=2), "cdp-v2")
+    with pytest.raises(ConfigError, match="workers must divide mesh.data=8"):
+        cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=3, stages=3, global_batch_size=48), "cdp-v2")
