@@ -35,12 +35,18 @@ def train(m, feed):
     return m.flush(state) if m.flush is not None else state
 
 
-@pytest.mark.parametrize("rings,workers", [(2, 4), (4, 2)])
-def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers):
+@pytest.mark.parametrize("rings,workers,method,rule,ticks,residuals", [
+    (2, 4, "cdp-v2", "cdp-v2", "whole", "recompute"), (4, 2, "cdp-v2", "cdp-v2", "whole", "recompute"),
+    pytest.param(2, 4, "cdp-v1", "cdp-v2", "whole", "recompute", marks=pytest.mark.heavy),
+    pytest.param(2, 4, "cdp-v2", "paper-code", "whole", "recompute", marks=pytest.mark.heavy),
+    pytest.param(2, 4, "cdp-v2", "cdp-v2", "split", "carry", marks=pytest.mark.heavy),
+    pytest.param(2, 4, "cdp-v2", "cdp-v2", "paired", "carry", marks=pytest.mark.heavy)])
+def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers, method, rule, ticks, residuals):
     assert jax.device_count() == 8 == rings * workers
-    ring = cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=workers, stages=4), "cdp-v2")
+    ring = cdp.make(context(8, method=method, cdp_impl="ring", workers=workers, stages=4, cdp_rule=rule,
+                            cdp_ticks=ticks, residuals=residuals), method)
     assert (ring.workers, ring.devices, ring.report["rings"]) == (workers, 8, rings)
-    sim = build("cdp-v2", "simulate", workers=workers, devices=2, stages=4)
+    sim = build(method, "simulate", workers=workers, devices=2, stages=4, rule=rule, ticks=ticks)
     np.testing.assert_array_equal(ring.stale, sim.stale)
     expected = params(sim, train(sim, [simulate_batch(b, rings, workers) for b in batches()[:STEPS]]))
     got = params(ring, train(ring, batches()[:STEPS]))

@@ -36,8 +36,12 @@ Two realisations, `config.cdp_impl`:
   workers are vmapped inside `shard_map` over the `data` axis (N a multiple of the
   data axis, down to one device); gradients summed by the all-reduce of
   shard_map's transpose.
-- `ring`: the real schedule, one worker per device (N = the data axis), by the ring
-  engine (`cdpjax.methods.ring`, read its docstring): the table's steady-state
+- `ring`: the real schedule, one worker per device, by the ring engine
+  (`cdpjax.methods.ring`, read its docstring); where N is less than the data axis,
+  data / N rings of N side by side, each fed its share of every global batch, each
+  completed sum summed over the rings once per stage and step (workers=0: every
+  device in one ring where the table takes that many workers, else the largest ring
+  that divides both: `ring_workers`): the table's steady-state
   period unrolled, every op a `lax.cond` on natural-shape buffers, every message
   one static partial `ppermute` of the stage's real size (the running partial sum
   hopping worker to worker, the completed sum chained on to every other worker
@@ -117,9 +121,10 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
 
 def ring_workers(devices: int, stages: int, ticks: str) -> int:
     """The ring's default worker count on `devices` devices: all of them where the table takes that
-    many workers, else the most that divides the devices and that the table takes (64 devices,
-    L = 8, whole ticks: 4 rings of 16)."""
-    return max(ring_fits(devices, stages, ticks) or [devices])
+    many workers, else the most (at least 2: one worker has no delay, it is dp) that divides the
+    devices and that the table takes (64 devices, L = 8, whole ticks: 4 rings of 16); where none
+    does, all of them (refused by `check_ring_workers`)."""
+    return max([n for n in ring_fits(devices, stages, ticks) if n > 1] or [devices])
 
 
 def ring_fits(devices: int, stages: int, ticks: str) -> list[int]:
@@ -140,10 +145,11 @@ def check_ring_workers(workers: int, asked: int, devices: int, stages: int, tick
     try:
         check_sizes(workers, stages, ticks)
     except ConfigError as e:
-        fits = [n for n in ring_fits(devices, stages, ticks) if n > 1] or [1]
+        fits = [n for n in ring_fits(devices, stages, ticks) if n > 1]
         meshes = ", ".join(f"workers={n}: {{'data': {devices // n}, 'worker': {n}}}" for n in reversed(fits))
-        raise ConfigError(f"{e}; on mesh.data={devices} devices rings side by side fit ({meshes}: rings x workers)"
-                          + ("" if asked else "; set --config.workers")) from None
+        where = (f"on mesh.data={devices} devices rings side by side fit ({meshes}: rings x workers)" if fits
+                 else f"no ring of 2 or more workers the table takes divides mesh.data={devices}")
+        raise ConfigError(f"{e}; {where}") from None
 
 
 def _rule(method: str, cfg) -> str:

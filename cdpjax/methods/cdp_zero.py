@@ -28,9 +28,11 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   which adds it to its running sum (the step's first gradient op starts it); at the
   table's update tick (after the last worker's op) every worker applies the update of its
   pieces.
-- Collectives: `ppermute`s of single (source, destination) pairs, each a piece of one
-  stage, and the psum of the three metric scalars: no all-gather, reduce-scatter or
-  all-reduce of model-sized buffers.
+- Collectives: `ppermute`s of pieces, batched per tick (`messages`): the pieces one pair
+  carries in one phase (gathers, then gradients) one after the other, and the pairs of one
+  route (destination - source mod N) whose payloads have one length in one `ppermute`
+  (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no
+  all-gather, reduce-scatter or all-reduce of model-sized buffers.
 
 Per worker and step the messages carry (N-1)/N x (2 - the last stage's share) of the model
 in parameters (two visits a stage, one of the last) and (N-1)/N of it in gradients (ZeRO-3's

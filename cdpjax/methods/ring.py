@@ -31,7 +31,8 @@ stage's maths is `cdpjax.methods.stage_ops`'s:
 - messages: each 'partial' and 'sum' of the tick is one static `lax.ppermute` whose
   `perm` holds exactly the (src, dst) pairs that send that stage at that tick, of
   that stage's real size; a device in no pair sends nothing. No other collective
-  but the psum of the three metric scalars.
+  but the psum of the three metric scalars, and with rings side by side over `data`
+  (`ring_mesh`) one psum over `data` of each completed sum (`combine_rings`).
 - applies: `lax.cond` per (stage, tick) with an apply; every worker applies the
   same optax update (`cdpjax.optim.apply`) to its own copy.
 
@@ -577,7 +578,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry)
-        # Every worker holds its own copy of everything: a leading worker axis on `data`.
+        # Every worker holds its own copy of everything: a leading axis over (data, worker).
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 
     @jax.jit
