@@ -56,6 +56,28 @@ def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers, met
     assert max_diff(alone, expected) > 1e-6
 
 
+def test_rings_add_each_stage_sum_once_per_step():
+    """The compiled step of 2 rings of 4: beside the metric scalars' psum, each stage's completed sum
+    all-reduced once, over the 2 rings (groups of 2 devices, worker w of ring 0 with worker w of
+    ring 1); the ring's own messages unchanged (a ring's bytes)."""
+    from cdpjax import bench
+    from test_cdp import collective_sizes
+
+    m = cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=4, stages=4), "cdp-v2")
+    state = m.init(jax.random.key(0))
+    hlo = m.train_step.lower(state, batches()[0]).compile().as_text()
+    stage = [sum(x.size for x in jax.tree.leaves(p)) for p in m.export(state)[0]]
+    reduces = collective_sizes(hlo, "all-reduce")
+    # each stage's sum once (XLA's combiner may merge them into one all-reduce of a tuple); the
+    # rest: the metric scalars
+    assert sum(r for r in reduces if r > 8) == sum(stage)
+    groups = [line.split("replica_groups=", 1)[1].split("}}", 1)[0] for line in hlo.splitlines()
+              if " all-reduce(" in line and "replica_groups=" in line]
+    assert "{{0,4},{1,5},{2,6},{3,7" in groups, groups
+    permuted = bench.traffic(hlo, 8)["by_kind"]["collective-permute"] / 8
+    assert permuted == pytest.approx(2 * 3 / 4 * 4 * sum(stage))  # a ring all-reduce's bytes, 2(N-1)/N
+
+
 def test_ring_worker_counts_fill_the_host_or_name_the_rings_that_fit():
     # L = 2, whole ticks: a step is 4 ticks, so 8 workers cannot be one ring; with no worker count
     # the ring takes the largest worker count dividing both 8 devices and the 4 ticks.
