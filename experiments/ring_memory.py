@@ -44,7 +44,7 @@ def worker_needs(program, stage_bytes: list[float], periods: int = 8) -> float:
     return max(max(row) for row in held[2 * T:(periods - 2) * T])
 
 
-def one(devices: int, stages: int, rings: list[int]) -> list[dict]:
+def one(devices: int, stages: int, rings: list[int], single: bool = True) -> list[dict]:
     from cdpjax import mesh as mesh_lib
 
     mesh_lib.setup_devices(devices)
@@ -54,7 +54,7 @@ def one(devices: int, stages: int, rings: list[int]) -> list[dict]:
     from cdpjax.config import default_config
 
     rows = []
-    runs = [("dp", {}), ("cdp-v2", {"workers": devices})]
+    runs = [("dp", {})] + ([("cdp-v2", {"workers": devices})] if single else [])
     runs += [("cdp-v2", {"workers": n}) for n in rings if n < devices]
     for method, extra in runs:
         c = default_config()
@@ -87,17 +87,19 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", default="2,4,8,16,32")
     parser.add_argument("--stages", type=int, default=16)
     parser.add_argument("--rings", default="4,8", help="workers per ring of the rows with rings side by side")
+    parser.add_argument("--no-single", action="store_true", help="leave out the one ring of every device")
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(one(args.one, args.stages, [int(n) for n in args.rings.split(",")])))
+        print(json.dumps(one(args.one, args.stages, [int(n) for n in args.rings.split(",")], not args.no_single)))
         return
     print("| devices | method | workers x rings | held MiB | x dp | args MiB | temps MiB | model MiB "
           "| sums between calls (models) | sums in a call, peak (models) | sums one worker needs (models) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for d in (int(x) for x in args.devices.split(",")):
+        single = ["--no-single"] if args.no_single else []
         done = subprocess.run([sys.executable, __file__, "--one", str(d), "--stages", str(args.stages), "--rings",
-                               args.rings], capture_output=True, text=True)
+                               args.rings, *single], capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(done.stderr[-3000:])
         rows = json.loads(done.stdout.strip().splitlines()[-1])

@@ -58,8 +58,8 @@ def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers, met
 
 def test_rings_add_each_stage_sum_once_per_step():
     """The compiled step of 2 rings of 4: beside the metric scalars' psum, each stage's completed sum
-    all-reduced once, over the 2 rings (groups of 2 devices, worker w of ring 0 with worker w of
-    ring 1); the ring's own messages unchanged (a ring's bytes)."""
+    all-reduced once, on its own, over the 2 rings (groups of 2 devices, worker w of ring 0 with
+    worker w of ring 1); the ring's own messages unchanged (a ring's bytes)."""
     from cdpjax import bench
     from test_cdp import collective_sizes
 
@@ -68,9 +68,9 @@ def test_rings_add_each_stage_sum_once_per_step():
     hlo = m.train_step.lower(state, batches()[0]).compile().as_text()
     stage = [sum(x.size for x in jax.tree.leaves(p)) for p in m.export(state)[0]]
     reduces = collective_sizes(hlo, "all-reduce")
-    # each stage's sum once (XLA's combiner may merge them into one all-reduce of a tuple); the
-    # rest: the metric scalars
-    assert sum(r for r in reduces if r > 8) == sum(stage)
+    # each stage's sum once, each its own all-reduce at its tick (untied, XLA merged them into one
+    # at the last, holding every sum until then); the rest: the metric scalars
+    assert sorted(r for r in reduces if r > 8) == sorted(stage)
     groups = [line.split("replica_groups=", 1)[1].split("}}", 1)[0] for line in hlo.splitlines()
               if " all-reduce(" in line and "replica_groups=" in line]
     assert "{{0,4},{1,5},{2,6},{3,7" in groups, groups

@@ -354,7 +354,7 @@ class Period:
     def __call__(self, state, images, new_labels, feeding):
         ticks = self.ticks
         me = lax.axis_index(WORKERS)
-        b = Buffers(_named(state, ticks, self.carry))
+        b = Buffers(_named(state, ticks, self.carry), tie_ticks=self.rings > 1)  # `combine_rings` in tick order
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, ticks.max_lag + 1)]
         for t, tk in enumerate(ticks.ticks):
@@ -437,7 +437,8 @@ def combine_rings(b: Buffers, tk, rings: int):
     if rings == 1:
         return
     for _, j, lag in sorted(tk.completes):
-        b[("sum", j, lag)] = lax.psum(b[("sum", j, lag)], RINGS)
+        # tied to the previous tick: else XLA merges every tick's psum into one and holds the sums until it
+        b[("sum", j, lag)] = lax.psum(_tie(b[("sum", j, lag)], b.after_previous_tick()), RINGS)
 
 
 def _rounds(pairs) -> list[list]:
