@@ -51,9 +51,12 @@ def test_rings_over_data_equal_simulate_of_the_union_batches(rings, workers, met
     expected = params(sim, train(sim, [simulate_batch(b, rings, workers) for b in batches()[:STEPS]]))
     got = params(ring, train(ring, batches()[:STEPS]))
     assert_trees_close(got, expected)
-    # The union matters: each ring alone (its own share, no sum over the rings) ends elsewhere.
-    alone = params(sim, train(sim, batches()[:STEPS]))
-    assert max_diff(alone, expected) > 1e-6
+    # Which rows a worker gets matters where workers read different versions (cdp-v2; under v1's rule
+    # every worker reads the previous version, so only the whole batch's sum does): fed the rows
+    # unpermuted, simulate ends elsewhere.
+    if len({tuple(row) for row in np.asarray(sim.stale)}) > 1:
+        alone = params(sim, train(sim, batches()[:STEPS]))
+        assert max_diff(alone, expected) > 1e-6
 
 
 def test_rings_add_each_stage_sum_once_per_step():
