@@ -92,3 +92,16 @@ def test_ring_worker_counts_fill_the_host_or_name_the_rings_that_fit():
         cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=8, stages=2), "cdp-v2")
     with pytest.raises(ConfigError, match="workers must divide mesh.data=8"):
         cdp.make(context(8, method="cdp-v2", cdp_impl="ring", workers=3, stages=3, global_batch_size=48), "cdp-v2")
+
+
+def test_64_devices_at_8_stages_run_rings():
+    """By hand: L = 8, whole ticks: a step is 16 ticks, so a ring takes 1, 2, 4, 8 or 16 workers, all
+    dividing 64; the default is the largest (4 rings of 16); split ticks (24) take 2, 4 or 8 of them;
+    one worker is dp, never the default."""
+    assert cdp.ring_fits(64, 8, "whole") == [1, 2, 4, 8, 16]
+    assert cdp.ring_workers(64, 8, "whole") == 16
+    assert cdp.ring_workers(64, 8, "split") == 8
+    assert cdp.ring_workers(8, 3, "split") == 8  # none of 2+ fits 9 ticks on 8 devices: all of them, refused
+    with pytest.raises(ConfigError, match="workers=64 does not divide the 16 ticks.*workers=16: "
+                                          r"\{'data': 4, 'worker': 16\}.*workers=8: \{'data': 8, 'worker': 8\}"):
+        cdp.check_ring_workers(64, 64, 64, 8, "whole")
