@@ -433,7 +433,7 @@ def test_registered_and_config_errors():
     assert methods.build(context(2, method="cdp-v1", cdp_impl="simulate", stages=2)).name == "cdp-v1"
     bad = [
         (dict(workers=3, stages=4), 1, "choose workers in"),
-        (dict(workers=2, cdp_impl="ring"), 4, "must equal mesh.data=4"),
+        (dict(workers=8, cdp_impl="ring"), 4, "workers must divide mesh.data=4"),
         (dict(workers=2, cdp_impl="simulate"), 4, "not a multiple of mesh.data=4"),
         (dict(workers=4, global_batch_size=30), 1, "global_batch_size=30"),
         (dict(cdp_impl="pipelined"), 1, "cdp_impl"),

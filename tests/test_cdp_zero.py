@@ -216,6 +216,41 @@ def test_messages_are_pieces_and_zero3_share(rule):
     assert N * sent == pytest.approx(params_sent + sums_sent, rel=1e-6)
 
 
+def permutes(hlo: str) -> int:
+    """The collective-permutes of a compiled program (each one message of one route)."""
+    return sum(bool(re.search(r"\scollective-permute(-start)?\(", line.split("=", 1)[1]))
+               for line in hlo.splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("workers,stages", [(4, 4), (2, 4)])
+def test_pieces_of_a_route_and_tick_travel_as_one_message(workers, stages):
+    """Counted by rule from the program's ticks: at a tick's start every visit's worker w takes a
+    piece from every other worker u, after its ops every gradient op's worker sends piece u to every
+    other worker u; the pieces one pair carries in one of these two phases go as one payload, and
+    the pairs of one route (dst - src mod N) whose payloads have one length as one collective-permute
+    (one shape per permute: other lengths, which padding would make longer, go on their own). One
+    single-pair permute per piece, as before, is N - 1 per visit and per gradient op."""
+    N = workers
+    zero = build("zero", "cdp-v2", N, stages)
+    state = zero.init(jax.random.key(0))
+    hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
+    piece = [-(-sum(x.size for x in jax.tree.leaves(p)) // N) for p in zero.export(state)[0]]
+    expected = per_piece = 0
+    for tk in zero.program.ticks.ticks:
+        gathers, scatters = {}, {}
+        for g in tk.gathers:
+            for u in set(range(N)) - {g.worker}:
+                gathers[(u, g.worker)] = gathers.get((u, g.worker), 0) + piece[g.stage]
+        for op in (op for op in tk.ops if op.gradient):
+            for u in set(range(N)) - {op.worker}:
+                scatters[(op.worker, u)] = scatters.get((op.worker, u), 0) + piece[op.stage]
+        for pairs in (gathers, scatters):
+            expected += len({((dst - src) % N, size) for (src, dst), size in pairs.items()})
+        per_piece += (N - 1) * (len(tk.gathers) + sum(op.gradient for op in tk.ops))
+    assert permutes(hlo) == expected < per_piece
+    print(f"N={N} L={stages}: {expected} permutes a period, {per_piece} one piece each")
+
+
 def test_each_worker_stores_a_quarter_of_the_model():
     """Persistent parameter, optimizer and gradient-sum storage per device: 1/N of every stage
     (per stored version, momentum, the running sum), plus one relay row as long as the largest

@@ -1172,7 +1172,8 @@ def test_command_arguments_and_output_paths_are_checked_first(args, message, run
 
 
 @pytest.mark.parametrize("methods,message", [
-    ("dp,cdp-v2", "cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not divide the 6 ticks"),
+    ("dp,cdp-v2@cdp_ticks=split", "cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not divide the 9 "
+                                  "ticks"),
     ("dp,dp@global_batch_size=4000", "global_batch_size=4000 is larger than the training set"),
     ("dp,dp@model_kwargs.width=0", "model 'mlp' with model_kwargs {'width': 0} cannot be built"),
     ("dp,dp@", "--methods 'dp@': each @ is followed by KEY=VALUE (e.g. dp@residuals=carry), not ''"),

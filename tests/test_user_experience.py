@@ -160,18 +160,20 @@ def test_workdir_that_is_a_file(tmp_path, capsys, compiles):
 
 
 def test_a_method_refusing_its_mesh_names_the_mesh(tmp_path, capsys, compiles):
-    """CDP's builder sees workers=8 for 3 stages; the user chose (or got) the mesh {'data': 8}: the
-    one line names the mesh and what to change, before the training line and before compiling,
-    and the work directory it would have created is not left behind."""
+    """CDP's builder sees workers=8 for 3 stages with split backwards; the user chose (or got) the
+    mesh {'data': 8}: the one line names the mesh and what to change, before the training line and
+    before compiling, and the work directory it would have created is not left behind."""
     code = main(["train", "--no-progress", "--workdir", str(tmp_path / "new" / "run"), "--config.method=cdp-v2",
-                 "--config.stages=3"])
+                 "--config.stages=3", "--config.cdp_ticks=split"])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
-    # Whole ticks: a micro-batch is 2 x 3 = 6 ticks, and worker i starts 6i/N ticks in.
+    # Split ticks: a micro-batch is 3 x 3 = 9 ticks, and worker i starts 9i/N ticks in; no ring of
+    # 2 or more workers divides both the 9 ticks and the 8 devices (whole ticks: 4 rings of 2).
     assert lines[0].startswith("cdpjax: error: cdp-v2 on the mesh {'data': 8} (8 devices): workers=8 does not "
-                               "divide the 6 ticks of a step")
-    assert "choose workers in [1, 2, 3, 6]" in lines[0]
+                               "divide the 9 ticks of a step")
+    assert "choose workers in [1, 3, 9]" in lines[0]
+    assert "no ring of 2 or more workers the table takes divides mesh.data=8" in lines[0]
     assert "change --config.mesh.data or set --config.workers" in lines[0]
     assert not [c for c in compiles if c[0] == "backend"]
     assert not (tmp_path / "new").exists()

@@ -36,10 +36,15 @@ Two realisations, `config.cdp_impl`:
   workers are vmapped inside `shard_map` over the `data` axis (N a multiple of the
   data axis, down to one device); gradients summed by the all-reduce of
   shard_map's transpose.
-- `ring`: the real schedule, one worker per device (N = the data axis), by the ring
-  engine (`cdpjax.methods.ring`, read its docstring): the table's steady-state
-  period one `lax.scan` over ticks, every op a `lax.switch` branch on natural-shape
-  buffers, every message one static partial `ppermute` of the stage's real size (the running partial sum
+- `ring`: the real schedule, one worker per device, by the ring engine
+  (`cdpjax.methods.ring`, read its docstring); where N is less than the data axis,
+  data / N rings of N side by side, each fed its share of every global batch, each
+  completed sum summed over the rings once per stage and step (workers=0: every
+  device in one ring where the table takes that many workers, else the largest ring
+  that divides both: `ring_workers`): the table's steady-state
+  period one `lax.scan` over ticks, every op a `lax.switch` branch on natural-shape buffers,
+  every message
+  one static partial `ppermute` of the stage's real size (the running partial sum
   hopping worker to worker, the completed sum chained on to every other worker
   by the table's delivery plan, at most one 'sum' and one 'partial' send per
   worker per tick whatever N), each worker applying every update between its last
@@ -67,7 +72,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
 from cdpjax.errors import ConfigError
-from cdpjax.layouts.cdp import V2_RULES, cdp_table
+from cdpjax.layouts.cdp import V2_RULES, cdp_table, check_sizes
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, step_metrics, tree_select
 from cdpjax.timetable import TimeTable
@@ -92,10 +97,13 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
     if impl not in ("simulate", "ring"):
         raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring")
     devices = ctx.axis(AXIS)
-    workers = int(cfg.get("workers", 0)) or devices
     net = ctx.net(bn_axis_name=None)
     ticks = cfg.get("cdp_ticks", "whole")  # checked by the table (`phase_ops`)
+    asked = int(cfg.get("workers", 0))
+    workers = asked or (ring_workers(devices, net.num_stages, ticks) if impl == "ring" else devices)
     if table is None:
+        if impl == "ring":
+            check_ring_workers(workers, asked, devices, net.num_stages, ticks)
         table = cdp_table(_rule(method, cfg), workers, net.num_stages, ticks=ticks)
     elif (table.workers, table.stages) != (workers, net.num_stages):
         raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
@@ -106,10 +114,43 @@ def make(ctx: Context, method: str, table: TimeTable | None = None) -> Method:
             raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
                               f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
         return _simulate(ctx, method, net, table, workers)
-    if workers != devices:
-        raise ConfigError(f"cdp_impl='ring' runs one worker per device: workers={workers} must equal "
-                          f"mesh.data={devices} (or be 0); use cdp_impl='simulate' for fewer devices")
+    if devices % workers:
+        raise ConfigError(f"cdp_impl='ring' runs rings of workers={workers} devices side by side: workers must "
+                          f"divide mesh.data={devices} (or be 0); use cdp_impl='simulate' for fewer devices")
     return _ring(ctx, method, net, table, workers)
+
+
+def ring_workers(devices: int, stages: int, ticks: str) -> int:
+    """The ring's default worker count on `devices` devices: all of them where the table takes that
+    many workers, else the most (at least 2: one worker has no delay, it is dp) that divides the
+    devices and that the table takes (64 devices, L = 8, whole ticks: 4 rings of 16); where none
+    does, all of them (refused by `check_ring_workers`)."""
+    return max([n for n in ring_fits(devices, stages, ticks) if n > 1] or [devices])
+
+
+def ring_fits(devices: int, stages: int, ticks: str) -> list[int]:
+    """The worker counts that divide `devices` and that CDP's table takes at `stages` stages."""
+    fits = []
+    for n in range(1, devices + 1):
+        if devices % n == 0:
+            try:
+                check_sizes(n, stages, ticks)
+            except ConfigError:
+                continue
+            fits.append(n)
+    return fits
+
+
+def check_ring_workers(workers: int, asked: int, devices: int, stages: int, ticks: str) -> None:
+    """Refuses a worker count the table does not take, naming the rings that fit the devices."""
+    try:
+        check_sizes(workers, stages, ticks)
+    except ConfigError as e:
+        fits = [n for n in ring_fits(devices, stages, ticks) if n > 1]
+        meshes = ", ".join(f"workers={n}: {{'data': {devices // n}, 'worker': {n}}}" for n in reversed(fits))
+        where = (f"on mesh.data={devices} devices rings side by side fit ({meshes}: rings x workers)" if fits
+                 else f"no ring of 2 or more workers the table takes divides mesh.data={devices}")
+        raise ConfigError(f"{e}; {where}") from None
 
 
 def _rule(method: str, cfg) -> str:

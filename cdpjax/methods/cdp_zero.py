@@ -28,9 +28,11 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   which adds it to its running sum (the step's first gradient op starts it); at the
   table's update tick (after the last worker's op) every worker applies the update of its
   pieces.
-- Collectives: `ppermute`s of single (source, destination) pairs, each a piece of one
-  stage, and the psum of the three metric scalars: no all-gather, reduce-scatter or
-  all-reduce of model-sized buffers.
+- Collectives: `ppermute`s of pieces, batched per tick (`messages`): the pieces one pair
+  carries in one phase (gathers, then gradients) one after the other, and the pairs of one
+  route (destination - source mod N) whose payloads have one length in one `ppermute`
+  (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no
+  all-gather, reduce-scatter or all-reduce of model-sized buffers.
 
 Per worker and step the messages carry (N-1)/N x (2 - the last stage's share) of the model
 in parameters (two visits a stage, one of the last) and (N-1)/N of it in gradients (ZeRO-3's
@@ -45,9 +47,12 @@ does: the previous versions are set to the current ones.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -62,18 +67,18 @@ from cdpjax.program import Program, piece_size
 from cdpjax.program.zero import ZeroTicks, lower_zero
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
-AXIS = ring.AXIS
+AXIS = ring.AXIS  # every value of the period varies over the ring mesh's axes (one ring here)
 
 
 def build(ctx: Context) -> Method:
     cfg = ctx.config
-    ctx.require_axes("cdp-zero", (AXIS,))
+    ctx.require_axes("cdp-zero", (ring.RINGS,))
     rule = cfg.get("cdp_rule", "cdp-v2")
     if rule not in ZERO_RULES:
         raise ConfigError(f"cdp_rule={rule!r} is not one of {', '.join(ZERO_RULES)} (cdp-zero's staleness rule)")
     ticks = cfg.get("cdp_ticks", "whole")  # checked by the table (`phase_ops`), residuals by the lowering
     residuals = cfg.get("residuals", "recompute")
-    devices = ctx.axis(AXIS)
+    devices = ctx.axis(ring.RINGS)
     workers = int(cfg.get("workers", 0)) or devices
     if workers != devices:
         raise ConfigError(f"cdp-zero runs one worker per device: workers={workers} must equal mesh.data={devices} "
@@ -139,7 +144,7 @@ class ZeroPeriod:
         self.split = split
 
     def __call__(self, state, images, new_labels, feeding):
-        z, me = self.z, lax.axis_index(AXIS)
+        z, me = self.z, lax.axis_index(ring.WORKERS)
         b = ring.Buffers(_named(state, z, self.carry), tie_ticks=True)  # each gather after the previous tick
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
@@ -151,9 +156,7 @@ class ZeroPeriod:
             # Every op of the tick before any piece is sent, as the ring sends: a collective waits for
             # every device, so a send between two workers' ops could make one wait for the other's.
             gradients = [self.op(b, op, (me == op.worker), valid[op.lag], images, new_labels) for op in tk.ops]
-            for op, pieces in zip(tk.ops, gradients):
-                if pieces is not None:
-                    self.scatter(b, op, pieces)
+            self.scatter(b, tk.ops, gradients, me)
             self.apply(b, tk, valid)
             b.barrier()
         new = _unnamed(b, state, z, self.carry)
@@ -161,10 +164,15 @@ class ZeroPeriod:
         return new, b[("metrics",)]
 
     def gather(self, b, tk, me):
-        """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay row."""
-        for j, worker, row, r in tk.gathers:
-            mine = b[("master", j, row)] + b.after_previous_tick()
-            pieces = [mine if u == worker else lax.ppermute(mine, AXIS, [(u, worker)]) for u in range(self.z.workers)]
+        """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay
+        row; the pieces of the tick travel batched (`exchange`: one message per route and size)."""
+        N, piece = self.z.workers, self.shards.piece
+        mine = [b[("master", j, row)] + b.after_previous_tick() for j, _, row, _ in tk.gathers]
+        sent = [Piece(u, g.worker, (i,), piece[g.stage]) for i, g in enumerate(tk.gathers) for u in range(N)
+                if u != g.worker]
+        got = exchange(sent, lambda p: mine[p.what[0]], me, N)
+        for i, (j, worker, _, r) in enumerate(tk.gathers):
+            pieces = [mine[i] if u == worker else got[(u, worker, (i,))] for u in range(N)]
             _land(b, me == worker, ("relay", r), pieces)
 
     def op(self, b, op, mine, valid, images, new_labels):
@@ -222,19 +230,25 @@ class ZeroPeriod:
 
         return compute, idle
 
-    def scatter(self, b, op, gradient):
-        """Piece u of the op's gradient to worker u, added to its running sum (the worker's own
-        piece too), or the sum's start for the step's first gradient op; every other device
-        receives zeros from a pair it is not in, so each device adds one piece and zeros (exact).
+    def scatter(self, b, ops, gradients, me):
+        """Piece u of each gradient op's gradient to worker u, added to its running sum (the worker's
+        own piece too), or the sum's start for the step's first gradient op; the tick's pieces travel
+        batched (`exchange`), and a device adds only what was sent to it (zeros elsewhere: exact).
         Starting the sum at the first op, rather than emptying it at the update, writes no zeros."""
-        worker = op.worker
-        pieces = self.shards.pieces(op.stage, gradient)
-        terms = [pieces[u] if u == worker else lax.ppermute(pieces[u], AXIS, [(worker, u)])
-                 for u in range(self.z.workers)]
-        total = None if op.starts else b[("sums", op.stage)]
-        for term in terms:
-            total = term if total is None else total + term
-        b[("sums", op.stage)] = total
+        N = self.z.workers
+        flat = {i: g for i, g in enumerate(gradients) if g is not None}
+        pieces = {i: self.shards.pieces(ops[i].stage, g) for i, g in flat.items()}
+        sent = [Piece(ops[i].worker, u, (i,), self.shards.piece[ops[i].stage]) for i in flat for u in range(N)
+                if u != ops[i].worker]
+        got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N)
+        for i in flat:
+            op = ops[i]
+            terms = [pieces[i][u] if u == op.worker
+                     else jnp.where(me == u, got[(op.worker, u, (i,))], 0.0) for u in range(N)]
+            total = None if op.starts else b[("sums", op.stage)]
+            for term in terms:
+                total = term if total is None else total + term
+            b[("sums", op.stage)] = total
 
     def apply(self, b, tk, valid):
         """Every worker applies the update of its pieces of the stages whose sum is complete (the
@@ -249,6 +263,54 @@ class ZeroPeriod:
             if z.versions == 2:
                 ring._pick(b, pred, ("master", j, 1), old)
             b[("master", j, 0)], b[("opt", j)] = p, o
+
+
+class Piece(NamedTuple):
+    """One piece a tick sends from worker `src` to worker `dst`, `size` elements; `what` names it
+    for the code that makes it (the sender) and takes it (the receiver)."""
+
+    src: int
+    dst: int
+    what: tuple
+    size: int
+
+
+def messages(pieces, workers: int) -> list[list[tuple[int, int, tuple[Piece, ...]]]]:
+    """The tick's pieces as messages: a pair's pieces one after the other, and the pairs of one
+    route (offset dst - src mod N) whose payloads have one length in one `ppermute` (a permute's
+    pairs send buffers of one shape: pieces of other lengths go in messages of their own, so that
+    nothing is padded and the bytes are the pieces'). Sorted by (route, length)."""
+    by_pair: dict = defaultdict(list)
+    for p in pieces:
+        by_pair[(p.src, p.dst)].append(p)
+    routes: dict = defaultdict(list)
+    for (src, dst), ps in sorted(by_pair.items()):
+        routes[((dst - src) % workers, sum(p.size for p in ps))].append((src, dst, tuple(ps)))
+    return [routes[k] for k in sorted(routes)]
+
+
+def exchange(pieces, value, me, workers: int) -> dict:
+    """Sends `pieces` (`Piece`s; `value(piece)` its array on the sender) batched by `messages`, one
+    `ppermute` each; returns {(src, dst, what): the piece as its receiver holds it} (on other devices
+    whatever their own message brought: a receiver reads only its own)."""
+    got = {}
+    for message in messages(pieces, workers):
+        payloads = [jnp.concatenate([value(p) for p in ps]) if len(ps) > 1 else value(ps[0]) for _, _, ps in message]
+        if len(message) == 1:
+            payload = payloads[0]
+        else:  # each sender builds its own payload only
+            which = np.zeros((workers,), np.int32)
+            for k, (src, _, _) in enumerate(message):
+                which[src] = k
+            payload = lax.switch(jnp.asarray(which)[me], [lambda *xs, k=k: varying(xs[k], AXIS)
+                                                          for k in range(len(payloads))], *payloads)
+        received = lax.ppermute(payload, ring.WORKERS, [(src, dst) for src, dst, _ in message])
+        for src, dst, ps in message:
+            at = 0
+            for p in ps:
+                got[(src, dst, p.what)] = received[at:at + p.size]
+                at += p.size
+    return got
 
 
 def _land(b: ring.Buffers, pred, name, pieces):
@@ -293,7 +355,8 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     z: ZeroTicks = program.ticks
-    mesh, tx, N, L = ctx.mesh, ctx.optimizer(), z.workers, z.stages
+    tx, N, L = ctx.optimizer(), z.workers, z.stages
+    mesh = ring.ring_mesh(ctx.mesh, N)  # one ring: cdp-zero runs one worker per device
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
     carry = program.carries

@@ -35,7 +35,8 @@ maths is `cdpjax.methods.stage_ops`'s:
   `perm` holds exactly the (src, dst) pairs that send it then, of that stage's real
   size (a stage's gradient raveled to one vector: one permute per message, the same
   bytes); a device in no pair sends nothing. No other collective but the psum of
-  the three metric scalars.
+  the three metric scalars, and with rings side by side over `data` (`ring_mesh`)
+  one psum over `data` of each completed sum (`Period._combine`).
 - applies: per device a `lax.switch` over stages (or none) before the sends and
   after them, from the sum's slot; every worker applies the same optax update
   (`cdpjax.optim.apply`) to its own copy.
@@ -64,16 +65,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
+from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
 from cdpjax.program.ring import SENDS_BY_TICK, RingRouting, RingTicks, lower_ring, ring_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
-AXIS = "data"
+WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
+RINGS = "data"  # rings side by side, each fed its share of the batch: their completed sums combined over it
+AXIS = (RINGS, WORKERS)  # what every value of a worker's period varies over (its specs: P(AXIS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,8 @@ class Stages:
 
 
 def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> Stages:
+    """`Stages` of micro-batches of `micro` examples, the loss divided by `workers` (every worker of
+    every ring: their summed gradients are the mean); `mesh` the period's (`ring_mesh`)."""
     outputs = tuple(tuple(s) for s in net.stage_output_shapes(micro))
     inputs = ((micro, *net.input_shape), *outputs[:-1])
     stages = Stages(StageOps(net, 1.0 / workers, lambda x: varying(x, AXIS), task), micro, inputs, outputs,
@@ -390,9 +396,10 @@ class Period:
     sums received. The program holds each op's piece once per position, whatever N.
     """
 
-    def __init__(self, stages: Stages, program: Program, tx):
+    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
+        self.rings = rings
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
@@ -401,6 +408,7 @@ class Period:
         self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
             lambda params, opt, grads, slot: varying((params, opt), AXIS)]
         self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
+        self.combine_branches = [self._combine(tk) for tk in self.ticks.ticks]
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -475,7 +483,7 @@ class Period:
             for name, rounds, merge in messages:
                 j, s = name[1], slot(name)
                 held = _at(grads[j], s)
-                sent = [lax.ppermute(held, AXIS, list(r)) for r in rounds]
+                sent = [lax.ppermute(held, WORKERS, list(r)) for r in rounds]
                 value = sent[0]
                 if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
                     value = held
@@ -486,9 +494,25 @@ class Period:
             return varying(grads, AXIS)
         return run
 
+    def _combine(self, tk):
+        """Each sum completed at this tick made the sum over the rings (one `psum` over `RINGS`
+        per stage and step) before any worker applies it or passes it on: the same worker of every
+        ring completes it at the same tick, so every ring then applies the gradient of the whole
+        batch. The other workers keep what their slot holds."""
+        slot = self.routing.slot
+
+        def run(grads: tuple, me):
+            for c in sorted(tk.completes):
+                s = slot(("sum", c.stage, c.lag))
+                held = _at(grads[c.stage], s)
+                summed = lax.psum(held, RINGS)
+                grads = _set(grads, c.stage, _put(grads[c.stage], s, jnp.where(me == c.worker, summed, held)))
+            return varying(grads, AXIS)
+        return run
+
     def __call__(self, state, images, new_labels, feeding):
         ticks, r = self.ticks, self.routing
-        me = lax.axis_index(AXIS)
+        me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
                  ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot")}
@@ -504,6 +528,9 @@ class Period:
                 branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], idle)
                 c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
                                table["op_write"][at], table["op_start"][at])
+            if self.rings > 1:
+                with jax.named_scope(SENDS_BY_TICK):
+                    c = c._replace(grads=lax.switch(t, self.combine_branches, c.grads, me))
             c = self._applies(c, table, valid, t, me, 0)
             with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
                 c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
@@ -607,25 +634,43 @@ def spmd_period(period, stages, mesh):
     return one_period, jax.jit(one_period), run
 
 
+def ring_mesh(mesh, workers: int):
+    """The devices of `mesh` (one `data` axis) as rings of `workers` side by side: the mesh
+    (`RINGS`: devices / workers, `WORKERS`: workers), a ring's workers on consecutive devices,
+    so that device d * workers + w is worker w of ring d and is fed the batch's rows of
+    device d * workers + w under the trainer's `data` sharding."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    if devices.size % workers:
+        raise ConfigError(f"workers={workers} does not divide the {devices.size} devices: rings of workers={workers} "
+                          f"side by side need a multiple of {workers} devices")
+    return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
+
+
 def build(ctx, name: str, net, table, residuals: str) -> Method:
-    """The ring `Method` running `table`'s lowered program (one worker per device of `data`)."""
+    """The ring `Method` running `table`'s lowered program: rings of `table.workers` workers (one
+    per device) side by side over the mesh's `data` devices, each ring fed its share of every
+    global batch; each sum a ring completes is summed over the rings before it is applied or
+    passed on (`Period._combine`), so every ring applies the update of the whole batch."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
     ticks: RingTicks = program.ticks
-    mesh, tx, N = ctx.mesh, ctx.optimizer(), ticks.workers
+    tx, N = ctx.optimizer(), ticks.workers
+    mesh = ring_mesh(ctx.mesh, N)
+    rings = int(mesh.shape[RINGS])
     batch = int(ctx.config.global_batch_size)
-    micro = batch // N
+    ctx.require_divisible("global_batch_size", batch, N * rings, f"{rings} rings x {N} workers")
+    micro = batch // (N * rings)
     carry = program.carries
-    stages = make_stages(net, N, micro, mesh, residuals, ctx.task)
-    period = Period(stages, program, tx)
+    stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
+    period = Period(stages, program, tx, rings)
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry)
-        # Every worker holds its own copy of everything: a leading worker axis on `data`.
-        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), state), per_worker)
+        # Every worker holds its own copy of everything: a leading axis over (data, worker).
+        return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 
     @jax.jit
     def train_step(state, batch):
@@ -653,8 +698,10 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
         return params, model_state
 
     return Method(name, net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
-                  periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
-                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole")})
+                  periods=run, carrier=stages, stale=table.stale, workers=N, devices=N * rings,
+                  state_depends_on_mesh=True,
+                  report={"impl": "ring", "residuals": residuals, "backward": table.meta.get("ticks", "whole"),
+                          "rings": rings})
 
 
 def reported(stages: Stages, sums) -> dict:
