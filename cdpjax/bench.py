@@ -15,7 +15,8 @@ same work on one device is the framework's own overhead.
   zeros included): `sent_bytes_hlo_per_device_per_step`; and, for a method with a lowered
   program, the bytes its messages carry (`sent_bytes_per_device_per_step`: exactly what the
   runtime sends) beside the same messages padded to the carrier's rows.
-- activation, busy fraction, comm balance: from the method's time table (in
+- activation, busy fraction (of the ticks, and of the time in lockstep with a backward of two
+  forwards: `busy_fraction_lockstep`), comm balance: from the method's time table (in
   stage-activations, the unit model, and in bytes of each stage's real output).
 - step time: every method compiled first, then timed in interleaved rounds, so
   that a change of load on a shared machine falls on all of them alike.
@@ -209,7 +210,8 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     """
     if table is None:
         return {}
-    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["devices"])}
+    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["devices"]),
+                           "busy_fraction_lockstep": float(table.lockstep_busy_fraction())}
     stats = table.activation_stats(sizes["activation_bytes"]) if sizes else table.activation_stats()
     act = {"peak": float(stats["total_peak"]), "mean": float(stats["total_mean"])}
     if sizes:
@@ -530,8 +532,8 @@ def format_table(records: list[dict]) -> str:
         return ""
     base = records[0]
     head = ["method", "devices", "compile s", "step s", "x first", "img/s", "temp MiB", "args MiB",
-            "model temp", "model args", "busy", "act peak", "act peak MiB", "comm bal", "sent MiB/dev/step",
-            "all-reduce MiB", "largest permute MiB"]
+            "model temp", "model args", "busy", "busy lockstep", "act peak", "act peak MiB", "comm bal",
+            "sent MiB/dev/step", "all-reduce MiB", "largest permute MiB"]
     rows = []
     for r in records:
         mem = r.get("memory", {})
@@ -544,6 +546,7 @@ def format_table(records: list[dict]) -> str:
             f"{mem.get('temp_bytes', 0) / 2**20:.2f}", f"{mem.get('argument_bytes', 0) / 2**20:.2f}",
             _mib(model.get("temporaries", {}).get("total")), _mib(model.get("arguments", {}).get("total")),
             f"{r['busy_fraction']:.2f}" if "busy_fraction" in r else "-",
+            f"{r['busy_fraction_lockstep']:.2f}" if "busy_fraction_lockstep" in r else "-",
             f"{act['peak']:.1f}" if act else "-",
             _mib(act.get("device_peak_bytes")) if act else "-",
             f"{r['comm_balance']:.2f}" if "comm_balance" in r else "-",

@@ -161,6 +161,25 @@ def lockstep_ticks(table, costs: StageCosts, bandwidth: float = float("inf")) ->
     return busy.max(1), transfer
 
 
+# The op costs a busy fraction is weighed with where none are measured: a backward takes two forwards, and
+# where it is split, its input half and its weight half one each (`StageCosts` fields, not kinds).
+UNIT_COSTS = {"forward": 1.0, "backward": 2.0, "backward_weight": 1.0}
+
+
+def lockstep_busy_fraction(table, costs: StageCosts | None = None) -> float:
+    """The devices' busy share of `table`'s steady state run in lockstep: every tick lasts as long as
+    its slowest device's ops (`lockstep_ticks`, transfers free), and a device is busy for its own
+    ops' time; `costs`: measured ones, else `UNIT_COSTS`. Beside `TimeTable.busy_fraction`, which
+    counts every op as one tick: 1f1b at L = 8, M = 32 is busy 0.82 of its ticks and 0.65 of its
+    lockstep time."""
+    costs = costs or uniform_costs(UNIT_COSTS, table.stages)
+    lo, hi = table.steady
+    compute, _ = lockstep_ticks(table, costs)
+    span = float(compute[lo:hi].sum()) * max(table.devices, 1)
+    work = sum(costs.seconds(op.kind, op.stage, table.split_backward) for op in table.ops if lo <= op.tick < hi)
+    return work / span if span > 0 else 0.0
+
+
 def lockstep_starts(table, costs: StageCosts, bandwidth: float = float("inf")) -> np.ndarray:
     """[ticks + 1] the time each tick starts in lockstep (the last entry: when the table ends)."""
     compute, transfer = lockstep_ticks(table, costs, bandwidth)
