@@ -281,7 +281,8 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.dtype(task.label_dtype))
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
-           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L}
+           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L,
+           "flag": [1] * L}  # a boolean
     if method.heads is not None:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
@@ -379,8 +380,7 @@ def _program_sends(program, priced) -> dict[str, Any]:
     padded = np.zeros(program.devices)
     for s in program.sends:
         size = Size(s.size.of, tuple((j,) for j in range(len(priced[s.size.of]))), True, s.size.count, s.size.parts)
-        for src, _ in s.pairs:
-            padded[src] += size.bytes(priced)
+        padded[s.src] += size.bytes(priced)
     return {"sent_bytes_per_device_per_step": float(real.mean()),
             "sent_bytes_max_device_per_step": float(real.max()),
             "sent_bytes_padded_per_device_per_step": float(padded.mean()),
@@ -398,7 +398,7 @@ def variant_config(base, spec: str):
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:
             raise cfg_lib.ConfigError(f"--methods {spec!r}: each @ is followed by KEY=VALUE (e.g. "
-                                      f"{name or 'cdp-v2'}@residuals=carry), not {item!r}")
+                                      f"{name or 'METHOD'}@residuals=carry), not {item!r}")
         if key == "method":
             raise cfg_lib.ConfigError(f"--methods {spec!r}: a variant keeps its method ({name!r}); list "
                                       f"{item.split('=', 1)[1].strip()!r} as a method of its own")

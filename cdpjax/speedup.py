@@ -93,9 +93,9 @@ class StageCosts:
     def seconds(self, kind: str, stage: int, split_backward: bool) -> float:
         """An op of `kind` on `stage` in a table that does (or does not) split its backwards."""
         field = kinds.cost_field(kind, split_backward)
-        if field == "local":
-            return self.local(stage)
         values = getattr(self, field)
+        if callable(values):  # a cost made of others (`local`)
+            return values(stage)
         if len(values) <= stage:
             raise ConfigError(f"the stage costs give no {field} for stage {stage} (an op of kind {kind!r}); "
                               f"measure_stage_costs measures every field")
@@ -618,9 +618,11 @@ def op_times_words(p: dict) -> str:
 
     where = ("on one device, the others idle" if p.get("calibrate", "alone") == "alone"
              else f"on {p['devices']} devices at once")
-    fields = [("F", p.get("stage_forward", ())), ("B", p.get("stage_backward", ()))]
+    kind_of = {k.cost: k.name for k in kinds.KINDS.values()}  # a cost field -> the kind it times
+    fields = [(kind_of["forward"], p.get("stage_forward", ())), (kind_of["backward"], p.get("stage_backward", ()))]
     if p.get("split_backward"):
-        fields += [("B input", p.get("stage_backward_input", ())), ("W", p.get("stage_backward_weight", ()))]
+        fields += [(f"{kind_of['backward']} input", p.get("stage_backward_input", ())),
+                   (kind_of["backward_weight"], p.get("stage_backward_weight", ()))]
     if p.get("heads_timed"):
         fields.append(("head F+B", p.get("stage_head", ())))
     return (f"op times used (ms per micro-batch of {p.get('micro_batch', '?')}, per stage; measured here by "

@@ -72,6 +72,9 @@ class Layout:
       title: the diagram's title, formatted with the table's fields.
       columns: 'worker' or 'device': what a row of the text grid is.
       summary: one line saying what the method is.
+      messages_per_op: the table's size its messages per op grow with, where they outnumber its
+        ops (`cdpjax schedule` counts them with the ops before laying a table out); None: about
+        one message per op or fewer.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Layout:
     title: str = "{method}: {stages} stages"
     columns: str = "device"
     summary: str = ""
+    messages_per_op: str | None = None
 
     def __post_init__(self):
         if self.colour not in COLOURS:

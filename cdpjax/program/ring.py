@@ -34,7 +34,8 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 Pairs = tuple[tuple[int, int], ...]  # (source worker, destination worker) of each message
@@ -386,6 +387,8 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if carry:
         between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+    # which of the last calls fed a batch (an op of an unfed call's step does nothing)
+    between.append(Buffer("fed", "flags", Size("flag", ((0,),), False, max(ticks.max_lag, 1)), True))
     carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
     first, last = {}, {}
     for t, tk in enumerate(ticks.ticks):
@@ -401,17 +404,27 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
         else:  # written and last read within the call (or handed on to the next call under another lag)
             end = ticks.period_ticks - 1 if name in carried else last[name]
             gradients.append(Buffer(label, "gradients", Size.stage("param", j), False, (first[name], end)))
-    sends = []
-    for t, tk in enumerate(ticks.ticks):
-        for j, _, pairs in tk.partials:
-            sends.append(Send(t, "partial", Size.stage("param", j), tuple(pairs), j))
-        for j, _, pairs, _ in tk.sums:
-            sends.append(Send(t, "sum", Size.stage("param", j), tuple(pairs), j))
     kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
-                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
+                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), ring_events(ticks), ticks)
+
+
+def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
+    """The period's typed events: each worker's op as a `Compute` (one micro-batch, the one copy
+    it stores), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
+    its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
+    events: list[Event] = []
+    sends: list[Send] = []
+    for t, tk in enumerate(ticks.ticks):
+        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
+        for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
+                           ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
+            sends += [Send(t, what, Size.stage("param", j), src, dst, j, lag)
+                      for j, lag, pairs in hops for src, dst in pairs]
+        events += [Apply(t, w, a.stage, 1, a.lag) for a in tk.applies for w in a.workers]
+    return sorted_events(events + messages(sends))
 
 
 __all__ = ["Completes", "Partial", "RingApply", "RingOp", "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring",
-           "ring_ticks"]
+           "ring_events", "ring_ticks"]

@@ -39,7 +39,8 @@ import numpy as np
 
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
-from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 IDLE = 0
@@ -137,13 +138,15 @@ class StageTicks:
 
 
 def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool = False,
-                     carry_image: bool = False) -> Program:
+                     carry_image: bool = False, model_state_sums: bool = False) -> Program:
     """The program of one period of `table` (laid out over enough steps, see `period_window`).
 
     residuals: 'recompute' (backward ops recompute from the kept input) or 'carry' (the
     forward's `jax.vjp` residuals are kept). heads: the units have auxiliary heads (local
     learning). carry_image: each micro-batch's input image goes along with it to every unit
-    (heads that reconstruct the image read it)."""
+    (heads that reconstruct the image read it). model_state_sums: the runtime sums each unit's
+    model-state updates over a step and applies their mean at the step's end (cdp-mp's rule), in
+    a buffer of the model state's size."""
     carry = carries(residuals)
     present = sorted({o.kind for o in table.ops}, key=list(CODE).index)
     op_kinds.refuse_unknown(present, CODE, "the stage-axis engine")
@@ -165,7 +168,7 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     slots = {name: _slots(life, periodic) for name, life in lives.items()}
     slot_of = {name: s[0] for name, s in slots.items()}
     count = {name: max(s[1], 1) for name, s in slots.items()}
-    arrays, messages = _tick_arrays(table, ops, place, slot_of, m, carry_image)
+    arrays = _tick_arrays(table, ops, place, slot_of, m)
     update = np.zeros((P, D, place.chunks), bool)
     update_rel = np.zeros((P, D, place.chunks), np.int32)
     for up in table.updates:
@@ -181,22 +184,19 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     versions = 2 if any(o.slot == "previous" for o in ops) else 1
     in_flight = _grads_in_flight(ticks, place, P)
     buffers = _buffers(place, ticks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-                       backprop=any(o.kind in ("B", "W") for o in ops))
+                       backprop=any(o.kind in ("B", "W") for o in ops), model_state_sums=model_state_sums)
     return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
-                   in_flight, place, buffers, tuple(messages), ticks)
+                   in_flight, place, buffers, stage_events(ticks, place, carry_image), ticks)
 
 
-def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list]:
-    """The [tick, device] op arrays and the [tick, boundary] send arrays of the period of step m,
-    with the messages they send."""
+def _tick_arrays(table, ops, place, slot_of, m) -> dict:
+    """The [tick, device] op arrays and the [tick, boundary] send arrays of the period of step m."""
     unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
     lo, hi = m * P, (m + 1) * P
     arrays = {k: np.full((P, D), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
     arrays.update({k: np.zeros((P, D), np.int32) for k in ("kind", "unit", "micro", "rel", "version")})
     arrays.update({k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")})
     arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
-    boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
-    messages = []
     for o in ops:
         if not lo <= o.tick < hi:
             continue
@@ -217,12 +217,10 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
         if o.kind in FORWARD_KINDS and u + 1 < U:  # its output goes to the next unit's device
             arrays["send_act"][t, u] = 1
             arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
         if o.kind == "B" and u > 0:  # the cotangent of its input goes back
             arrays["send_cot"][t, u - 1] = 1
             arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
-            messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
-    return arrays, messages
+    return arrays
 
 
 def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict[str, dict]:
@@ -246,23 +244,8 @@ def _lifetimes(ops, unit_of, tick_of, last_backward, U, carry, periodic) -> dict
     return lives
 
 
-def _boundary_sends(t, b, what, boundaries, place, carry_image) -> list[Send]:
-    """Boundary b's message(s) at tick t: the next unit's input (or its cotangent), one
-    micro-batch, at its own size; none where both units share a device."""
-    src, dst = boundaries[b]
-    if what == "cotangent":
-        src, dst = dst, src
-    if src == dst:
-        return []
-    first = place.units[b + 1][0]
-    out = [Send(t, what, Size.stage("input", first), ((src, dst),), first)]
-    if carry_image:
-        out.append(Send(t, "image", Size.stage("image", 0), ((src, dst),), 0))
-    return out
-
-
 def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-             backprop) -> tuple[Buffer, ...]:
+             backprop, model_state_sums) -> tuple[Buffer, ...]:
     """What every device of the stage engine allocates (the runtime's state and slot buffers)."""
     units = place.units
     V = place.chunks
@@ -274,6 +257,8 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
            Buffer("grads", "gradients", rows("param"), in_flight)]
     if versions == 2:
         out.append(Buffer("previous", "previous_parameters", rows("param"), True))
+    if model_state_sums:
+        out.append(Buffer("state_sums", "model_state", rows("model_state"), True))
     if heads:
         out += [Buffer("rows.head", "parameters", rows("head_param"), True),
                 Buffer("opt.head", "optimizer_state", rows("head_param"), True),
@@ -285,13 +270,13 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
         out.append(Buffer("input", "images", Size("image", ((0,),), False, ticks.input_slots), between))
     if carry_image:
         out.append(Buffer("image", "images", Size("image", ((0,),), False, ticks.act_slots), between))
-    if backprop:
-        outputs = tuple((u[0],) for u in units[1:]) or ((0,),)
-        out.append(Buffer("cot", "cotangents", Size("input", outputs, True, ticks.cot_slots), between))
+    if backprop:  # a cotangent row is an activation row (one carrier layout): as wide as the widest input
+        out.append(Buffer("cot", "cotangents", Size("input", inputs, True, ticks.cot_slots), between))
     if carry:
         out.append(Buffer("residual", "residuals", Size("residual", units, True, ticks.residual_slots), between))
     if lag:
         out.append(Buffer("labels", "labels", Size("label", ((0,),), False, lag * microbatches), True))
+        out.append(Buffer("fed", "flags", Size("flag", ((0,),), False, lag), True))  # which calls fed a batch
     return tuple(out)
 
 
@@ -359,4 +344,39 @@ def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     return False
 
 
-__all__ = ["CODE", "IDLE", "StageTicks", "lower_stage_axis", "period_window", "placement"]
+def stage_events(ticks: StageTicks, place: Placement, carry_image: bool) -> tuple[Event, ...]:
+    """The period's typed events, from its arrays: each op as a `Compute` of every stage of its
+    unit; each boundary's message between two devices (a unit's output, the cotangent of a unit's
+    input, and with `carry_image` the image beside the output) as a `Send` and its `Receive`, at
+    the size of the receiving unit's first stage's input; each unit's update as an `Apply` of each
+    of its stages. A boundary inside one device (a V's turn) is a copy: no message."""
+    kind_of = {code: kind for kind, code in CODE.items()}
+    events: list[Event] = []
+    sends: list[Send] = []
+    P, D = ticks.kind.shape
+    for t in range(P):
+        for d in range(D):
+            code = int(ticks.kind[t, d])
+            if code != IDLE:
+                events += [Compute(t, d, kind_of[code], j, int(ticks.micro[t, d]), int(ticks.version[t, d]),
+                                   -int(ticks.rel[t, d])) for j in place.units[int(ticks.unit[t, d])]]
+            for u in place.of_device(d):
+                if ticks.update[t, d, place.chunk[u]]:
+                    events += [Apply(t, d, j, 1, -int(ticks.update_rel[t, d, place.chunk[u]]))
+                               for j in place.units[u]]
+        for b, (src, dst) in enumerate(ticks.boundaries):
+            first = place.units[b + 1][0]
+            if src == dst:
+                continue
+            if ticks.send_act[t, b]:
+                lag = -int(ticks.rel[t, src])
+                sends.append(Send(t, "activation", Size.stage("input", first), src, dst, first, lag))
+                if carry_image:
+                    sends.append(Send(t, "image", Size.stage("image", 0), src, dst, 0, lag))
+            if ticks.send_cot[t, b]:
+                sends.append(Send(t, "cotangent", Size.stage("input", first), dst, src, first,
+                                  -int(ticks.rel[t, dst])))
+    return sorted_events(events + messages(sends))
+
+
+__all__ = ["CODE", "IDLE", "StageTicks", "lower_stage_axis", "period_window", "placement", "stage_events"]
