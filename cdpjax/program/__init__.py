@@ -5,18 +5,23 @@ Every tick-driven method goes table -> `lower` -> `Program`: a time table
 runtime executes call after call. The program is the contract between the
 lowering and everything that reads it: the runtimes (`cdpjax.methods.pipeline`
 for `engine='stage'`, `cdpjax.methods.ring` for `engine='ring'`), `bench` (its
-memory model and bytes come from `Program.buffers` and `Program.sends` with no
-knowledge of the method), `train` and the tests.
+memory model and bytes come from `Program.buffers` and the `Send` events with no
+knowledge of the method), `cost` (each device's `Compute` and `Apply` events), `train`
+and the tests.
 
-- `ticks`: the engine's per-tick work for one *period* (the ticks of one call,
-  which feeds one batch): `StageTicks`, integer arrays indexed [tick, device]
-  that a `lax.scan` reads (`cdpjax.program.stage_axis`); or `RingTicks`, the
-  static events of each tick of an unrolled period (`cdpjax.program.ring`).
+- `events`: what each device does in each tick of one *period* (the ticks of one
+  call, which feeds one batch), as typed records (`cdpjax.program.events`):
+  `Compute`, `Send` / `Receive`, `Apply`, `Gather`, each naming its step by
+  `lag >= 0`. Every reader (cost, bench, the tests) reads these and nothing
+  engine-specific; `sends` is the `Send` events.
+- `ticks`: the engine's own per-tick data of the period, which only its runtime
+  reads: `StageTicks`, integer arrays indexed [tick, device] that a `lax.scan`
+  reads (`cdpjax.program.stage_axis`); `RingTicks` (`cdpjax.program.ring`) or
+  `ZeroTicks` (`cdpjax.program.zero`), the static events of each tick of an
+  unrolled period.
 - `buffers`: every buffer a device allocates, what it holds, its size in
   per-stage units (`Size`), whether it lives between calls (part of the train
   state, checkpointed) and, for a call's temporaries, the ticks it is live.
-- `sends`: every point-to-point message of a period: its tick, what it carries,
-  its size and its (source, destination) devices. The runtimes send exactly these.
 - `versions`: parameter versions each device stores; `lag`: how many calls back
   a period's ops reach (0: nothing in flight between calls); `grads_in_flight`:
   gradient sums that outlive a call.

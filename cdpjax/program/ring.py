@@ -128,21 +128,6 @@ class RingTicks:
     def period_ticks(self) -> int:
         return len(self.ticks)
 
-    @property
-    def slots(self) -> dict[str, int]:
-        return {}  # every buffer named (`accesses`), none in slots
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per worker, (kind, stage) of its ops and ('update', stage) of its applies (each its copy)."""
-        per = [[] for _ in range(devices)]
-        for tk in self.ticks:
-            for w, kind, j, _ in tk.ops:
-                per[w].append((kind, j))
-            for j, _, workers, _ in tk.applies:
-                for w in workers:
-                    per[w].append(("update", j))
-        return per
-
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
         out = np.zeros((len(self.ticks), self.workers), np.int64)

@@ -111,26 +111,6 @@ class StageTicks:
     residual_slots: int
     boundaries: tuple[tuple[int, int], ...]  # (source device, destination device) of each boundary
 
-    @property
-    def slots(self) -> dict[str, int]:
-        return {"act": self.act_slots, "input": self.input_slots, "cot": self.cot_slots,
-                "residual": self.residual_slots}
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per device, (kind, stage) of every stage each op's unit runs and ('update', stage) of
-        every stage its updates apply to, over the period."""
-        kind_of = {code: kind for kind, code in CODE.items()}
-        per = [[] for _ in range(devices)]
-        for t in range(self.kind.shape[0]):
-            for d in range(devices):
-                if self.kind[t, d]:
-                    per[d] += [(kind_of[int(self.kind[t, d])], j) for j in placement.units[int(self.unit[t, d])]]
-                for v in range(placement.chunks):
-                    if self.update[t, d, v]:
-                        u = next(u for u in placement.of_device(d) if placement.chunk[u] == v)
-                        per[d] += [("update", j) for j in placement.units[u]]
-        return per
-
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-tick arrays a `lax.scan` reads (leading axis: the ticks of the period)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -88,22 +88,6 @@ class ZeroTicks:
     relay_rows: int  # R: the most stages a worker visits at once (2 with paired forwards)
     max_lag: int
 
-    @property
-    def slots(self) -> dict[str, int]:
-        return {}  # every buffer named, none in slots
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per worker, (kind, stage) of its ops and ('update-piece', stage) of every update: each
-        worker updates its 1/N piece of the stage."""
-        per = [[] for _ in range(devices)]
-        for tk in self.ticks:
-            for op in tk.ops:
-                per[op.worker].append((op.kind, op.stage))
-            for j, _ in tk.applies:
-                for w in range(devices):
-                    per[w].append(("update-piece", j))
-        return per
-
 
 def _circular_slots(arcs: dict, period: int) -> tuple[dict, int]:
     """A row per arc (key -> (start, end) ticks, end >= start, length <= period), the same rows
