@@ -537,6 +537,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
                stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb, repeats=repeats,
                activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
+               busy_fraction=tbl.busy_fraction()["devices"], busy_fraction_lockstep=lockstep_busy_fraction(tbl, costs),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
     return out
 
@@ -601,6 +602,8 @@ def format_predictions(records: list[dict]) -> str:
             lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices "
                          f"({p['model']} model, ops timed {p.get('calibrate', 'alone')}), speedup "
                          f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
+                         + (f", devices busy {p['busy_fraction_lockstep']:.2f} of the time in lockstep with these op "
+                            f"times ({p['busy_fraction']:.2f} of the ticks)" if "busy_fraction_lockstep" in p else "")
                          + (f"; {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
                             if r.get("step_seconds") else ""))
             why = why_it_differs(p, r["step_seconds"]) if r.get("step_seconds") else None
