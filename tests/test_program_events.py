@@ -131,6 +131,7 @@ def _state_bytes(state) -> dict[str, float]:
 
 ENGINES = {  # one method of each engine, small, with every optional buffer it has
     "stage (cdp-mp)": (dict(method="cdp-mp", stages=4, global_batch_size=32, norm="batch"), {"stage": 4}),
+    "stage (ppll)": (dict(method="ppll", stages=4, global_batch_size=32, norm="batch"), {"stage": 4}),
     "ring (cdp-v2)": (dict(method="cdp-v2", cdp_impl="ring", workers=4, stages=4, global_batch_size=32,
                            residuals="carry"), {"data": 4}),
     "zero (cdp-zero)": (dict(method="cdp-zero", workers=4, stages=4, global_batch_size=32), {"data": 4}),
@@ -152,11 +153,11 @@ def test_declared_buffers_are_the_engines_train_state(engine):
     micro = config.global_batch_size // int(mesh.get("data", 1)) // program.microbatches
     declared = program.arguments(bench.program_sizes(method, micro))
     real = _state_bytes(method.init(jax.random.key(0)))
-    declared = {holds: b for holds, b in declared.items() if b}  # a model without state: none held
-    assert set(real) == set(declared), (engine, sorted(real), sorted(declared))
+    # every entry of the state is declared, and every buffer declared with bytes is in the state
+    assert set(real) <= set(declared) and {h for h, b in declared.items() if b} <= set(real), (engine, real, declared)
     slack = 8 * len(program.placement.units)
-    for holds in real:
-        assert abs(real[holds] - declared[holds]) <= slack, (engine, holds, real[holds], declared[holds])
+    for holds in declared:
+        assert abs(real.get(holds, 0) - declared[holds]) <= slack, (engine, holds, real.get(holds), declared[holds])
 
 
 # --------------------------------------------------------- readers: no method names, no kind letters
