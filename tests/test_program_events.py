@@ -54,6 +54,7 @@ def test_every_lowering_emits_the_tables_ops_as_typed_events(name, kw):
     fields = lambda e: (e.tick, e.what, e.size, e.src, e.dst, e.stage, e.lag)  # noqa: E731
     assert collections.Counter(map(fields, sends)) == collections.Counter(map(fields, receives))
     assert program.sends == tuple(sends)
+    assert program.summary()["events"]["Send"] == len(sends) == program.summary()["sends_per_call"]
     # every update of a stage is applied once a period per device holding it (whole or in pieces)
     applies = collections.Counter(e.stage for e in program.events if isinstance(e, Apply))
     holders = program.devices if program.engine == "ring" else 1

@@ -258,7 +258,9 @@ class Program:
         out = {"engine": self.engine, "period": self.period, "lag": self.lag, "devices": self.devices,
                "microbatches": self.microbatches, "kinds": list(self.kinds), "split_backward": self.split_backward,
                "residuals": self.residuals, "versions": self.versions, "grads_in_flight": self.grads_in_flight,
-               "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers]}
+               "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers],
+               "events": {kind.__name__: sum(isinstance(e, kind) for e in self.events)
+                          for kind in (Compute, Send, Receive, Apply, Gather)}}
         return out
 
     def buffer(self, name: str) -> Buffer:
