@@ -20,9 +20,12 @@ feeds, 1 for the previous call's, and so on (never negative).
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from cdpjax.kinds import KINDS
+
+if TYPE_CHECKING:  # cdpjax.program imports this module
+    from cdpjax.program import Size
 
 # What a message carries: a stage's input for the next stage (the image for stage 0), the cotangent
 # of that input going back, a running gradient sum, a completed one, a piece of a stage's parameters,
@@ -62,7 +65,7 @@ class Compute:
 class _Message:
     tick: int
     what: str
-    size: "Size"  # noqa: F821 - cdpjax.program.Size (imported there, which imports this module)
+    size: Size
     src: int
     dst: int
     stage: int
