@@ -24,7 +24,10 @@ TABLES = [("gpipe", dict(stages=4, microbatches=4)), ("1f1b", dict(stages=4, mic
           ("interleaved-1f1b", dict(stages=8, microbatches=8, chunks=2)), ("zb-h1", dict(stages=4, microbatches=8)),
           ("zbv", dict(stages=8, microbatches=8)), ("cdp-mp", dict(stages=4, steps=5)), ("ppll", dict(stages=4)),
           ("cdp-v2", dict(workers=4, stages=4)), ("cdp-v1", dict(workers=2, stages=4)),
-          ("cdp-v2", dict(workers=8, stages=4)), ("cdp-zero", dict(workers=4, stages=4))]
+          ("cdp-v2", dict(workers=8, stages=4)), ("cdp-zero", dict(workers=4, stages=4)),
+          ("looped-bfs", dict(stages=8, microbatches=4, chunks=2)),
+          ("cdp-v2", dict(workers=4, stages=4, ticks="split")),
+          ("cdp-v2", dict(workers=3, stages=4, ticks="paired")), ("cdp-zero", dict(workers=2, stages=4, ticks="split"))]
 
 
 def _program(name, kw):
@@ -219,6 +222,22 @@ def test_readers_dispatch_on_op_kind_flags_not_letters():
                     compared |= {id(n) for n in ast.walk(op)}
             found += [f"{path.relative_to(ROOT)}:{n.lineno} {n.value!r}" for n in _strings(tree)
                       if n.value in KINDS and id(n) in compared]
+    assert not found
+
+
+def test_readers_ask_no_engine_and_no_method():
+    """The readers compare no program's or table's `engine` or `method` with a value: what they read
+    does not depend on which engine or method made it."""
+    found = []
+    for entry in READERS:
+        paths = sorted((ROOT / entry).rglob("*.py")) if (ROOT / entry).is_dir() else [ROOT / entry]
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    if any(isinstance(n, ast.Attribute) and n.attr in ("engine", "method") for n in sides) and \
+                            any(isinstance(n, ast.Constant) for n in sides):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found
 
 
