@@ -15,7 +15,8 @@ same work on one device is the framework's own overhead.
   zeros included): `sent_bytes_hlo_per_device_per_step`; and, for a method with a lowered
   program, the bytes its messages carry (`sent_bytes_per_device_per_step`: exactly what the
   runtime sends) beside the same messages padded to the carrier's rows.
-- activation, busy fraction, comm balance: from the method's time table (in
+- activation, busy fraction (of the ticks, and of the time in lockstep with a backward of two
+  forwards: `busy_fraction_lockstep`), comm balance: from the method's time table (in
   stage-activations, the unit model, and in bytes of each stage's real output).
 - step time: every method compiled first, then timed in interleaved rounds, so
   that a change of load on a shared machine falls on all of them alike.
@@ -214,7 +215,8 @@ def table_figures(table, sizes: dict[str, list[int]]) -> dict[str, Any]:
     """
     if table is None:
         return {}
-    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["devices"])}
+    out: dict[str, Any] = {"busy_fraction": float(table.busy_fraction()["devices"]),
+                           "busy_fraction_lockstep": float(table.lockstep_busy_fraction())}
     stats = table.activation_stats(sizes["activation_bytes"]) if sizes else table.activation_stats()
     act = {"peak": float(stats["total_peak"]), "mean": float(stats["total_mean"])}
     if sizes:
@@ -271,7 +273,8 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.dtype(task.label_dtype))
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
-           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L}
+           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L,
+           "flag": [1] * L}  # a boolean
     if method.heads is not None:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
@@ -368,8 +371,7 @@ def _program_sends(program, priced) -> dict[str, Any]:
     padded = np.zeros(program.devices)
     for s in program.sends:
         size = Size(s.size.of, tuple((j,) for j in range(len(priced[s.size.of]))), True, s.size.count, s.size.parts)
-        for src, _ in s.pairs:
-            padded[src] += size.bytes(priced)
+        padded[s.src] += size.bytes(priced)
     return {"sent_bytes_per_device_per_step": float(real.mean()),
             "sent_bytes_max_device_per_step": float(real.max()),
             "sent_bytes_padded_per_device_per_step": float(padded.mean()),
@@ -387,7 +389,7 @@ def variant_config(base, spec: str):
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:
             raise cfg_lib.ConfigError(f"--methods {spec!r}: each @ is followed by KEY=VALUE (e.g. "
-                                      f"{name or 'cdp-v2'}@residuals=carry), not {item!r}")
+                                      f"{name or 'METHOD'}@residuals=carry), not {item!r}")
         if key == "method":
             raise cfg_lib.ConfigError(f"--methods {spec!r}: a variant keeps its method ({name!r}); list "
                                       f"{item.split('=', 1)[1].strip()!r} as a method of its own")
@@ -521,8 +523,8 @@ def format_table(records: list[dict]) -> str:
         return ""
     base = records[0]
     head = ["method", "devices", "compile s", "step s", "x first", "img/s", "temp MiB", "args MiB",
-            "model temp", "model args", "busy", "act peak", "act peak MiB", "comm bal", "sent MiB/dev/step",
-            "all-reduce MiB", "largest permute MiB"]
+            "model temp", "model args", "busy", "busy lockstep", "act peak", "act peak MiB", "comm bal",
+            "sent MiB/dev/step", "all-reduce MiB", "largest permute MiB"]
     rows = []
     for r in records:
         mem = r.get("memory", {})
@@ -535,6 +537,7 @@ def format_table(records: list[dict]) -> str:
             f"{mem.get('temp_bytes', 0) / 2**20:.2f}", f"{mem.get('argument_bytes', 0) / 2**20:.2f}",
             _mib(model.get("temporaries", {}).get("total")), _mib(model.get("arguments", {}).get("total")),
             f"{r['busy_fraction']:.2f}" if "busy_fraction" in r else "-",
+            f"{r['busy_fraction_lockstep']:.2f}" if "busy_fraction_lockstep" in r else "-",
             f"{act['peak']:.1f}" if act else "-",
             _mib(act.get("device_peak_bytes")) if act else "-",
             f"{r['comm_balance']:.2f}" if "comm_balance" in r else "-",

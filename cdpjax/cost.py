@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cdpjax.program import piece_size
+from cdpjax.kinds import KINDS
+from cdpjax.program import Apply, Compute, piece_size
 
 
 def xla_cost(compiled) -> dict[str, float]:
@@ -52,7 +53,8 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
     params, state = net.init(jax.random.key(0))
     x = image = jnp.zeros((micro, *net.input_shape), net.input_dtype)
     labels = jnp.zeros((micro, *task.label_shape(tuple(net.input_shape))), jnp.int32)
-    if "FB" in program.kinds:
+    local_kinds = [k for k in program.kinds if KINDS[k].forward and KINDS[k].backward]
+    if local_kinds:
         heads = method.heads
         head_params, head_state = heads.init(jax.random.key(1))
     out = {}
@@ -64,18 +66,19 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
         # traced as the backward's template will be (under jit): their residuals then agree leaf by leaf
         kept = jax.jit(lambda p, s, x: ops.forward_kept(j, p, s, x, labels)[1])(p, s, x) if carry else None
         for kind in program.kinds:
-            if kind == "F":
+            op = KINDS[kind]
+            if op.forward and not op.backward:
                 fn = (lambda p, s, x: ops.forward_kept(j, p, s, x, labels)[:2]) if carry else \
                      (lambda p, s, x: ops.run(j, p, s, x, labels)[0])
                 out[(kind, j)] = _priced(fn, p, s, x)
-            elif kind in ("B", "W"):
-                want = {"W": ("params",), "B": ("input",) if program.split_backward else ("params", "input")}[kind]
-                if kind == "B" and j == 0 and want == ("input",):  # the batch needs no cotangent: nothing to run
+            elif op.backward and not op.forward:
+                want = _backward_wants(op, program.split_backward)
+                if j == 0 and want == ("input",):  # the batch needs no cotangent: nothing to run
                     out[(kind, j)] = {"flops": 0.0, "bytes_accessed": 0.0}
                     continue
                 fn = functools.partial(_backward, ops, j, want)
                 out[(kind, j)] = _priced(fn, p, s, x, labels, cot, kept)
-            elif kind == "FB":
+            else:
                 def local(p, h, s, g, x):
                     return stage_grads(net, heads, j, p, h, s, g, x, labels, image)[:3]
                 out[(kind, j)] = _priced(local, p, head_params[j], s, head_state[j], x)
@@ -85,6 +88,13 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
             out[("update-piece", j)] = _priced(_update(tx), piece, tx.init(piece), piece)
         x = y
     return out
+
+
+def _backward_wants(op, split_backward: bool) -> tuple[str, ...]:
+    """What a backward op computes: the weight gradient where it completes it; the cotangent of the
+    stage's input unless it is a split backward's weight half (which computes nothing else)."""
+    completes = op.completes_gradient(split_backward)
+    return (("params",) if completes else ()) + (() if split_backward and completes else ("input",))
 
 
 def _update(tx):
@@ -99,8 +109,14 @@ def _backward(ops, j, want, p, s, x, labels, cot, kept):
 def program_ops(program) -> list[list[tuple[str, int]]]:
     """Per device, the (kind, stage) of every op and ('update', stage) of every update (a device's
     1/N piece of the stage: ('update-piece', stage)) one call of the program runs (every op taken,
-    whatever its step: a steady-state call), as the program's ticks list them."""
-    return program.ticks.device_ops(program.placement, program.devices)
+    whatever its step: a steady-state call), from the program's `Compute` and `Apply` events."""
+    per: list[list[tuple[str, int]]] = [[] for _ in range(program.devices)]
+    for e in program.events:
+        if isinstance(e, Compute):
+            per[e.device].append((e.kind, e.stage))
+        elif isinstance(e, Apply):
+            per[e.device].append(("update-piece" if e.piece else "update", e.stage))
+    return per
 
 
 def program_cost(method, micro: int, tx, task=None) -> dict[str, Any]:

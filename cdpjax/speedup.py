@@ -93,9 +93,9 @@ class StageCosts:
     def seconds(self, kind: str, stage: int, split_backward: bool) -> float:
         """An op of `kind` on `stage` in a table that does (or does not) split its backwards."""
         field = kinds.cost_field(kind, split_backward)
-        if field == "local":
-            return self.local(stage)
         values = getattr(self, field)
+        if callable(values):  # a cost made of others (`local`)
+            return values(stage)
         if len(values) <= stage:
             raise ConfigError(f"the stage costs give no {field} for stage {stage} (an op of kind {kind!r}); "
                               f"measure_stage_costs measures every field")
@@ -159,6 +159,25 @@ def lockstep_ticks(table, costs: StageCosts, bandwidth: float = float("inf")) ->
     for tick, nbytes in _messages(table, costs):
         transfer[tick] = max(transfer[tick], nbytes / bandwidth)
     return busy.max(1), transfer
+
+
+# The op costs a busy fraction is weighed with where none are measured: a backward takes two forwards, and
+# where it is split, its input half and its weight half one each (`StageCosts` fields, not kinds).
+UNIT_COSTS = {"forward": 1.0, "backward": 2.0, "backward_weight": 1.0}
+
+
+def lockstep_busy_fraction(table, costs: StageCosts | None = None) -> float:
+    """The devices' busy share of `table`'s steady state run in lockstep: every tick lasts as long as
+    its slowest device's ops (`lockstep_ticks`, transfers free), and a device is busy for its own
+    ops' time; `costs`: measured ones, else `UNIT_COSTS`. Beside `TimeTable.busy_fraction`, which
+    counts every op as one tick: 1f1b at L = 8, M = 32 is busy 0.82 of its ticks and 0.65 of its
+    lockstep time."""
+    costs = costs or uniform_costs(UNIT_COSTS, table.stages)
+    lo, hi = table.steady
+    compute, _ = lockstep_ticks(table, costs)
+    span = float(compute[lo:hi].sum()) * max(table.devices, 1)
+    work = sum(costs.seconds(op.kind, op.stage, table.split_backward) for op in table.ops if lo <= op.tick < hi)
+    return work / span if span > 0 else 0.0
 
 
 def lockstep_starts(table, costs: StageCosts, bandwidth: float = float("inf")) -> np.ndarray:
@@ -518,6 +537,7 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
                stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb, repeats=repeats,
                activation_bytes=costs.activation_bytes,
                imbalance=float(per_stage.max() / per_stage.mean()),
+               busy_fraction=tbl.busy_fraction()["devices"], busy_fraction_lockstep=lockstep_busy_fraction(tbl, costs),
                assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
     return out
 
@@ -582,6 +602,8 @@ def format_predictions(records: list[dict]) -> str:
             lines.append(f"  {name:>8}: step {p['step_seconds'] * 1e3:.2f} ms on {p['devices']} devices "
                          f"({p['model']} model, ops timed {p.get('calibrate', 'alone')}), speedup "
                          f"{p['speedup']:.2f}x over one device, stage imbalance {p['imbalance']:.2f}"
+                         + (f", devices busy {p['busy_fraction_lockstep']:.2f} of the time in lockstep with these op "
+                            f"times ({p['busy_fraction']:.2f} of the ticks)" if "busy_fraction_lockstep" in p else "")
                          + (f"; {p['step_seconds'] / r['step_seconds']:.2f}x the measured step"
                             if r.get("step_seconds") else ""))
             why = why_it_differs(p, r["step_seconds"]) if r.get("step_seconds") else None
@@ -599,9 +621,11 @@ def op_times_words(p: dict) -> str:
 
     where = ("on one device, the others idle" if p.get("calibrate", "alone") == "alone"
              else f"on {p['devices']} devices at once")
-    fields = [("F", p.get("stage_forward", ())), ("B", p.get("stage_backward", ()))]
+    kind_of = {k.cost: k.name for k in kinds.KINDS.values()}  # a cost field -> the kind it times
+    fields = [(kind_of["forward"], p.get("stage_forward", ())), (kind_of["backward"], p.get("stage_backward", ()))]
     if p.get("split_backward"):
-        fields += [("B input", p.get("stage_backward_input", ())), ("W", p.get("stage_backward_weight", ()))]
+        fields += [(f"{kind_of['backward']} input", p.get("stage_backward_input", ())),
+                   (kind_of["backward_weight"], p.get("stage_backward_weight", ()))]
     if p.get("heads_timed"):
         fields.append(("head F+B", p.get("stage_head", ())))
     return (f"op times used (ms per micro-batch of {p.get('micro_batch', '?')}, per stage; measured here by "

@@ -213,6 +213,14 @@ class TimeTable:
             "whole": float(stage_busy.mean()),
         }
 
+    def lockstep_busy_fraction(self, costs=None) -> float:
+        """The devices' busy share of the steady state run in lockstep, each tick as long as its
+        slowest device's ops (`cdpjax.speedup.lockstep_busy_fraction`; costs: a backward = two
+        forwards unless measured ones are given)."""
+        from cdpjax.speedup import lockstep_busy_fraction
+
+        return lockstep_busy_fraction(self, costs)
+
     # -------------------------------------------------------- activation memory
 
     def activation_per_worker(self) -> np.ndarray:
@@ -307,6 +315,7 @@ class TimeTable:
             "notes": list(self.notes),
             "stale": [[bool(x) for x in row] for row in self.stale],
             "busy_fraction": self.busy_fraction(),
+            "busy_fraction_lockstep": self.lockstep_busy_fraction(),
             "activation": self.activation_stats(stage_bytes),
             "ticks": [list(row) for row in self.grid().tolist()],
             "ops": [dataclasses.asdict(op) for op in self.ops],
@@ -538,7 +547,8 @@ def format_grid(t: TimeTable) -> str:
             lines.append(f"{who}{d}>".ljust(6) + "".join(c.rjust(width) for c in row))
     bf = t.busy_fraction()
     lines.append(f"busy fraction (steady state): {bf['overall']:.3f} of stage slots, {bf['devices']:.3f} of device "
-                 f"time; over all ticks: {bf['whole']:.3f}")
+                 f"time; over all ticks: {bf['whole']:.3f}; in lockstep (each tick as long as its slowest "
+                 f"device's op, a backward = 2 forwards): {t.lockstep_busy_fraction():.3f} of device time")
     lo, hi = t.steady
     held = t.activation_per_worker()[lo:hi]
     if held.size and any(not (KINDS[o.kind].forward and KINDS[o.kind].backward) for o in t.ops):  # not ppll's

@@ -303,6 +303,16 @@ def test_pipeline_busy_fractions_from_their_tables():
     assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction"] == pytest.approx(4 / 7)
     cdp_mp = timetable.table("cdp-mp", stages=4, steps=4)
     assert bench.table_figures(cdp_mp, sizes)["busy_fraction"] == pytest.approx(1.0)
+    # beside it, in lockstep with B = 2F: GPipe's forward and backward phases are each M+K-1 ticks
+    # alike (4/7 again); 1F1B at K = 8, M = 32 runs K forward-only ticks of 1, then 2(M+K-1) - K
+    # ticks of 2 (some device runs a backward), each device working M(1 + 2)
+    assert bench.table_figures(gpipe_table(4, 4), sizes)["busy_fraction_lockstep"] == pytest.approx(4 / 7)
+    one_f_one_b = bench.table_figures(timetable.table("1f1b", stages=8, microbatches=32),
+                                      {"param_bytes": [4] * 8, "activation_bytes": [4] * 8})
+    assert one_f_one_b["busy_fraction_lockstep"] == pytest.approx(32 * 3 / (8 + (2 * 39 - 8) * 2))
+    row = bench.format_table([{"method": "1f1b", "devices": 8, "compile_seconds": 1.0, "step_seconds": 1.0,
+                               "images_per_second": 1.0, **one_f_one_b}]).splitlines()
+    assert row[0].split().index("lockstep") and row[2].split()[9:12] == ["-", "0.82", "0.65"]
 
 
 def test_memory_partition_holds_the_fewest_bytes():
@@ -367,6 +377,8 @@ def test_a_variant_is_predicted_with_its_own_keys(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "gpipe@microbatches=8: step" in out
     assert sum("(lockstep model, ops timed alone)" in line for line in out.splitlines() if ": step" in line) == 2
+    assert 0 < base["prediction"]["busy_fraction_lockstep"] <= 1
+    assert sum("of the time in lockstep with these op times" in line for line in out.splitlines()) == 2
 
 
 def test_predict_for_config_says_its_model():

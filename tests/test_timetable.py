@@ -2,6 +2,7 @@
 activation memory (in stage-activations and in bytes) and gradient traffic as the paper
 states them; the delivery plan's deadlines and sends per tick for every size; the ring's
 period replayed without JAX."""
+import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +13,7 @@ from cdpjax.layouts.cdp import _laid_out, applies_of, cdp_table
 from cdpjax.program.ring import ring_ticks
 from cdpjax.layouts.gpipe import gpipe_table
 from cdpjax.layouts.ppll import ppll_table
-from cdpjax import kinds
+from cdpjax import kinds, speedup
 from cdpjax.timetable import Op, TimeTable, from_orders, table
 from helpers import cdp_rule
 
@@ -127,6 +128,28 @@ def test_busy_fraction():
     p = ppll_table(4, 12)
     assert p.busy_fraction()["overall"] == 1.0  # no bubble once filled
     assert p.busy_fraction()["whole"] == pytest.approx(12 / 15)  # fill and drain at the ends only
+
+
+def test_lockstep_busy_fraction_weighs_each_tick_by_its_slowest_op():
+    """1F1B at L = 8, M = 32 in lockstep, F = 1 and B = 2: its first L ticks run forwards only (micro-batch
+    0 reaches the last stage), and from then on some device runs a backward in every tick of the 2(M+L-1)
+    until stage 0's last backward ends the step, so the step lasts L*1 + (2(M+L-1) - L)*2 time units, in
+    which each device works M*(1 + 2): 96 / 148 = 0.65, where the unit-tick figure is 2M / 2(M+L-1) = 0.82."""
+    L, M = 8, 32
+    t = table("1f1b", stages=L, microbatches=M)
+    ticks = 2 * (M + L - 1)
+    assert t.busy_fraction()["devices"] == pytest.approx(2 * M / ticks)
+    assert t.lockstep_busy_fraction() == pytest.approx(M * 3 / (L * 1 + (ticks - L) * 2))
+    assert round(t.lockstep_busy_fraction(), 2) == 0.65
+    # every tick of dp's table runs one op per worker: a backward tick is 2 long for every worker alike
+    assert cdp_table("dp", 4, 4).lockstep_busy_fraction() == pytest.approx(1.0)
+    # a stage's B twice as slow as the others': ticks where it runs last 4, so the others wait
+    slow = speedup.uniform_costs({"F": 1, "B": 2}, 2)
+    slow = dataclasses.replace(slow, backward=(2.0, 4.0))
+    g = gpipe_table(2, 1)  # F0 F1 B1 B0: ticks of 1, 1, 4, 2 on two devices, each working 1 + 2 or 1 + 4
+    assert g.lockstep_busy_fraction(slow) == pytest.approx((3 + 5) / (2 * (1 + 1 + 4 + 2)))
+    assert "in lockstep (each tick as long as its slowest device's op, a backward = 2 forwards): 0.649" in \
+        t.format_grid()
 
 
 def test_pipeline_tables():

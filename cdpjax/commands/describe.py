@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import math
 
+from cdpjax.kinds import KINDS
+
 JSON_STAGE_KEYS = ("blocks", "params", "output_shape", "activation_bytes", "flops", "device", "head_params",
                    "decoder_params", "ema_params", "head_flops")
 LOCAL_BUILDER = "cdpjax.methods.local:build"  # the one-device method that trains heads (no time table)
@@ -81,7 +83,7 @@ def has_heads(config) -> bool:
     layout = LAYOUTS.lookup(config.method)
     if layout.table is None:
         return layout.builder == LOCAL_BUILDER
-    return any(op.kind == "FB" for op in layout.make_table().ops)
+    return any(KINDS[op.kind].forward and KINDS[op.kind].backward for op in layout.make_table().ops)
 
 
 def _count(tree) -> int:
@@ -194,7 +196,7 @@ def format_text(d: dict) -> str:
     for s in d["stages"]:
         a, b = s["blocks"]
         lines.append(row(s["stage"], f"{a}-{b - 1}", s["device"], s, "x".join(map(str, s["output_shape"])),
-                         _si(s["activation_bytes"]) + "B"))
+                         f"{_si(s['activation_bytes'])}B"))
     lines.append(row("total", "", "", d["totals"], "", ""))
     if len(d["devices"]) > 1:
         lines.append("per device: " + "; ".join(

@@ -31,6 +31,7 @@ import sys
 
 from cdpjax import files, table_json
 from cdpjax.commands.common import FIGURE_SUFFIXES, created_output
+from cdpjax.config import default_config
 from cdpjax.errors import ConfigError
 from cdpjax.layouts import LAYOUTS
 
@@ -38,9 +39,6 @@ from cdpjax.layouts import LAYOUTS
 # W), and each size: the table functions take time superlinear in the stages (cdp's delivery plan,
 # a pipeline's device orders), so both are kept where a table is laid out in seconds.
 OP_LIMIT = 100_000
-# Layouts whose messages outnumber their ops: cdp-zero sends each gradient piece to its keeper and
-# each parameter piece to every reader, about `workers` messages per op (counted with the ops).
-MESSAGES_PER_OP = {"cdp-zero": "workers"}
 BUILD_SIZE_LIMIT = 1024
 # What a table is written as (module docstring): ops + messages + ticks x devices for the text grid,
 # --json and --costs; the drawing's ops, ticks and stages (a side of at most 2**16 pixels at 120 dpi,
@@ -84,7 +82,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Print (default), dump (--json) or draw (--out) the time table of a method. "
                     "Methods: " + "; ".join(f"{n}: {LAYOUTS[n].summary}" for n in with_tables),
     )
-    p.add_argument("--method", choices=with_tables, default="cdp-v2")
+    p.add_argument("--method", choices=with_tables, default=default_config().method)
     p.add_argument("--workers", type=int, default=None, help="CDP workers N (2L must be a multiple of N)")
     p.add_argument("--stages", type=int, default=None, help="stages L (ppll: local modules K)")
     p.add_argument("--steps", type=int, default=None, help="training steps laid out (ppll: batches)")
@@ -142,10 +140,10 @@ def check_sizes(layout, sizes: dict) -> None:
 
     stages = size("stages")
     ops = size("steps", 2 * stages) * stages * max(size("workers"), size("microbatches")) * size("chunks") * 3
-    if layout.name in MESSAGES_PER_OP:
-        ops *= 1 + size(MESSAGES_PER_OP[layout.name])
+    if layout.messages_per_op:  # its messages outnumber its ops: counted with them
+        ops *= 1 + size(layout.messages_per_op)
     if ops > OP_LIMIT:
-        what = "ops and messages" if layout.name in MESSAGES_PER_OP else "ops"
+        what = "ops and messages" if layout.messages_per_op else "ops"
         raise ConfigError(f"{layout.name} with those sizes lays out about {ops:.3g} {what}, more than "
                           f"{OP_LIMIT:.0e}: give fewer --steps, --stages, --workers or --microbatches")
 

@@ -100,6 +100,9 @@ class Layout:
       reference: what the method must equal (`Reference`): the equality test every registered
         method gets from its registration (`tests/test_references.py`); None only for e2e and
         local, the two references, checked against rules written out in their own tests.
+      messages_per_op: the table's size its messages per op grow with, where they outnumber its
+        ops (`cdpjax schedule` counts them with the ops before laying a table out); None: about
+        one message per op or fewer.
     """
 
     name: str
@@ -116,6 +119,7 @@ class Layout:
     columns: str = "device"
     summary: str = ""
     reference: Reference | None = None
+    messages_per_op: str | None = None
 
     def __post_init__(self):
         if self.colour not in COLOURS:

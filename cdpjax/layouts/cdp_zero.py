@@ -117,4 +117,6 @@ register(Layout("cdp-zero", "cdpjax.methods.cdp_zero:build", axes=("data",), dev
                 columns="worker", legend="F<j>/B<j>/W<j>: forward/backward/weight gradient of stage j",
                 title="{method}: N={workers} workers, L={stages} stages, {steps} steps, offsets {offsets}",
                 summary="CDP with every stage partitioned over the workers (ZeRO-3), gathered and "
-                        "reduce-scattered point to point", reference=Reference("{cdp_rule}", (("cdp_impl", "ring"),))))
+                        "reduce-scattered point to point", reference=Reference("{cdp_rule}", (("cdp_impl", "ring"),)),
+                # each gradient piece goes to its keeper and each parameter piece to every reader
+                messages_per_op="workers"))

@@ -151,7 +151,8 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
     if carry and rules.local:
         raise ConfigError(f"{method} has no backward to carry residuals to: use residuals='recompute'")
     program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
-                               carry_image=heads is not None and heads.needs_image)
+                               carry_image=heads is not None and heads.needs_image,
+                               model_state_sums=rules.model_state == "step_mean")
     op_kinds.refuse_unknown(program.kinds, PIECES, "the stage-axis engine")
     groups = check_mesh(ctx, method, program.devices)
     net = ctx.net(stages=ctx.config.stages)

@@ -5,19 +5,24 @@ Every tick-driven method goes table -> `lower` -> `Program`: a time table
 runtime executes call after call. The program is the contract between the
 lowering and everything that reads it: the runtimes (`cdpjax.methods.pipeline`
 for `engine='stage'`, `cdpjax.methods.ring` for `engine='ring'`), `bench` (its
-memory model and bytes come from `Program.buffers` and `Program.sends` with no
-knowledge of the method), `train` and the tests.
+memory model and bytes come from `Program.buffers` and the `Send` events with no
+knowledge of the method), `cost` (each device's `Compute` and `Apply` events), `train`
+and the tests.
 
-- `ticks`: the engine's per-tick work for one *period* (the ticks of one call,
-  which feeds one batch): `StageTicks`, integer arrays indexed [tick, device]
-  that a `lax.scan` reads (`cdpjax.program.stage_axis`); or `RingTicks`, the
-  events of each tick of the ring's period (`cdpjax.program.ring`; `ring_routing`
-  makes them the arrays its scan reads).
+- `events`: what each device does in each tick of one *period* (the ticks of one
+  call, which feeds one batch), as typed records (`cdpjax.program.events`):
+  `Compute`, `Send` / `Receive`, `Apply`, `Gather`, each naming its step by
+  `lag >= 0`. Every reader (cost, bench, the tests) reads these and nothing
+  engine-specific; `sends` is the `Send` events.
+- `ticks`: the engine's own per-tick data of the period, which only its runtime
+  reads: `StageTicks`, integer arrays indexed [tick, device, lane] that a
+  `lax.scan` reads (`cdpjax.program.stage_axis`); `RingTicks`
+  (`cdpjax.program.ring`; `ring_routing` makes them the arrays its scan reads) or
+  `ZeroTicks` (`cdpjax.program.zero`), the static events of each tick of
+  cdp-zero's unrolled period.
 - `buffers`: every buffer a device allocates, what it holds, its size in
   per-stage units (`Size`), whether it lives between calls (part of the train
   state, checkpointed) and, for a call's temporaries, the ticks it is live.
-- `sends`: every point-to-point message of a period: its tick, what it carries,
-  its size and its (source, destination) devices. The runtimes send exactly these.
 - `versions`: parameter versions each device stores; `lag`: how many calls back
   a period's ops reach (0: nothing in flight between calls); `grads_in_flight`:
   gradient sums that outlive a call.
@@ -29,19 +34,27 @@ measures those: parameters, stage inputs, kept residuals...).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 import numpy as np
 
 from cdpjax.errors import ConfigError
+from cdpjax.program.events import MESSAGES, Apply, Compute, Event, Gather, Receive, Send, sorted_events
+
+if TYPE_CHECKING:  # the engines' own per-tick data, which only their runtimes read
+    from cdpjax.program.ring import RingTicks
+    from cdpjax.program.stage_axis import StageTicks
+    from cdpjax.program.zero import ZeroTicks
+
+    EngineTicks = Union[StageTicks, RingTicks, ZeroTicks]
 
 ENGINES = ("stage", "ring")
-SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "residual", "label", "image")
+SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "residual", "label", "image", "flag")
 # What a backward op starts from: the stage's kept input, the forward rerun under `jax.vjp`
 # ('recompute'), or the residuals the forward's `jax.vjp` kept ('carry').
 RESIDUALS = ("recompute", "carry")
 CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_state", "gradients", "activations",
-              "cotangents", "residuals", "relayed_parameters", "labels", "images")
+              "cotangents", "residuals", "relayed_parameters", "labels", "images", "flags")
 
 
 def carries(residuals: str) -> bool:
@@ -65,7 +78,7 @@ class Size:
     of: the per-stage quantity ('param': a stage's parameters; 'input': a stage's input for
       one micro-batch, the image for stage 0; 'residual': the `jax.vjp` residuals one
       micro-batch keeps at a stage; 'model_state', 'head_param', 'head_state', 'label',
-      'image' likewise).
+      'image' likewise; 'flag': one boolean).
     groups: the stage groups it can hold; a group's size is the sum over its stages.
     padded: each of `count` items is as large as the largest group (a carrier row, one
       shape whatever it holds); else it holds every group at its own size, `count` times.
@@ -122,19 +135,6 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True)
-class Send:
-    """A point-to-point message sent at the end of `tick` of the period, from each `src` to its
-    `dst` (devices of the engine's axis). what: 'activation' | 'cotangent' | 'image' |
-    'partial' | 'sum' | 'parameters'. size: one message's. stage: whose it is."""
-
-    tick: int
-    what: str
-    size: Size
-    pairs: tuple[tuple[int, int], ...]
-    stage: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
 class Placement:
     """Where the stages live: `units[u]` the stages of unit u (consecutive), `device[u]` its
     device, `chunk[u]` its index among its device's units; `chunks`: units per device. A ring
@@ -152,19 +152,6 @@ class Placement:
 
     def of_device(self, d: int) -> list[int]:
         return [u for u in range(len(self.units)) if self.device[u] == d]
-
-
-class PeriodTicks(Protocol):
-    """What every engine's per-tick data of one period gives its readers (cost, describe): the
-    ring's `RingTicks`, cdp-zero's `ZeroTicks`, the stage-axis engine's `StageTicks`."""
-
-    @property
-    def slots(self) -> dict[str, int]:
-        """Buffer slots per kind of stash (the stage-axis engine's rows; {} where buffers are named)."""
-
-    def device_ops(self, placement: "Placement", devices: int) -> list[list[tuple[str, int]]]:
-        """Per device, the (kind, stage) of every op and ('update', stage) of every update (a
-        device's 1/N piece of the stage: ('update-piece', stage)) that one period runs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +178,8 @@ class Program:
     grads_in_flight: bool
     placement: Placement
     buffers: tuple[Buffer, ...]
-    sends: tuple[Send, ...]
-    ticks: PeriodTicks
+    events: tuple[Event, ...]
+    ticks: "EngineTicks"
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -200,6 +187,18 @@ class Program:
         names = [b.name for b in self.buffers]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.method}: buffer names repeat: {sorted(n for n in names if names.count(n) > 1)}")
+        late = next((e for e in self.events if not 0 <= e.tick < self.period), None)
+        if late is not None:
+            raise ValueError(f"{self.method}: event {late} is outside the period's ticks 0..{self.period - 1}")
+
+    @property
+    def sends(self) -> tuple[Send, ...]:
+        """Every point-to-point message of a period (its `Send` events)."""
+        return tuple(e for e in self.events if isinstance(e, Send))
+
+    def device_events(self, device: int) -> tuple[Event, ...]:
+        """The events of one device, in tick order (a message: its sender's and its receiver's)."""
+        return tuple(e for e in self.events if e.device == device)
 
     @property
     def carries(self) -> bool:
@@ -212,16 +211,14 @@ class Program:
         """[devices] bytes each device sends per call (per training step)."""
         out = np.zeros(self.devices)
         for s in self.sends:
-            for src, _ in s.pairs:
-                out[src] += s.size.bytes(sizes)
+            out[s.src] += s.size.bytes(sizes)
         return out
 
     def sends_per_tick(self) -> np.ndarray:
         """[period, devices] messages each device sends at the end of each tick."""
         out = np.zeros((self.period, self.devices), np.int64)
         for s in self.sends:
-            for src, _ in s.pairs:
-                out[s.tick, src] += 1
+            out[s.tick, s.src] += 1
         return out
 
     def largest_send(self, sizes: Mapping[str, Sequence[float]]) -> float:
@@ -262,9 +259,9 @@ class Program:
         out = {"engine": self.engine, "period": self.period, "lag": self.lag, "devices": self.devices,
                "microbatches": self.microbatches, "kinds": list(self.kinds), "split_backward": self.split_backward,
                "residuals": self.residuals, "versions": self.versions, "grads_in_flight": self.grads_in_flight,
-               "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers]}
-        if self.ticks.slots:
-            out["slots"] = dict(self.ticks.slots)
+               "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers],
+               "events": {kind.__name__: sum(isinstance(e, kind) for e in self.events)
+                          for kind in (Compute, Send, Receive, Apply, Gather)}}
         return out
 
     def buffer(self, name: str) -> Buffer:
@@ -292,5 +289,5 @@ def lower(table, residuals: str = "recompute", **options) -> Program:
     return lower_stage_axis(table, residuals=residuals, **options)
 
 
-__all__ = ["Buffer", "CATEGORIES", "ENGINES", "PeriodTicks", "Placement", "Program", "SIZE_KINDS", "Send", "Size",
-           "lower"]
+__all__ = ["Apply", "Buffer", "CATEGORIES", "Compute", "ENGINES", "Event", "Gather", "MESSAGES", "Placement",
+           "Program", "Receive", "SIZE_KINDS", "Send", "Size", "lower", "sorted_events"]

@@ -36,7 +36,8 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 # The name scope of the scanned ring's switch over ticks that sends each tick's messages (its
@@ -132,21 +133,6 @@ class RingTicks:
     @property
     def period_ticks(self) -> int:
         return len(self.ticks)
-
-    @property
-    def slots(self) -> dict[str, int]:
-        return {}  # every buffer named (`accesses`), none in slots
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per worker, (kind, stage) of its ops and ('update', stage) of its applies (each its copy)."""
-        per = [[] for _ in range(devices)]
-        for tk in self.ticks:
-            for w, kind, j, _ in tk.ops:
-                per[w].append((kind, j))
-            for j, _, workers, _ in tk.applies:
-                for w in workers:
-                    per[w].append(("update", j))
-        return per
 
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
@@ -528,6 +514,8 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if carry:
         between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+    # which of the last calls fed a batch (an op of an unfed call's step does nothing)
+    between.append(Buffer("fed", "flags", Size("flag", ((0,),), False, max(ticks.max_lag, 1)), True))
     carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
     first, last = {}, {}
     for t, tk in enumerate(ticks.ticks):
@@ -543,17 +531,27 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
         else:  # written and last read within the call (or handed on to the next call under another lag)
             end = ticks.period_ticks - 1 if name in carried else last[name]
             gradients.append(Buffer(label, "gradients", Size.stage("param", j), False, (first[name], end)))
-    sends = []
-    for t, tk in enumerate(ticks.ticks):
-        for j, _, pairs in tk.partials:
-            sends.append(Send(t, "partial", Size.stage("param", j), tuple(pairs), j))
-        for j, _, pairs, _ in tk.sums:
-            sends.append(Send(t, "sum", Size.stage("param", j), tuple(pairs), j))
     kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
-                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), tuple(sends), ticks)
+                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), ring_events(ticks), ticks)
+
+
+def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
+    """The period's typed events: each worker's op as a `Compute` (one micro-batch, the one copy
+    it stores), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
+    its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
+    events: list[Event] = []
+    sends: list[Send] = []
+    for t, tk in enumerate(ticks.ticks):
+        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
+        for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
+                           ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
+            sends += [Send(t, what, Size.stage("param", j), src, dst, j, lag)
+                      for j, lag, pairs in hops for src, dst in pairs]
+        events += [Apply(t, w, a.stage, 1, a.lag) for a in tk.applies for w in a.workers]
+    return sorted_events(events + messages(sends))
 
 
 __all__ = ["SENDS_BY_TICK", "Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks",
-           "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_routing", "ring_ticks"]
+           "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events", "ring_routing", "ring_ticks"]

@@ -43,7 +43,8 @@ import numpy as np
 
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
-from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 IDLE = 0
@@ -132,28 +133,6 @@ class StageTicks:
     def lanes(self) -> int:
         return self.kind.shape[2]
 
-    @property
-    def slots(self) -> dict[str, int]:
-        return {"act": self.act_slots, "input": self.input_slots, "cot": self.cot_slots,
-                "residual": self.residual_slots}
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per device, (kind, stage) of every stage each op's unit runs and ('update', stage) of
-        every stage its updates apply to, over the period."""
-        kind_of = {code: kind for kind, code in kind_codes().items()}
-        per = [[] for _ in range(devices)]
-        for t in range(self.kind.shape[0]):
-            for d in range(devices):
-                for k in range(self.lanes):
-                    if self.kind[t, d, k]:
-                        per[d] += [(kind_of[int(self.kind[t, d, k])], j)
-                                   for j in placement.units[int(self.unit[t, d, k])]]
-                for v in range(placement.chunks):
-                    if self.update[t, d, v]:
-                        u = next(u for u in placement.of_device(d) if placement.chunk[u] == v)
-                        per[d] += [("update", j) for j in placement.units[u]]
-        return per
-
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-tick arrays a `lax.scan` reads (leading axis: the ticks of the period)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -161,13 +140,15 @@ class StageTicks:
 
 
 def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool = False,
-                     carry_image: bool = False) -> Program:
+                     carry_image: bool = False, model_state_sums: bool = False) -> Program:
     """The program of one period of `table` (laid out over enough steps, see `period_window`).
 
     residuals: 'recompute' (backward ops recompute from the kept input) or 'carry' (the
     forward's `jax.vjp` residuals are kept). heads: the units have auxiliary heads (local
     learning). carry_image: each micro-batch's input image goes along with it to every unit
-    (heads that reconstruct the image read it)."""
+    (heads that reconstruct the image read it). model_state_sums: the runtime sums each unit's
+    model-state updates over a step and applies their mean at the step's end (cdp-mp's rule), in
+    a buffer of the model state's size."""
     carry = carries(residuals)
     codes = kind_codes()
     present = sorted({o.kind for o in table.ops}, key=list(codes).index)
@@ -192,7 +173,7 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     slots = {name: _slots(life, periodic) for name, life in lives.items()}
     slot_of = {name: s[0] for name, s in slots.items()}
     count = {name: max(s[1], 1) for name, s in slots.items()}
-    arrays, messages, cells = _tick_arrays(table, ops, place, slot_of, m, carry_image)
+    arrays, cells = _tick_arrays(table, ops, place, slot_of, m)
     update = np.zeros((P, D, place.chunks), bool)
     update_lag = np.zeros((P, D, place.chunks), np.int32)
     for up in table.updates:
@@ -209,9 +190,10 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     versions = 2 if any(o.slot == "previous" for o in ops) else 1
     in_flight = _grads_in_flight(ticks, place, P)
     buffers = _buffers(place, ticks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-                       backprop=any(op_kinds.lookup(o.kind).reads_cotangent for o in ops))
+                       backprop=any(op_kinds.lookup(o.kind).reads_cotangent for o in ops),
+                       model_state_sums=model_state_sums)
     return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
-                   in_flight, place, buffers, tuple(messages), ticks)
+                   in_flight, place, buffers, stage_events(ticks, place, carry_image), ticks)
 
 
 def _cells(table, ops, place, lo, hi) -> dict[tuple[int, int], list]:
@@ -238,9 +220,9 @@ def _cells(table, ops, place, lo, hi) -> dict[tuple[int, int], list]:
     return cells
 
 
-def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list, tuple]:
+def _tick_arrays(table, ops, place, slot_of, m) -> tuple[dict, tuple]:
     """The [tick, device, lane] op arrays and the [tick, boundary] send arrays of the period of
-    step m, with the messages they send and the cells' (kind, unit) lanes."""
+    step m, with the cells' (kind, unit) lanes."""
     unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
     lo, hi = m * P, (m + 1) * P
     codes = kind_codes()
@@ -251,8 +233,6 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
     arrays["cell"] = np.zeros((P, D), np.int32)
     arrays.update({k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")})
     arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
-    boundaries = tuple((place.device[u], place.device[u + 1]) for u in range(U - 1))
-    messages = []
     index: dict[tuple, int] = {(): IDLE}
     for (t, d), cell in sorted(cells.items()):
         lanes = tuple((o.kind, unit_of[o.stage]) for o in cell)
@@ -274,12 +254,10 @@ def _tick_arrays(table, ops, place, slot_of, m, carry_image) -> tuple[dict, list
             if kind.forward and u + 1 < U:  # its output goes to the next unit's device
                 arrays["send_act"][t, u] = 1
                 arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
-                messages += _boundary_sends(t, u, "activation", boundaries, place, carry_image)
             if kind.cotangent and u > 0:  # the cotangent of its input goes back
                 arrays["send_cot"][t, u - 1] = 1
                 arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
-                messages += _boundary_sends(t, u - 1, "cotangent", boundaries, place, False)
-    return arrays, messages, tuple(sorted(index, key=index.get))
+    return arrays, tuple(sorted(index, key=index.get))
 
 
 def _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic) -> dict[str, dict]:
@@ -304,23 +282,8 @@ def _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic) -> dict[s
     return lives
 
 
-def _boundary_sends(t, b, what, boundaries, place, carry_image) -> list[Send]:
-    """Boundary b's message(s) at tick t: the next unit's input (or its cotangent), one
-    micro-batch, at its own size; none where both units share a device."""
-    src, dst = boundaries[b]
-    if what == "cotangent":
-        src, dst = dst, src
-    if src == dst:
-        return []
-    first = place.units[b + 1][0]
-    out = [Send(t, what, Size.stage("input", first), ((src, dst),), first)]
-    if carry_image:
-        out.append(Send(t, "image", Size.stage("image", 0), ((src, dst),), 0))
-    return out
-
-
 def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-             backprop) -> tuple[Buffer, ...]:
+             backprop, model_state_sums) -> tuple[Buffer, ...]:
     """What every device of the stage engine allocates (the runtime's state and slot buffers)."""
     units = place.units
     V = place.chunks
@@ -332,6 +295,8 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
            Buffer("grads", "gradients", rows("param"), in_flight)]
     if versions == 2:
         out.append(Buffer("previous", "previous_parameters", rows("param"), True))
+    if model_state_sums:
+        out.append(Buffer("state_sums", "model_state", rows("model_state"), True))
     if heads:
         out += [Buffer("rows.head", "parameters", rows("head_param"), True),
                 Buffer("opt_state.head", "optimizer_state", rows("head_param"), True),
@@ -343,13 +308,13 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
         out.append(Buffer("input", "images", Size("image", ((0,),), False, ticks.input_slots), between))
     if carry_image:
         out.append(Buffer("image", "images", Size("image", ((0,),), False, ticks.act_slots), between))
-    if backprop:
-        outputs = tuple((u[0],) for u in units[1:]) or ((0,),)
-        out.append(Buffer("cot", "cotangents", Size("input", outputs, True, ticks.cot_slots), between))
+    if backprop:  # a cotangent row is an activation row (one carrier layout): as wide as the widest input
+        out.append(Buffer("cot", "cotangents", Size("input", inputs, True, ticks.cot_slots), between))
     if carry:
         out.append(Buffer("residual", "residuals", Size("residual", units, True, ticks.residual_slots), between))
     if lag:
         out.append(Buffer("labels", "labels", Size("label", ((0,),), False, lag * microbatches), True))
+        out.append(Buffer("fed", "flags", Size("flag", ((0,),), False, lag), True))  # which calls fed a batch
     return tuple(out)
 
 
@@ -418,4 +383,45 @@ def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     return False
 
 
-__all__ = ["IDLE", "LANE_FIELDS", "StageTicks", "kind_codes", "lower_stage_axis", "period_window", "placement"]
+def stage_events(ticks: StageTicks, place: Placement, carry_image: bool) -> tuple[Event, ...]:
+    """The period's typed events, from its arrays: each op (each lane of a cell) as a `Compute` of
+    every stage of its unit; each boundary's message between two devices (a unit's output, the
+    cotangent of a unit's input, and with `carry_image` the image beside the output) as a `Send`
+    and its `Receive`, at the size of the receiving unit's first stage's input; each unit's update
+    as an `Apply` of each of its stages. A boundary inside one device (a V's turn) is a copy: no
+    message. A cell's ops are of one step (`_cells`), so its lanes share one lag."""
+    kind_of = {code: kind for kind, code in kind_codes().items()}
+    events: list[Event] = []
+    sends: list[Send] = []
+    P, D, K = ticks.kind.shape
+
+    def cell_lag(t, d):
+        return next(int(ticks.lag[t, d, k]) for k in range(K) if ticks.kind[t, d, k] != IDLE)
+
+    for t in range(P):
+        for d in range(D):
+            for k in range(K):
+                code = int(ticks.kind[t, d, k])
+                if code != IDLE:
+                    events += [Compute(t, d, kind_of[code], j, int(ticks.micro[t, d, k]),
+                                       int(ticks.version[t, d, k]), int(ticks.lag[t, d, k]))
+                               for j in place.units[int(ticks.unit[t, d, k])]]
+            for u in place.of_device(d):
+                if ticks.update[t, d, place.chunk[u]]:
+                    events += [Apply(t, d, j, 1, int(ticks.update_lag[t, d, place.chunk[u]])) for j in place.units[u]]
+        for b, (src, dst) in enumerate(ticks.boundaries):
+            first = place.units[b + 1][0]
+            if src == dst:
+                continue
+            if ticks.send_act[t, b]:
+                lag = cell_lag(t, src)
+                sends.append(Send(t, "activation", Size.stage("input", first), src, dst, first, lag))
+                if carry_image:
+                    sends.append(Send(t, "image", Size.stage("image", 0), src, dst, 0, lag))
+            if ticks.send_cot[t, b]:
+                sends.append(Send(t, "cotangent", Size.stage("input", first), dst, src, first, cell_lag(t, dst)))
+    return sorted_events(events + messages(sends))
+
+
+__all__ = ["IDLE", "LANE_FIELDS", "StageTicks", "kind_codes", "lower_stage_axis", "period_window", "placement",
+           "stage_events"]

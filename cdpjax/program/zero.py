@@ -30,7 +30,8 @@ from typing import NamedTuple
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.program import Buffer, Placement, Program, Send, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program import events as ev
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,22 +87,6 @@ class ZeroTicks:
     versions: int  # V: version rows per stage piece
     relay_rows: int  # R: the most stages a worker visits at once (2 with paired forwards)
     max_lag: int
-
-    @property
-    def slots(self) -> dict[str, int]:
-        return {}  # every buffer named, none in slots
-
-    def device_ops(self, placement, devices: int) -> list[list[tuple[str, int]]]:
-        """Per worker, (kind, stage) of its ops and ('update-piece', stage) of every update: each
-        worker updates its 1/N piece of the stage."""
-        per = [[] for _ in range(devices)]
-        for tk in self.ticks:
-            for op in tk.ops:
-                per[op.worker].append((op.kind, op.stage))
-            for j, _ in tk.applies:
-                for w in range(devices):
-                    per[w].append(("update-piece", j))
-        return per
 
 
 def _circular_slots(arcs: dict, period: int) -> tuple[dict, int]:
@@ -265,26 +250,49 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                Buffer("model_state", "model_state", Size.stages("model_state", stages), True),
                Buffer("acts", "activations", Size.stages("input", stages), True),
                Buffer("cots", "cotangents", Size.stages("input", range(1, L)), True),
-               Buffer("labels", "labels", Size.stage("label", 0), True)]
+               Buffer("labels", "labels", Size.stage("label", 0), True),
+               # which of the last calls fed a batch (an op of an unfed call's step does nothing)
+               Buffer("fed", "flags", Size("flag", ((0,),), False, max(z.max_lag, 1)), True)]
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
     if carry:
         buffers.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
-    sends = []
-    for t, tk in enumerate(z.ticks):
-        # a gather at the start of tick t is the messages that end tick t - 1
-        for j, w, *_ in tk.gathers:
-            if N > 1:
-                sends.append(Send((t - 1) % len(z.ticks), "parameters", Size.stage("param", j, parts=N),
-                                  tuple((u, w) for u in range(N) if u != w), j))
-        for op in tk.ops:
-            if op.gradient and N > 1:
-                sends.append(Send(t, "partial", Size.stage("param", op.stage, parts=N),
-                                  tuple((op.worker, u) for u in range(N) if u != op.worker), op.stage))
     kinds = tuple(k for k in ("F", "B", "W") if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
-                   z.versions, True, placement, tuple(buffers), tuple(sends), z)
+                   z.versions, True, placement, tuple(buffers), zero_events(z), z)
 
 
-__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_ticks"]
+def zero_events(z: ZeroTicks) -> tuple[ev.Event, ...]:
+    """The period's typed events: each visit's `Gather` of its stage's version row at the start of
+    its first tick, from the pieces every other worker sent at the end of the tick before (a
+    'parameters' `Send` and `Receive` each, of the piece's size; they carry no step: lag 0); each op
+    as a `Compute` reading the row its visit gathered; each gradient op's pieces sent to their
+    keepers ('partial'); each update as every worker's `Apply` to its piece."""
+    N, T = z.workers, len(z.ticks)
+    parts = max(N, 1)
+    events: list[ev.Event] = []
+    sends: list[ev.Send] = []
+    gathered = {}  # (worker, relay row) -> the version row its latest gather holds
+    for t, tk in enumerate(z.ticks + z.ticks):  # twice round: a visit may start in the previous period
+        for g in tk.gathers:
+            gathered[(g.worker, g.relay)] = g.row
+        if t < T:
+            continue
+        t -= T
+        for g in tk.gathers:
+            lag = next(op.lag for op in tk.ops if (op.worker, op.stage) == (g.worker, g.stage))
+            events.append(ev.Gather(t, g.worker, g.stage, parts, g.row, lag))
+            sends += [ev.Send((t - 1) % T, "parameters", Size.stage("param", g.stage, parts=N), u, g.worker, g.stage)
+                      for u in range(N) if u != g.worker]
+        for op in tk.ops:
+            events.append(ev.Compute(t, op.worker, op.kind, op.stage, 0, gathered[(op.worker, op.relay)], op.lag))
+            if op.gradient:
+                sends += [ev.Send(t, "partial", Size.stage("param", op.stage, parts=N), op.worker, u, op.stage, op.lag)
+                          for u in range(N) if u != op.worker]
+        events += [ev.Apply(t, w, j, parts, lag) for j, lag in tk.applies for w in range(N)]
+    return ev.sorted_events(events + ev.messages(sends))
+
+
+__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_events",
+           "zero_ticks"]
