@@ -126,3 +126,23 @@ def test_bad_delays_fail_early():
     with pytest.raises(ConfigError, match="delay.worker=5 is not a worker"):
         delay_table(4, 4, 4, dict(model="straggler", worker=5))
     assert Delay.of("model=geometric,p=0.25,tau_max=3,taus=1:2") == Delay("geometric", p=0.25, tau_max=3, taus=(1, 2))
+
+
+def test_schedule_prints_and_draws_the_staleness(capsys, tmp_path):
+    """`cdpjax schedule --method cdp-random --delay ... --staleness` prints the per-read histogram
+    (its counts those of the table laid out with the same sizes) and draws it with --out."""
+    from cdpjax.commands import schedule
+
+    argv = ["--method", "cdp-random", "--workers", "4", "--stages", "2", "--steps", "40", "--delay",
+            "model=per-stage,taus=3:1", "--staleness"]
+    assert schedule.main(argv) == 0
+    out = capsys.readouterr().out
+    # by hand: a read at step k is min(tau, k) behind (theta_0 before step 0). Stage 0 (tau 3): 0, 1, 2 behind at
+    # steps 0, 1, 2, then 3 behind at 37 steps; stage 1 (tau 1): 0 at step 0, then 1 at 39 steps; 4 workers each.
+    ones = 4 * (1 + 39)
+    assert f"tau=0: {4 * 2}" in out and f"tau=1: {ones}" in out and f"tau=3: {4 * 37}" in out
+    assert "w3          3.00" not in out and "mean per worker" in out
+    path = tmp_path / "s.png"
+    assert schedule.main(argv + ["--out", str(path)]) == 0 and path.stat().st_size > 1000
+    assert schedule.main(["--method", "cdp-v2", "--delay", "model=async"]) == 2
+    assert "takes no delay" in capsys.readouterr().err
