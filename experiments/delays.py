@@ -17,10 +17,11 @@ update). For the timed models (async, straggler) the table's own time is reporte
 with the same op durations (dp waits for its slowest worker at every all-reduce: `meta['time']`).
 
 Writes OUT/delays.json (every run), OUT/delays.md (the table: mean and sample standard deviation
-over seeds) and, with --figure, the curves (one panel per delay model, a line per correction,
-the seeds' spread as error bars). A finished run is not kept between calls: the grid is small
-enough to train again. Times are not reported: on simulated devices sharing the cores they say
-nothing about real devices.
+over seeds; then the timed models' ticks over dp's, from their tables alone) and, with
+--figure, the curves (one panel per delay model, a line per correction, the seeds' spread as
+error bars). A finished run is not kept between calls: the grid is small enough to train again.
+Wall times are not reported: on simulated devices sharing the cores they say nothing about real
+devices (the ticks are the tables' lockstep model).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ GRIDS = {
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
                  seeds=(0,), steps={"digits": 40}),
     # docs/delays.md's figure, on a busy 2-core machine: digits, two models, 1 seed
-    "small": dict(tasks=("digits",), models=("uniform-tau", "async"), taus=(0, 2, 8), corrections=CORRECTIONS,
+    "small": dict(tasks=("digits",), models=("uniform-tau", "straggler"), taus=(0, 2, 8), corrections=CORRECTIONS,
                   seeds=(0,), steps={"digits": 200}),
     # the issue's grid: both tasks, every model, tau in {0, 1, 2, 4, 8}, 3 seeds
     "full": dict(tasks=("digits", "charlm"), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
@@ -54,7 +55,9 @@ def delay_for(model: str, tau: int) -> dict:
     """The delay block of `model` at nominal mean delay `tau` (tau = 0: every read fresh, dp):
     uniform-tau on {0..2 tau} (mean tau); geometric with p = 1 / (1 + tau) (mean tau before its
     bound 4 tau); per-stage with tau at every stage; async (op durations 1..4 ticks) and a
-    straggler (4 ticks an op) bounded at tau (their realised means are below it)."""
+    straggler (4 ticks an op) bounded at tau; async's op durations uniform on 1..2 tau ticks, bounded
+    at tau (the realised means of both are below tau: async's stay near cdp-v2's, its workers drift
+    apart only as a random walk)."""
     if model == "uniform-tau":
         return {"model": model, "tau_max": 2 * tau}
     if model == "geometric":
@@ -62,7 +65,7 @@ def delay_for(model: str, tau: int) -> dict:
     if model == "per-stage":
         return {"model": model, "taus": (tau,) * STAGES}
     if model == "async":
-        return {"model": model, "durations": 4, "tau_max": tau}
+        return {"model": model, "durations": 2 * tau, "tau_max": tau}
     if model == "straggler":
         return {"model": model, "slowdown": 4, "tau_max": tau}
     raise ValueError(f"model={model!r} is not one of {', '.join(MODELS)}")
@@ -166,6 +169,22 @@ def table_markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_markdown(taus, steps: int = 64) -> str:
+    """The timed models' tables (no training): their ticks over dp's with the same op durations
+    (dp: each step as long as its slowest worker's), and their realised mean staleness."""
+    from cdpjax import staleness
+    from cdpjax.layouts.delays import delay_table
+
+    lines = ["| delay model | tau | realised mean tau | ticks / dp's ticks |", "|---|---|---|---|"]
+    for model in ("async", "straggler"):
+        for tau in (t for t in taus if t):
+            t = delay_table(WORKERS, STAGES, steps, delay_for(model, tau))
+            time = t.meta["time"]
+            lines.append(f"| {model} | {tau} | {staleness.mean(t, tau).mean():.2f} | "
+                         f"{time['ticks'] / time['dp_ticks']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: list[Run], path: str) -> None:
     """Per task, one column per delay model: test loss (top) and accuracy (bottom) against the
     realised mean delay, a line per correction, the dp point (tau = 0) on every panel."""
@@ -218,7 +237,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "delays.json"), "w") as f:
         json.dump({"grid": {k: v for k, v in grid.items()}, "runs": [r._asdict() for r in runs]}, f, indent=1)
     with open(os.path.join(args.out, "delays.md"), "w") as f:
-        f.write(table_markdown(runs))
+        f.write(table_markdown(runs) + "\n" + time_markdown(grid["taus"]))
     if args.figure:
         plot(runs, args.figure)
     print(f"wrote {args.out}/delays.md" + (f" and {args.figure}" if args.figure else ""))

@@ -117,6 +117,18 @@ def test_simulate_reads_the_tables_versions(delay, devices):
     assert_close(train(m), reference_loop(m))
 
 
+@pytest.mark.parametrize("taus", [(2, 1), pytest.param((1, 3), marks=pytest.mark.heavy)])
+def test_fixed_tau_per_stage_runs_on_the_ring(taus):
+    """A fixed tau >= 1 per stage keeps one stored version per worker (each applies update k between
+    its reads of versions k and k + 1): the ring runs the table and equals the simulation."""
+    delay = dict(model="per-stage", taus=taus)
+    ring = build("cdp-random", impl="ring", delay=delay)
+    assert ring.table.applies and ring.program is not None
+    sim = build("cdp-random", delay=delay)
+    assert_close(train(ring), train(sim))
+    assert_close(train(sim), reference_loop(sim))
+
+
 def test_ring_refuses_a_model_whose_staleness_changes():
     with pytest.raises(ConfigError, match="delay.model='geometric' changes a read's staleness"):
         build("cdp-random", impl="ring", delay=dict(model="geometric"))

@@ -47,7 +47,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.layouts import Layout, register
 from cdpjax.layouts.cdp import _CDP_LOOK, cdp_table, phase_ops, worker_offsets
-from cdpjax.timetable import Op, TimeTable, Update, positive
+from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
+from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
 
 MODELS = ("uniform", "jitter", "uniform-tau", "geometric", "per-stage", "async", "straggler")
 READ_MODELS = ("uniform-tau", "geometric", "per-stage")  # tau drawn per read, not from the ticks
@@ -181,6 +182,10 @@ def delay_table(workers: int = 4, stages: int = 4, steps: int = DEFAULT_STEPS, d
     phases = phase_ops(L, ticks)
     if d.model in READ_MODELS:
         tau = staleness_draws(d, S, N, L)
+        if d.model == "per-stage" and min(d.taus, default=0) >= 1:  # every read causal: the ring's traffic
+            ahead = max(d.taus) + 2  # steps laid out past the table's own, to find the windows of its last updates
+            long = _read_table(d, N, L, S + ahead, phases, staleness_draws(d, S + ahead, N, L))
+            return _with_ring_traffic(long, S)
         return _read_table(d, N, L, S, phases, tau)
     if d.model == "straggler" and d.worker >= N:
         raise ConfigError(f"delay.worker={d.worker} is not a worker: choose one in 0..{N - 1}")
@@ -204,6 +209,45 @@ def _read_table(d: Delay, N, L, S, phases, tau) -> TimeTable:
               slot=_slot(max(k - int(tau[k, i, j]), 0), t, j, complete),
               stale=bool(constant and tau[k, i, j] > 0)) for t, i, j, kind, k in placed]
     return _table(d, N, L, S, T, ops, update_tick, offsets)
+
+
+def _with_ring_traffic(t: TimeTable, S: int) -> TimeTable:
+    """`t` (laid out past step S) cut to S steps, with CDP's ring traffic (`cdp_delivery`): each
+    stage's running sum hopping worker to worker in the order they finish its gradient op, the
+    completed sum chained on to every worker, each applying it between its last read of the old
+    version and its first of the new (one stored version). Where no plan serves every read in
+    time, the table is `t` cut, with no traffic (simulate only)."""
+    grad = gradient_kind(t.split_backward)
+    last = {}
+    for o in t.ops:
+        if o.kind == grad and last.get((o.stage, o.step), (-1,))[0] < o.tick:
+            last[(o.stage, o.step)] = (o.tick, o.device)
+    completer = {key: w for key, (_, w) in last.items()}
+    plans = delivery(t.ops, t.updates, completer, t.workers, t.stages, S, t.period)
+    if any(p.late or p.acausal for p in plans.values()):
+        return _cut(t, S, (), ())
+    sums, applies = messages_and_applies(plans, t.updates)
+    check_one_version(t.ops, applies, t.method)
+    by = {}
+    for o in sorted(t.ops, key=lambda o: o.tick):
+        if o.kind == grad:
+            by.setdefault((o.stage, o.step), []).append(o)
+    partials = [Message(a.tick, a.device, b.device, j, "partial", k) for (j, k), os in by.items()
+                for a, b in zip(os, os[1:])]
+    return _cut(t, S, partials + sums, [Apply(*a) for a in applies])
+
+
+def _cut(t: TimeTable, S: int, messages, applies) -> TimeTable:
+    """`t`'s first S steps (and the traffic of their updates that falls within their ticks)."""
+    ops = tuple(o for o in t.ops if o.step < S)
+    num_ticks = max(o.tick for o in ops) + 1
+    keep = lambda rows: tuple(sorted((r for r in rows if r.step < S and r.tick < num_ticks),  # noqa: E731
+                                     key=lambda r: dataclasses.astuple(r)))
+    notes = t.notes if not applies else (f"delay model {t.meta['delay']['model']}: every read of stage j "
+                                         f"taus[j] updates behind; the ring runs it (one stored version per stage)",)
+    return dataclasses.replace(t, steps=S, num_ticks=num_ticks, ops=ops,
+                               updates=tuple(u for u in t.updates if u.step < S),
+                               messages=keep(messages), applies=keep(applies), notes=notes)
 
 
 def _slot(version: int, tick: int, stage: int, complete: dict) -> str:

@@ -7,7 +7,8 @@ step k, `cdpjax.staleness.per_read`):
     theta^j_{k+1} = opt^j(theta^j_k, c^j(mean_i g_i^j(theta^j_{k - tau(k, i, j)}), tau(k, ., j)))
 
 where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corrections`;
-'none': the identity) and a version before 0 is theta_0. The table lays out `LAID_OUT` steps;
+'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
+0, and the optimizer then runs without its own) and a version before 0 is theta_0. The table lays out `LAID_OUT` steps;
 step k reads row k mod `LAID_OUT` of its staleness (the draws repeat).
 
 Two realisations, `config.cdp_impl`:
@@ -74,15 +75,21 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
 
 def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -> Method:
     # Long on purpose: the method's closures (init, step, export) share what is built here.
-    mesh, tx, L, task = ctx.mesh, ctx.optimizer(), net.num_stages, ctx.task
+    mesh, L, task = ctx.mesh, net.num_stages, ctx.task
+    momentum = float(ctx.config.get("momentum", 0.0)) or 0.9
+    if delay.correction == "nesterov":  # the correction carries the momentum: the optimizer's own is off
+        plain = ctx.config.copy_and_resolve_references()
+        plain.momentum, plain.nesterov = 0.0, False
+        tx = optim.make(plain)
+    else:
+        tx = ctx.optimizer()
     per_device = workers // ctx.axis(AXIS)
     taus = staleness.per_read(table)[:, :workers]
     if (taus < 0).any():
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
     depth = int(taus.max()) + 1  # versions kept: theta_k .. theta_{k - max tau}
-    correction = delay_corrections.make(delay.correction, depth - 1, float(ctx.config.get("momentum", 0.0)) or 0.9,
-                                        delay.strength)
+    correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
     replicated = NamedSharding(mesh, P())
     taus_dev = jax.device_put(jnp.asarray(taus, jnp.int32), replicated)
 
