@@ -1,8 +1,10 @@
 """Delay corrections: optax transformations keyed by the staleness of the step's reads.
 
-Each is an `optax.GradientTransformationExtraArgs` placed before the optimizer of one stage
-(`cdp-random`: `config.delay.correction`). Its `update(grads, state, params, staleness=tau)`
-takes the step's mean gradient of the stage, the stage's current parameters theta_k (the
+Each is an `optax.GradientTransformationExtraArgs` of one stage (`cdp-random`:
+`config.delay.correction`), placed before its optimizer, or after it for those of `ON_UPDATES`
+(a learning-rate scale, which Adam's normalisation would undo on the gradient). Its
+`update(grads, state, params, staleness=tau)` takes the step's mean gradient of the stage (or the
+optimizer's update), the stage's current parameters theta_k (the
 version the update is applied to) and `tau`, an int array of every worker's staleness for that
 stage at this step (the table's reads: worker i's gradient was taken at theta_{k - tau_i}).
 The gradient is the mean over workers, so a correction keyed per read acts on the mean through
@@ -30,6 +32,8 @@ import optax
 from cdpjax.errors import ConfigError
 
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd")
+# Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
+ON_UPDATES = ("staleness-lr",)
 
 
 def _mean_inverse(tau) -> jax.Array:

@@ -33,9 +33,11 @@ before 0 is of theta_0: the read version is max(k - tau, 0)). The models (`Delay
 An op of d ticks is drawn at its first tick (the grid shows when it starts). `meta['time']`
 of the timed models: the ticks the table takes, and the ticks dp would take with the same
 durations (dp waits at every all-reduce for its slowest worker: a step lasts the longest of the
-workers' sums of durations). The random models' tables hold no gradient messages: the ring keeps
-one stored version per stage and cannot run reads whose staleness changes from step to step;
-`simulate` runs them (`cdpjax.methods.cdp_random`).
+workers' sums of durations). The tables of the models whose staleness changes from step to step
+hold no gradient messages: the ring keeps one stored version per stage and cannot run them;
+`simulate` does (`cdpjax.methods.cdp_random`). 'per-stage' with every tau_j >= 1 carries CDP's ring
+traffic (each worker applies update k between its reads of versions k and k + 1), and the ring
+runs it.
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ step k, `cdpjax.staleness.per_read`):
 
 where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corrections`;
 'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
-0, and the optimizer then runs without its own) and a version before 0 is theta_0. The table lays out `LAID_OUT` steps;
-step k reads row k mod `LAID_OUT` of its staleness (the draws repeat).
+0, and the optimizer then runs without its own; 'staleness-lr' scales the optimizer's update, not
+the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
+The table lays out `LAID_OUT` steps; step k reads row k mod `LAID_OUT` of its staleness (the
+draws repeat).
 
 Two realisations, `config.cdp_impl`:
 - `simulate`: every worker at once each step (vmapped inside `shard_map` over `data`, N a
@@ -17,14 +19,16 @@ Two realisations, `config.cdp_impl`:
   of each stage kept in the state (`history[j][t]` = theta^j_{k-t}); gradients summed over
   workers by shard_map's transpose. Any table of the layout.
 - `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables it
-  can serve with one stored version per stage: the 'uniform' model (CDP's own tables). A model
-  whose reads change staleness from step to step is refused (the ring holds one version).
+  can serve with one stored version per stage: the 'uniform' model (CDP's own tables) and
+  'per-stage' with every tau_j >= 1. A model whose reads change staleness from step to step is
+  refused (the ring holds one version).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -60,7 +64,8 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
     if impl == "ring":
         if not table.applies and workers > 1:
             raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
-                              f"keeps one version per stage: set cdp_impl='simulate' (the ring runs model 'uniform')")
+                              f"keeps one version per stage: set cdp_impl='simulate' (the ring runs model 'uniform', "
+                              f"and 'per-stage' with every tau >= 1)")
         if delay.correction != "none":
             raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
         return cdp.make(ctx, "cdp-random", table)
@@ -93,6 +98,18 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     replicated = NamedSharding(mesh, P())
     taus_dev = jax.device_put(jnp.asarray(taus, jnp.int32), replicated)
 
+    def stage_step(grads, params, opt_state, corr_state, tau):
+        """One stage's update: the correction on the gradient before the optimizer, or (a learning
+        rate scaled by staleness) on the optimizer's update, as `delay_corrections.ON_UPDATES` says."""
+        if correction is None:
+            return (*optim.apply(tx, params, opt_state, grads), corr_state)
+        if delay.correction in delay_corrections.ON_UPDATES:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, corr_state = correction.update(updates, corr_state, params, staleness=tau)
+            return optax.apply_updates(params, updates), opt_state, corr_state
+        grads, corr_state = correction.update(grads, corr_state, params, staleness=tau)
+        return (*optim.apply(tx, params, opt_state, grads), corr_state)
+
     def worker_loss(history, tau_row, model_state, images, labels):
         params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
         outputs, new_state = net.apply(params, model_state, images, True)
@@ -111,12 +128,9 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         (_, (losses, (model_state, sums))), g_hist = jax.value_and_grad(total, has_aux=True)(state["history"])
         grads = [jax.tree.map(lambda g: g.sum(0), g) for g in g_hist]
         params = [jax.tree.map(lambda h: h[0], h) for h in state["history"]]
-        corr_state = state["correction"]
-        if correction is not None:
-            pairs = [correction.update(g, s, p, staleness=tau_all[:, j])
-                     for j, (g, s, p) in enumerate(zip(grads, corr_state, params))]
-            grads, corr_state = [g for g, _ in pairs], [s for _, s in pairs]
-        new_params, opt_state = optim.apply_per_stage(tx, params, state["opt_state"], grads)
+        stepped = [stage_step(g, p, o, c, tau_all[:, j]) for j, (g, p, o, c) in
+                   enumerate(zip(grads, params, state["opt_state"], state["correction"]))]
+        new_params, opt_state, corr_state = ([x[i] for x in stepped] for i in range(3))
         history = [jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), p, h)
                    for p, h in zip(new_params, state["history"])]
         model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
