@@ -192,3 +192,14 @@ def test_bad_correction_fails_early():
     with pytest.raises(ConfigError, match="runs in cdp_impl='simulate' only"):
         build("cdp-random", impl="ring", delay=dict(model="uniform", correction="nesterov"))
     assert cdp_random.LAID_OUT >= STEPS
+
+
+def test_simulate_with_a_correction_lowers_for_cuda():
+    """The version-history simulation (dynamic reads of the kept versions) and a correction's state
+    lower for CUDA as the registry's default (the ring) does in tests/test_cuda_lowering.py."""
+    from cdpjax import lowering
+
+    c = default_config()
+    c.method, c.model, c.stages, c.global_batch_size, c.cdp_impl = "cdp-random", "mlp", 4, 32, "simulate"
+    c.delay.update(dict(model="geometric", correction="dc-asgd"))
+    assert lowering.cuda_problems(c, jax.devices()[:8], jax.random.key(0, impl="rbg")) == []
