@@ -129,6 +129,12 @@ def test_fixed_tau_per_stage_runs_on_the_ring(taus):
     assert_close(train(sim), reference_loop(sim))
 
 
+def test_steps_past_the_table_repeat_its_second_half():
+    # 64 rows: steps 0..63 read themselves, 64..95 rows 32..63, 96 row 32 again
+    rows = [int(cdp_random.table_row(k, 64)) for k in (0, 63, 64, 95, 96, 130)]
+    assert rows == [0, 63, 32, 63, 32, 34]
+
+
 def test_ring_refuses_a_model_whose_staleness_changes():
     with pytest.raises(ConfigError, match="delay.model='geometric' changes a read's staleness"):
         build("cdp-random", impl="ring", delay=dict(model="geometric"))

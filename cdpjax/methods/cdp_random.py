@@ -10,8 +10,8 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
 0, and the optimizer then runs without its own; 'staleness-lr' scales the optimizer's update, not
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
-The table lays out `LAID_OUT` steps; step k reads row k mod `LAID_OUT` of its staleness (the
-draws repeat).
+The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
+second half of the rows again and again (`table_row`).
 
 Two realisations, `config.cdp_impl`:
 - `simulate`: every worker at once each step (vmapped inside `shard_map` over `data`, N a
@@ -76,6 +76,14 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
         raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
                           f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
     return _simulate(ctx, net, table, workers, delay)
+
+
+def table_row(step, laid_out: int):
+    """The row of the table's staleness that `step` reads: itself within the table, then the
+    second half over and over (the first steps' reads are of theta_0, at most k behind, and the
+    timed models start from rest: neither is the model's steady draw)."""
+    half = laid_out // 2
+    return jnp.where(step < laid_out, step, half + (step - half) % max(laid_out - half, 1))
 
 
 def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -> Method:
@@ -154,7 +162,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
 
     @jax.jit
     def train_step(state, batch):
-        tau = taus_dev[state["step"] % taus_dev.shape[0]]  # [N, L]
+        tau = taus_dev[table_row(state["step"], taus_dev.shape[0])]  # [N, L]
         return sharded(state, tau, tau, batch["image"], batch["label"])
 
     def export(state):
