@@ -209,3 +209,34 @@ def test_simulate_with_a_correction_lowers_for_cuda():
     c.method, c.model, c.stages, c.global_batch_size, c.cdp_impl = "cdp-random", "mlp", 4, 32, "simulate"
     c.delay.update(dict(model="geometric", correction="dc-asgd"))
     assert lowering.cuda_problems(c, jax.devices()[:8], jax.random.key(0, impl="rbg")) == []
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
+    """The simulation's state (the kept versions, the step that picks the table's row, the
+    correction's own versions) is checkpointed whole: stopped after step 5 and resumed from
+    checkpoint 4, a run with random delays and dc-asgd ends bit for bit where one run does."""
+    from cdpjax import train as train_lib
+    from cdpjax.checkpoint import Checkpointer
+
+    def cfg():
+        c = config(method="cdp-random", cdp_impl="simulate", workers=4, stages=4, num_steps=8)
+        c.checkpoint_every, c.eval_every, c.mesh = 4, 0, {"data": 2}
+        c.delay.update(dict(model="geometric", tau_max=3, correction="dc-asgd", strength=0.5))
+        return c
+
+    devices = jax.devices()[:2]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train_lib.train(cfg(), str(whole), progress=False, devices=devices)
+    train_lib.train(cfg(), str(part), progress=False, devices=devices, stop_after=5)
+    assert train_lib.train(cfg(), str(part), progress=False, devices=devices)["resumed_from"] == 4
+
+    def state(workdir):
+        m = train_lib.setup(cfg(), devices)[2]
+        ckpt = Checkpointer(str(workdir))
+        s, _ = ckpt.restore(ckpt.latest_step(), m.init(jax.random.key(0)))
+        ckpt.close()
+        return jax.device_get(s)
+
+    a, b = state(whole), state(part)
+    assert int(a["step"]) == 8
+    jax.tree.map(np.testing.assert_array_equal, a, b)
