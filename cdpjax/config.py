@@ -88,6 +88,12 @@ def default_config() -> ml_collections.ConfigDict:
     # 'split' (F, B, W: 3L ticks) or 'paired' (two forwards a tick, whole backwards: every tick costs
     # about one backward, so a lockstep tick does not wait on a backward while others run forwards).
     c.cdp_ticks = "whole"
+    # cdp-random: the delay model and its parameters (cdpjax.layouts.delays.Delay; docs/delays.md), and the
+    # delay correction the update applies (cdpjax.delay_corrections).
+    c.delay = ml_collections.ConfigDict({
+        "model": "uniform", "rule": "cdp-v2", "tau_max": 2, "p": 0.5, "taus": (), "jitter": 1, "durations": 2,
+        "worker": 0, "slowdown": 2, "seed": 0, "correction": "none", "strength": 1.0,
+    })
     # Local learning / PPLL.
     c.aux_head = "greedy"  # a registered head kind (cdpjax.models.aux_heads: greedy, dgl, infopro, man, vit, ...)
     c.aux_kwargs = ml_collections.ConfigDict()

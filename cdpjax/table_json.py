@@ -24,7 +24,8 @@ TICK_LIMIT = 10**6
 CELL_LIMIT = 10**7
 RECORD_LIMIT = 5 * 10**6
 COUNT_LIMIT = 10**9  # steps, micro-batches, versions: any count a laid-out table can hold
-SLOTS = ("current", "previous", "future")  # future: a read of an update not complete yet (cdp.py, simulated)
+SLOTS = ("current", "previous", "future", "older")  # future: a read of an update not complete yet (cdp.py,
+# simulated); older: two or more versions behind the newest complete (delays.py, simulated)
 MESSAGE_KINDS = ("partial", "sum", "allreduce", "param")  # `cdpjax.timetable.Message`
 NAME_LIMIT = 10_000  # characters of a method's name, a note or a meta string
 _FIX = "write one with TimeTable.to_json or `cdpjax schedule --json`"

@@ -48,7 +48,7 @@ METHODS = sorted(set(PLANNED) | set(methods.REGISTRY))
 # and update path; these share an engine with one there and run with `make test-heavy`. A method registered
 # later is in CI by default.
 SAME_ENGINE = {"cdp-v1": "cdp-v2", "gpipe": "1f1b", "interleaved-1f1b": "1f1b", "zbv": "zb-h1",
-               "looped-bfs": "1f1b", "local": "ppll"}
+               "looped-bfs": "1f1b", "local": "ppll", "cdp-random": "cdp-v2"}  # cdp-random's default: cdp-v2's ring
 SOME_METHODS = [pytest.param(m, marks=pytest.mark.heavy) if m in SAME_ENGINE else m for m in METHODS]
 STEPS, KILLED_AFTER, RESUMED_FROM = 12, 6, 4
 
@@ -614,6 +614,7 @@ ON_ANOTHER_MESH = {
     "cdp-v1": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
     "cdp-v2": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
     "cdp-zero": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
+    "cdp-random": ("written with 8 CDP workers; this run has 4", "--config.workers=8", "fresh --workdir"),
 }
 
 

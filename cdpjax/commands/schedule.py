@@ -9,6 +9,8 @@
     cdpjax schedule --from-json table.json --out table.png            # a table written by --json
     cdpjax schedule --method zb-h1 --stages 4 --microbatches 8        # F, B (input) and W (weight) ops
     cdpjax schedule --method 1f1b --stages 4 --costs F=1,B=2,W=1      # replayed in time units, step time
+    cdpjax schedule --method cdp-random --delay model=geometric,p=0.4,tau_max=4 --steps 64 --staleness
+                                                                      # each read's staleness, and its histogram
 
 Sizes a method's table does not take (ppll has no workers) are refused, by name; a
 size left out takes the table's own default (ppll lays out enough batches to reach
@@ -101,6 +103,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="each op kind's time: replay the table in lockstep (each tick as long as its slowest op) and "
                         "show it in time units with its step time; B is the whole backward, W its weight half (the "
                         "input half B - W where a W follows), every stage alike")
+    p.add_argument("--delay", default=None, metavar="model=NAME,key=value,...",
+                   help="cdp-random's delay model and its parameters (docs/delays.md), e.g. model=async,durations=3")
+    p.add_argument("--staleness", action="store_true",
+                   help="print (with --out: draw) the staleness of each read per worker and stage and its histogram "
+                        "over steps instead of the grid")
     p.add_argument("--from-json", default=None, metavar="FILE", help="read the table from FILE (written by --json)")
     p.add_argument("--out", default=None, help="draw the timing diagram to FILE.png or FILE.svg")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -124,7 +131,7 @@ def check_sizes(layout, sizes: dict) -> None:
     are the layouts' to refuse, in their words."""
     for name, value in sizes.items():
         values = value if isinstance(value, tuple) else (value,)
-        sized = name not in ("rule", "steps", "ticks") and value is not None
+        sized = name not in ("rule", "steps", "ticks", "delay") and value is not None
         if sized and (any(v > BUILD_SIZE_LIMIT for v in values) or len(values) > BUILD_SIZE_LIMIT):
             raise ConfigError(f"--{name.replace('_', '-')} {','.join(map(str, values))[:80]}: at most "
                               f"{BUILD_SIZE_LIMIT} here (the table would not be laid out in seconds)")
@@ -155,7 +162,7 @@ def _table(args):
         return TimeTable.from_json(_read_json(args.from_json))
     sizes = {"workers": args.workers, "stages": args.stages, "steps": args.steps,
              "microbatches": args.microbatches, "rule": args.rule, "chunks": args.chunks,
-             "module_groups": args.module_groups, "ticks": args.ticks}
+             "module_groups": args.module_groups, "ticks": args.ticks, "delay": args.delay}
     layout = LAYOUTS.lookup(args.method)
     check_sizes(layout, sizes)
     return layout.make_table(**sizes)
@@ -193,7 +200,11 @@ def run(args) -> int:
             t = _table(args)
             check_output_size(t, drawing=bool(args.out), written=args.json or not args.out)
             costs = _lockstep_costs(args, t)
-            if args.out:
+            if args.out and args.staleness:
+                from cdpjax.staleness import plot_staleness  # matplotlib only when drawing
+
+                plot_staleness(t, args.out)
+            elif args.out:
                 from cdpjax.plotting import plot_schedule  # matplotlib only when drawing
 
                 plot_schedule(t, args.out, costs=costs)
@@ -214,6 +225,10 @@ def run(args) -> int:
         print(json.dumps(d))
     elif args.out:
         print(f"wrote {args.out}")
+    elif args.staleness:
+        from cdpjax.staleness import format_staleness
+
+        print(format_staleness(t))
     elif costs is not None:
         from cdpjax.speedup import format_lockstep
 

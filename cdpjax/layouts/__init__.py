@@ -43,6 +43,7 @@ TABLE_SIZES = {
     "chunks": "stages per device V (interleaved pipelines)",
     "module_groups": "local modules per device (ppll)",
     "ticks": "CDP's ops per tick: 'whole' (F, B), 'split' (F, B, W) or 'paired' (two forwards a tick)",
+    "delay": "the delay model and its parameters (cdp-random: cdpjax.layouts.delays.Delay)",
 }
 COLOURS = ("worker", "micro", "step")
 
@@ -239,6 +240,7 @@ def table_for_config(config, devices: int, stages: int, steps: int | None = None
         "module_groups": config.get("module_groups", None) or None,
         "chunks": config.get("chunks", None),
         "ticks": config.get("cdp_ticks", None),
+        "delay": config.get("delay", None),
     }
     sizes = {k: v for k, v in candidates.items() if k in accepted and v is not None}
     if isinstance(sizes.get("module_groups"), (list, tuple)):

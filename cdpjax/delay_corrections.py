@@ -1,0 +1,117 @@
+"""Delay corrections: optax transformations keyed by the staleness of the step's reads.
+
+Each is an `optax.GradientTransformationExtraArgs` of one stage (`cdp-random`:
+`config.delay.correction`), placed before its optimizer, or after it for those of `ON_UPDATES`
+(a learning-rate scale, which Adam's normalisation would undo on the gradient). Its
+`update(grads, state, params, staleness=tau)` takes the step's mean gradient of the stage (or the
+optimizer's update), the stage's current parameters theta_k (the
+version the update is applied to) and `tau`, an int array of every worker's staleness for that
+stage at this step (the table's reads: worker i's gradient was taken at theta_{k - tau_i}).
+The gradient is the mean over workers, so a correction keyed per read acts on the mean through
+the mean of its per-read factor (exact where the stage's reads share one tau: the uniform and
+per-stage models).
+
+- `staleness_scaled`: g <- g * mean_i 1 / (1 + tau_i) (staleness-aware SGD, Zhang et al. 2016:
+  the learning rate divided by the delay; 1 + tau so that tau = 0 is plain SGD).
+- `delayed_nesterov`: m <- beta m + g; g <- g + beta (1 + mean_i tau_i) m. Nesterov's
+  look-ahead (optax's nesterov trace: g + beta m) taken over the 1 + tau steps between the read
+  and the update, as PipeNAG looks ahead by the known delay; tau = 0: the nesterov trace.
+- `delay_compensated`: g <- g + lambda g * g * (theta_k - mean_i theta_{k - tau_i}) (DC-ASGD,
+  Zheng et al. 2017: a first-order Taylor step of the gradient from the read version to the
+  current one, the Hessian approximated by the diagonal lambda g * g). The state holds the last
+  `max_staleness` versions of the stage (theta_0 before step 0); tau = 0 or lambda = 0: g.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from cdpjax.errors import ConfigError
+
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd")
+# Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
+ON_UPDATES = ("staleness-lr",)
+
+
+def _mean_inverse(tau) -> jax.Array:
+    return jnp.mean(1.0 / (1.0 + jnp.asarray(tau, jnp.float32)))
+
+
+def staleness_scaled() -> optax.GradientTransformationExtraArgs:
+    """g * mean_i 1 / (1 + tau_i) (module docstring)."""
+
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, staleness, **_):
+        scale = _mean_inverse(staleness)
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+class NesterovState(NamedTuple):
+    """The momentum m of `delayed_nesterov`."""
+
+    momentum: optax.Updates
+
+
+def delayed_nesterov(beta: float) -> optax.GradientTransformationExtraArgs:
+    """m <- beta m + g; g <- g + beta (1 + mean_i tau_i) m (module docstring)."""
+
+    def init(params):
+        return NesterovState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None, *, staleness, **_):
+        ahead = beta * (1.0 + jnp.mean(jnp.asarray(staleness, jnp.float32)))
+        m = jax.tree.map(lambda m, g: beta * m + g, state.momentum, updates)
+        return jax.tree.map(lambda g, m: g + ahead.astype(g.dtype) * m, updates, m), NesterovState(m)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+class CompensationState(NamedTuple):
+    """`past[t]`: the stage's parameters t + 1 updates ago (theta_0 before step 0)."""
+
+    past: optax.Params
+
+
+def delay_compensated(strength: float, max_staleness: int) -> optax.GradientTransformationExtraArgs:
+    """g + lambda g * g * (theta_k - mean_i theta_{k - tau_i}) (module docstring); reads more than
+    `max_staleness` updates behind are refused at trace time only by their shape: keep tau <= it."""
+    depth = max(int(max_staleness), 1)
+
+    def init(params):
+        return CompensationState(jax.tree.map(lambda p: jnp.stack([p] * depth), params))
+
+    def update(updates, state, params=None, *, staleness, **_):
+        if params is None:
+            raise ConfigError("delay correction dc-asgd needs the parameters: call update(grads, state, params)")
+        tau = jnp.asarray(staleness, jnp.int32)
+
+        def one(g, p, past):
+            versions = jnp.concatenate([p[None], past])  # versions[t]: theta_{k - t}
+            read = jnp.mean(versions[tau], axis=0)
+            return g + strength * g * g * (p - read)
+
+        out = jax.tree.map(one, updates, params, state.past)
+        past = jax.tree.map(lambda p, past: jnp.concatenate([p[None], past[:-1]]), params, state.past)
+        return out, CompensationState(past)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float = 1.0):
+    """The correction `name` (one of CORRECTIONS), None for 'none'."""
+    if name not in CORRECTIONS:
+        raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)}")
+    if name == "none":
+        return None
+    if name == "staleness-lr":
+        return staleness_scaled()
+    if name == "nesterov":
+        return delayed_nesterov(momentum)
+    return delay_compensated(strength, max_staleness)

@@ -1,0 +1,174 @@
+"""`cdp-random`: CDP under a delay model (`cdpjax.layouts.delays`), the table's reads as data.
+
+Update rule (one optax state per stage; g_i^j is worker i's gradient of its micro-batch mean
+loss w.r.t. stage j, tau(k, i, j) the staleness the table gives worker i's read of stage j at
+step k, `cdpjax.staleness.per_read`):
+
+    theta^j_{k+1} = opt^j(theta^j_k, c^j(mean_i g_i^j(theta^j_{k - tau(k, i, j)}), tau(k, ., j)))
+
+where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corrections`;
+'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
+0, and the optimizer then runs without its own; 'staleness-lr' scales the optimizer's update, not
+the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
+The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
+second half of the rows again and again (`table_row`).
+
+Two realisations, `config.cdp_impl`:
+- `simulate`: every worker at once each step (vmapped inside `shard_map` over `data`, N a
+  multiple of the data axis, down to one device), reading from the last H = max tau + 1 versions
+  of each stage kept in the state (`history[j][t]` = theta^j_{k-t}); gradients summed over
+  workers by shard_map's transpose. Any table of the layout.
+- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables it
+  can serve with one stored version per stage: the 'uniform' model (CDP's own tables) and
+  'per-stage' with every tau_j >= 1. A model whose reads change staleness from step to step is
+  refused (the ring holds one version).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cdpjax import delay_corrections, optim, staleness
+from cdpjax.errors import ConfigError
+from cdpjax.layouts.delays import Delay, delay_table
+from cdpjax.methods import cdp
+from cdpjax.methods.common import Context, Method, step_metrics
+from cdpjax.timetable import TimeTable
+
+AXIS = "data"
+LAID_OUT = 64  # steps of the table a run reads (then they repeat)
+
+
+def build(ctx: Context) -> Method:
+    return make(ctx)
+
+
+def make(ctx: Context, table: TimeTable | None = None) -> Method:
+    """The method for `ctx.config.delay`; `table` overrides its table (same N and L)."""
+    cfg = ctx.config
+    ctx.require_axes("cdp-random", (AXIS,))
+    impl = cfg.get("cdp_impl", "ring")
+    devices = ctx.axis(AXIS)
+    workers = int(cfg.get("workers", 0)) or devices
+    delay = Delay.of(cfg.get("delay", None))
+    net = ctx.net(bn_axis_name=None)
+    if table is None:
+        table = delay_table(workers, net.num_stages, LAID_OUT, delay, cfg.get("cdp_ticks", "whole"))
+    elif (table.workers, table.stages) != (workers, net.num_stages):
+        raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
+                          f"workers={workers}, stages={net.num_stages}")
+    if impl == "ring":
+        if not table.applies and workers > 1:
+            raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
+                              f"keeps one version per stage: set cdp_impl='simulate' (the ring runs model 'uniform', "
+                              f"and 'per-stage' with every tau >= 1)")
+        if delay.correction != "none":
+            raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
+        return cdp.make(ctx, "cdp-random", table)
+    if impl != "simulate":
+        raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring")
+    ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
+    if workers % devices:
+        raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
+                          f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
+    return _simulate(ctx, net, table, workers, delay)
+
+
+def table_row(step, laid_out: int):
+    """The row of the table's staleness that `step` reads: itself within the table, then the
+    second half over and over (the first steps' reads are of theta_0, at most k behind, and the
+    timed models start from rest: neither is the model's steady draw)."""
+    half = laid_out // 2
+    return jnp.where(step < laid_out, step, half + (step - half) % max(laid_out - half, 1))
+
+
+def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -> Method:
+    # Long on purpose: the method's closures (init, step, export) share what is built here.
+    mesh, L, task = ctx.mesh, net.num_stages, ctx.task
+    momentum = float(ctx.config.get("momentum", 0.0)) or 0.9
+    if delay.correction == "nesterov":  # the correction carries the momentum: the optimizer's own is off
+        plain = ctx.config.copy_and_resolve_references()
+        plain.momentum, plain.nesterov = 0.0, False
+        tx = optim.make(plain)
+    else:
+        tx = ctx.optimizer()
+    per_device = workers // ctx.axis(AXIS)
+    taus = staleness.per_read(table)[:, :workers]
+    if (taus < 0).any():
+        raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
+                          f"every stage at every step in cdp-random")
+    depth = int(taus.max()) + 1  # versions kept: theta_k .. theta_{k - max tau}
+    correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
+    replicated = NamedSharding(mesh, P())
+    taus_dev = jax.device_put(jnp.asarray(taus, jnp.int32), replicated)
+
+    def stage_step(grads, params, opt_state, corr_state, tau):
+        """One stage's update: the correction on the gradient before the optimizer, or (a learning
+        rate scaled by staleness) on the optimizer's update, as `delay_corrections.ON_UPDATES` says."""
+        if correction is None:
+            return (*optim.apply(tx, params, opt_state, grads), corr_state)
+        if delay.correction in delay_corrections.ON_UPDATES:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, corr_state = correction.update(updates, corr_state, params, staleness=tau)
+            return optax.apply_updates(params, updates), opt_state, corr_state
+        grads, corr_state = correction.update(grads, corr_state, params, staleness=tau)
+        return (*optim.apply(tx, params, opt_state, grads), corr_state)
+
+    def worker_loss(history, tau_row, model_state, images, labels):
+        params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
+        outputs, new_state = net.apply(params, model_state, images, True)
+        return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
+
+    def local_step(state, tau_all, tau_rows, images, labels):
+        images = images.reshape(per_device, -1, *images.shape[1:])
+        labels = labels.reshape(per_device, -1, *labels.shape[1:])
+
+        def total(history):
+            run = jax.vmap(worker_loss, in_axes=(None, 0, None, 0, 0))
+            losses, aux = run(history, tau_rows, state["model_state"], images, labels)
+            # shard_map's transpose sums the replicated history's gradients over `data`: / N makes it the mean
+            return losses.sum() / workers, (losses, aux)
+
+        (_, (losses, (model_state, sums))), g_hist = jax.value_and_grad(total, has_aux=True)(state["history"])
+        grads = [jax.tree.map(lambda g: g.sum(0), g) for g in g_hist]
+        params = [jax.tree.map(lambda h: h[0], h) for h in state["history"]]
+        stepped = [stage_step(g, p, o, c, tau_all[:, j]) for j, (g, p, o, c) in
+                   enumerate(zip(grads, params, state["opt_state"], state["correction"]))]
+        new_params, opt_state, corr_state = ([x[i] for x in stepped] for i in range(3))
+        history = [jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), p, h)
+                   for p, h in zip(new_params, state["history"])]
+        model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
+        new = {"history": history, "model_state": model_state, "opt_state": opt_state, "correction": corr_state,
+               "step": state["step"] + 1}
+        metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
+        return new, metrics
+
+    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS)),
+                            out_specs=(P(), P()), check_vma=True)
+
+    def init(rng):
+        params, model_state = net.init(rng)
+        return jax.device_put({
+            "history": [jax.tree.map(lambda p: jnp.stack([p] * depth), p) for p in params],  # before 0: theta_0
+            "model_state": model_state,
+            "opt_state": [tx.init(p) for p in params],
+            "correction": [correction.init(p) if correction is not None else () for p in params],
+            "step": jnp.zeros((), jnp.int32),
+        }, replicated)
+
+    @jax.jit
+    def train_step(state, batch):
+        tau = taus_dev[table_row(state["step"], taus_dev.shape[0])]  # [N, L]
+        return sharded(state, tau, tau, batch["image"], batch["label"])
+
+    def export(state):
+        return [jax.tree.map(lambda h: h[0], h) for h in state["history"]], state["model_state"]
+
+    return Method("cdp-random", net, init, train_step, export, table=table, stale=table.stale, workers=workers,
+                  devices=ctx.axis(AXIS), stored_versions=depth,
+                  report={"impl": "simulate", "delay": delay.to_json(),
+                          "mean_staleness": float(np.mean(taus[min(depth, len(taus) - 1):]))})

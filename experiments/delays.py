@@ -1,0 +1,248 @@
+"""CDP under random and asynchronous delays: final test loss and accuracy against the mean delay.
+
+    python experiments/delays.py --tiny --out out/delays_tiny                  # CI: seconds
+    python experiments/delays.py --grid small --out out/delays_small \\
+        --figure docs/figures/delays_digits.png                                # docs/delays.md's figure
+    python experiments/delays.py --grid full --out out/delays_full             # a bigger machine
+
+Every run trains `cdp-random` (`cdpjax.layouts.delays`) with `cdp_impl='simulate'` on one device,
+N = 4 workers vmapped, the model cut into 4 stages: on digits (`cdpjax/configs/digits.py`, the
+4-stage MLP, batch 128) and, in the full grid, on the character language model
+(`cdpjax/configs/charlm.py`, batch 64). A row is (task, delay model, nominal delay tau,
+correction, seed); each delay model is set for its nominal tau as `delay_for` says, and the
+x-axis is the *realised* mean staleness of the run's table (`cdpjax.staleness.mean`, over the
+steps from tau's bound on), so the models sit where their draws put them. tau = 0 is dp for every
+model (every read fresh). The corrections are `cdpjax.delay_corrections`' ('none' the plain
+update). For the timed models (async, straggler) the table's own time is reported next to dp's
+with the same op durations (dp waits for its slowest worker at every all-reduce: `meta['time']`).
+
+Writes OUT/delays.json (every run), OUT/delays.md (the table: mean and sample standard deviation
+over seeds; then the timed models' ticks over dp's, from their tables alone) and, with
+--figure, the curves (one panel per delay model, a line per correction, the seeds' spread as
+error bars). A finished run is not kept between calls: the grid is small enough to train again.
+Wall times are not reported: on simulated devices sharing the cores they say nothing about real
+devices (the ticks are the tables' lockstep model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import typing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+WORKERS, STAGES = 4, 4
+MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd")
+GRIDS = {
+    # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
+    "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
+                 seeds=(0,), steps={"digits": 40}),
+    # docs/delays.md's figure, on a busy 2-core machine: digits, two models, 1 seed
+    "small": dict(tasks=("digits",), models=("uniform-tau", "straggler"), taus=(0, 2, 8), corrections=CORRECTIONS,
+                  seeds=(0,), steps={"digits": 200}),
+    # the issue's grid: both tasks, every model, tau in {0, 1, 2, 4, 8}, 3 seeds
+    "full": dict(tasks=("digits", "charlm"), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
+                 seeds=(0, 1, 2), steps={"digits": 600, "charlm": 300}),
+}
+
+
+def delay_for(model: str, tau: int) -> dict:
+    """The delay block of `model` at nominal mean delay `tau` (tau = 0: every read fresh, dp):
+    uniform-tau on {0..2 tau} (mean tau); geometric with p = 1 / (1 + tau) (mean tau before its
+    bound 4 tau); per-stage with tau at every stage; async (op durations 1..4 ticks) and a
+    straggler (4 ticks an op) bounded at tau; async's op durations uniform on 1..2 tau ticks, bounded
+    at tau (the realised means of both are below tau: async's stay near cdp-v2's, its workers drift
+    apart only as a random walk)."""
+    if model == "uniform-tau":
+        return {"model": model, "tau_max": 2 * tau}
+    if model == "geometric":
+        return {"model": model, "p": 1.0 / (1 + tau), "tau_max": 4 * tau}
+    if model == "per-stage":
+        return {"model": model, "taus": (tau,) * STAGES}
+    if model == "async":
+        return {"model": model, "durations": 2 * tau, "tau_max": tau}
+    if model == "straggler":
+        return {"model": model, "slowdown": 4, "tau_max": tau}
+    raise ValueError(f"model={model!r} is not one of {', '.join(MODELS)}")
+
+
+class Run(typing.NamedTuple):
+    """One trained run: its row and its final test metrics; `mean_tau`: the table's realised mean
+    staleness; `ticks`, `dp_ticks`: the table's time and dp's with the same durations (timed
+    models, else 0)."""
+
+    task: str
+    model: str
+    tau: int
+    correction: str
+    seed: int
+    mean_tau: float
+    test_loss: float
+    test_metric: float
+    ticks: int
+    dp_ticks: int
+
+
+def config_of(task: str, model: str, tau: int, correction: str, seed: int, steps: int):
+    from cdpjax import config as config_lib
+
+    c = config_lib.load_file(f"{task}:method=cdp-random,steps={steps}")
+    c.cdp_impl, c.workers, c.stages, c.seed = "simulate", WORKERS, STAGES, seed
+    c.eval_every = c.checkpoint_every = 0
+    c.delay.update({**delay_for(model, tau), "seed": seed, "correction": correction})
+    return c
+
+
+def train_one(task: str, model: str, tau: int, correction: str, seed: int, steps: int) -> Run:
+    """Trains one row in this process and evaluates it on the whole test split."""
+    import jax
+    import numpy as np
+
+    from cdpjax import data, methods, staleness, tasks
+    from cdpjax.mesh import make_mesh
+
+    c = config_of(task, model, tau, correction, seed, steps)
+    ds = data.build(c)
+    task_ = tasks.resolve(c, ds)
+    ctx = methods.Context(c, make_mesh({"data": 1}, jax.devices()[:1]), tuple(ds.image_shape), ds.num_classes,
+                          ds.input_dtype, task_)
+    m = methods.build(ctx)
+    state = m.init(jax.random.key(seed))
+    for k in range(steps):
+        state, _ = m.train_step(state, ds.train_batch(k, c.global_batch_size, seed, augment=False))
+    params, model_state = m.export(state)
+    net = m.net
+
+    @jax.jit
+    def sums(images, labels, mask):
+        outputs, _ = net.apply(params, model_state, images, False)
+        return task_.metric_sums(outputs, labels, mask)
+
+    totals = np.zeros(len(task_.sum_names), np.float64)
+    for b in ds.test_batches(256):
+        totals += np.asarray(jax.device_get(sums(b["image"], b["label"], b["mask"])), np.float64)
+    metrics = task_.finish(totals)
+    loss = float(metrics["loss"])
+    metric = float(metrics.get("accuracy", metrics.get("token_accuracy", float("nan"))))
+    bound = max(int(staleness.per_read(m.table).max()), 0)
+    time = m.table.meta.get("time", {})
+    return Run(task, model, tau, correction, seed, float(staleness.mean(m.table, bound).mean()), loss, metric,
+               int(time.get("ticks", 0)), int(time.get("dp_ticks", 0)))
+
+
+def rows(grid: dict):
+    """(task, model, tau, correction, seed) of the grid; tau = 0 once per task, correction and seed
+    (every model is dp there), under the first model."""
+    for task in grid["tasks"]:
+        for seed in grid["seeds"]:
+            for correction in grid["corrections"]:
+                if 0 in grid["taus"]:
+                    yield task, grid["models"][0], 0, correction, seed
+                for model in grid["models"]:
+                    for tau in grid["taus"]:
+                        if tau:
+                            yield task, model, tau, correction, seed
+
+
+def spread(values) -> tuple[float, float]:
+    values = list(values)
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def table_markdown(runs: list[Run]) -> str:
+    """One line per (task, model, tau, correction): mean and spread over seeds."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r.task, r.model if r.tau else "dp (tau = 0)", r.tau, r.correction), []).append(r)
+    lines = ["| task | delay model | tau | realised mean tau | correction | test loss | test accuracy | "
+             "ticks / dp's |", "|---|---|---|---|---|---|---|---|"]
+    for (task, model, tau, corr), rs in groups.items():
+        (loss, dl), (acc, da) = spread(r.test_loss for r in rs), spread(r.test_metric for r in rs)
+        ratio = f"{statistics.fmean(r.ticks / r.dp_ticks for r in rs):.3f}" if rs[0].dp_ticks else "-"
+        lines.append(f"| {task} | {model} | {tau} | {statistics.fmean(r.mean_tau for r in rs):.2f} | {corr} | "
+                     f"{loss:.4f} ± {dl:.4f} | {acc:.4f} ± {da:.4f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def time_markdown(taus, steps: int = 64) -> str:
+    """The timed models' tables (no training): their ticks over dp's with the same op durations
+    (dp: each step as long as its slowest worker's), and their realised mean staleness."""
+    from cdpjax import staleness
+    from cdpjax.layouts.delays import delay_table
+
+    lines = ["| delay model | tau | realised mean tau | ticks / dp's ticks |", "|---|---|---|---|"]
+    for model in ("async", "straggler"):
+        for tau in (t for t in taus if t):
+            t = delay_table(WORKERS, STAGES, steps, delay_for(model, tau))
+            time = t.meta["time"]
+            lines.append(f"| {model} | {tau} | {staleness.mean(t, tau).mean():.2f} | "
+                         f"{time['ticks'] / time['dp_ticks']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[Run], path: str) -> None:
+    """Per task, one column per delay model: test loss (top) and accuracy (bottom) against the
+    realised mean delay, a line per correction, the dp point (tau = 0) on every panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r.task for r in runs})
+    models = [m for m in MODELS if any(r.model == m and r.tau for r in runs)]
+    fig, axes = plt.subplots(2 * len(tasks), len(models), figsize=(3.6 * len(models), 5.2 * len(tasks)),
+                             squeeze=False)
+    for t, task in enumerate(tasks):
+        for c, model in enumerate(models):
+            for corr in CORRECTIONS:
+                rs = [r for r in runs if r.task == task and r.correction == corr and (r.model == model or not r.tau)]
+                taus = sorted({r.tau for r in rs})
+                if not taus:
+                    continue
+                xs = [statistics.fmean(r.mean_tau for r in rs if r.tau == tau) for tau in taus]
+                for row, field in ((2 * t, "test_loss"), (2 * t + 1, "test_metric")):
+                    ys = [spread(getattr(r, field) for r in rs if r.tau == tau) for tau in taus]
+                    axes[row][c].errorbar(xs, [y for y, _ in ys], yerr=[e for _, e in ys], marker="o",
+                                          capsize=3, label=corr)
+            axes[2 * t][c].set_title(f"{task}: {model}")
+            axes[2 * t][c].set_ylabel("final test loss")
+            axes[2 * t + 1][c].set_ylabel("final test accuracy")
+            axes[2 * t + 1][c].set_xlabel("realised mean staleness (updates behind)")
+    axes[0][0].legend(title="correction", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the CI grid (same as --grid tiny)")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    p.add_argument("--out", required=True, help="folder for delays.json and delays.md")
+    p.add_argument("--figure", default=None, help="write the curves to this .png")
+    args = p.parse_args(argv)
+    grid = GRIDS["tiny" if args.tiny else args.grid]
+    os.makedirs(args.out, exist_ok=True)
+    runs = []
+    for task, model, tau, correction, seed in rows(grid):
+        runs.append(train_one(task, model, tau, correction, seed, grid["steps"][task]))
+        r = runs[-1]
+        print(f"{task} {model} tau={tau} (mean {r.mean_tau:.2f}) {correction} seed {seed}: "
+              f"test loss {r.test_loss:.4f}, accuracy {r.test_metric:.4f}", flush=True)
+    with open(os.path.join(args.out, "delays.json"), "w") as f:
+        json.dump({"grid": {k: v for k, v in grid.items()}, "runs": [r._asdict() for r in runs]}, f, indent=1)
+    with open(os.path.join(args.out, "delays.md"), "w") as f:
+        f.write(table_markdown(runs) + "\n" + time_markdown(grid["taus"]))
+    if args.figure:
+        plot(runs, args.figure)
+    print(f"wrote {args.out}/delays.md" + (f" and {args.figure}" if args.figure else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""cdp-random trains: tau = 0 is dp; the uniform model is cdp-v1 / cdp-v2 (parameters after T
+steps, simulate and ring); every random model's simulation equals a plain loop written here that
+reads the versions the table names; the delay corrections' hand-computed two-step cases."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cdpjax import data, delay_corrections, methods, optim, staleness
+from cdpjax.config import ConfigError, default_config
+from cdpjax.mesh import make_mesh
+from cdpjax.methods import cdp, cdp_random
+from cdpjax.methods.common import Context
+from cdpjax.models import cross_entropy
+from helpers import assert_trees_close as assert_close, max_diff, params
+
+BATCH, STEPS = 16, 4
+
+
+def config(**kw):
+    c = default_config()
+    c.model_kwargs.width = 8
+    c.global_batch_size = BATCH
+    c.num_steps = 20
+    c.eval_every = c.checkpoint_every = 0
+    c.norm = "none"
+    c.learning_rate = 0.1
+    for k, v in kw.items():
+        if k == "delay":
+            c.delay.update(v)
+        else:
+            c[k] = v
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def batches():
+    ds = data.build(config())
+    return [ds.train_batch(k, BATCH, 0, augment=False) for k in range(STEPS)]
+
+
+def context(devices, **kw):
+    ds = data.build(config())
+    return Context(config(**kw), make_mesh({"data": devices}, jax.devices()[:devices]), ds.image_shape,
+                   ds.num_classes)
+
+
+def build(method, devices=2, workers=2, stages=2, impl="simulate", **kw):
+    return methods.build(context(devices, method=method, workers=workers, stages=stages, cdp_impl=impl, **kw))
+
+
+def train(m, steps=STEPS):
+    state = m.init(jax.random.key(0))
+    for b in batches()[:steps]:
+        state, metrics = m.train_step(state, b)
+        assert np.isfinite(float(metrics["loss"]))
+    if m.flush is not None:
+        state = m.flush(state)
+    return params(m, state)
+
+
+def test_tau_zero_is_dp():
+    dp = train(build("dp"))
+    for delay in (dict(model="uniform-tau", tau_max=0), dict(model="per-stage", taus=(0, 0))):
+        m = build("cdp-random", delay=delay)
+        assert m.stored_versions == 1
+        assert_close(train(m), dp)
+    assert max_diff(train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2))), dp) > 1e-5
+
+
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_uniform_model_is_cdp(rule):
+    """Simulate with the version history (2 kept) equals CDP's own simulation (a select between two
+    stored versions) and, for the ring, CDP's ring."""
+    reference = train(cdp.make(context(2, method=rule, workers=2, stages=2, cdp_impl="simulate"), rule))
+    got = train(build("cdp-random", delay=dict(model="uniform", rule=rule)))
+    assert_close(got, reference)
+    ring = build("cdp-random", impl="ring", delay=dict(model="uniform", rule=rule))
+    assert ring.table.method == "cdp-random" and ring.program is not None
+    assert_close(train(ring), reference)
+
+
+def reference_loop(m, steps=STEPS):
+    """Plain SGD per stage: step k's gradient is the mean over workers of worker i's gradient of its
+    micro-batch loss at (theta^j_{max(k - tau(k, i, j), 0)})_j, tau from the table's reads."""
+    net, tx = m.net, optim.make(config())
+    tau = staleness.per_read(m.table)
+    theta, _ = net.init(jax.random.key(0))
+    opt = [tx.init(p) for p in theta]
+    loss = lambda p, x, y: cross_entropy(net.apply(p, [{}] * len(p), x, True)[0], y)  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+    history = [theta]
+    N = m.workers
+    for k, b in enumerate(batches()[:steps]):
+        xs, ys = np.split(b["image"], N), np.split(b["label"], N)
+        gs = [grad([history[max(k - int(tau[k, i, j]), 0)][j] for j in range(len(theta))], xs[i], ys[i])
+              for i in range(N)]
+        mean = jax.tree.map(lambda *g: sum(g) / N, *gs)
+        theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        history.append(theta)
+    return history[steps]
+
+
+@pytest.mark.parametrize("delay,devices", [
+    (dict(model="geometric", p=0.4, tau_max=3, seed=1), 2), (dict(model="uniform-tau", tau_max=2), 1),
+    (dict(model="per-stage", taus=(2, 1)), 2), (dict(model="async", durations=3, tau_max=2), 2),
+    (dict(model="straggler", slowdown=3, tau_max=2), 2), (dict(model="jitter", jitter=3), 1)])
+def test_simulate_reads_the_tables_versions(delay, devices):
+    m = build("cdp-random", devices=devices, delay=delay)
+    tau = staleness.per_read(m.table)[:STEPS]
+    assert m.stored_versions == staleness.per_read(m.table).max() + 1
+    if delay["model"] != "jitter":
+        assert tau[1:].max() >= 1  # the run reads stale versions
+    assert_close(train(m), reference_loop(m))
+
+
+@pytest.mark.parametrize("taus", [(2, 1), pytest.param((1, 3), marks=pytest.mark.heavy)])
+def test_fixed_tau_per_stage_runs_on_the_ring(taus):
+    """A fixed tau >= 1 per stage keeps one stored version per worker (each applies update k between
+    its reads of versions k and k + 1): the ring runs the table and equals the simulation."""
+    delay = dict(model="per-stage", taus=taus)
+    ring = build("cdp-random", impl="ring", delay=delay)
+    assert ring.table.applies and ring.program is not None
+    sim = build("cdp-random", delay=delay)
+    assert_close(train(ring), train(sim))
+    assert_close(train(sim), reference_loop(sim))
+
+
+def test_steps_past_the_table_repeat_its_second_half():
+    # 64 rows: steps 0..63 read themselves, 64..95 rows 32..63, 96 row 32 again
+    rows = [int(cdp_random.table_row(k, 64)) for k in (0, 63, 64, 95, 96, 130)]
+    assert rows == [0, 63, 32, 63, 32, 34]
+
+
+def test_ring_refuses_a_model_whose_staleness_changes():
+    with pytest.raises(ConfigError, match="delay.model='geometric' changes a read's staleness"):
+        build("cdp-random", impl="ring", delay=dict(model="geometric"))
+
+
+@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd"])
+def test_corrections_train(name):
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction=name, strength=0.5))
+    plain = train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2)))
+    assert max_diff(train(m), plain) > 1e-6
+
+
+# ------------------------------------------------------------------ corrections, by hand
+
+
+def two_steps(tx, grads, params, taus):
+    state = tx.init(params[0])
+    out = []
+    for g, p, tau in zip(grads, params, taus):
+        u, state = tx.update(jnp.float32(g), state, jnp.float32(p), staleness=jnp.asarray(tau))
+        out.append(float(u))
+    return out
+
+
+def test_staleness_scaled_by_hand():
+    # step 0: taus (0, 1): mean(1/1, 1/2) = 0.75, 2 * 0.75 = 1.5; step 1: taus (3, 3): 1/4, -4 / 4 = -1
+    got = two_steps(delay_corrections.staleness_scaled(), [2.0, -4.0], [0.0, 0.0], [(0, 1), (3, 3)])
+    np.testing.assert_allclose(got, [1.5, -1.0])
+
+
+def test_delayed_nesterov_by_hand():
+    # beta = 0.5. step 0: m = 2, tau 1: 2 + 0.5 * 2 * 2 = 4. step 1: m = 0.5 * 2 + 1 = 2, tau 0: 1 + 0.5 * 1 * 2 = 2
+    got = two_steps(delay_corrections.delayed_nesterov(0.5), [2.0, 1.0], [0.0, 0.0], [(1,), (0,)])
+    np.testing.assert_allclose(got, [4.0, 2.0])
+    # tau = 0 is optax's nesterov trace
+    ref = optax.trace(0.5, nesterov=True)
+    s = ref.init(jnp.float32(0))
+    u0, s = ref.update(jnp.float32(2.0), s)
+    u1, _ = ref.update(jnp.float32(1.0), s)
+    np.testing.assert_allclose(two_steps(delay_corrections.delayed_nesterov(0.5), [2.0, 1.0], [0.0, 0.0],
+                                         [(0,), (0,)]), [float(u0), float(u1)])
+
+
+def test_delay_compensated_by_hand():
+    # lambda = 0.5, versions kept 2. theta_0 = 1, the update at step 0 with params 1, tau (1,): the read is
+    # theta_{-1} = theta_0 = 1: g = 2 + 0.5 * 4 * 0 = 2. Step 1 with params 3 (theta_1), taus (1, 2): reads
+    # theta_0 = 1 and theta_{-1} = 1, mean 1: g = 1 + 0.5 * 1 * (3 - 1) = 2.
+    got = two_steps(delay_corrections.delay_compensated(0.5, 2), [2.0, 1.0], [1.0, 3.0], [(1,), (1, 2)])
+    np.testing.assert_allclose(got, [2.0, 2.0])
+    # step 2 with params 7, taus (0, 1): theta_2 = 7, theta_1 = 3: mean 5; g = 2 + 0.5 * 4 * (7 - 5) = 6
+    tx = delay_corrections.delay_compensated(0.5, 2)
+    s = tx.init(jnp.float32(1.0))
+    for g, p, tau in ((2.0, 1.0, (1,)), (1.0, 3.0, (1, 2)), (2.0, 7.0, (0, 1))):
+        u, s = tx.update(jnp.float32(g), s, jnp.float32(p), staleness=jnp.asarray(tau))
+    np.testing.assert_allclose(float(u), 6.0)
+
+
+def test_bad_correction_fails_early():
+    with pytest.raises(ConfigError, match="delay.correction='adam' is not one of none, staleness-lr"):
+        build("cdp-random", delay=dict(model="uniform-tau", correction="adam"))
+    with pytest.raises(ConfigError, match="runs in cdp_impl='simulate' only"):
+        build("cdp-random", impl="ring", delay=dict(model="uniform", correction="nesterov"))
+    assert cdp_random.LAID_OUT >= STEPS
+
+
+def test_simulate_with_a_correction_lowers_for_cuda():
+    """The version-history simulation (dynamic reads of the kept versions) and a correction's state
+    lower for CUDA as the registry's default (the ring) does in tests/test_cuda_lowering.py."""
+    from cdpjax import lowering
+
+    c = default_config()
+    c.method, c.model, c.stages, c.global_batch_size, c.cdp_impl = "cdp-random", "mlp", 4, 32, "simulate"
+    c.delay.update(dict(model="geometric", correction="dc-asgd"))
+    assert lowering.cuda_problems(c, jax.devices()[:8], jax.random.key(0, impl="rbg")) == []
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
+    """The simulation's state (the kept versions, the step that picks the table's row, the
+    correction's own versions) is checkpointed whole: stopped after step 5 and resumed from
+    checkpoint 4, a run with random delays and dc-asgd ends bit for bit where one run does."""
+    from cdpjax import train as train_lib
+    from cdpjax.checkpoint import Checkpointer
+
+    def cfg():
+        c = config(method="cdp-random", cdp_impl="simulate", workers=4, stages=4, num_steps=8)
+        c.checkpoint_every, c.eval_every, c.mesh = 4, 0, {"data": 2}
+        c.delay.update(dict(model="geometric", tau_max=3, correction="dc-asgd", strength=0.5))
+        return c
+
+    devices = jax.devices()[:2]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train_lib.train(cfg(), str(whole), progress=False, devices=devices)
+    train_lib.train(cfg(), str(part), progress=False, devices=devices, stop_after=5)
+    assert train_lib.train(cfg(), str(part), progress=False, devices=devices)["resumed_from"] == 4
+
+    def state(workdir):
+        m = train_lib.setup(cfg(), devices)[2]
+        ckpt = Checkpointer(str(workdir))
+        s, _ = ckpt.restore(ckpt.latest_step(), m.init(jax.random.key(0)))
+        ckpt.close()
+        return jax.device_get(s)
+
+    a, b = state(whole), state(part)
+    assert int(a["step"]) == 8
+    jax.tree.map(np.testing.assert_array_equal, a, b)

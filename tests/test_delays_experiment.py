@@ -1,0 +1,30 @@
+"""experiments/delays.py: the tiny grid runs end to end; a correction that is the identity at tau = 0
+(staleness-lr: every factor 1 / (1 + 0)) gives dp's row exactly, and the delay is felt."""
+import json
+import pathlib
+
+from helpers import load_script
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+delays = load_script(ROOT / "experiments" / "delays.py", "experiments_delays")
+
+
+def test_delay_for_sets_the_nominal_mean():
+    # uniform on {0..2 tau}: mean tau; geometric p = 1 / (1 + tau): mean (1 - p) / p = tau before the bound
+    assert delays.delay_for("uniform-tau", 4) == {"model": "uniform-tau", "tau_max": 8}
+    assert delays.delay_for("geometric", 1)["p"] == 0.5
+    assert delays.delay_for("per-stage", 2)["taus"] == (2,) * delays.STAGES
+    assert all(delays.delay_for(m, 0).get("tau_max", 0) == 0 for m in delays.MODELS)
+
+
+def test_tiny_grid_runs(tmp_path):
+    figure = tmp_path / "d.png"
+    assert delays.main(["--tiny", "--out", str(tmp_path), "--figure", str(figure)]) == 0
+    runs = json.loads((tmp_path / "delays.json").read_text())["runs"]
+    assert len(runs) == 4 and figure.stat().st_size > 1000
+    by = {(r["tau"], r["correction"]): r for r in runs}
+    assert by[(0, "none")]["test_loss"] == by[(0, "staleness-lr")]["test_loss"]
+    assert by[(0, "none")]["mean_tau"] == 0 and 1.5 < by[(2, "none")]["mean_tau"] < 2.5
+    assert by[(2, "none")]["test_loss"] != by[(0, "none")]["test_loss"]
+    table = (tmp_path / "delays.md").read_text()
+    assert table.count("| digits |") == 4 and "dp (tau = 0)" in table
