@@ -1,0 +1,150 @@
+"""`cdpjax plan`: its choice against an exhaustive search written here, its refusal of an impossible
+budget, its verification against XLA, and the memory model against XLA over the registry."""
+import json
+import math
+
+import jax
+import pytest
+
+from cdpjax import bench, cli, plan, speedup, train
+from cdpjax.config import default_config
+from cdpjax.layouts import LAYOUTS
+from cdpjax.speedup import StageCosts
+
+# Hand-set op times of the MLP's four blocks (seconds at 16 examples): uneven, so that the cut
+# matters; the backward from kept residuals cheaper than recomputing, so the two policies differ.
+BLOCKS = 4
+COSTS = plan.BlockCosts(
+    micro_batch=16, forward=(1.0, 2.0, 2.0, 0.5),
+    backward={"recompute": (3.0, 5.0, 5.0, 1.5), "carry": (2.0, 4.0, 4.0, 1.0)},
+    backward_input={"recompute": (1.5, 2.5, 2.5, 0.75), "carry": (1.0, 2.0, 2.0, 0.5)},
+    backward_weight={"recompute": (1.5, 2.5, 2.5, 0.75), "carry": (1.0, 2.0, 2.0, 0.5)},
+    output_bytes_per_example=(512.0, 512.0, 512.0, 40.0), param_bytes=(33280.0, 66048.0, 66048.0, 5160.0))
+SMALL_SPACE = ("e2e", "dp", "gpipe", "1f1b", "cdp-v2")
+
+
+def test_candidate_overrides_make_its_config():
+    c = plan.Candidate("gpipe", (("stage", 2), ("data", 2)), 2, "flops", 8, "carry")
+    config = c.config(default_config())
+    assert (config.method, dict(config.mesh), config.stages, config.partition, config.microbatches,
+            config.residuals) == ("gpipe", {"stage": 2, "data": 2}, 2, "flops", 8, "carry")
+    assert c.devices == 4 and plan.Candidate("e2e", (), 4, "params").devices == 1
+    command = plan.train_command(c, "digits", ["model=mlp", "method=dp"])
+    assert command.startswith("cdpjax train --config digits --config.model=mlp --config.method=gpipe ")
+    assert "--config.method=dp" not in command and "--config.mesh.stage=2 --config.mesh.data=2" in command
+
+
+def test_rank_drops_over_budget_and_orders_by_time():
+    def p(name, memory, seconds):
+        return plan.Prediction(plan.Candidate(name, (), 1, "params"), memory, 0.0, seconds)
+
+    preds = [p("a", 10, 3.0), p("b", 30, 1.0), p("c", 20, 2.0), p("d", 15, 2.0)]
+    assert [x.candidate.method for x in plan.rank(preds, 20)] == ["d", "c", "a"]  # d and c tie on time: less memory
+    with pytest.raises(Exception, match=r"the smallest any needs is 10 bytes per device \(a one device"):
+        plan.check_budget(preds, 9)
+    plan.check_budget(preds, 10)
+
+
+def _stage_costs(points, micro, residuals):
+    """The stages' costs written out: each stage the sum of its blocks, linear in the micro-batch."""
+    bounds = list(zip((0, *points), (*points, BLOCKS)))
+    s = micro / COSTS.micro_batch
+    total = lambda v: tuple(s * sum(v[a:b]) for a, b in bounds)  # noqa: E731
+    return StageCosts(total(COSTS.forward), total(COSTS.backward[residuals]),
+                      tuple(micro * COSTS.output_bytes_per_example[b - 1] for _, b in bounds),
+                      tuple(sum(COSTS.param_bytes[a:b]) for a, b in bounds), (),
+                      total(COSTS.backward_input[residuals]), total(COSTS.backward_weight[residuals]), residuals)
+
+
+def _exhaustive(base, devices, budget, bandwidth):
+    """Every method of SMALL_SPACE on every mesh of `devices` devices on its axes (one device, all
+    on data, or every stage/data split), stage counts 2 and 4, micro-batches S, 2S, 4S where the method reads
+    them, both residual policies, every tick kind: each built (the refused left out), its memory the
+    bench's model, its time the lockstep replay (plus a replica all-reduce); the fastest that fits."""
+    best = None
+    for name in SMALL_SPACE:
+        layout = LAYOUTS[name]
+        meshes = {None: [{}], "data": [{"data": devices}],  # every split of the devices on the method's axes
+                  "stage": [{"stage": s, "data": devices // s} for s in range(1, devices + 1) if devices % s == 0]
+                  }[layout.device_axis]
+        for mesh in meshes:
+            for stages in (2, 4):
+                s = mesh.get("stage", 1)
+                for m in ([s, 2 * s, 4 * s] if layout.microbatches else [None]):
+                    for residuals in ("recompute", "carry"):
+                        for ticks in (("whole", "split", "paired") if "ticks" in layout.table_sizes() else (None,)):
+                            c = default_config()
+                            c.method, c.stages, c.residuals = name, stages, residuals
+                            for axis, size in mesh.items():
+                                c.mesh[axis] = size
+                            if m is not None:
+                                c.microbatches = m
+                            if ticks is not None:
+                                c.cdp_ticks = ticks
+                            try:
+                                _, mesh_, method = train.setup(c, jax.devices()[:math.prod(mesh.values())])
+                            except Exception:  # noqa: BLE001 - the method refuses this run
+                                continue
+                            n = int(mesh_.devices.size)
+                            micro = bench.micro_batch(method, c, mesh_)
+                            table = method.table
+                            if table is None and layout.table is not None:
+                                table = speedup.table_for(c, mesh.get("stage", n), method.net.num_stages)
+                            model = bench.memory_model(method, c, table, bench.stage_sizes(method.net, micro), n,
+                                                       bench.program_sizes(method, micro))
+                            memory = model["arguments"]["total"] + model["temporaries"]["total"]
+                            points = tuple(a for a, _ in method.net.bounds[1:])
+                            if table is None:
+                                whole = _stage_costs(points, c.global_batch_size, "recompute")
+                                step = sum(whole.forward) + sum(whole.backward)
+                            else:
+                                pol = residuals if method.program is not None else "recompute"
+                                step = speedup.simulate(table, _stage_costs(points, micro, pol), bandwidth,
+                                                        "lockstep")["step_seconds"]
+                                r = mesh.get("data", 1) if "stage" in mesh else 1
+                                step += 2 * (r - 1) / r * model["arguments"]["parameters"] / bandwidth
+                            if memory <= budget and (best is None or (step, memory) < best[:2]):
+                                best = (step, memory, name, dict(mesh), stages, m, residuals)
+    return best
+
+
+def test_plans_choice_equals_an_exhaustive_search():
+    """On a small space (five methods, two devices, the digits MLP, hand-set op times), under a budget
+    that leaves some candidates out, the plan's first is the exhaustive search's optimum."""
+    base, devices, bandwidth = default_config(), 2, 1e6
+    loose = plan.make_plan(base, devices, 1e12, bandwidth, SMALL_SPACE, costs=COSTS)
+    memories = sorted(p.memory for p in loose.predictions)
+    for budget in (memories[len(memories) // 2], 1e12):
+        first = plan.make_plan(base, devices, budget, bandwidth, SMALL_SPACE, costs=COSTS).ranked[0]
+        step, memory, *_ = _exhaustive(base, devices, budget, bandwidth)
+        assert (first.step_seconds, first.memory) == pytest.approx((step, memory), rel=1e-9), first.candidate
+
+
+def test_plan_refuses_an_impossible_budget_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    assert cli.main(["plan", "--devices", "2", "--memory-per-device", "1000", "--methods", "e2e,dp"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("cdpjax plan: ")]
+    assert len(err) == 1 and "no candidate fits; the smallest any needs is" in err[0], err  # progress lines apart
+
+
+def test_plan_verifies_its_top_against_xla(tmp_path, monkeypatch, capsys):
+    """The top candidate compiled: XLA's held bytes in the table and the JSON beside the prediction,
+    the recommendation's `cdpjax train` command; a budget between the two drops it, reported."""
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--devices", "2", "--methods", "dp", "--top", "1", "--json", str(out)]
+    assert cli.main(args + ["--memory-per-device", "1e9"]) == 0
+    text = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    top = record["verified"][0]
+    c = plan.Candidate("dp", (("data", 2),), top["stages"], "params", None, "recompute", None)
+    run = bench._prepare(c.config(default_config()), jax.devices()[:2])
+    assert top["compiled_bytes"] == bench.memory(run["compiled"])["held_bytes"]
+    assert "predicted MiB" in text and "compiled MiB" in text and f"{top['compiled_bytes'] / 2**20:.2f}" in text
+    assert record["command"] == plan.train_command(c, None, []) and f"recommended: {top['label']}" in text
+    low, high = sorted((top["predicted_bytes"], top["compiled_bytes"]))
+    if high > low * 1.01:
+        status = cli.main(args + ["--memory-per-device", str((low + high) / 2)])
+        text = capsys.readouterr().out
+        if top["compiled_bytes"] > top["predicted_bytes"]:  # fits the model, not XLA: dropped
+            assert status == 1 and f"dropped: {top['label']} compiles to" in text
