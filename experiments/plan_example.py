@@ -3,7 +3,7 @@ config) on 8 devices under three budgets: one where dp fits, one under dp's need
 methods that hold less fit, one under every candidate's need.
 
     python experiments/plan_example.py                      # writes docs/plan.md (minutes to an hour on CPU)
-    python experiments/plan_example.py --tiny --out /tmp/plan.md    # resnet_tiny on digits, 4 devices (CI)
+    python experiments/plan_example.py --tiny --out /tmp/plan.md    # resnet_tiny on digits, 2 devices (CI)
 
 The candidates are predicted once (memory and step time do not depend on the budget); the three
 budgets are set from the predictions: 1.25x the least dp needs; the geometric mean of the least
@@ -20,7 +20,7 @@ import os
 import sys
 
 FULL = {"config": "bench_resnet18", "devices": 8, "overrides": [], "methods": None, "top": 1}
-TINY = {"config": "digits", "devices": 4, "overrides": ["model=resnet_tiny", "norm=batch"],
+TINY = {"config": "digits", "devices": 2, "overrides": ["model=resnet_tiny", "norm=batch"],
         "methods": ("e2e", "dp", "cdp-zero", "gpipe"), "top": 1}
 BANDWIDTH = 100e9
 SHOWN = 6  # ranked rows shown per budget
@@ -65,6 +65,7 @@ def example(setting) -> str:
     lines = [f"Config `{config_words}`, {setting['devices']} devices, bandwidth {BANDWIDTH:.0e} B/s: "
              f"{len(plan.predictions)} candidates predicted, {plan.refused} refused by their method "
              f"(jax {jax.__version__}, {jax.devices()[0].platform}).", ""]
+    seen = {}
     for what, budget in budgets(plan.predictions):
         lines += [f"### {budget / 2**20:.1f} MiB per device: {what}", ""]
         try:
@@ -74,7 +75,10 @@ def example(setting) -> str:
                              f"--memory-per-device {budget:.0f}", f"error: {e}", "```", ""]
             continue
         ranked = plan_lib.Plan(plan.predictions, plan_lib.rank(plan.predictions, budget), plan.refused, budget)
-        verified = plan_lib.verify(ranked, base, setting["devices"], setting["top"], say=say)
+        verified = [seen[p.candidate] if p.candidate in seen else
+                    plan_lib.verify(plan_lib.Plan((), (p,), 0, budget), base, setting["devices"], 1, say=say)[0]
+                    for p in ranked.ranked[:setting["top"]]]
+        seen.update((v.candidate, v) for v in verified)  # a candidate first under two budgets compiles once
         lines += ["| rank | candidate | step s (model) | predicted MiB | compiled MiB |", "|---|---|---|---|---|"]
         compiled = {v.candidate: v.compiled_bytes for v in verified}
         for i, p in enumerate(ranked.ranked[:SHOWN], 1):
@@ -142,7 +146,7 @@ tests).
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="resnet_tiny on digits, 4 devices, 4 methods")
+    parser.add_argument("--tiny", action="store_true", help="resnet_tiny on digits, 2 devices, 4 methods")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"))
     args = parser.parse_args(argv)
     text = HEAD + example(TINY if args.tiny else FULL)

@@ -148,3 +148,19 @@ def test_plan_verifies_its_top_against_xla(tmp_path, monkeypatch, capsys):
         text = capsys.readouterr().out
         if top["compiled_bytes"] > top["predicted_bytes"]:  # fits the model, not XLA: dropped
             assert status == 1 and f"dropped: {top['label']} compiles to" in text
+
+
+def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
+    """docs/plan.md's generator, tiny: three budgets, the last one refused in one line naming the least
+    need, each other's first candidate compiled beside its prediction."""
+    from helpers import load_script
+
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    script = load_script(plan.__file__.replace("cdpjax/plan.py", "experiments/plan_example.py"), "plan_example")
+    out = tmp_path / "plan.md"
+    script.main(["--tiny", "--out", str(out)])
+    text = out.read_text()
+    assert text.count("\n### ") == 3 and "dp fits" in text and "under every candidate's need" in text
+    last = text.split("under every candidate's need")[1]
+    assert "no candidate fits; the smallest any needs is" in last
+    assert text.split("\n### ")[1].count("| 1 |") == 1
