@@ -69,9 +69,8 @@ class Candidate:
         """A copy of `base` set to this candidate (an empty mesh: the one-device method's own)."""
         from cdpjax import config as cfg_lib
 
-        c = cfg_lib.ml_collections.ConfigDict(base.to_dict())
-        c.mesh = cfg_lib.ml_collections.ConfigDict()
-        cfg_lib.apply_overrides(c, self.overrides())
+        c = config_with(base, mesh={}, stages=self.stages)
+        cfg_lib.apply_overrides(c, [o for o in self.overrides() if not o.startswith("stages=")])
         return c
 
     @property
@@ -88,6 +87,16 @@ class Candidate:
         if self.ticks not in (None, "whole"):
             words.append(f"ticks={self.ticks}")
         return " ".join(words)
+
+
+def config_with(base, **values):
+    """A copy of `base` with `values` set, whatever type they had there (a config's `stages` may be a
+    list of split points, which a ConfigDict would not let an integer replace)."""
+    from cdpjax import config as cfg_lib
+
+    d = base.to_dict()
+    d.update(values)
+    return cfg_lib.ml_collections.ConfigDict(d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +157,9 @@ def enumerate_candidates(base, devices: int, num_blocks: int, methods: Sequence[
             elif layout.device_axis == "data":
                 meshes, stage_devices = [(("data", devices),)], 1
             else:
-                probe = base.copy_and_resolve_references()
-                probe.method = name
                 try:
-                    stage_devices = table_for_config(probe, devices=1, stages=stages, steps=2).devices
+                    stage_devices = table_for_config(config_with(base, method=name), devices=1, stages=stages,
+                                                     steps=2).devices
                 except (ConfigError, AssertionError, ValueError):
                     continue
                 if stage_devices > devices or devices % stage_devices:
@@ -251,12 +259,8 @@ def measure_block_costs(config, micro_batch: int, repeats: int = 3) -> BlockCost
     from cdpjax.speedup import measure_stage_costs
 
     ds = data.build(config)
-    probe = config.copy_and_resolve_references()
-    probe.partition = "blocks"
-    probe.stages = 1
-    blocks = len(models.build(probe, ds.image_shape, ds.num_classes).blocks)
-    probe.stages = blocks
-    net = models.build(probe, ds.image_shape, ds.num_classes)
+    blocks = len(models.build(config_with(config, stages=1), ds.image_shape, ds.num_classes).blocks)
+    net = models.build(config_with(config, stages=blocks, partition="blocks"), ds.image_shape, ds.num_classes)
     timed = {r: measure_stage_costs(net, micro_batch, repeats, residuals=r) for r in RESIDUAL_POLICIES}
     first = timed["recompute"]
     return BlockCosts(micro_batch, first.forward, {r: c.backward for r, c in timed.items()},
@@ -277,15 +281,20 @@ def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: f
     devices = int(mesh.devices.size)
     table = method.table
     if table is None and dict(candidate.mesh):  # dp keeps no table: laid out from its layout
-        table = speedup.table_for(config, _table_devices(candidate, devices), method.net.num_stages)
+        try:
+            table = speedup.table_for(config, _table_devices(candidate, devices), method.net.num_stages)
+        except ConfigError:  # sizes its table cannot lay out (dp's: N workers over L ticks): priced as one device
+            table = None
     micro = bench.micro_batch(method, config, mesh)
     sizes = bench.stage_sizes(method.net, micro)
     priced = bench.program_sizes(method, micro, tasks.resolve(config, dataset))
     model = bench.memory_model(method, config, table, sizes, devices, priced)
     points = _points(method.net)
-    if table is None:  # one device: every op in sequence, the whole batch one micro-batch
-        whole = costs.stage_costs(points, int(config.global_batch_size), "recompute")
-        step = float(sum(whole.forward) + sum(whole.backward))
+    if table is None:  # every op in sequence on a device's share of the batch, then dp's all-reduce
+        share = costs.stage_costs(points, micro if candidate.mesh else int(config.global_batch_size), "recompute")
+        step = float(sum(share.forward) + sum(share.backward))
+        if devices > 1:
+            step += 2 * (devices - 1) / devices * float(sum(share.gradient_bytes)) / bandwidth
     else:
         residuals = candidate.residuals if method.program is not None else "recompute"
         step = float(speedup.simulate(table, costs.stage_costs(points, micro, residuals), bandwidth,
@@ -356,9 +365,7 @@ def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
     from cdpjax import data, models
 
     ds = data.build(base)
-    probe = base.copy_and_resolve_references()
-    probe.stages = 1
-    num_blocks = len(models.build(probe, ds.image_shape, ds.num_classes).blocks)
+    num_blocks = len(models.build(config_with(base, stages=1), ds.image_shape, ds.num_classes).blocks)
     candidates = enumerate_candidates(base, devices, num_blocks, methods, partitions)
     pool = jax.devices()[:devices]
     if costs is None:

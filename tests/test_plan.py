@@ -164,3 +164,71 @@ def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
     last = text.split("under every candidate's need")[1]
     assert "no candidate fits; the smallest any needs is" in last
     assert text.split("\n### ")[1].count("| 1 |") == 1
+
+
+# ------------------------------------------------------------------ the memory model against XLA
+
+# The plan's memory prediction (bench.memory_model: arguments + temporaries) over XLA's held bytes per
+# device of the compiled, donated step, for every registered method, measured with this file's grid
+# (`pytest -m heavy tests/test_plan.py -k against_xla`; jax 0.10.2, CPU, 2026-12-04). The arguments agree;
+# the gap is XLA's temporaries that the programs do not declare (the whole gradient, the optimizer's
+# update, each op's workspace: a conv stage's internal activations). Recorded, not hidden: a case off
+# by more than 5% must still be off by what is recorded here (within 5% of it), so that docs/plan.md's
+# account stays true; one that comes within 5% must be moved out of this table.
+MEASURED = {
+    ("mlp", 2, "dp"): 0.899, ("mlp", 2, "cdp-v1"): 1.536, ("mlp", 2, "cdp-v2"): 1.370, ("mlp", 2, "cdp-zero"): 1.169,
+    ("mlp", 2, "interleaved-1f1b"): 0.397, ("mlp", 2, "looped-bfs"): 0.433, ("mlp", 2, "e2e"): 0.890,
+    ("mlp", 2, "local"): 0.808, ("mlp", 2, "zbv"): 0.412, ("mlp", 4, "dp"): 0.825, ("mlp", 4, "cdp-v1"): 1.483,
+    ("mlp", 4, "cdp-v2"): 1.329, ("mlp", 4, "cdp-mp"): 0.678, ("mlp", 4, "cdp-zero"): 0.883,
+    ("mlp", 4, "gpipe"): 0.371, ("mlp", 4, "interleaved-1f1b"): 0.409, ("mlp", 4, "looped-bfs"): 0.430,
+    ("mlp", 4, "e2e"): 0.890, ("mlp", 4, "local"): 0.808, ("mlp", 4, "1f1b"): 0.371, ("mlp", 4, "ppll"): 0.616,
+    ("mlp", 4, "zb-h1"): 0.389, ("mlp", 4, "zbv"): 0.418, ("mlp", 8, "dp"): 0.787, ("mlp", 8, "cdp-v1"): 1.335,
+    ("mlp", 8, "cdp-v2"): 1.336, ("mlp", 8, "cdp-mp"): 0.658, ("mlp", 8, "cdp-zero"): 0.552,
+    ("mlp", 8, "gpipe"): 0.414, ("mlp", 8, "interleaved-1f1b"): 0.417, ("mlp", 8, "looped-bfs"): 0.429,
+    ("mlp", 8, "e2e"): 0.890, ("mlp", 8, "local"): 0.808, ("mlp", 8, "1f1b"): 0.414, ("mlp", 8, "ppll"): 0.717,
+    ("mlp", 8, "zb-h1"): 0.424, ("mlp", 8, "zbv"): 0.422, ("resnet_tiny", 2, "dp"): 0.187,
+    ("resnet_tiny", 2, "cdp-v1"): 0.604, ("resnet_tiny", 2, "cdp-v2"): 0.568, ("resnet_tiny", 2, "cdp-zero"): 0.571,
+    ("resnet_tiny", 2, "interleaved-1f1b"): 0.237, ("resnet_tiny", 2, "looped-bfs"): 0.336,
+    ("resnet_tiny", 2, "e2e"): 0.162, ("resnet_tiny", 2, "local"): 0.148, ("resnet_tiny", 2, "zbv"): 0.288,
+    ("resnet_tiny", 4, "dp"): 0.232, ("resnet_tiny", 4, "cdp-v1"): 0.648, ("resnet_tiny", 4, "cdp-v2"): 0.621,
+    ("resnet_tiny", 4, "cdp-mp"): 0.531, ("resnet_tiny", 4, "cdp-zero"): 0.562, ("resnet_tiny", 4, "gpipe"): 0.216,
+    ("resnet_tiny", 4, "interleaved-1f1b"): 0.260, ("resnet_tiny", 4, "looped-bfs"): 0.349,
+    ("resnet_tiny", 4, "e2e"): 0.162, ("resnet_tiny", 4, "local"): 0.148, ("resnet_tiny", 4, "1f1b"): 0.216,
+    ("resnet_tiny", 4, "ppll"): 0.156, ("resnet_tiny", 4, "zb-h1"): 0.245, ("resnet_tiny", 4, "zbv"): 0.306,
+}
+GRID = [(model, devices, method) for model in ("mlp", "resnet_tiny") for devices in (2, 4, 8) for method in LAYOUTS]
+CI_CASES = {("mlp", 2, "cdp-zero")}  # the rest with -m heavy: 84 compiles
+
+
+def _held_and_predicted(model, devices, method):
+    c = default_config()
+    c.method, c.model, c.stages = method, model, 4
+    layout = LAYOUTS[method]
+    if layout.device_axis == "data":
+        c.mesh.data = devices
+    elif layout.device_axis is None and devices != 2:
+        pytest.skip(f"{method} runs on one device whatever the count: measured at devices=2")
+    elif layout.device_axis == "stage":
+        s = layout.default_mesh(c)["stage"]
+        if devices % s:
+            pytest.skip(f"{method}'s 4 stages take {s} stage devices, which do not divide {devices}")
+        c.mesh.stage, c.mesh.data = s, devices // s
+    n = math.prod(dict(c.mesh).values()) if dict(c.mesh) else 1
+    run = bench._prepare(c, jax.devices()[:n])
+    m = run["method"]
+    table = m.table if m.table is not None or layout.table is None else speedup.table_for(c, n, m.net.num_stages)
+    micro = bench.micro_batch(m, c, run["mesh"])
+    model_ = bench.memory_model(m, c, table, bench.stage_sizes(m.net, micro), n, bench.program_sizes(m, micro,
+                                                                                                    run["task"]))
+    return bench.memory(run["compiled"])["held_bytes"], model_["arguments"]["total"] + model_["temporaries"]["total"]
+
+
+@pytest.mark.parametrize("model,devices,method", [
+    pytest.param(*case, marks=() if case in CI_CASES else pytest.mark.heavy) for case in GRID])
+def test_memory_prediction_against_xla(model, devices, method):
+    held, predicted = _held_and_predicted(model, devices, method)
+    ratio = predicted / held
+    if (model, devices, method) in MEASURED:
+        assert ratio == pytest.approx(MEASURED[model, devices, method], rel=0.05), ratio
+        pytest.xfail(f"predicted/XLA = {ratio:.2f}: XLA's temporaries the program does not declare")
+    assert ratio == pytest.approx(1.0, abs=0.05), ratio
