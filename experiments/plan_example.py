@@ -21,7 +21,9 @@ import sys
 
 FULL = {"config": "bench_resnet18", "devices": 8, "overrides": [], "methods": None, "top": 1}
 TINY = {"config": "digits", "devices": 2, "overrides": ["model=resnet_tiny", "norm=batch"],
-        "methods": ("e2e", "dp", "cdp-zero", "gpipe"), "top": 1}
+        "methods": ("e2e", "dp", "cdp-zero", "gpipe"), "top": 1,
+        "note": "This page holds the tiny version (`--tiny`): the ResNet-18 version did not finish on the shared "
+                "2-core machine this page was made on; `python experiments/plan_example.py` writes it."}
 BANDWIDTH = 100e9
 SHOWN = 6  # ranked rows shown per budget
 
@@ -42,8 +44,8 @@ def budgets(predictions) -> list[tuple[str, float]]:
     """(what it shows, bytes) of the three budgets (module docstring)."""
     least = min(p.memory for p in predictions)
     dp = min(p.memory for p in predictions if p.candidate.method == "dp")
-    return [("dp fits", 1.25 * dp), ("under dp's need", math.sqrt(least * dp)),
-            ("under every candidate's need", 0.9 * least)]
+    middle = [("under dp's need", math.sqrt(least * dp))] if least < dp else []  # none holds less: no such budget
+    return [("dp fits", 1.25 * dp), *middle, ("under every candidate's need", 0.9 * least)]
 
 
 def _mib(x) -> str:
@@ -65,7 +67,13 @@ def example(setting) -> str:
     lines = [f"Config `{config_words}`, {setting['devices']} devices, bandwidth {BANDWIDTH:.0e} B/s: "
              f"{len(plan.predictions)} candidates predicted, {plan.refused} refused by their method "
              f"(jax {jax.__version__}, {jax.devices()[0].platform}).", ""]
+    if setting.get("note"):
+        lines += [setting["note"], ""]
     seen = {}
+    if min(p.memory for p in plan.predictions) >= min(p.memory for p in plan.predictions
+                                                          if p.candidate.method == "dp"):
+        lines += ["By the model no candidate holds less than dp here, so there is no budget under dp's need "
+                  "that another fits (the model undercounts dp's temporaries most: compiled, dp holds more).", ""]
     for what, budget in budgets(plan.predictions):
         lines += [f"### {budget / 2**20:.1f} MiB per device: {what}", ""]
         try:
@@ -127,14 +135,28 @@ prediction; one over the budget is dropped and reported; the best that fits is r
 
 ## How far to trust the memory model
 
-The prediction is checked against XLA, not trusted: `tests/test_plan.py` compares it with XLA's
-held bytes for every registered method on the digits MLP and `resnet_tiny` at 2, 4 and 8 devices
-(`-m heavy` for the whole grid). The arguments (the train state) agree closely; XLA's temporaries
-(the gradient, the optimizer's update, each op's workspace) are not all declared by the programs,
-so the model falls short of XLA's total, by up to 2.6x on the stage-axis pipelines: the table in
-`tests/test_plan.py` (`MEASURED`) gives the ratio per method. Hence the verification: a candidate
-the model lets through may be dropped once compiled, and `--top` should be raised where the first
-ones are.
+Not far: the prediction is checked against XLA, not trusted. `tests/test_plan.py` compares it with
+XLA's held bytes per device (arguments + temporaries of the compiled step, state donated) for every
+registered method on the digits MLP and `resnet_tiny` at 2, 4 and 8 devices (one case in CI, the
+grid with `-m heavy`) and records each ratio (`MEASURED`). The issue asked for 5%; no method is
+there yet:
+
+- the arguments (the train state between steps) agree within 0.1% for dp, the CDP rings, cdp-zero
+  and e2e; they fall 3-8% short for local and 2-36% short for the stage-axis pipelines (their batch
+  and carrier rows as XLA holds them);
+- the temporaries are where the model misses: the programs declare the buffers that outlive an op
+  (kept inputs, cotangents, gradient sums, messages), not the whole-step gradient, the optimizer's
+  update or an op's own workspace (a conv stage's internal activations). Predicted over XLA's held
+  bytes: 0.37-0.43 for the backprop pipelines on the MLP and 0.22-0.35 on `resnet_tiny` (cdp-mp
+  0.66-0.68 and ppll 0.62-0.72 on the MLP, 0.53 and 0.16 on `resnet_tiny` at 4); e2e and local 0.81-0.89
+  on the MLP, 0.15-0.16 on `resnet_tiny`; dp 0.79-0.90
+  on the MLP, 0.19-0.23 on `resnet_tiny`; cdp-v1 / cdp-v2 1.33-1.54 on the MLP (the ring's declared
+  temporaries exceed what XLA keeps) and 0.57-0.65 on `resnet_tiny`; cdp-zero 0.55-1.17.
+
+Hence the verification: a candidate the model lets through may be dropped once compiled (raise
+`--top` where the first ones are), and one the model drops (cdp-v1 / cdp-v2 on small MLPs) could
+have fitted. Closing the gap (declaring the step's gradient and update, and pricing each op's
+workspace from a per-stage compile) is the next piece of work.
 
 ## Worked example
 

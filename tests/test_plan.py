@@ -151,7 +151,8 @@ def test_plan_verifies_its_top_against_xla(tmp_path, monkeypatch, capsys):
 
 
 def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
-    """docs/plan.md's generator, tiny: three budgets, the last one refused in one line naming the least
+    """docs/plan.md's generator, tiny: two or three budgets (a middle one only where a candidate holds
+    less than dp), the last one refused in one line naming the least
     need, each other's first candidate compiled beside its prediction."""
     from helpers import load_script
 
@@ -160,7 +161,7 @@ def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
     out = tmp_path / "plan.md"
     script.main(["--tiny", "--out", str(out)])
     text = out.read_text()
-    assert text.count("\n### ") == 3 and "dp fits" in text and "under every candidate's need" in text
+    assert text.count("\n### ") in (2, 3) and "dp fits" in text and "under every candidate's need" in text
     last = text.split("under every candidate's need")[1]
     assert "no candidate fits; the smallest any needs is" in last
     assert text.split("\n### ")[1].count("| 1 |") == 1
