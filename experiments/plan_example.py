@@ -147,11 +147,11 @@ there yet:
 - the temporaries are where the model misses: the programs declare the buffers that outlive an op
   (kept inputs, cotangents, gradient sums, messages), not the whole-step gradient, the optimizer's
   update or an op's own workspace (a conv stage's internal activations). Predicted over XLA's held
-  bytes: 0.37-0.43 for the backprop pipelines on the MLP and 0.22-0.35 on `resnet_tiny` (cdp-mp
-  0.66-0.68 and ppll 0.62-0.72 on the MLP, 0.53 and 0.16 on `resnet_tiny` at 4); e2e and local 0.81-0.89
+  bytes: 0.37-0.43 for the backprop pipelines on the MLP and 0.22-0.37 on `resnet_tiny` (cdp-mp
+  0.66-0.68 and ppll 0.62-0.72 on the MLP, 0.53-0.54 and 0.16-0.17 on `resnet_tiny`); e2e and local 0.81-0.89
   on the MLP, 0.15-0.16 on `resnet_tiny`; dp 0.79-0.90
-  on the MLP, 0.19-0.23 on `resnet_tiny`; cdp-v1 / cdp-v2 1.33-1.54 on the MLP (the ring's declared
-  temporaries exceed what XLA keeps) and 0.57-0.65 on `resnet_tiny`; cdp-zero 0.55-1.17.
+  on the MLP, 0.19-0.31 on `resnet_tiny`; cdp-v1 / cdp-v2 1.33-1.54 on the MLP (the ring's declared
+  temporaries exceed what XLA keeps) and 0.57-0.77 on `resnet_tiny`; cdp-zero 0.55-1.17.
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
 `--top` where the first ones are), and one the model drops (cdp-v1 / cdp-v2 on small MLPs) could
