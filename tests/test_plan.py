@@ -238,3 +238,17 @@ def test_memory_prediction_against_xla(model, devices, method):
         assert ratio == pytest.approx(MEASURED[model, devices, method], rel=0.05), ratio
         pytest.xfail(f"predicted/XLA = {ratio:.2f}: XLA's temporaries the program does not declare")
     assert ratio == pytest.approx(1.0, abs=0.05), ratio
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--top", "0"], "--top 0 must be >= 1 and <= 20"),
+    (["--methods", "warp"], "unknown method 'warp'; registered: 1f1b"),
+    (["--partitions", "nope"], "--partitions 'nope': give one or more of params"),
+    (["--memory-per-device", "nan"], "--memory-per-device nan must be a finite number > 0"),
+    (["--bandwidth", "0"], "--bandwidth 0.0 must be a finite number > 0"),
+    (["--devices", "0"], "--devices 0 must be >= 1")])
+def test_plan_refuses_bad_arguments_before_any_work(flags, said, capsys):
+    args = ["plan", "--devices", "2", "--memory-per-device", "1e6"]
+    assert cli.main(args + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
