@@ -1,4 +1,4 @@
-"""`cdpjax`: the command line (train, schedule, bench, plot, describe).
+"""`cdpjax`: the command line (train, schedule, bench, plot, describe, plan).
 
 JAX's backends start only after `--cpu-devices` is applied, so that the simulated
 device count takes effect. Bad input exits with status 2 and a one-line message,
@@ -235,7 +235,7 @@ def _main(argv: list[str]) -> int:
 
     add_cache_flags(p)
     commands = {"train": cmd_train}
-    for name in ("schedule", "bench", "plot", "describe", "reproduce"):
+    for name in ("schedule", "bench", "plot", "describe", "plan", "reproduce"):
         try:
             module = _subcommand(name)
         except ModuleNotFoundError as e:

@@ -82,7 +82,7 @@ def test_the_command_synopses_list_every_flag(capsys):
         if line.startswith("cdpjax "):
             command = line.split()[1]
         documented.setdefault(command, set()).update(re.findall(r"(--[a-z][a-z-]*)", line))
-    assert set(documented) == {"train", "plot", "schedule", "bench", "describe"}
+    assert set(documented) == {"train", "plot", "schedule", "bench", "describe", "plan"}
     for command, flags in documented.items():
         with pytest.raises(SystemExit):
             main([command, "--help"])

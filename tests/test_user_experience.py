@@ -187,7 +187,7 @@ def test_train_help_names_the_config_overrides(capsys):
     assert "--config.KEY=VALUE" in out and "FILE:ARG" in out and "--force" in out
 
 
-@pytest.mark.parametrize("command", ["bench", "describe"])
+@pytest.mark.parametrize("command", ["bench", "describe", "plan"])
 def test_bench_and_describe_help_say_what_they_do_and_take_overrides(command, capsys):
     """Each command's --help has a description, and the commands that read a config say that any
     key is overridden with --config.KEY=VALUE, as `train --help` does."""
@@ -206,7 +206,7 @@ def test_top_level_help_lists_every_command(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     first = out.split("\n\n")[1]  # the description under the usage
-    for command in ("train", "schedule", "bench", "plot", "describe"):
+    for command in ("train", "schedule", "bench", "plot", "describe", "plan"):
         assert command in first and f"    {command}" in out, out
 
 

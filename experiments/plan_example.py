@@ -1,0 +1,181 @@
+"""docs/plan.md: `cdpjax plan`'s worked example, regenerated. ResNet-18 (CIFAR shape, the bench's
+config) on 8 devices under three budgets: one where dp fits, one under dp's need where only
+methods that hold less fit, one under every candidate's need.
+
+    python experiments/plan_example.py                      # writes docs/plan.md (minutes to an hour on CPU)
+    python experiments/plan_example.py --tiny --out /tmp/plan.md    # resnet_tiny on digits, 2 devices (CI)
+
+The candidates are predicted once (memory and step time do not depend on the budget); the three
+budgets are set from the predictions: 1.25x the least dp needs; the geometric mean of the least
+any candidate needs and the least dp needs; 0.9x the least any candidate needs. Each budget's
+first candidate is compiled (XLA's held bytes beside the prediction). Step times are the lockstep
+model's from op times measured on simulated CPU devices: they rank candidates, they are not a
+GPU's times.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+FULL = {"config": "bench_resnet18", "devices": 8, "overrides": [], "methods": None, "top": 1}
+TINY = {"config": "digits", "devices": 2, "overrides": ["model=resnet_tiny", "norm=batch"],
+        "methods": ("e2e", "dp", "cdp-zero", "gpipe"), "top": 1,
+        "note": "This page holds the tiny version (`--tiny`): the ResNet-18 version did not finish on the shared "
+                "2-core machine this page was made on; `python experiments/plan_example.py` writes it."}
+BANDWIDTH = 100e9
+SHOWN = 6  # ranked rows shown per budget
+
+
+def _config(setting):
+    from cdpjax import config as cfg_lib
+
+    c = cfg_lib.load_file(setting["config"])
+    defaults = cfg_lib.default_config()
+    for key in defaults.keys():
+        if key not in c:
+            c[key] = defaults[key]
+    cfg_lib.apply_overrides(c, setting["overrides"])
+    return c
+
+
+def budgets(predictions) -> list[tuple[str, float]]:
+    """(what it shows, bytes) of the three budgets (module docstring)."""
+    least = min(p.memory for p in predictions)
+    dp = min(p.memory for p in predictions if p.candidate.method == "dp")
+    middle = [("under dp's need", math.sqrt(least * dp))] if least < dp else []  # none holds less: no such budget
+    return [("dp fits", 1.25 * dp), *middle, ("under every candidate's need", 0.9 * least)]
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.2f}"
+
+
+def example(setting) -> str:
+    import jax
+
+    from cdpjax import plan as plan_lib
+    from cdpjax.errors import ConfigError
+    from cdpjax.mesh import setup_devices
+
+    setup_devices(setting["devices"])
+    base = _config(setting)
+    say = lambda line: print(f"plan_example: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    plan = plan_lib.make_plan(base, setting["devices"], math.inf, BANDWIDTH, setting["methods"], say=say)
+    config_words = " ".join([f"--config {setting['config']}"] + [f"--config.{o}" for o in setting["overrides"]])
+    lines = [f"Config `{config_words}`, {setting['devices']} devices, bandwidth {BANDWIDTH:.0e} B/s: "
+             f"{len(plan.predictions)} candidates predicted, {plan.refused} refused by their method "
+             f"(jax {jax.__version__}, {jax.devices()[0].platform}).", ""]
+    if setting.get("note"):
+        lines += [setting["note"], ""]
+    seen = {}
+    if min(p.memory for p in plan.predictions) >= min(p.memory for p in plan.predictions
+                                                          if p.candidate.method == "dp"):
+        lines += ["By the model no candidate holds less than dp here, so there is no budget under dp's need "
+                  "that another fits (the model undercounts dp's temporaries most: compiled, dp holds more).", ""]
+    for what, budget in budgets(plan.predictions):
+        lines += [f"### {budget / 2**20:.1f} MiB per device: {what}", ""]
+        try:
+            plan_lib.check_budget(plan.predictions, budget)
+        except ConfigError as e:
+            lines += ["```", f"$ cdpjax plan {config_words} --devices {setting['devices']} "
+                             f"--memory-per-device {budget:.0f}", f"error: {e}", "```", ""]
+            continue
+        ranked = plan_lib.Plan(plan.predictions, plan_lib.rank(plan.predictions, budget), plan.refused, budget)
+        verified = [seen[p.candidate] if p.candidate in seen else
+                    plan_lib.verify(plan_lib.Plan((), (p,), 0, budget), base, setting["devices"], 1, say=say)[0]
+                    for p in ranked.ranked[:setting["top"]]]
+        seen.update((v.candidate, v) for v in verified)  # a candidate first under two budgets compiles once
+        lines += ["| rank | candidate | step s (model) | predicted MiB | compiled MiB |", "|---|---|---|---|---|"]
+        compiled = {v.candidate: v.compiled_bytes for v in verified}
+        for i, p in enumerate(ranked.ranked[:SHOWN], 1):
+            lines.append(f"| {i} | {p.candidate.label()} | {p.step_seconds:.4g} | {_mib(p.memory)} | "
+                         f"{_mib(compiled.get(p.candidate))} |")
+        fits = [v for v in verified if v.compiled_bytes <= budget]
+        lines.append("")
+        for v in verified:
+            if v.compiled_bytes > budget:
+                lines.append(f"Compiled, {v.candidate.label()} holds {_mib(v.compiled_bytes)} MiB: over the budget, "
+                             f"dropped.")
+        if fits:
+            command = plan_lib.train_command(fits[0].candidate, setting["config"], setting["overrides"])
+            lines += [f"Recommended: `{command}`"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+HEAD = """# `cdpjax plan`: the layouts that fit a memory budget
+
+```
+cdpjax plan [--config FILE[:ARG]] [--config.KEY=VALUE ...] --devices D --memory-per-device BYTES
+            [--bandwidth B] [--top K] [--methods a,b] [--partitions p,q] [--json OUT]
+```
+
+`cdpjax plan` enumerates every registered method that can train the config on D devices (its
+mesh, stage-axis pipelines with replicas on `data` included), stage counts (powers of two up to the
+model's blocks, and the config's), partitions (`--partitions`, default `params`), micro-batch counts
+(S, 2S, 4S for S stage devices), residual policies and tick kinds; a candidate its method refuses is
+left out. For each it predicts:
+
+- memory per device: the buffers the candidate's lowered program declares (`cdpjax.program`; dp
+  and the one-device methods from their structure), priced with per-stage parameter, input and
+  residual bytes from abstract evaluation: `bench`'s memory model, nothing compiled;
+- step time: the lockstep model (`cdpjax.speedup`) replaying the candidate's table, each stage's
+  op times summed from per-block times measured once on this device and cached
+  (`$CDPJAX_PLAN_CACHE`, else `~/.cache/cdpjax/plan`, keyed by the model, the micro-batch and the
+  device), scaled linearly to the candidate's micro-batch, plus transfers at `--bandwidth` and a
+  replicated pipeline's all-reduce. Local learning's auxiliary heads are not timed.
+
+Candidates over the budget are dropped, the rest ranked by predicted step time (then memory). A
+budget nothing fits is one line naming the smallest memory any candidate needs. Then the top K are
+compiled as the trainer runs the step (state donated) and XLA's held bytes printed beside the
+prediction; one over the budget is dropped and reported; the best that fits is recommended with its
+`cdpjax train` command.
+
+## How far to trust the memory model
+
+Not far: the prediction is checked against XLA, not trusted. `tests/test_plan.py` compares it with
+XLA's held bytes per device (arguments + temporaries of the compiled step, state donated) for every
+registered method on the digits MLP and `resnet_tiny` at 2, 4 and 8 devices (one case in CI, the
+grid with `-m heavy`) and records each ratio (`MEASURED`). The issue asked for 5%; no method is
+there yet:
+
+- the arguments (the train state between steps) agree within 0.1% for dp, the CDP rings, cdp-zero
+  and e2e; they fall 3-8% short for local and 2-36% short for the stage-axis pipelines (their batch
+  and carrier rows as XLA holds them);
+- the temporaries are where the model misses: the programs declare the buffers that outlive an op
+  (kept inputs, cotangents, gradient sums, messages), not the whole-step gradient, the optimizer's
+  update or an op's own workspace (a conv stage's internal activations). Predicted over XLA's held
+  bytes: 0.37-0.43 for the backprop pipelines on the MLP and 0.22-0.37 on `resnet_tiny` (cdp-mp
+  0.66-0.68 and ppll 0.62-0.72 on the MLP, 0.53-0.54 and 0.16-0.17 on `resnet_tiny`); e2e and local 0.81-0.89
+  on the MLP, 0.15-0.16 on `resnet_tiny`; dp 0.79-0.90
+  on the MLP, 0.19-0.31 on `resnet_tiny`; cdp-v1 / cdp-v2 1.33-1.54 on the MLP (the ring's declared
+  temporaries exceed what XLA keeps) and 0.57-0.77 on `resnet_tiny`; cdp-zero 0.55-1.17.
+
+Hence the verification: a candidate the model lets through may be dropped once compiled (raise
+`--top` where the first ones are), and one the model drops (cdp-v1 / cdp-v2 on small MLPs) could
+have fitted. Closing the gap (declaring the step's gradient and update, and pricing each op's
+workspace from a per-stage compile) is the next piece of work.
+
+## Worked example
+
+Regenerate with `python experiments/plan_example.py` (the tiny version, `--tiny`, runs in the
+tests).
+
+"""
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="resnet_tiny on digits, 2 devices, 4 methods")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"))
+    args = parser.parse_args(argv)
+    text = HEAD + example(TINY if args.tiny else FULL)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"plan_example: wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

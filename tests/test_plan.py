@@ -1,0 +1,254 @@
+"""`cdpjax plan`: its choice against an exhaustive search written here, its refusal of an impossible
+budget, its verification against XLA, and the memory model against XLA over the registry."""
+import json
+import math
+
+import jax
+import pytest
+
+from cdpjax import bench, cli, plan, speedup, train
+from cdpjax.config import default_config
+from cdpjax.layouts import LAYOUTS
+from cdpjax.speedup import StageCosts
+
+# Hand-set op times of the MLP's four blocks (seconds at 16 examples): uneven, so that the cut
+# matters; the backward from kept residuals cheaper than recomputing, so the two policies differ.
+BLOCKS = 4
+COSTS = plan.BlockCosts(
+    micro_batch=16, forward=(1.0, 2.0, 2.0, 0.5),
+    backward={"recompute": (3.0, 5.0, 5.0, 1.5), "carry": (2.0, 4.0, 4.0, 1.0)},
+    backward_input={"recompute": (1.5, 2.5, 2.5, 0.75), "carry": (1.0, 2.0, 2.0, 0.5)},
+    backward_weight={"recompute": (1.5, 2.5, 2.5, 0.75), "carry": (1.0, 2.0, 2.0, 0.5)},
+    output_bytes_per_example=(512.0, 512.0, 512.0, 40.0), param_bytes=(33280.0, 66048.0, 66048.0, 5160.0))
+SMALL_SPACE = ("e2e", "dp", "gpipe", "cdp-v2")
+
+
+def test_candidate_overrides_make_its_config():
+    c = plan.Candidate("gpipe", (("stage", 2), ("data", 2)), 2, "flops", 8, "carry")
+    config = c.config(default_config())
+    assert (config.method, dict(config.mesh), config.stages, config.partition, config.microbatches,
+            config.residuals) == ("gpipe", {"stage": 2, "data": 2}, 2, "flops", 8, "carry")
+    assert c.devices == 4 and plan.Candidate("e2e", (), 4, "params").devices == 1
+    command = plan.train_command(c, "digits", ["model=mlp", "method=dp"])
+    assert command.startswith("cdpjax train --config digits --config.model=mlp --config.method=gpipe ")
+    assert "--config.method=dp" not in command and "--config.mesh.stage=2 --config.mesh.data=2" in command
+
+
+def test_rank_drops_over_budget_and_orders_by_time():
+    def p(name, memory, seconds):
+        return plan.Prediction(plan.Candidate(name, (), 1, "params"), memory, 0.0, seconds)
+
+    preds = [p("a", 10, 3.0), p("b", 30, 1.0), p("c", 20, 2.0), p("d", 15, 2.0)]
+    assert [x.candidate.method for x in plan.rank(preds, 20)] == ["d", "c", "a"]  # d and c tie on time: less memory
+    with pytest.raises(Exception, match=r"the smallest any needs is 10 bytes per device \(a one device"):
+        plan.check_budget(preds, 9)
+    plan.check_budget(preds, 10)
+
+
+def _stage_costs(points, micro, residuals):
+    """The stages' costs written out: each stage the sum of its blocks, linear in the micro-batch."""
+    bounds = list(zip((0, *points), (*points, BLOCKS)))
+    s = micro / COSTS.micro_batch
+    total = lambda v: tuple(s * sum(v[a:b]) for a, b in bounds)  # noqa: E731
+    return StageCosts(total(COSTS.forward), total(COSTS.backward[residuals]),
+                      tuple(micro * COSTS.output_bytes_per_example[b - 1] for _, b in bounds),
+                      tuple(sum(COSTS.param_bytes[a:b]) for a, b in bounds), (),
+                      total(COSTS.backward_input[residuals]), total(COSTS.backward_weight[residuals]), residuals)
+
+
+def _exhaustive(base, devices, budgets, bandwidth):
+    """Every method of SMALL_SPACE on every mesh of `devices` devices on its axes (one device, all
+    on data, or every stage/data split), stage counts 2 and 4, micro-batches S, 2S, 4S where the method reads
+    them, both residual policies, every tick kind: each built (the refused left out), its memory the
+    bench's model, its time the lockstep replay (plus a replica all-reduce); per budget, the fastest
+    that fits (step seconds, memory)."""
+    found = []
+    for name in SMALL_SPACE:
+        layout = LAYOUTS[name]
+        meshes = {None: [{}], "data": [{"data": devices}],  # every split of the devices on the method's axes
+                  "stage": [{"stage": s, "data": devices // s} for s in range(1, devices + 1) if devices % s == 0]
+                  }[layout.device_axis]
+        for mesh in meshes:
+            for stages in (2, 4):
+                s = mesh.get("stage", 1)
+                for m in ([s, 2 * s, 4 * s] if layout.microbatches else [None]):
+                    for residuals in ("recompute", "carry"):
+                        for ticks in (("whole", "split", "paired") if "ticks" in layout.table_sizes() else (None,)):
+                            c = default_config()
+                            c.method, c.stages, c.residuals = name, stages, residuals
+                            for axis, size in mesh.items():
+                                c.mesh[axis] = size
+                            if m is not None:
+                                c.microbatches = m
+                            if ticks is not None:
+                                c.cdp_ticks = ticks
+                            try:
+                                _, mesh_, method = train.setup(c, jax.devices()[:math.prod(mesh.values())])
+                            except Exception:  # noqa: BLE001 - the method refuses this run
+                                continue
+                            n = int(mesh_.devices.size)
+                            micro = bench.micro_batch(method, c, mesh_)
+                            table = method.table
+                            if table is None and layout.table is not None:
+                                table = speedup.table_for(c, mesh.get("stage", n), method.net.num_stages)
+                            model = bench.memory_model(method, c, table, bench.stage_sizes(method.net, micro), n,
+                                                       bench.program_sizes(method, micro))
+                            memory = model["arguments"]["total"] + model["temporaries"]["total"]
+                            points = tuple(a for a, _ in method.net.bounds[1:])
+                            if table is None:
+                                whole = _stage_costs(points, c.global_batch_size, "recompute")
+                                step = sum(whole.forward) + sum(whole.backward)
+                            else:
+                                pol = residuals if method.program is not None else "recompute"
+                                step = speedup.simulate(table, _stage_costs(points, micro, pol), bandwidth,
+                                                        "lockstep")["step_seconds"]
+                                r = mesh.get("data", 1) if "stage" in mesh else 1
+                                step += 2 * (r - 1) / r * model["arguments"]["parameters"] / bandwidth
+                            found.append((step, memory))
+    return [min((f for f in found if f[1] <= budget), default=None) for budget in budgets]
+
+
+def test_plans_choice_equals_an_exhaustive_search():
+    """On a small space (four methods, two devices, the digits MLP, hand-set op times), under a budget
+    that leaves some candidates out, the plan's first is the exhaustive search's optimum."""
+    base, devices, bandwidth = default_config(), 2, 1e6
+    predicted = plan.make_plan(base, devices, 1e12, bandwidth, SMALL_SPACE, costs=COSTS).predictions
+    memories = sorted(p.memory for p in predicted)
+    budgets = (memories[len(memories) // 2], 1e12)
+    for budget, best in zip(budgets, _exhaustive(base, devices, budgets, bandwidth)):
+        first = plan.rank(predicted, budget)[0]
+        assert (first.step_seconds, first.memory) == pytest.approx(best, rel=1e-9), first.candidate
+
+
+def test_plan_refuses_an_impossible_budget_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    assert cli.main(["plan", "--devices", "2", "--memory-per-device", "1000", "--methods", "e2e,dp"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("cdpjax plan: ")]
+    assert len(err) == 1 and "no candidate fits; the smallest any needs is" in err[0], err  # progress lines apart
+
+
+def test_plan_verifies_its_top_against_xla(tmp_path, monkeypatch, capsys):
+    """The top candidate compiled: XLA's held bytes in the table and the JSON beside the prediction,
+    the recommendation's `cdpjax train` command; a budget between the two drops it, reported."""
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--devices", "2", "--methods", "dp", "--top", "1", "--json", str(out)]
+    assert cli.main(args + ["--memory-per-device", "1e9"]) == 0
+    text = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    top = record["verified"][0]
+    c = plan.Candidate("dp", (("data", 2),), top["stages"], "params", None, "recompute", None)
+    run = bench._prepare(c.config(default_config()), jax.devices()[:2])
+    assert top["compiled_bytes"] == bench.memory(run["compiled"])["held_bytes"]
+    assert "predicted MiB" in text and "compiled MiB" in text and f"{top['compiled_bytes'] / 2**20:.2f}" in text
+    assert record["command"] == plan.train_command(c, None, []) and f"recommended: {top['label']}" in text
+    low, high = sorted((top["predicted_bytes"], top["compiled_bytes"]))
+    if high > low * 1.01:
+        status = cli.main(args + ["--memory-per-device", str((low + high) / 2)])
+        text = capsys.readouterr().out
+        if top["compiled_bytes"] > top["predicted_bytes"]:  # fits the model, not XLA: dropped
+            assert status == 1 and f"dropped: {top['label']} compiles to" in text
+
+
+def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
+    """docs/plan.md's generator, tiny: two or three budgets (a middle one only where a candidate holds
+    less than dp), the last one refused in one line naming the least
+    need, each other's first candidate compiled beside its prediction."""
+    from helpers import load_script
+
+    monkeypatch.setenv("CDPJAX_PLAN_CACHE", str(tmp_path))
+    script = load_script(plan.__file__.replace("cdpjax/plan.py", "experiments/plan_example.py"), "plan_example")
+    out = tmp_path / "plan.md"
+    script.main(["--tiny", "--out", str(out)])
+    text = out.read_text()
+    assert text.count("\n### ") in (2, 3) and "dp fits" in text and "under every candidate's need" in text
+    last = text.split("under every candidate's need")[1]
+    assert "no candidate fits; the smallest any needs is" in last
+    assert text.split("\n### ")[1].count("| 1 |") == 1
+
+
+# ------------------------------------------------------------------ the memory model against XLA
+
+# The plan's memory prediction (bench.memory_model: arguments + temporaries) over XLA's held bytes per
+# device of the compiled, donated step, for every registered method, measured with this file's grid
+# (`pytest -m heavy tests/test_plan.py -k against_xla`; jax 0.10.2, CPU, 2026-12-04). The arguments agree;
+# the gap is XLA's temporaries that the programs do not declare (the whole gradient, the optimizer's
+# update, each op's workspace: a conv stage's internal activations). Recorded, not hidden: a case off
+# by more than 5% must still be off by what is recorded here (within 5% of it), so that docs/plan.md's
+# account stays true; one that comes within 5% must be moved out of this table.
+MEASURED = {
+    ("mlp", 2, "dp"): 0.899, ("mlp", 2, "cdp-v1"): 1.536, ("mlp", 2, "cdp-v2"): 1.370, ("mlp", 2, "cdp-zero"): 1.169,
+    ("mlp", 2, "interleaved-1f1b"): 0.397, ("mlp", 2, "looped-bfs"): 0.433, ("mlp", 2, "e2e"): 0.890,
+    ("mlp", 2, "local"): 0.808, ("mlp", 2, "zbv"): 0.412, ("mlp", 4, "dp"): 0.825, ("mlp", 4, "cdp-v1"): 1.483,
+    ("mlp", 4, "cdp-v2"): 1.329, ("mlp", 4, "cdp-mp"): 0.678, ("mlp", 4, "cdp-zero"): 0.883,
+    ("mlp", 4, "gpipe"): 0.371, ("mlp", 4, "interleaved-1f1b"): 0.409, ("mlp", 4, "looped-bfs"): 0.430,
+    ("mlp", 4, "e2e"): 0.890, ("mlp", 4, "local"): 0.808, ("mlp", 4, "1f1b"): 0.371, ("mlp", 4, "ppll"): 0.616,
+    ("mlp", 4, "zb-h1"): 0.389, ("mlp", 4, "zbv"): 0.418, ("mlp", 8, "dp"): 0.787, ("mlp", 8, "cdp-v1"): 1.335,
+    ("mlp", 8, "cdp-v2"): 1.336, ("mlp", 8, "cdp-mp"): 0.658, ("mlp", 8, "cdp-zero"): 0.552,
+    ("mlp", 8, "gpipe"): 0.414, ("mlp", 8, "interleaved-1f1b"): 0.417, ("mlp", 8, "looped-bfs"): 0.429,
+    ("mlp", 8, "e2e"): 0.890, ("mlp", 8, "local"): 0.808, ("mlp", 8, "1f1b"): 0.414, ("mlp", 8, "ppll"): 0.717,
+    ("mlp", 8, "zb-h1"): 0.424, ("mlp", 8, "zbv"): 0.422, ("resnet_tiny", 2, "dp"): 0.187,
+    ("resnet_tiny", 2, "cdp-v1"): 0.604, ("resnet_tiny", 2, "cdp-v2"): 0.568, ("resnet_tiny", 2, "cdp-zero"): 0.571,
+    ("resnet_tiny", 2, "interleaved-1f1b"): 0.237, ("resnet_tiny", 2, "looped-bfs"): 0.336,
+    ("resnet_tiny", 2, "e2e"): 0.162, ("resnet_tiny", 2, "local"): 0.148, ("resnet_tiny", 2, "zbv"): 0.288,
+    ("resnet_tiny", 4, "dp"): 0.232, ("resnet_tiny", 4, "cdp-v1"): 0.648, ("resnet_tiny", 4, "cdp-v2"): 0.621,
+    ("resnet_tiny", 4, "cdp-mp"): 0.531, ("resnet_tiny", 4, "cdp-zero"): 0.562, ("resnet_tiny", 4, "gpipe"): 0.216,
+    ("resnet_tiny", 4, "interleaved-1f1b"): 0.260, ("resnet_tiny", 4, "looped-bfs"): 0.349,
+    ("resnet_tiny", 4, "e2e"): 0.162, ("resnet_tiny", 4, "local"): 0.148, ("resnet_tiny", 4, "1f1b"): 0.216,
+    ("resnet_tiny", 4, "ppll"): 0.156, ("resnet_tiny", 4, "zb-h1"): 0.245, ("resnet_tiny", 4, "zbv"): 0.306,
+    ("resnet_tiny", 8, "dp"): 0.308, ("resnet_tiny", 8, "cdp-v1"): 0.768, ("resnet_tiny", 8, "cdp-v2"): 0.773,
+    ("resnet_tiny", 8, "cdp-mp"): 0.538, ("resnet_tiny", 8, "cdp-zero"): 0.551, ("resnet_tiny", 8, "gpipe"): 0.236,
+    ("resnet_tiny", 8, "interleaved-1f1b"): 0.299, ("resnet_tiny", 8, "looped-bfs"): 0.371,
+    ("resnet_tiny", 8, "1f1b"): 0.236, ("resnet_tiny", 8, "ppll"): 0.169, ("resnet_tiny", 8, "zb-h1"): 0.260,
+    ("resnet_tiny", 8, "zbv"): 0.337,
+}
+GRID = [(model, devices, method) for model in ("mlp", "resnet_tiny") for devices in (2, 4, 8) for method in LAYOUTS]
+CI_CASES = {("mlp", 2, "cdp-zero")}  # the rest with -m heavy: 84 compiles
+
+
+def _held_and_predicted(model, devices, method):
+    c = default_config()
+    c.method, c.model, c.stages = method, model, 4
+    layout = LAYOUTS[method]
+    if layout.device_axis == "data":
+        c.mesh.data = devices
+    elif layout.device_axis is None and devices != 2:
+        pytest.skip(f"{method} runs on one device whatever the count: measured at devices=2")
+    elif layout.device_axis == "stage":
+        s = layout.default_mesh(c)["stage"]
+        if devices % s:
+            pytest.skip(f"{method}'s 4 stages take {s} stage devices, which do not divide {devices}")
+        c.mesh.stage, c.mesh.data = s, devices // s
+    n = math.prod(dict(c.mesh).values()) if dict(c.mesh) else 1
+    run = bench._prepare(c, jax.devices()[:n])
+    m = run["method"]
+    table = m.table if m.table is not None or layout.table is None else speedup.table_for(c, n, m.net.num_stages)
+    micro = bench.micro_batch(m, c, run["mesh"])
+    model_ = bench.memory_model(m, c, table, bench.stage_sizes(m.net, micro), n, bench.program_sizes(m, micro,
+                                                                                                    run["task"]))
+    return bench.memory(run["compiled"])["held_bytes"], model_["arguments"]["total"] + model_["temporaries"]["total"]
+
+
+@pytest.mark.parametrize("model,devices,method", [
+    pytest.param(*case, marks=() if case in CI_CASES else pytest.mark.heavy) for case in GRID])
+def test_memory_prediction_against_xla(model, devices, method):
+    held, predicted = _held_and_predicted(model, devices, method)
+    ratio = predicted / held
+    if (model, devices, method) in MEASURED:
+        assert ratio == pytest.approx(MEASURED[model, devices, method], rel=0.05), ratio
+        pytest.xfail(f"predicted/XLA = {ratio:.2f}: XLA's temporaries the program does not declare")
+    assert ratio == pytest.approx(1.0, abs=0.05), ratio
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--top", "0"], "--top 0 must be >= 1 and <= 20"),
+    (["--methods", "warp"], "unknown method 'warp'; registered: 1f1b"),
+    (["--partitions", "nope"], "--partitions 'nope': give one or more of params"),
+    (["--memory-per-device", "nan"], "--memory-per-device nan must be a finite number > 0"),
+    (["--bandwidth", "0"], "--bandwidth 0.0 must be a finite number > 0"),
+    (["--devices", "0"], "--devices 0 must be >= 1")])
+def test_plan_refuses_bad_arguments_before_any_work(flags, said, capsys):
+    args = ["plan", "--devices", "2", "--memory-per-device", "1e6"]
+    assert cli.main(args + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
