@@ -49,7 +49,7 @@ INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task",
-               "cdp_ticks")
+               "cdp_ticks", "delay")
 # Hyperparameters a resumed run may change, the train state being the same: the change is said in
 # one line at start-up (and refused under checkpoint.strict_resume).
 CHANGEABLE_KEYS = ("learning_rate", "momentum", "nesterov", "weight_decay", "schedule", "warmup_steps",

@@ -146,3 +146,23 @@ def test_schedule_prints_and_draws_the_staleness(capsys, tmp_path):
     assert schedule.main(argv + ["--out", str(path)]) == 0 and path.stat().st_size > 1000
     assert schedule.main(["--method", "cdp-v2", "--delay", "model=async"]) == 2
     assert "takes no delay" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_its_delay_model(tmp_path):
+    """The delay model fixes the table, so the train state and its versions: a run resumed with
+    another delay is refused in one line naming it, as a changed update rule is."""
+    import json
+
+    from cdpjax.config import default_config
+    from cdpjax.rundir import check_resume_config
+
+    before = default_config()
+    before.method = "cdp-random"
+    before.delay.tau_max = 2
+    (tmp_path / "config.json").write_text(json.dumps(json.loads(before.to_json_best_effort())))
+    check_resume_config(str(tmp_path), before)  # the same run resumes
+    after = default_config()
+    after.method = "cdp-random"
+    after.delay.tau_max = 4
+    with pytest.raises(ConfigError, match="delay="):
+        check_resume_config(str(tmp_path), after)
