@@ -450,6 +450,90 @@ def accuracy():
     ]
 
 
+def delays():
+    name = "cdp_delays.ipynb"
+    return name, [
+        new_markdown_cell(_src(f"""
+            # CDP under random delays: accuracy against the mean delay, with and without a correction
+
+            {badge(name)}
+
+            The CDP paper leaves open how cyclic training behaves when its fixed, uniform delay becomes
+            random. Here each delay model is a time table (`cdpjax.layouts.delays`, method `cdp-random`):
+            every (worker, stage) read takes a parameter version drawn from the model, and a correction
+            (`cdpjax.delay_corrections`) may scale or compensate the stale update. tau = 0 is dp. The
+            x-axis is the nominal mean delay (`at_mean_delay`); `experiments/delays.py` draws the same
+            curves against the realised mean and over seeds (docs/delays.md).
+
+            - Tiny config (`TINY = True`): `digits`, 4 workers and 4 stages simulated on one device,
+              per-read delays uniform on {{0..2 tau}}, tau in (0, 2), without a correction and with the
+              staleness-scaled learning rate, 60 steps a run.
+            - GPU-sized config: the character language model (`charlm`), tau in (0, 1, 2, 4, 8), two
+              delay models and three corrections, 600 steps a run.
+
+            How long: the tiny config is four short runs, a few minutes on this project's 2-core CPU
+            machine (shared with other work when measured); the GPU-sized grid is 2 x 5 x 3 runs of the
+            small language model (an estimate: under an hour on a Colab GPU, not measured).
+
+            Runs go to `runs/<model>-tau<tau>-<correction>/` and resume when the cell is rerun.
+        """)),
+        new_code_cell(INSTALL),
+        new_code_cell(SETUP),
+        new_code_cell(CONFIGS),
+        new_code_cell(_src("""
+            from cdpjax import train
+            from cdpjax.layouts.delays import at_mean_delay
+
+            WORKERS = STAGES = 4
+            if TINY:
+                TASK, STEPS, MODELS, TAUS = "digits", 60, ("uniform-tau",), (0, 2)
+                CORRECTIONS = ("none", "staleness-lr")
+            else:
+                TASK, STEPS, MODELS, TAUS = "charlm", 600, ("uniform-tau", "geometric"), (0, 1, 2, 4, 8)
+                CORRECTIONS = ("none", "staleness-lr", "dc-asgd")
+
+
+            def make_config(model, tau, correction):
+                c = load_config(f"{TASK}:method=cdp-random,steps={STEPS}")
+                c.cdp_impl, c.workers, c.stages, c.mesh = "simulate", WORKERS, STAGES, {"data": 1}
+                c.eval_every, c.checkpoint_every = STEPS // 4, 0
+                c.delay.update({**at_mean_delay(model, tau, STAGES), "correction": correction})
+                return c
+
+
+            def run_name(model, tau, correction):
+                return f"{model}-tau{tau}-{correction}"
+
+
+            summaries = {}
+            for model in MODELS:
+                for tau in TAUS:
+                    for correction in CORRECTIONS:
+                        name = run_name(model, tau, correction)
+                        config = make_config(model, tau, correction)
+                        summaries[name] = train.train(config, os.path.join("runs", name), progress=not TINY,
+                                                      devices=jax.devices()[:1])
+                        print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
+        """)),
+        new_code_cell(_src("""
+            from matplotlib.figure import Figure
+
+            HEADLINE = "test_accuracy" if TASK == "digits" else "test_loss"
+            fig = Figure(figsize=(4.2 * len(MODELS), 3.4))
+            for k, model in enumerate(MODELS):
+                ax = fig.add_subplot(1, len(MODELS), k + 1)
+                for correction in CORRECTIONS:
+                    ax.plot(TAUS, [summaries[run_name(model, tau, correction)][HEADLINE] for tau in TAUS],
+                            marker="o", label=correction)
+                ax.set(xlabel="nominal mean delay tau", ylabel=HEADLINE.replace("_", " "), title=model)
+                ax.legend(fontsize=8, title="correction")
+            path = os.path.join(FIGURES, "cdp_delays.png")
+            fig.savefig(path, bbox_inches="tight", dpi=120)
+            display(Image(path))
+        """)),
+    ]
+
+
 def ppll():
     name = "ppll_vs_local_gpipe.ipynb"
     return name, [
@@ -586,7 +670,7 @@ def ppll():
     ]
 
 
-NOTEBOOKS = (timing_diagrams, memory_and_communication, accuracy, ppll)
+NOTEBOOKS = (timing_diagrams, memory_and_communication, accuracy, delays, ppll)
 
 
 def build(make) -> tuple[str, nbformat.NotebookNode]:

@@ -52,23 +52,10 @@ GRIDS = {
 
 
 def delay_for(model: str, tau: int) -> dict:
-    """The delay block of `model` at nominal mean delay `tau` (tau = 0: every read fresh, dp):
-    uniform-tau on {0..2 tau} (mean tau); geometric with p = 1 / (1 + tau) (mean tau before its
-    bound 4 tau); per-stage with tau at every stage; async (op durations 1..4 ticks) and a
-    straggler (4 ticks an op) bounded at tau; async's op durations uniform on 1..2 tau ticks, bounded
-    at tau (the realised means of both are below tau: async's stay near cdp-v2's, its workers drift
-    apart only as a random walk)."""
-    if model == "uniform-tau":
-        return {"model": model, "tau_max": 2 * tau}
-    if model == "geometric":
-        return {"model": model, "p": 1.0 / (1 + tau), "tau_max": 4 * tau}
-    if model == "per-stage":
-        return {"model": model, "taus": (tau,) * STAGES}
-    if model == "async":
-        return {"model": model, "durations": 2 * tau, "tau_max": tau}
-    if model == "straggler":
-        return {"model": model, "slowdown": 4, "tau_max": tau}
-    raise ValueError(f"model={model!r} is not one of {', '.join(MODELS)}")
+    """The delay block of `model` at nominal mean delay `tau` (`cdpjax.layouts.delays.at_mean_delay`)."""
+    from cdpjax.layouts.delays import at_mean_delay
+
+    return at_mean_delay(model, tau, STAGES)
 
 
 class Run(typing.NamedTuple):

@@ -29,6 +29,7 @@ FIGURES = {
         "measured_memory_and_collectives.png",
     ],
     "cdp_accuracy.ipynb": ["cdp_accuracy.png"],
+    "cdp_delays.ipynb": ["cdp_delays.png"],
     "ppll_vs_local_gpipe.ipynb": ["ppll_speedup.png", "ppll_accuracy.png"],
 }
 
@@ -95,9 +96,9 @@ def test_set_up_without_a_gpu_stops_unless_tiny_is_chosen(gpu, message, tmp_path
     assert not (tmp_path / "figures").exists()
 
 
-# The two longest (they train) are heavy; CI runs the diagrams and the memory notebook.
+# Those that train are heavy; CI runs the diagrams and the memory notebook.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy)
-                                  if n in ("cdp_accuracy.ipynb", "ppll_vs_local_gpipe.ipynb") else n
+                                  if n in ("cdp_accuracy.ipynb", "cdp_delays.ipynb", "ppll_vs_local_gpipe.ipynb") else n
                                   for n in sorted(FIGURES)])
 def test_notebook_runs_on_tiny_config(name, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
@@ -282,10 +283,25 @@ def _ppll_content(drawn, tmp_path):
     assert sorted(measured["ticklabels"]) == sorted(heights)  # measured here: every method that ran
 
 
+def _delays_content(drawn, tmp_path):
+    """One panel (uniform-tau), one line per correction: each point the test accuracy its run's
+    summary holds, at tau 0 and 2; at tau = 0 every read is fresh, so the staleness-scaled rate is
+    the plain one and the two runs (dp) end equal."""
+    (panel,) = drawn["cdp_delays.png"]
+    lines = _lines(panel)
+    assert set(lines) == {"none", "staleness-lr"}
+    for correction, (x, y) in lines.items():
+        summaries = [json.loads((tmp_path / "runs" / f"uniform-tau-tau{tau}-{correction}" / "summary.json").read_text())
+                     for tau in (0, 2)]
+        assert x == [0.0, 2.0] and y == [s["test_accuracy"] for s in summaries]
+    assert lines["none"][1][0] == lines["staleness-lr"][1][0]
+
+
 CONTENT = {
     "cdp_timing_diagrams.ipynb": _timing_content,
     "cdp_memory_and_communication.ipynb": _memory_content,
     "cdp_accuracy.ipynb": _accuracy_content,
+    "cdp_delays.ipynb": _delays_content,
     "ppll_vs_local_gpipe.ipynb": _ppll_content,
 }
 

@@ -59,6 +59,27 @@ UNIFORM_RULES = ("cdp-v1", "cdp-v2")
 DEFAULT_STEPS = 16
 
 
+def at_mean_delay(model: str, tau: int, stages: int) -> dict:
+    """The `config.delay` block of `model` at nominal mean delay `tau` (tau = 0: every read
+    fresh, dp): uniform-tau on {0..2 tau} (mean tau); geometric with p = 1 / (1 + tau) (mean tau
+    before its bound 4 tau); per-stage with tau at every one of `stages`; a straggler (4 ticks an
+    op) bounded at tau; async's op durations uniform on 1..2 tau ticks, bounded at tau (the
+    realised means of both timed models are below tau: async's stay near cdp-v2's, its workers
+    drift apart only as a random walk)."""
+    if model == "uniform-tau":
+        return {"model": model, "tau_max": 2 * tau}
+    if model == "geometric":
+        return {"model": model, "p": 1.0 / (1 + tau), "tau_max": 4 * tau}
+    if model == "per-stage":
+        return {"model": model, "taus": (tau,) * stages}
+    if model == "async":
+        return {"model": model, "durations": 2 * tau, "tau_max": tau}
+    if model == "straggler":
+        return {"model": model, "slowdown": 4, "tau_max": tau}
+    raise ConfigError(f"delay model {model!r} has no nominal mean delay: use one of "
+                      f"{', '.join(READ_MODELS + TIMED_MODELS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Delay:
     """A delay model and its parameters (module docstring): what `config.delay` holds.
