@@ -324,11 +324,11 @@ def _replica_allreduce(candidate: Candidate, model: dict, bandwidth: float) -> f
 
 
 def build(candidate: Candidate, base, devices):
-    """(the candidate's config, its `train.setup` on `devices`); ConfigError where the method refuses it."""
-    from cdpjax import train
+    """(the candidate's config, its `setup.setup` on `devices`); ConfigError where the method refuses it."""
+    from cdpjax import setup
 
     config = candidate.config(base)
-    return config, train.setup(config, devices[:candidate.devices])
+    return config, setup.setup(config, devices[:candidate.devices])
 
 
 @dataclasses.dataclass(frozen=True)

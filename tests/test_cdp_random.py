@@ -215,7 +215,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     """The simulation's state (the kept versions, the step that picks the table's row, the
     correction's own versions) is checkpointed whole: stopped after step 5 and resumed from
     checkpoint 4, a run with random delays and dc-asgd ends bit for bit where one run does."""
-    from cdpjax import train as train_lib
+    from cdpjax import setup as setup_lib, train as train_lib
     from cdpjax.checkpoint import Checkpointer
 
     def cfg():
@@ -231,7 +231,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
     assert train_lib.train(cfg(), str(part), progress=False, devices=devices)["resumed_from"] == 4
 
     def state(workdir):
-        m = train_lib.setup(cfg(), devices)[2]
+        m = setup_lib.setup(cfg(), devices)[2]
         ckpt = Checkpointer(str(workdir))
         s, _ = ckpt.restore(ckpt.latest_step(), m.init(jax.random.key(0)))
         ckpt.close()

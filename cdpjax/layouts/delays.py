@@ -47,7 +47,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.layouts import Layout, register
+from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp import _CDP_LOOK, cdp_table, phase_ops, worker_offsets
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
 from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
@@ -347,4 +347,6 @@ def _table(d: Delay, N, L, S, T, ops, update_tick, offsets, time=None) -> TimeTa
 
 register(Layout("cdp-random", "cdpjax.methods.cdp_random:build", table=delay_table,
                 summary="cyclic data parallel under a delay model (config.delay: uniform, jitter, uniform-tau, "
-                        "geometric, per-stage, async, straggler)", **_CDP_LOOK))
+                        "geometric, per-stage, async, straggler)",
+                # the default delay (CDP's uniform offsets) is the rule's own table
+                reference=Reference("{delay.rule}", (("cdp_impl", "simulate"),)), **_CDP_LOOK))

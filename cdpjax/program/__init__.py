@@ -262,6 +262,9 @@ class Program:
                "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers],
                "events": {kind.__name__: sum(isinstance(e, kind) for e in self.events)
                           for kind in (Compute, Send, Receive, Apply, Gather)}}
+        slots = getattr(self.ticks, "slots", None)  # the stage engine's stash rows per kind
+        if slots:
+            out["slots"] = dict(slots)
         return out
 
     def buffer(self, name: str) -> Buffer:
