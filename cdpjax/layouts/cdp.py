@@ -41,7 +41,7 @@ Gradient traffic: the running partial sums ('partial') and the completed sums
 """
 from __future__ import annotations
 
-import numpy as np
+import bisect
 
 from cdpjax.errors import ConfigError
 from cdpjax import kinds
@@ -173,6 +173,7 @@ def _ops(method, N, L, steps, offsets, phases):
     """Ops (with versions and slots), updates and each update's completing worker."""
     T = len(phases)
     grad = kinds.gradient_kind(kinds.split(kind for tick in phases for kind, _ in tick))
+    forward = {kind: kinds.lookup(kind).forward for tick in phases for kind, _ in tick}
     # Lay out step -1 as well (then drop it), so that step 0 obeys the same rule as
     # the steady state: its stale reads are of "theta_{-1}" := theta_0.
     raw = []  # (tick, worker, stage, kind, step)
@@ -181,7 +182,7 @@ def _ops(method, N, L, steps, offsets, phases):
             for p, tick_ops in enumerate(phases):
                 raw += [(offsets[i] + T * k + p, i, j, kind, k) for kind, j in tick_ops]
     back_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == grad}  # the gradient ops
-    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if kinds.lookup(kind).forward}
+    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if forward[kind]}
     if method == "dp":
         update_tick = {(j, k): T * k + T - 1 for j in range(L) for k in range(-1, steps)}
     else:
@@ -204,7 +205,7 @@ def _ops(method, N, L, steps, offsets, phases):
             continue
         stale = is_stale(i, j, k)
         version = max(k - int(stale), 0)
-        n = int(np.searchsorted(ticks[j], t))  # updates of stage j complete before tick t
+        n = bisect.bisect_left(ticks[j], t)  # updates of stage j complete before tick t
         if version == n:
             slot = "current"
         elif version == n - 1:
