@@ -45,6 +45,7 @@ import bisect
 
 from cdpjax.errors import ConfigError
 from cdpjax import kinds
+from cdpjax.gc_paused import gc_paused
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
 from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
@@ -99,6 +100,7 @@ def worker_offsets(method: str, workers: int, stages: int, ticks: str = "whole",
     return tuple(T * i // workers for i in range(workers))
 
 
+@gc_paused()
 def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ticks: str = "whole") -> TimeTable:
     """The dp / cdp-v1 / cdp-v2 / paper-code table of `steps` steps for N workers and L
     stages, with whole or split backwards (`method` is the rule; a paper-code table is a
