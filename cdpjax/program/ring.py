@@ -217,11 +217,12 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
         branch[:, :, k] = len(kinds[k])
     lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
     start = np.zeros(shape, bool)
+    branch_of = [{kind: b for b, kind in enumerate(at_k)} for at_k in kinds]  # kinds[k].index, by look-up
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
-                branch[t, w, k] = kinds[k].index((o.kind, o.stage))
+                branch[t, w, k] = branch_of[k][(o.kind, o.stage)]
                 lag[t, w, k] = o.lag
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start
@@ -582,11 +583,12 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
     events: list[Event] = []
     sends: list[Send] = []
+    size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
         events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
         for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
                            ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
-            sends += [Send(t, what, Size.stage("param", j), src, dst, j, lag)
+            sends += [Send(t, what, size[j], src, dst, j, lag)
                       for j, lag, pairs in hops for src, dst in pairs]
         events += [Apply(t, w, a.stage, 1, a.lag) for a in tk.applies for w in a.workers]
     return sorted_events(events + messages(sends))
