@@ -1,5 +1,6 @@
 """The CDP tables and the ring's lowering at large N and L: the same tables and programs as
-before they were made fast, and the lowering at N = L = 128 in seconds.
+before they were made fast, and the lowering at N = L = 128 in seconds (issue 39's target: under
+5 s).
 
 The fingerprints below were computed from the code before its table generation, delivery plan
 and ring lowering were rewritten for speed (commit 2edc09b, `fingerprint` as written here): a
@@ -65,3 +66,21 @@ BEFORE = {
 @pytest.mark.parametrize("config", sorted(BEFORE))
 def test_tables_and_ring_programs_are_those_before_the_rewrite(config):
     assert fingerprint(*config) == BEFORE[config]
+
+
+# The bound of the lowering at N = L = 128, in this process's CPU seconds (other processes' load
+# changes them far less than wall time). Measured on the 2-core machine under load (load average
+# 11, 2026-12-04), three runs each, the code before / after the rewrite: 9.6-10.8 / 3.9 CPU-s
+# (22-24 / 8.2-8.5 s wall); the bound sits between, so that a busier machine passes and a return
+# of the quadratic steps (the code before: 8.3 CPU-s at load 5) fails.
+CPU_SECONDS_AT_128 = 7.0
+
+
+def test_lowering_at_128_workers_and_stages_takes_seconds():
+    """cdp-v2's table at N = L = 128 (98,304 ops) and its ring program, routing arrays included."""
+    start = time.process_time()
+    table = cdp_table("cdp-v2", 128, 128)
+    ring_routing(lower_ring(table).ticks)
+    spent = time.process_time() - start
+    assert len(table.ops) == 128 * 2 * 128 * 3  # N workers x 2L ops x 3 steps
+    assert spent < CPU_SECONDS_AT_128, f"{spent:.1f} CPU-s"
