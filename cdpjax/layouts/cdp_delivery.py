@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 
 from cdpjax.timetable import Message
 
@@ -35,18 +34,23 @@ def windows(ops, updates, completer) -> dict:
     # Per stage and worker, its read versions in order, with the last tick of the reads of each
     # version or an older one and the first tick of those of each version or a newer one: then
     # each update's window is two look-ups, not a pass over the worker's reads.
-    ticks = {}
+    by_pair = {}
     for o in ops:
-        per = ticks.setdefault(o.stage, {}).setdefault(o.device, {})
-        per.setdefault(o.version, []).append(o.tick)
+        by_pair.setdefault((o.stage, o.device), []).append((o.version, o.tick))
     reads = {}
-    for j, per_worker in ticks.items():
-        reads[j] = {}
-        for r, by_version in per_worker.items():
-            versions = sorted(by_version)
-            last_old = list(itertools.accumulate((max(by_version[v]) for v in versions), max))
-            first_new = list(itertools.accumulate((min(by_version[v]) for v in reversed(versions)), min))[::-1]
-            reads[j][r] = (versions, last_old, first_new)
+    for (j, r), rs in by_pair.items():
+        rs.sort()
+        versions, last_old, first_new = [], [], []
+        for v, t in rs:  # by version, then tick
+            if not versions or versions[-1] != v:
+                versions.append(v)
+                first_new.append(t)
+                last_old.append(max(t, last_old[-1]) if last_old else t)
+            else:
+                last_old[-1] = max(t, last_old[-1])
+        for i in range(len(first_new) - 2, -1, -1):
+            first_new[i] = min(first_new[i], first_new[i + 1])
+        reads.setdefault(j, {})[r] = (versions, last_old, first_new)
     out = {}
     for u in updates:
         per = {}
