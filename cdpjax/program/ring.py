@@ -338,14 +338,17 @@ def _refuse_unservable(table: TimeTable, applies: dict) -> None:
         applied.setdefault((w, j), []).append(t)
     for ts in applied.values():
         ts.sort()
-    misread = [o for o in table.ops if bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick) != o.version]
-    for o in sorted(misread, key=lambda o: (o.tick, o.device, o.stage))[:1]:  # the first in time
-        held = bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
-        if held != o.version:
-            raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
-                              f"reads version {o.version}, and the worker's one stored copy holds version {held} "
-                              f"then (its applies of stage {o.stage} end ticks "
-                              f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
+
+    def held(o) -> int:  # the version the op's worker's one stored copy holds at the op's tick
+        return bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
+
+    misread = [o for o in table.ops if held(o) != o.version]
+    if misread:
+        o = min(misread, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
+        raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
+                          f"reads version {o.version}, and the worker's one stored copy holds version {held(o)} "
+                          f"then (its applies of stage {o.stage} end ticks "
+                          f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
     grad = gradient_kind(table.split_backward)
     received = {(m.dst, m.stage, m.step): m.tick for m in table.messages if m.kind == "partial"}
     sent = {(m.src, m.stage, m.step) for m in table.messages if m.kind == "partial"}
