@@ -2,7 +2,7 @@
 step at N simulated devices, each point in its own process (`--xla_force_host_platform_device_count`).
 
     python experiments/compile_scaling.py --devices 2,4,8,16,32,64 --stages 4,N
-    python experiments/compile_scaling.py --lowering 128    # cdp-v2's table and ring program at N = L = 128
+    python experiments/compile_scaling.py --lowering 32,64,128  # cdp-v2's table and ring program at N = L
 
 Digits and its MLP (a stage per block: depth L - 1 where L > 4), 8 N examples a step. Per
 point: `lowering`, the seconds from the config to the traced program (the method built: its
@@ -34,7 +34,7 @@ def point(method: str, devices: int, stages: int) -> dict:
     """One measurement, in this process (its device count set by the parent)."""
     import jax
 
-    from cdpjax import layouts, methods, tasks, train
+    from cdpjax import layouts, methods, setup, tasks
     from cdpjax.config import default_config
     from cdpjax.mesh import make_mesh
     from cdpjax.methods.common import Context
@@ -44,14 +44,14 @@ def point(method: str, devices: int, stages: int) -> dict:
     c.eval_every = c.checkpoint_every = 0
     if stages > 4:
         c.model_kwargs.depth = stages - 1
-    dataset = train.setup(c)[0]  # validated and the data loaded; the method built again below, timed
+    dataset = setup.setup(c)[0]  # validated and the data loaded; the method built again below, timed
     t0 = time.perf_counter()
     mesh = make_mesh(layouts.mesh_for(c), None)
     m = methods.build(Context(c, mesh, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype,
                               tasks.resolve(c, dataset)))
     t1 = time.perf_counter()
     state = m.init(jax.random.key(0))  # compiled and run apart: not the step's lowering
-    batch = train.put_batch(dataset.train_batch(0, c.global_batch_size, 0, False), mesh, m.input_sharding)
+    batch = setup.put_batch(dataset.train_batch(0, c.global_batch_size, 0, False), mesh, m.input_sharding)
     t2 = time.perf_counter()
     lowered = jax.jit(m.train_step).lower(state, batch)
     t3 = time.perf_counter()
@@ -62,16 +62,34 @@ def point(method: str, devices: int, stages: int) -> dict:
 
 
 def lowering_only(n: int) -> dict:
-    """cdp-v2's table at N = L = n and its ring program (Python only, no devices)."""
+    """cdp-v2's table at N = L = n and its ring program (Python only, no devices): wall and this
+    process's CPU seconds (the load of other processes inflates the first far more)."""
     from cdpjax.layouts.cdp import cdp_table
     from cdpjax.program.ring import lower_ring, ring_routing
 
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.process_time()
     table = cdp_table("cdp-v2", n, n)
-    t1 = time.perf_counter()
+    w1, c1 = time.perf_counter(), time.process_time()
     ring_routing(lower_ring(table).ticks)
-    t2 = time.perf_counter()
-    return {"table_s": t1 - t0, "program_s": t2 - t1, "ops": len(table.ops)}
+    w2, c2 = time.perf_counter(), time.process_time()
+    return {"table_s": w1 - w0, "program_s": w2 - w1, "table_cpu_s": c1 - c0, "program_cpu_s": c2 - c1,
+            "ops": len(table.ops)}
+
+
+def lowering_rows(sizes: list[int]) -> list[str]:
+    """One line per N = L (each in its own process): its ops, then its table's and program's
+    times as ratios to the first size's (the growth against the ops' growth), wall and CPU."""
+    rows, first = [], None
+    for n in sizes:
+        done = subprocess.run([sys.executable, __file__, "--lowering-point", str(n)], capture_output=True,
+                              text=True, check=True)
+        rec = json.loads(done.stdout.strip().splitlines()[-1])
+        first = first or rec
+        wall = (rec["table_s"] + rec["program_s"]) / (first["table_s"] + first["program_s"])
+        cpu = (rec["table_cpu_s"] + rec["program_cpu_s"]) / (first["table_cpu_s"] + first["program_cpu_s"])
+        rows.append(f"| {n} | {rec['ops']:,} ({rec['ops'] / first['ops']:.0f}x) | {wall:.1f}x | {cpu:.1f}x | "
+                    f"{rec['table_cpu_s'] / rec['program_cpu_s']:.1f} |")
+    return rows
 
 
 def run_point(method: str, devices: int, stages: int, timeout: float) -> dict:
@@ -110,16 +128,22 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per point")
     parser.add_argument("--json", default="", help="also write every record here")
     parser.add_argument("--point", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--lowering", type=int, default=0, help="only time cdp-v2's table and program at N = L")
+    parser.add_argument("--lowering", default="", help="only time cdp-v2's table and program at N = L (sizes, "
+                                                       "comma-separated)")
+    parser.add_argument("--lowering-point", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.point:
         method, devices, stages = args.point.split(",")
         print(json.dumps(point(method, int(devices), int(stages))))
         return
+    if args.lowering_point:
+        print(json.dumps(lowering_only(args.lowering_point)))
+        return
     if args.lowering:
-        rec = lowering_only(args.lowering)
-        print(f"cdp-v2 at N = L = {args.lowering}: {rec['ops']:,} ops in the table; table "
-              f"{rec['table_s']:.1f} s, ring program {rec['program_s']:.1f} s (this machine, its load now)")
+        print("| N = L | ops (x first) | wall x first | CPU x first | table / program (CPU) |")
+        print("|---|---|---|---|---|")
+        for row in lowering_rows([int(n) for n in args.lowering.split(",")]):
+            print(row, flush=True)
         return
     methods, devices = args.methods.split(","), [int(d) for d in args.devices.split(",")]
     records = []

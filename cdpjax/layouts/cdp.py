@@ -41,10 +41,12 @@ Gradient traffic: the running partial sums ('partial') and the completed sums
 """
 from __future__ import annotations
 
-import numpy as np
+import bisect
+import operator
 
 from cdpjax.errors import ConfigError
 from cdpjax import kinds
+from cdpjax.gc_paused import gc_paused
 from cdpjax.layouts import Layout, Reference, register
 from cdpjax.layouts.cdp_delivery import check_one_version, delivery, messages_and_applies
 from cdpjax.timetable import Apply, Message, Op, TimeTable, Update, positive
@@ -99,6 +101,7 @@ def worker_offsets(method: str, workers: int, stages: int, ticks: str = "whole",
     return tuple(T * i // workers for i in range(workers))
 
 
+@gc_paused()
 def cdp_table(method: str, workers: int = 4, stages: int = 4, steps: int = 3, ticks: str = "whole") -> TimeTable:
     """The dp / cdp-v1 / cdp-v2 / paper-code table of `steps` steps for N workers and L
     stages, with whole or split backwards (`method` is the rule; a paper-code table is a
@@ -173,38 +176,32 @@ def _ops(method, N, L, steps, offsets, phases):
     """Ops (with versions and slots), updates and each update's completing worker."""
     T = len(phases)
     grad = kinds.gradient_kind(kinds.split(kind for tick in phases for kind, _ in tick))
+    forward = {kind: kinds.lookup(kind).forward for tick in phases for kind, _ in tick}
     # Lay out step -1 as well (then drop it), so that step 0 obeys the same rule as
     # the steady state: its stale reads are of "theta_{-1}" := theta_0.
-    raw = []  # (tick, worker, stage, kind, step)
-    for k in range(-1, steps):
-        for i in range(N):
-            for p, tick_ops in enumerate(phases):
-                raw += [(offsets[i] + T * k + p, i, j, kind, k) for kind, j in tick_ops]
+    raw = [(offsets[i] + T * k + p, i, j, kind, k)  # (tick, worker, stage, kind, step)
+           for k in range(-1, steps) for i in range(N) for p, tick_ops in enumerate(phases) for kind, j in tick_ops]
     back_tick = {(i, j, k): t for t, i, j, kind, k in raw if kind == grad}  # the gradient ops
-    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if kinds.lookup(kind).forward}
+    fwd_tick = {(i, j, k): t for t, i, j, kind, k in raw if forward[kind]}
     if method == "dp":
         update_tick = {(j, k): T * k + T - 1 for j in range(L) for k in range(-1, steps)}
     else:
         update_tick = {(j, k): max(back_tick[(i, j, k)] for i in range(N)) for j in range(L) for k in range(-1, steps)}
     completer = {(j, k): max(range(N), key=lambda i: back_tick[(i, j, k)]) for j in range(L) for k in range(steps)}
-
-    def is_stale(i, j, k):
-        if method == "dp":
-            return False
-        if method == "cdp-v1":
-            return True
-        if method == "paper-code":
-            return j < L - 1 - i
-        return fwd_tick[(i, j, k)] <= update_tick[(j, k - 1)]  # the update is not complete yet
+    # Whether worker i's ops of stage j at step k follow the delayed rule (its backward: as its forward).
+    if method == "cdp-v2":  # the update is not complete yet at the forward's tick
+        stale = {(i, j, k): t <= update_tick[(j, k - 1)] for (i, j, k), t in fwd_tick.items() if k >= 0}
+    else:
+        rule = {"dp": lambda i, j: False, "cdp-v1": lambda i, j: True, "paper-code": lambda i, j: j < L - 1 - i}
+        stale = {(i, j, k): rule[method](i, j) for i, j, k in fwd_tick if k >= 0}
 
     ticks = {j: sorted(update_tick[(j, k)] for k in range(steps)) for j in range(L)}
     ops = []
-    for t, i, j, kind, k in raw:
-        if k < 0:
-            continue
-        stale = is_stale(i, j, k)
-        version = max(k - int(stale), 0)
-        n = int(np.searchsorted(ticks[j], t))  # updates of stage j complete before tick t
+    # in (tick, worker) order, a worker's ops of one tick in the order the phase lists them
+    for t, i, j, kind, k in sorted((r for r in raw if r[4] >= 0), key=operator.itemgetter(0, 1)):
+        is_stale = stale[(i, j, k)]
+        version = k - 1 if is_stale and k > 0 else k
+        n = bisect.bisect_left(ticks[j], t)  # updates of stage j complete before tick t
         if version == n:
             slot = "current"
         elif version == n - 1:
@@ -213,8 +210,7 @@ def _ops(method, N, L, steps, offsets, phases):
             slot = "future"  # reads an update that is not complete yet: simulate only
         else:  # two stored versions would not suffice: a schedule bug, not a user error
             raise AssertionError(f"{method}: op {(t, i, j, kind, k)} reads version {version} with {n} applied")
-        ops.append(Op(t, i, j, kind, k, micro=i, version=version, slot=slot, stale=stale))
-    ops.sort(key=lambda o: (o.tick, o.device))
+        ops.append(Op(t, i, j, kind, k, i, version, slot, is_stale))
     updates = sorted((Update(update_tick[(j, k)], j, k) for j in range(L) for k in range(steps)),
                      key=lambda u: (u.tick, u.stage))
     return ops, updates, completer

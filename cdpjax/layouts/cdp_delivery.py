@@ -20,9 +20,8 @@ messages, `meta['applies']`):
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
-
-import numpy as np
 
 from cdpjax.timetable import Message
 
@@ -32,18 +31,33 @@ def windows(ops, updates, completer) -> dict:
     the tick before its first op reading the new version, None where the table does not
     reach it). hi < u marks a read that comes before the update is complete (paper-code,
     N > L)."""
-    reads = {}
+    # Per stage and worker, its read versions in order, with the last tick of the reads of each
+    # version or an older one and the first tick of those of each version or a newer one: then
+    # each update's window is two look-ups, not a pass over the worker's reads.
+    by_pair = {}
     for o in ops:
-        reads.setdefault((o.device, o.stage), []).append((o.tick, o.version))
+        by_pair.setdefault((o.stage, o.device), []).append((o.version, o.tick))
+    reads = {}
+    for (j, r), rs in by_pair.items():
+        rs.sort()
+        versions, last_old, first_new = [], [], []
+        for v, t in rs:  # by version, then tick
+            if not versions or versions[-1] != v:
+                versions.append(v)
+                first_new.append(t)
+                last_old.append(max(t, last_old[-1]) if last_old else t)
+            else:
+                last_old[-1] = max(t, last_old[-1])
+        for i in range(len(first_new) - 2, -1, -1):
+            first_new[i] = min(first_new[i], first_new[i + 1])
+        reads.setdefault(j, {})[r] = (versions, last_old, first_new)
     out = {}
     for u in updates:
         per = {}
-        for (r, j), rs in reads.items():
-            if j != u.stage:
-                continue
-            old = [t for t, v in rs if v <= u.step]
-            new = [t for t, v in rs if v >= u.step + 1]
-            per[r] = (max([u.tick] + old), min(new) - 1 if new else None)
+        for r, (versions, last_old, first_new) in reads.get(u.stage, {}).items():
+            n = bisect.bisect_right(versions, u.step)  # versions[:n] <= step < versions[n:]
+            lo = max(u.tick, last_old[n - 1]) if n else u.tick
+            per[r] = (lo, first_new[n] - 1 if n < len(versions) else None)
         out[(u.stage, u.step)] = per
     return out
 
@@ -71,52 +85,64 @@ def delivery(ops, updates, completer, N, L, steps, T, capacity: int = 1):
     so that the plans of consecutive steps share the ticks too), holders that have applied
     first."""
     # Long on purpose: one list scheduler, its state (pending readers, holders, busy ticks) read by each step.
-    from collections import Counter
-
     win = windows(ops, updates, completer)
     u_tick = {(u.stage, u.step): u.tick for u in updates}
     ref = 1  # a step whose windows are those of every step
-    busy_send, busy_recv = Counter(), Counter()
-    pending, holders, arrive, lo_of, hi_of, done = {}, {}, {}, {}, {}, {}
+    busy_send = [[0] * N for _ in range(T)]  # [tick mod T][worker]: 'sum' sends in that tick
+    busy_recv = [[0] * N for _ in range(T)]
+    holders, arrive, lo_of, hi_of, done, u_of = {}, {}, {}, {}, {}, {}
+    starting = {}  # tick -> the pending readers of the stages whose sums complete then
     for j in range(L):
         u, c = u_tick[(j, ref)], completer[(j, ref)]
         w = win[(j, ref)]
         lo_of[j] = {r: lo - u for r, (lo, _) in w.items()}
         hi_of[j] = {r: (hi - u if hi is not None else 10 * T) for r, (_, hi) in w.items()}
-        pending[j] = sorted(r for r in w if r != c)
+        # a reader's rank among all (its key is fixed): deadline first, acausal ones last
+        starting.setdefault(u, []).extend((hi_of[j][r] < 0, hi_of[j][r], lo_of[j][r], j, r) for r in w if r != c)
         arrive[j] = {c: 0}
-        holders[j] = {c}
+        holders[j] = [c]
         done[j] = []
-    start = min(u_tick[(j, ref)] for j in range(L))
+        u_of[j] = u
+    start = min(starting)
+    queue = []  # the pending readers of the stages complete by this tick, in rank order
+    waiting = sum(len(rs) for rs in starting.values())
     tick = start
-    while any(pending.values()):
+    while waiting:
         if tick > start + 6 * T:
             raise AssertionError(f"no delivery plan for N={N}, L={L}")
-        cands = []
-        for j in range(L):
-            u = u_tick[(j, ref)]
-            if tick < u:
+        if tick in starting:
+            queue = sorted(queue + starting[tick])
+        sends, recvs = busy_send[tick % T], busy_recv[tick % T]
+        free = {}  # stage -> its holders able to send now, best first (made at the stage's first reader)
+        left = []
+        for key in queue:
+            j, r = key[3], key[4]
+            if recvs[r] >= capacity:
+                left.append(key)
                 continue
-            for r in pending[j]:
-                acausal = hi_of[j][r] < 0
-                cands.append((acausal, hi_of[j][r], lo_of[j][r], j, r))
-        for *_, j, r in sorted(cands):
-            if r not in pending[j] or busy_recv[(r, tick % T)] >= capacity:
+            off = tick - u_of[j]
+            senders = free.get(j)
+            if senders is None:
+                # a holder sends from the tick after the sum reached it (the completer from its own);
+                # the sum received this tick is not held yet, so the list holds for the whole tick
+                c = completer[(j, ref)]
+                ready = [h for h in holders[j] if arrive[j][h] < off or (arrive[j][h] == 0 and h == c)]
+                senders = free[j] = sorted(ready, key=lambda h: (max(arrive[j][h], lo_of[j][h]) > off, h))
+            busy = 0  # a holder busy now stays busy for the rest of the tick
+            while busy < len(senders) and sends[senders[busy]] >= capacity:
+                busy += 1
+            del senders[:busy]
+            if not senders:
+                left.append(key)
                 continue
-            u = u_tick[(j, ref)]
-            free = [h for h in holders[j]
-                    if arrive[j][h] < tick - u or (arrive[j][h] == 0 and h == completer[(j, ref)])]
-            free = [h for h in free if busy_send[(h, tick % T)] < capacity]
-            if not free:
-                continue
-            applied = lambda h: max(arrive[j][h], lo_of[j][h]) <= tick - u  # noqa: E731
-            h = min(free, key=lambda h: (not applied(h), h))
-            busy_send[(h, tick % T)] += 1
-            busy_recv[(r, tick % T)] += 1
-            done[j].append((tick - u, h, r))
-            arrive[j][r] = tick - u
-            holders[j].add(r)
-            pending[j].remove(r)
+            h = senders[0]
+            sends[h] += 1
+            recvs[r] += 1
+            done[j].append((off, h, r))
+            arrive[j][r] = off
+            holders[j].append(r)
+            waiting -= 1
+        queue = left
         tick += 1
     plans = {}
     for j in range(L):
@@ -162,9 +188,7 @@ def check_one_version(ops, applies, method, skip=()):
     for o in ops:
         if (o.device, o.stage) in skip:
             continue
-        n = int(np.searchsorted(done.get((o.device, o.stage), []), o.tick))
+        n = bisect.bisect_left(done.get((o.device, o.stage), []), o.tick)
         if n != o.version:
             raise AssertionError(f"{method}: worker {o.device} holds version {n} of stage {o.stage} at tick "
                                  f"{o.tick}; its op reads {o.version}")
-
-

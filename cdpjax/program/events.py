@@ -20,6 +20,7 @@ feeds, 1 for the previous call's, and so on (never negative).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Union
 
 from cdpjax.kinds import KINDS
@@ -147,7 +148,12 @@ def sorted_events(events) -> tuple[Event, ...]:
     """Events in tick order (then device, then kind of event: computes, sends, receives, applies,
     gathers), so that two lowerings of one table give equal tuples."""
     order = {Compute: 0, Send: 1, Receive: 2, Apply: 3, Gather: 4}
-    return tuple(sorted(events, key=lambda e: (e.tick, e.device, order[type(e)], repr(e))))
+    place = lambda e: (e.tick, e.device, order[type(e)])  # noqa: E731
+    out = []
+    for _, same in itertools.groupby(sorted(events, key=place), key=place):  # then by repr: only ties need it
+        same = list(same)
+        out += sorted(same, key=repr) if len(same) > 1 else same
+    return tuple(out)
 
 
 __all__ = ["Apply", "Compute", "Event", "Gather", "MESSAGES", "Receive", "Send", "messages", "sorted_events"]

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cdpjax.errors import ConfigError
+from cdpjax.gc_paused import gc_paused
 from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Size, carries
 from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
@@ -193,6 +194,7 @@ class RingRouting(NamedTuple):
         return self.slot_index[j][self.names[j].index(name)]
 
 
+@gc_paused()
 def ring_routing(ticks: RingTicks) -> RingRouting:
     """`ticks` as the integer arrays a scanned period indexes by (tick, worker): linear in the
     number of events."""
@@ -215,11 +217,12 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
         branch[:, :, k] = len(kinds[k])
     lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
     start = np.zeros(shape, bool)
+    branch_of = [{kind: b for b, kind in enumerate(at_k)} for at_k in kinds]  # kinds[k].index, by look-up
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
-                branch[t, w, k] = kinds[k].index((o.kind, o.stage))
+                branch[t, w, k] = branch_of[k][(o.kind, o.stage)]
                 lag[t, w, k] = o.lag
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start
@@ -287,12 +290,14 @@ def ring_ticks(table: TimeTable) -> RingTicks:
     events (the table repeats every T ticks). A table the ring cannot run is refused in one line
     naming the first op or update that lacks what the ring needs (`_refuse_unservable`)."""
     N, L, T = table.workers, table.stages, table.period
-    _refuse_unservable(table)
-    whole = _whole_steps(table)
+    applies = _applies(table)
+    _refuse_unservable(table, applies)
+    whole = _whole_steps(table, applies)
     if not whole:
         raise ConfigError(f"the ring engine needs one step of this {table.method} table laid out whole (every "
                           f"worker's apply of every stage's update): lay out more steps than {table.steps}")
-    folds = {k: _fold(table, k) for k in whole}
+    steps = _by_step(table, applies, set(whole))
+    folds = {k: _fold(table, k, *steps[k]) for k in whole}
     ticks = folds[whole[-1]]
     for k, other in folds.items():
         if other != ticks:
@@ -318,28 +323,32 @@ def _applies(table: TimeTable) -> dict:
     return {(w, u.stage, u.step): u.tick for u in table.updates for w in range(table.workers)}
 
 
-def _refuse_unservable(table: TimeTable) -> None:
+def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     """A ConfigError naming the first op or update the ring cannot serve: an op kind it has no
     piece for, an op reading a version its worker's one stored copy does not hold at that tick,
     a gradient op with no partial sum to add to, an update whose tick is not its last gradient
-    op's, an apply before its worker holds the sum."""
+    op's, an apply before its worker holds the sum. `applies`: the table's (`_applies`)."""
     what = f"the ring engine cannot run this {table.method} table"
     for o in table.ops:
         if o.kind not in ("F", "B", "W"):
             raise ConfigError(f"{what}: worker {o.device}'s op {o.kind}{o.stage} at tick {o.tick} is of kind "
                               f"{o.kind!r}, which the ring has no piece for (it runs F, B, W)")
     applied = {}
-    for (w, j, k), t in _applies(table).items():
+    for (w, j, k), t in applies.items():
         applied.setdefault((w, j), []).append(t)
     for ts in applied.values():
         ts.sort()
-    for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
-        held = bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
-        if held != o.version:
-            raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
-                              f"reads version {o.version}, and the worker's one stored copy holds version {held} "
-                              f"then (its applies of stage {o.stage} end ticks "
-                              f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
+
+    def held(o) -> int:  # the version the op's worker's one stored copy holds at the op's tick
+        return bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
+
+    misread = [o for o in table.ops if held(o) != o.version]
+    if misread:
+        o = min(misread, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
+        raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
+                          f"reads version {o.version}, and the worker's one stored copy holds version {held(o)} "
+                          f"then (its applies of stage {o.stage} end ticks "
+                          f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
     grad = gradient_kind(table.split_backward)
     received = {(m.dst, m.stage, m.step): m.tick for m in table.messages if m.kind == "partial"}
     sent = {(m.src, m.stage, m.step) for m in table.messages if m.kind == "partial"}
@@ -366,76 +375,109 @@ def _refuse_unservable(table: TimeTable) -> None:
            if (u.stage, u.step) in last}
     for m in sorted((m for m in table.messages if m.kind == "sum"), key=lambda m: m.tick):
         has.setdefault((m.dst, m.stage, m.step), m.tick)
-    for (w, j, k), t in sorted(_applies(table).items(), key=lambda kv: kv[1]):
+    for (w, j, k), t in sorted(applies.items(), key=lambda kv: kv[1]):
         if (j, k) in last and has.get((w, j, k), t + 1) > t:
             raise ConfigError(f"{what}: worker {w} applies stage {j}'s update of step {k} at tick {t}, and no "
                               f"'sum' message brings it the sum by then")
 
 
-def _whole_steps(table: TimeTable) -> list[int]:
-    """The steps all of whose applies (every worker, every stage) are laid out."""
-    applies = _applies(table)
+def _whole_steps(table: TimeTable, applies: dict) -> list[int]:
+    """The steps all of whose applies (every worker, every stage) are laid out (`applies`: the
+    table's, `_applies`)."""
     return [k for k in range(table.steps)
             if all((w, j, k) in applies for w in range(table.workers) for j in range(table.stages))]
 
 
-def _fold(table: TimeTable, step: int) -> tuple[RingTick, ...]:
-    """The period's events from those of `step` (each at tick t mod T, lag t // T - step)."""
+def _by_step(table: TimeTable, applies: dict, steps: set) -> dict:
+    """step -> (its ops, its messages, its applies {(stage, worker): tick}) for each of `steps`."""
+    out = {k: ([], [], {}) for k in steps}
+    for o in table.ops:
+        if o.step in out:
+            out[o.step][0].append(o)
+    for m in table.messages:
+        if m.step in out:
+            out[m.step][1].append(m)
+    for (w, j, k), t in applies.items():
+        if k in out:
+            out[k][2][(j, w)] = t
+    return out
+
+
+def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict) -> tuple[RingTick, ...]:
+    """The period's events from those of `step` (each at tick t mod T, lag t // T - step): its
+    `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s."""
     # Long on purpose: one pass over the step's ops and messages fills every event list of its ticks.
     T, N = table.period, table.workers
     grad = gradient_kind(table.split_backward)
 
+    def early(t: int, what: str):
+        raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what} of step {step} "
+                          f"at tick {t} is before worker 0 starts that step (tick {step * T})")
+
     def at(t: int, what) -> tuple[int, int]:  # what(): the event's words, made only for the error
         lag = t // T - step
         if lag < 0:
-            raise ConfigError(f"the ring engine cannot run this {table.method} table: its {what()} of step {step} "
-                              f"at tick {t} is before worker 0 starts that step (tick {step * T})")
+            early(t, what())
         return t % T, lag
 
     ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}) for _ in range(T)]
     u_tick = {u.stage: u.tick for u in table.updates if u.step == step}
-    received = {(m.dst, m.stage) for m in table.messages if m.kind == "partial" and m.step == step}
+    received = {(m.dst, m.stage) for m in messages if m.kind == "partial"}
     completer = {}
-    for o in table.ops:
-        if o.step != step:
-            continue
-        t, lag = at(o.tick, lambda: f"{o.kind}{o.stage} of worker {o.device}")
-        tk = ticks[t]
+    for o in ops:
+        lag = o.tick // T - step  # `at`, inline: one call less per op
+        if lag < 0:
+            early(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
+        tk = ticks[o.tick % T]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
-        if o.kind == grad and (o.device, o.stage) not in received:
-            tk["chain_start"].add((o.device, o.stage))
-        if o.kind == grad and u_tick[o.stage] == o.tick:
-            completer[o.stage] = o.device
-            tk["completes"].append(Completes(o.device, o.stage, lag))
+        if o.kind == grad:
+            if (o.device, o.stage) not in received:
+                tk["chain_start"].add((o.device, o.stage))
+            if u_tick[o.stage] == o.tick:
+                completer[o.stage] = o.device
+                tk["completes"].append(Completes(o.device, o.stage, lag))
     # Who holds each sum when: from its arrival (the completer: u) to its last use.
     arrive = {(j, c): u_tick[j] for j, c in completer.items()}
     end = {}
-    messages = [m for m in table.messages if m.step == step]
     for m in messages:
         if m.kind == "sum":
             arrive[(m.stage, m.dst)] = m.tick
             end[(m.stage, m.src)] = max(end.get((m.stage, m.src), -1), m.tick)
-    applied = {(a_j, w): t for (w, a_j, k), t in _applies(table).items() if k == step}
     for (j, w), t in applied.items():
         end[(j, w)] = max(end.get((j, w), -1), t)
     for m in messages:
-        t, lag = at(m.tick, lambda: f"'{m.kind}' message of stage {m.stage}")
+        lag = m.tick // T - step
+        if lag < 0:
+            early(m.tick, f"'{m.kind}' message of stage {m.stage}")
         if m.kind == "partial":
-            ticks[t]["partials"].setdefault((m.stage, lag), []).append((m.src, m.dst))
+            ticks[m.tick % T]["partials"].setdefault((m.stage, lag), []).append((m.src, m.dst))
         elif m.kind == "sum":
-            ticks[t]["sums"].setdefault((m.stage, lag, m.tick), []).append((m.src, m.dst))
+            ticks[m.tick % T]["sums"].setdefault((m.stage, lag, m.tick), []).append((m.src, m.dst))
     applies_at = [[] for _ in range(T)]  # per tick of the period: (stage, lag, worker)
     for (j, w), tick in applied.items():
         at_t, lag = at(tick, lambda: f"apply of stage {j} by worker {w}")
         applies_at[at_t].append((j, lag, w))
+    # Per stage, each worker's arrival and last use of the sum (none: never, -1), as arrays: whether a
+    # worker that a send does not reach still holds the sum after it is one vector test per send.
+    stages = sorted({j for j, _ in arrive} | {j for j, _ in end})
+    row = {j: i for i, j in enumerate(stages)}
+    held_from = np.full((len(stages), N), np.iinfo(np.int64).max, np.int64)
+    held_to = np.full((len(stages), N), -1, np.int64)
+    for (j, w), t in arrive.items():
+        held_from[row[j], w] = t
+    for (j, w), t in end.items():
+        held_to[row[j], w] = t
     out = []
     for t, tk in enumerate(ticks):
         sums = []
         for (j, lag, tick), pairs in sorted(tk["sums"].items()):
-            dst = {d for _, d in pairs}
-            keep = any(arrive.get((j, w), tick) < tick or (w == completer[j] and arrive[(j, w)] == tick)
-                       for w in range(N) if w not in dst and end.get((j, w), -1) > tick)
-            sums.append(SumSend(j, lag, tuple(sorted(pairs)), keep))
+            c, got, until = completer.get(j), held_from[row[j]], held_to[row[j]]
+            holds = (got < tick) & (until > tick)  # held before this tick, used after it
+            if c is not None:  # the completer holds it from its own tick
+                holds[c] |= bool(got[c] == tick and until[c] > tick)
+            for _, d in pairs:
+                holds[d] = False
+            sums.append(SumSend(j, lag, tuple(sorted(pairs)), bool(holds.any())))
         receivers = {(j, lag, d) for j, lag, pairs, _ in sums for _, d in pairs}
         applies = {}
         for j, lag, w in applies_at[t]:
@@ -500,6 +542,7 @@ def _live(ticks, N):
     return tuple(sorted({buf for buf, _ in live}))
 
 
+@gc_paused()
 def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
     """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`)."""
     carry = carries(residuals)
@@ -543,11 +586,12 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
     events: list[Event] = []
     sends: list[Send] = []
+    size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
         events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
         for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
                            ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
-            sends += [Send(t, what, Size.stage("param", j), src, dst, j, lag)
+            sends += [Send(t, what, size[j], src, dst, j, lag)
                       for j, lag, pairs in hops for src, dst in pairs]
         events += [Apply(t, w, a.stage, 1, a.lag) for a in tk.applies for w in a.workers]
     return sorted_events(events + messages(sends))
