@@ -15,6 +15,12 @@ the differences that remain, and why, are in docs/ppll.md), each value from:
 - heads `vit`: fresh encoder blocks 2, 2, 2, 1, 1, 1, then 0, LayerNorm and a linear
   classifier on the class token (`models/vit_model.py`: `AuxClassifier`, `get_block_count`
   = 2 - aux_depth + 1 with the configs' aux depths 1, 1, 1, 2, 2, 2, 3, ...);
+- the last module's two heads (`aux_kwargs.last_head=True`): its block trains through its
+  own `AuxClassifier` (no blocks: LayerNorm and linear), and the final LayerNorm and
+  classifier train on the block's detached output (`models/vit_model.py:936-941`, the
+  loop that backpropagates each block's auxiliary loss and detaches; `:951-969`, norm and
+  head on the detached features; `util/utils.py:243-249`, the back part's cross-entropy of
+  that head, backward): local loss CE(aux(h)) + CE(classifier(stop_gradient(h)));
 - SGD lr 8e-4, momentum 0.9 (no Nesterov), weight decay 5e-5, batch 128, 50 epochs: the
   configs' `lr: 0.0008`, `momentum: 0.9`, `weight_decay: 0.00005`, `batch_size: 128`,
   `epochs: 50`, with `util/get_optimizer.py` (plain `optim.SGD`); a constant rate: the
@@ -79,6 +85,8 @@ def get_config(arg=None):
         else:  # a backprop pipeline: one stage per device, holding that device's modules' blocks
             c.stages = [c.stages[sum(groups[:d]) - 1] for d in range(1, devices)]
     c.aux_head = "vit"
+    if ppll:  # the released last module: its block on its own head, the classifier on the detached features
+        c.aux_kwargs = {"last_head": True}
     c.optimizer, c.learning_rate, c.momentum = "sgd", 8e-4, 0.9
     c.weight_decay, c.schedule, c.augment = (5e-5, "constant", False) if ppll else (0.0, "cosine", True)
     steps_per_epoch = TRAIN_SIZES[c.dataset] // 128 + 1
