@@ -126,6 +126,13 @@ def test_reproduce_rows_are_the_papers():
     for row in infopro:
         c = reproduce.row_config(row, None)
         assert c.num_steps == 160 * STEPS_PER_EPOCH and dict(c.dataset_kwargs) == {"padding_mode": "reflect"}
+    # the ViT baselines run the recipe's 50 epochs, not the released 400 (train_vite2e.py:174) and 200
+    # (run_vitpp.sh:2): the table says so; the local rows train the last module on its two heads
+    for name in ("ppll-vit-e2e", "ppll-vit-K12-gpipe-M1"):
+        assert reproduce.row_config(rows[name], None).num_steps == 50 * (50_000 // 128 + 1)
+    notes = reproduce.ppll_markdown([])
+    assert "ran 400 and the pipeline baseline 200" in notes and "detached output" in notes
+    assert reproduce.row_config(rows["ppll-vit-K12-ppll"], None).aux_kwargs.last_head is True
 
 
 def test_ppll_vit_recipe_is_the_released_codes():
