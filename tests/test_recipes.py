@@ -138,18 +138,22 @@ def test_reproduce_rows_are_the_papers():
 def test_ppll_vit_recipe_is_the_released_codes():
     """configs/k4_vit_224_p16.yaml (and k2_, _p4, _stl): 12 one-block modules, [2, 3, 3, 4] on 4 GPUs and
     [5, 7] on 2, SGD lr 8e-4 momentum 0.9 weight decay 5e-5, constant, 50 epochs, batch 128, no
-    augmentation, patch 16 at 32x32 (4 on request) and at 96x96."""
+    augmentation, mean and std 0.5, patch 16 at 32x32 (4 on request) and at 96x96."""
     c = _load("ppll_vit.py:K=12,devices=4")
     assert list(c.stages) == list(range(2, 13)) and list(c.module_groups) == [2, 3, 3, 4]
     assert (c.learning_rate, c.momentum, c.nesterov, c.weight_decay) == (8e-4, 0.9, False, 5e-5)
     assert (c.schedule, c.augment, c.global_batch_size) == ("constant", False, 128)
     assert c.num_steps == 50 * (50_000 // 128 + 1) and c.model_kwargs.patch == 16 and c.aux_head == "vit"
+    # dataloader/load_data.py:22,41,59: Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) for CIFAR-10, STL-10, SVHN
+    for dataset in ("cifar10", "stl10", "svhn_cropped"):
+        assert dict(_load(f"ppll_vit.py:dataset={dataset}").dataset_kwargs) == {"pixel_mean": 0.5, "pixel_std": 0.5}
     assert list(_load("ppll_vit.py:devices=2").module_groups) == [5, 7]
     assert _load("ppll_vit.py:patch=4").model_kwargs.patch == 4
     assert _load("ppll_vit.py:dataset=stl10").model_kwargs.patch == 16
     before = _load("ppll_vit.py:recipe=infopro")  # the recipe cdpjax had
     assert (len(before.stages) + 1, before.schedule, before.weight_decay, before.augment) == (4, "cosine", 0.0, True)
     assert before.num_steps == 200 * (50_000 // 128 + 1) and before.model_kwargs.patch == 4
+    assert not before.dataset_kwargs  # the dataset's own statistics
 
 
 def test_vit_starts_as_released():

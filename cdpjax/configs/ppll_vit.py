@@ -25,7 +25,8 @@ the differences that remain, and why, are in docs/ppll.md), each value from:
   configs' `lr: 0.0008`, `momentum: 0.9`, `weight_decay: 0.00005`, `batch_size: 128`,
   `epochs: 50`, with `util/get_optimizer.py` (plain `optim.SGD`); a constant rate: the
   configs' `milestones: [80, 120]` are never reached in 50 epochs;
-- no augmentation: `dataloader/load_data.py` (ToTensor and Normalize only);
+- no augmentation, mean and std 0.5 on every dataset: `dataloader/load_data.py` (`ToTensor`, then
+  `Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))`: lines 22, 41, 59 for CIFAR-10, STL-10, SVHN);
 - patch 16 at 32x32 (`k4_vit_224_p16.yaml`, `img_size: 32`, `patch_size: 16`; `patch=4`:
   `k4_vit_224_p4.yaml`), patch 16 at 96x96 for STL-10 (`k4_vit_224_p16_stl.yaml`).
 
@@ -87,6 +88,7 @@ def get_config(arg=None):
     c.aux_head = "vit"
     if ppll:  # the released last module: its block on its own head, the classifier on the detached features
         c.aux_kwargs = {"last_head": True}
+        c.dataset_kwargs = {"pixel_mean": 0.5, "pixel_std": 0.5}  # load_data.py's Normalize
     c.optimizer, c.learning_rate, c.momentum = "sgd", 8e-4, 0.9
     c.weight_decay, c.schedule, c.augment = (5e-5, "constant", False) if ppll else (0.0, "cosine", True)
     steps_per_epoch = TRAIN_SIZES[c.dataset] // 128 + 1
