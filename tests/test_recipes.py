@@ -228,3 +228,42 @@ def test_digits_ppll_with_momentum_heads(tmp_path):
         accuracy[head] = train.train(c, str(tmp_path / f"local-{head}"), progress=False)["test_accuracy"]
     assert abs(ppll["test_accuracy"] - accuracy["man"]) <= 1 / 300 + 1e-9
     assert ppll["test_accuracy"] >= accuracy["greedy"] - 0.02, (ppll["test_accuracy"], accuracy)
+
+
+@pytest.mark.parametrize("gelu", ["exact", "tanh"])
+def test_vit_gelu_is_the_released_erf_form(gelu):
+    """models/vit_model.py:181,230: Block's act_layer nn.GELU(), PyTorch's exact x * Phi(x) =
+    0.5 x (1 + erf(x / sqrt 2)); `gelu='tanh'` is 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+    With the attention's output projection zeroed a block is x + W2 gelu(W1 LN(x) + b1) + b2, written out
+    here in numpy; vit and vit_b default to the exact form, vit_tiny keeps tanh, and PPLL's heads follow."""
+    import math
+
+    import jax
+    import ml_collections
+
+    from cdpjax import models as model_lib
+    from cdpjax.models import aux_heads
+
+    block = model_lib.REGISTRY.lookup("vit")(10, (8, 8, 3), patch=4, dim=8, depth=1, heads=2, gelu=gelu)[1]
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype(np.float32) * 3
+    params = jax.tree.map(np.asarray, block.init(jax.random.key(0), x)["params"])
+    out = params["MultiHeadDotProductAttention_0"]["out"]
+    out["kernel"], out["bias"] = np.zeros_like(out["kernel"]), np.zeros_like(out["bias"])
+    # pre-activations of order 1 (std 0.01 weights keep them near 0, where the two forms agree to 1e-7)
+    for k, dense in enumerate(("Dense_0", "Dense_1")):
+        params[dense]["kernel"] = np.random.default_rng(k + 1).normal(size=params[dense]["kernel"].shape)
+    z = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)  # LayerNorm, scale 1, bias 0
+    z = z @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    erf = np.vectorize(math.erf)
+    act = 0.5 * z * (1 + (erf(z / math.sqrt(2)) if gelu == "exact" else np.tanh(
+        math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))))
+    expected = x + act @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    np.testing.assert_allclose(np.asarray(block.apply({"params": params}, x)), expected, atol=1e-4)
+    assert not model_lib.REGISTRY.lookup("vit_b")(10, (32, 32, 3), patch=16)[1].approximate_gelu
+    assert model_lib.REGISTRY.lookup("vit_tiny")(10, (8, 8, 3))[1].approximate_gelu
+    c = {"model": "vit", "model_kwargs": {"dim": 8, "depth": 2, "heads": 2, "gelu": gelu}, "norm": "none",
+         "stages": 2}
+    net = model_lib.build(ml_collections.ConfigDict(c), (8, 8, 3), 10)
+    assert aux_heads.build("vit", net, 10, {"blocks": (1,)}).heads[0].module.approximate_gelu == (gelu == "tanh")
+    with pytest.raises(ConfigError, match="ViT gelu='relu' is not one of exact, tanh"):
+        model_lib.REGISTRY.lookup("vit")(10, (8, 8, 3), patch=4, dim=8, depth=1, heads=2, gelu="relu")

@@ -49,7 +49,8 @@ the recipe's).
 Initialisation: `cdpjax.models.vit`'s default, PPLL's `_init_vit_weights`
 (`models/vit_model.py:1937-1952`: linear layers `trunc_normal_(std=.01)`, biases 0, the patch
 projection `kaiming_normal_(mode="fan_out")`), class token and positions std 0.02
-(`:789-793`), for the auxiliary heads too (`aux_head='vit'`).
+(`:789-793`), for the auxiliary heads too (`aux_head='vit'`). Activation: PyTorch's exact
+`nn.GELU()` (`Block`'s `act_layer`, `models/vit_model.py:181,230`), `cdpjax.models.vit`'s default.
 
 Hardware: one GPU per device of the pipeline (`devices`). Expected: PPLL's paper, 2.62x
 sequential local learning and 1.25x model parallelism on 4 GPUs, accuracy comparable to e2e.

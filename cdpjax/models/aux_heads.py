@@ -582,23 +582,25 @@ class ViTHead(nn.Module):
     mlp_dim: int
     pool: str = "cls"
     kernel_init: Any = RELEASED_DENSE  # of its linear layers: the network's blocks' (`_encoder_shape`)
+    approximate_gelu: bool = False  # the network's blocks' activation (`_encoder_shape`)
 
     @nn.compact
     def __call__(self, y, train: bool = False):
         for _ in range(self.depth):
-            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init)(y)
+            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init,
+                             approximate_gelu=self.approximate_gelu)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         y = y[:, 0] if self.pool == "cls" else y.mean(axis=1)
         return nn.Dense(self.num_classes, kernel_init=self.kernel_init)(y)
 
 
-def _encoder_shape(net, width: int) -> tuple[int, int, Any]:
-    """Heads, MLP width and linear layers' initialiser of the network's own encoder blocks (else
-    64-wide heads, MLP 4x, PPLL's released initialiser)."""
+def _encoder_shape(net, width: int) -> tuple[int, int, Any, bool]:
+    """Heads, MLP width, linear layers' initialiser and GELU form (approximate or not) of the network's
+    own encoder blocks (else 64-wide heads, MLP 4x, PPLL's released initialiser and exact GELU)."""
     for block in net.blocks:
         if isinstance(block, EncoderBlock):
-            return block.heads, block.mlp_dim, block.kernel_init
-    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE
+            return block.heads, block.mlp_dim, block.kernel_init, block.approximate_gelu
+    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE, False
 
 
 @register("greedy")
@@ -620,13 +622,14 @@ def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = Non
                           f"gives {list(shape)}: use greedy, dgl or infopro")
     blocks = tuple(blocks)
     depth = int(blocks[j]) if j < len(blocks) else 0
-    own_heads, own_mlp, kernel_init = _encoder_shape(ctx.net, shape[-1])
+    own_heads, own_mlp, kernel_init, approximate_gelu = _encoder_shape(ctx.net, shape[-1])
     heads = int(own_heads if num_heads is None else num_heads)
     if shape[-1] % heads:
         raise ConfigError(f"aux_kwargs.num_heads={heads} does not divide the token width {shape[-1]}")
     if pool not in ("cls", "mean"):
         raise ConfigError(f"aux_kwargs.pool={pool!r} is not one of cls, mean")
-    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init)
+    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init,
+                   approximate_gelu)
 
 
 # InfoPro's classifiers and decoder, and PPLL's momentum heads, register themselves on import.
