@@ -111,3 +111,17 @@ def test_released_vit_recipe_gives_the_last_module_its_head():
     configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cdpjax", "configs")
     assert load_file(os.path.join(configs, "ppll_vit.py")).aux_kwargs.last_head is True
     assert "last_head" not in load_file(os.path.join(configs, "ppll_vit.py:recipe=infopro")).aux_kwargs
+
+
+def test_the_last_head_is_counted_where_heads_are_costed():
+    """describe's per-module head size and FLOPs and speedup's head timings include the last head: with
+    `blocks=(1, 0, 0)` it is LayerNorm and a linear layer on vit_tiny's 32-wide tokens, 2 x 32 + 32 x 10 + 10
+    parameters (written out), read from the classifier's input."""
+    from cdpjax.commands.describe import _stages
+    from cdpjax.speedup import measure_stage_costs
+
+    net = build(_config("local"), {"data": 1}).net
+    heads = aux_heads.build("vit", net, 10, {"blocks": (1, 0, 0), "last_head": True})
+    last = _stages(net, heads)[-1]
+    assert last["head_params"] == 2 * 32 + 32 * 10 + 10 and last["head_flops"] > 0
+    assert len(measure_stage_costs(net, 4, repeats=1, heads=heads).head) == STAGES
