@@ -47,6 +47,7 @@ class Chain(nn.Module):
 
 
 def _float32(tree):
+    """Floating leaves as float32: what a stage hands on (`Chain`)."""
     return jax.tree.map(lambda y: y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) else y, tree)
 
 
