@@ -380,8 +380,9 @@ def ppll_markdown(records: list[dict]) -> str:
         "against the local row of the same variant. InfoPro's recipe runs InfoPro's 160 epochs with its "
         "reflect-padded CIFAR-10 crops (cdpjax/configs/ppll_resnet32.py).",
         "vit: K = 12 one-block modules, grouped [2, 3, 3, 4] on 4 devices for local and ppll, and 4 stages of "
-        "those blocks for gpipe; every row runs the recipe's 50 epochs (equal work), where the released "
-        "end-to-end script ran 400 and the pipeline baseline 200 (cdpjax/configs/ppll_vit.py).",
+        "those blocks for gpipe; the last module's block trains on its own head and the classifier on the "
+        "block's detached output, as released; every row runs the recipe's 50 epochs (equal work), where the "
+        "released end-to-end script ran 400 and the pipeline baseline 200 (cdpjax/configs/ppll_vit.py).",
     ]
     return _markdown(PPLL_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 

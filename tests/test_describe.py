@@ -20,7 +20,8 @@ def _cli(argv, capsys):
     return rc, out, err
 
 
-def _check_stages(d):
+def _check_stages(d, last_head: int = 0):
+    """`last_head`: the last module's head parameters (0: it has none; PPLL's ViT: LayerNorm and linear)."""
     assert d["stages"], d
     for j, s in enumerate(d["stages"]):
         assert set(JSON_STAGE_KEYS) <= set(s) and s["stage"] == j
@@ -28,7 +29,7 @@ def _check_stages(d):
         assert a < b and s["params"] >= 0 and s["flops"] > 0 and s["activation_bytes"] == 4 * _prod(s["output_shape"])
     assert [s["blocks"][1] for s in d["stages"]][-1] == d["num_blocks"]
     assert all(x["blocks"][1] == y["blocks"][0] for x, y in zip(d["stages"], d["stages"][1:]))  # contiguous
-    assert d["stages"][-1]["output_shape"] == [d["num_classes"]] and d["stages"][-1]["head_params"] == 0
+    assert d["stages"][-1]["output_shape"] == [d["num_classes"]] and d["stages"][-1]["head_params"] == last_head
 
 
 def _prod(shape):
@@ -54,8 +55,9 @@ def test_every_paper_config(path, capsys, compiles):
     rc, out, err = _cli(["--config", path, "--json"], capsys)
     assert rc == 0, err
     d = json.loads(out)
-    _check_stages(d)
     c = load_file(path)
+    width = (c.get("model_kwargs", {}) or {}).get("dim", 0)  # ViT: LayerNorm (2 x width) + linear, last_head
+    _check_stages(d, (2 * width + (width + 1) * d["num_classes"]) if c.aux_kwargs.get("last_head") else 0)
     assert (d["model"], d["method"], d["dataset"]) == (c.model, c.method, c.dataset)
     assert not [e for e in compiles if e[0] == "backend"], compiles
 

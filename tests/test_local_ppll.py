@@ -35,6 +35,8 @@ CASES = {
 HEAVY = {
     "resnet-K2-infopro-reconstruction": ("resnet_tiny", 2, 1, "none", "infopro", {"reconstruction": True}),
     "vit-K4xdata2-vit": ("vit_tiny", 4, 2, "none", "vit", {"blocks": (1, 0, 1)}),  # fresh blocks, and none
+    # the last module's two heads (PPLL's released ViT): its block on its own head, the classifier stopped
+    "vit-K3xdata2-vit-last-head": ("vit_tiny", 3, 2, "none", "vit", {"blocks": (1, 0, 1), "last_head": True}),
     "resnet-K4-dgl-batchnorm": ("resnet_tiny", 4, 1, "batch", "dgl", {"head_lr_scale": 0.5}),
     "resnet-K2-greedy-batchnorm": ("resnet_tiny", 2, 1, "batch", "greedy", {}),
     "resnet-K3-infopro-batchnorm": ("resnet_tiny", 3, 1, "batch", "infopro", {"arch": "2c2f"}),

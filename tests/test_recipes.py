@@ -126,23 +126,34 @@ def test_reproduce_rows_are_the_papers():
     for row in infopro:
         c = reproduce.row_config(row, None)
         assert c.num_steps == 160 * STEPS_PER_EPOCH and dict(c.dataset_kwargs) == {"padding_mode": "reflect"}
+    # the ViT baselines run the recipe's 50 epochs, not the released 400 (train_vite2e.py:174) and 200
+    # (run_vitpp.sh:2): the table says so; the local rows train the last module on its two heads
+    for name in ("ppll-vit-e2e", "ppll-vit-K12-gpipe-M1"):
+        assert reproduce.row_config(rows[name], None).num_steps == 50 * (50_000 // 128 + 1)
+    notes = reproduce.ppll_markdown([])
+    assert "ran 400 and the pipeline baseline 200" in notes and "detached output" in notes
+    assert reproduce.row_config(rows["ppll-vit-K12-ppll"], None).aux_kwargs.last_head is True
 
 
 def test_ppll_vit_recipe_is_the_released_codes():
     """configs/k4_vit_224_p16.yaml (and k2_, _p4, _stl): 12 one-block modules, [2, 3, 3, 4] on 4 GPUs and
     [5, 7] on 2, SGD lr 8e-4 momentum 0.9 weight decay 5e-5, constant, 50 epochs, batch 128, no
-    augmentation, patch 16 at 32x32 (4 on request) and at 96x96."""
+    augmentation, mean and std 0.5, patch 16 at 32x32 (4 on request) and at 96x96."""
     c = _load("ppll_vit.py:K=12,devices=4")
     assert list(c.stages) == list(range(2, 13)) and list(c.module_groups) == [2, 3, 3, 4]
     assert (c.learning_rate, c.momentum, c.nesterov, c.weight_decay) == (8e-4, 0.9, False, 5e-5)
     assert (c.schedule, c.augment, c.global_batch_size) == ("constant", False, 128)
     assert c.num_steps == 50 * (50_000 // 128 + 1) and c.model_kwargs.patch == 16 and c.aux_head == "vit"
+    # dataloader/load_data.py:22,41,59: Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) for CIFAR-10, STL-10, SVHN
+    for dataset in ("cifar10", "stl10", "svhn_cropped"):
+        assert dict(_load(f"ppll_vit.py:dataset={dataset}").dataset_kwargs) == {"pixel_mean": 0.5, "pixel_std": 0.5}
     assert list(_load("ppll_vit.py:devices=2").module_groups) == [5, 7]
     assert _load("ppll_vit.py:patch=4").model_kwargs.patch == 4
     assert _load("ppll_vit.py:dataset=stl10").model_kwargs.patch == 16
     before = _load("ppll_vit.py:recipe=infopro")  # the recipe cdpjax had
     assert (len(before.stages) + 1, before.schedule, before.weight_decay, before.augment) == (4, "cosine", 0.0, True)
     assert before.num_steps == 200 * (50_000 // 128 + 1) and before.model_kwargs.patch == 4
+    assert not before.dataset_kwargs  # the dataset's own statistics
 
 
 def test_vit_starts_as_released():
@@ -217,3 +228,42 @@ def test_digits_ppll_with_momentum_heads(tmp_path):
         accuracy[head] = train.train(c, str(tmp_path / f"local-{head}"), progress=False)["test_accuracy"]
     assert abs(ppll["test_accuracy"] - accuracy["man"]) <= 1 / 300 + 1e-9
     assert ppll["test_accuracy"] >= accuracy["greedy"] - 0.02, (ppll["test_accuracy"], accuracy)
+
+
+@pytest.mark.parametrize("gelu", ["exact", "tanh"])
+def test_vit_gelu_is_the_released_erf_form(gelu):
+    """models/vit_model.py:181,230: Block's act_layer nn.GELU(), PyTorch's exact x * Phi(x) =
+    0.5 x (1 + erf(x / sqrt 2)); `gelu='tanh'` is 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+    With the attention's output projection zeroed a block is x + W2 gelu(W1 LN(x) + b1) + b2, written out
+    here in numpy; vit and vit_b default to the exact form, vit_tiny keeps tanh, and PPLL's heads follow."""
+    import math
+
+    import jax
+    import ml_collections
+
+    from cdpjax import models as model_lib
+    from cdpjax.models import aux_heads
+
+    block = model_lib.REGISTRY.lookup("vit")(10, (8, 8, 3), patch=4, dim=8, depth=1, heads=2, gelu=gelu)[1]
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype(np.float32) * 3
+    params = jax.tree.map(np.asarray, block.init(jax.random.key(0), x)["params"])
+    out = params["MultiHeadDotProductAttention_0"]["out"]
+    out["kernel"], out["bias"] = np.zeros_like(out["kernel"]), np.zeros_like(out["bias"])
+    # pre-activations of order 1 (std 0.01 weights keep them near 0, where the two forms agree to 1e-7)
+    for k, dense in enumerate(("Dense_0", "Dense_1")):
+        params[dense]["kernel"] = np.random.default_rng(k + 1).normal(size=params[dense]["kernel"].shape)
+    z = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)  # LayerNorm, scale 1, bias 0
+    z = z @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    erf = np.vectorize(math.erf)
+    act = 0.5 * z * (1 + (erf(z / math.sqrt(2)) if gelu == "exact" else np.tanh(
+        math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))))
+    expected = x + act @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    np.testing.assert_allclose(np.asarray(block.apply({"params": params}, x)), expected, atol=1e-4)
+    assert not model_lib.REGISTRY.lookup("vit_b")(10, (32, 32, 3), patch=16)[1].approximate_gelu
+    assert model_lib.REGISTRY.lookup("vit_tiny")(10, (8, 8, 3))[1].approximate_gelu
+    c = {"model": "vit", "model_kwargs": {"dim": 8, "depth": 2, "heads": 2, "gelu": gelu}, "norm": "none",
+         "stages": 2}
+    net = model_lib.build(ml_collections.ConfigDict(c), (8, 8, 3), 10)
+    assert aux_heads.build("vit", net, 10, {"blocks": (1,)}).heads[0].module.approximate_gelu == (gelu == "tanh")
+    with pytest.raises(ConfigError, match="ViT gelu='relu' is not one of exact, tanh"):
+        model_lib.REGISTRY.lookup("vit")(10, (8, 8, 3), patch=4, dim=8, depth=1, heads=2, gelu="relu")

@@ -106,7 +106,7 @@ def _stages(net, heads) -> list[dict]:
     for j, ((a, b), out, counts) in enumerate(zip(net.bounds, outputs, counts_of)):
         module = heads.modules[j] if heads is not None else None
         # Cost analysis of the head's lowered forward at batch 1, like the blocks' (no compile).
-        head_flops = partition._flops(module, tuple(out.shape)) if module is not None else 0.0
+        head_flops = partition._flops(module, (1, *heads.feature_shapes[j])) if module is not None else 0.0
         stages.append({
             "stage": j,
             "blocks": [a, b],

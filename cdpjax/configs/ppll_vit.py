@@ -15,11 +15,18 @@ the differences that remain, and why, are in docs/ppll.md), each value from:
 - heads `vit`: fresh encoder blocks 2, 2, 2, 1, 1, 1, then 0, LayerNorm and a linear
   classifier on the class token (`models/vit_model.py`: `AuxClassifier`, `get_block_count`
   = 2 - aux_depth + 1 with the configs' aux depths 1, 1, 1, 2, 2, 2, 3, ...);
+- the last module's two heads (`aux_kwargs.last_head=True`): its block trains through its
+  own `AuxClassifier` (no blocks: LayerNorm and linear), and the final LayerNorm and
+  classifier train on the block's detached output (`models/vit_model.py:936-941`, the
+  loop that backpropagates each block's auxiliary loss and detaches; `:951-969`, norm and
+  head on the detached features; `util/utils.py:243-249`, the back part's cross-entropy of
+  that head, backward): local loss CE(aux(h)) + CE(classifier(stop_gradient(h)));
 - SGD lr 8e-4, momentum 0.9 (no Nesterov), weight decay 5e-5, batch 128, 50 epochs: the
   configs' `lr: 0.0008`, `momentum: 0.9`, `weight_decay: 0.00005`, `batch_size: 128`,
   `epochs: 50`, with `util/get_optimizer.py` (plain `optim.SGD`); a constant rate: the
   configs' `milestones: [80, 120]` are never reached in 50 epochs;
-- no augmentation: `dataloader/load_data.py` (ToTensor and Normalize only);
+- no augmentation, mean and std 0.5 on every dataset: `dataloader/load_data.py` (`ToTensor`, then
+  `Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))`: lines 22, 41, 59 for CIFAR-10, STL-10, SVHN);
 - patch 16 at 32x32 (`k4_vit_224_p16.yaml`, `img_size: 32`, `patch_size: 16`; `patch=4`:
   `k4_vit_224_p4.yaml`), patch 16 at 96x96 for STL-10 (`k4_vit_224_p16_stl.yaml`).
 
@@ -42,7 +49,8 @@ the recipe's).
 Initialisation: `cdpjax.models.vit`'s default, PPLL's `_init_vit_weights`
 (`models/vit_model.py:1937-1952`: linear layers `trunc_normal_(std=.01)`, biases 0, the patch
 projection `kaiming_normal_(mode="fan_out")`), class token and positions std 0.02
-(`:789-793`), for the auxiliary heads too (`aux_head='vit'`).
+(`:789-793`), for the auxiliary heads too (`aux_head='vit'`). Activation: PyTorch's exact
+`nn.GELU()` (`Block`'s `act_layer`, `models/vit_model.py:181,230`), `cdpjax.models.vit`'s default.
 
 Hardware: one GPU per device of the pipeline (`devices`). Expected: PPLL's paper, 2.62x
 sequential local learning and 1.25x model parallelism on 4 GPUs, accuracy comparable to e2e.
@@ -79,6 +87,9 @@ def get_config(arg=None):
         else:  # a backprop pipeline: one stage per device, holding that device's modules' blocks
             c.stages = [c.stages[sum(groups[:d]) - 1] for d in range(1, devices)]
     c.aux_head = "vit"
+    if ppll:  # the released last module: its block on its own head, the classifier on the detached features
+        c.aux_kwargs = {"last_head": True}
+        c.dataset_kwargs = {"pixel_mean": 0.5, "pixel_std": 0.5}  # load_data.py's Normalize
     c.optimizer, c.learning_rate, c.momentum = "sgd", 8e-4, 0.9
     c.weight_decay, c.schedule, c.augment = (5e-5, "constant", False) if ppll else (0.0, "cosine", True)
     steps_per_epoch = TRAIN_SIZES[c.dataset] // 128 + 1

@@ -5,7 +5,9 @@ Runs on the mesh's first device (like `e2e`), whatever the mesh.
 Timing: for every batch, the stages run one after the other, j = 0..L-1.
 Stage j takes the output of stage j-1 with the gradient stopped, runs its body,
 computes its local loss through its auxiliary head (the last stage: the
-network's own loss), and updates its body and head at once with its own optax
+network's own loss, or with a last head, `aux_kwargs.last_head`, that head's loss
+on the features before the classifier plus the network's loss of the classifier
+run on those features stopped), and updates its body and head at once with its own optax
 state. Its output, computed before that update, is handed to stage j+1.
 
 Update rule: theta_j <- opt_j(theta_j, grad_{theta_j} l_j(theta_j; h_{j-1})),
@@ -82,13 +84,23 @@ def pixel_stats(cfg) -> dict:
 
 def stage_grads(net, heads, j, body, head, model_state, head_state, x, labels, images=None):
     """Stage j's local step on input `x`: `(g_body, g_head, y, new_model_state, new_head_state,
-    loss, accuracy)`, the gradients of its body and head on its local loss and its output `y`."""
+    loss, accuracy)`, the gradients of its body and head on its local loss and its output `y`.
+
+    The last stage with a head of its own (`AuxHeads.splits_last`): its local loss is the head's
+    loss on the features h before the classifier plus the task's loss of the classifier's output
+    on stop_gradient(h); its accuracy is the task's score of that output (the network's)."""
     x = lax.stop_gradient(x)
+    split = j == net.num_stages - 1 and heads.splits_last
 
     def local_loss(body, head):
-        y, new_model_state = net.apply_stage(j, body, model_state, x, True)
-        loss, (acc, new_head_state) = heads.loss(j, head, head_state, y, labels, images, True)
-        return loss, (y, new_model_state, new_head_state, acc)
+        if not split:
+            y, new_model_state = net.apply_stage(j, body, model_state, x, True)
+            loss, (acc, new_head_state) = heads.loss(j, head, head_state, y, labels, images, True)
+            return loss, (y, new_model_state, new_head_state, acc)
+        h, y, new_model_state = net.apply_stage_split(j, body, model_state, x, True)
+        head_loss, (_, new_head_state) = heads.loss(j, head, head_state, h, labels, images, True)
+        classifier_loss, acc = heads.output_loss(y, labels)
+        return head_loss + classifier_loss, (y, new_model_state, new_head_state, acc)
 
     (loss, (y, new_model_state, new_head_state, acc)), (g_body, g_head) = jax.value_and_grad(
         local_loss, argnums=(0, 1), has_aux=True)(body, head)
@@ -127,8 +139,9 @@ def build(ctx: Context) -> Method:
             accs.append(acc)
         new = {"params": {"body": body, "head": head}, "model_state": model_state, "head_state": head_state,
                "opt_state": opt_state}
-        # x: the network's outputs; its metrics are the task's, every module's loss logged beside them
-        metrics = {**step_metrics(ctx.task, losses[-1], ctx.task.metric_sums(x, batch["label"])),
+        # x: the network's outputs; its metrics are the task's (as ppll's), every module's local loss beside them
+        sums = ctx.task.metric_sums(x, batch["label"])
+        metrics = {**step_metrics(ctx.task, ctx.task.finish(sums)["loss"], sums),
                    "stage_loss": jnp.stack(losses), "stage_accuracy": jnp.stack(accs),
                    "stage_valid": jnp.ones((num_stages,), bool)}
         return new, metrics

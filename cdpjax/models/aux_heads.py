@@ -2,7 +2,8 @@
 
 In local learning module (stage) j < K-1 is trained on the loss of its own
 head, built from the shape of the module's output; the last module has no head
-and trains on the network's own loss, the task's (`cdpjax.tasks`). Heads may hold mutable state
+and trains on the network's own loss, the task's (`cdpjax.tasks`), unless the kind
+gives it one (`last_head`, below). Heads may hold mutable state
 (BatchNorm running averages, and parameters that follow the next module by an
 exponential moving average): `init` gives per-module parameters and state, and
 `loss` returns the new state. BatchNorm statistics are those of each call (one
@@ -33,6 +34,13 @@ folder can hold one: `experiments/own_head/`). The entry (`HeadKind`) is:
   arguments, less `ctx`); every kind also takes `head_lr_scale` (read by the methods).
 - `grouped`: whether its heads depend on which modules share a device
   (`config.module_groups`), as `man`'s do.
+- `last`: whether its factory also builds a head for the last module (index K-1),
+  asked for with `aux_kwargs.last_head=True`: the head reads the features before the
+  network's last block (its classifier); the last module's other blocks train on that
+  head's loss, and the classifier on the task's loss of the same features with the
+  gradient stopped (`StagedNet.apply_stage_split`), so no gradient of the
+  classifier's loss reaches the blocks. The two losses are added; each parameter gets
+  the gradient of one of them. The last module must hold a block besides the classifier.
 
 Built-in kinds (each registered through `register`):
 
@@ -49,7 +57,15 @@ Built-in kinds (each registered through `register`):
 - `vit`: PPLL's ViT head for tokens `[B, T, D]`: `blocks[j]` fresh encoder
   blocks of the network's own shape (PPLL's default 2, 2, 2, 1, 1, 1, then 0),
   then LayerNorm and a linear classifier on the class token (`pool='cls'`) or
-  the mean token (`pool='mean'`).
+  the mean token (`pool='mean'`). `last_head=True` gives the last module one too
+  (`blocks[K-1]` fresh blocks: 0 by default, LayerNorm and a linear classifier), as
+  PPLL's released ViT trains its last part (`models/vit_model.py`,
+  `VisionTransformer_back.forward_features`, lines 936-941: every block, the last
+  included, trains through its `AuxClassifier` and is detached; 951-969: the final
+  LayerNorm and `head` read the detached features; `util/utils.py:243-249`: the
+  cross-entropy of that head's output, backward; with `configs/k4_vit_224_p16.yaml`'s
+  back `aux_depth_list: [3,4,4,4]` (line 46) and `max_depth = 2` (`vit_model.py:883`), the
+  last block's `AuxClassifier` holds `range(2 - 4 + 1)`, no blocks: LayerNorm and linear).
 
 Where we differ from the reference code, and why:
 
@@ -87,6 +103,7 @@ from cdpjax.registry import Registry
 
 PPLL_VIT_BLOCKS = (2, 2, 2, 1, 1, 1)  # then 0 for deeper modules
 SHARED_OPTIONS = ("head_lr_scale",)  # every kind takes them; the methods read them
+LAST_OPTION = "last_head"  # kinds registered with `last=True` take it; `build` reads it
 
 # PyTorch's default initialisation of Conv2d and Linear weights: U(+-1/sqrt(fan_in)).
 torch_default = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
@@ -211,21 +228,24 @@ class HeadKind:
     options: tuple[str, ...] = ()
     grouped: bool = False
     tasks: tuple[str, ...] = ("classification",)  # the tasks its own loss (the kind's or a `Head`'s) serves
+    last: bool = False  # whether it builds a head for the last module too (`aux_kwargs.last_head`)
 
 
 REGISTRY: Registry[HeadKind] = Registry("auxiliary head")
 
 
 def register(name: str, *, loss: LocalLoss | None = None, options=None, grouped: bool = False,
-             tasks=("classification",)):
+             tasks=("classification",), last: bool = False):
     """Decorator: `@aux_heads.register("my_head")` on a factory `factory(ctx, **options)`
     (module docstring); `loss` is its own local loss (default None: the task's), `options`
     its `aux_kwargs` (default: the factory's arguments after the first, the context), `tasks` the
-    tasks its own loss serves (where it has one)."""
+    tasks its own loss serves (where it has one), `last` whether the factory builds a head for the
+    last module too (then `aux_kwargs.last_head` is one of its options)."""
     def add(factory):
         context = next(iter(inspect.signature(factory).parameters), None)  # the first argument: the context
         opts = tuple(options) if options is not None else tuple(sorted(declared_options(factory, (context,))))
-        REGISTRY.add(name, HeadKind(name, factory, loss, opts, grouped, tuple(tasks)))
+        REGISTRY.add(name, HeadKind(name, factory, loss, opts + ((LAST_OPTION,) if last else ()), grouped,
+                                    tuple(tasks), last))
         return factory
     return add
 
@@ -252,8 +272,10 @@ class AuxHeads:
 
     Attributes:
       kind: the config's `aux_head`.
-      heads: per module, its `Head` (None for the last module).
-      feature_shapes: per module, one example's output shape.
+      heads: per module, its `Head`; for the last module None (it trains on the task's loss), or
+        its last head (`last_head`: its blocks but the network's classifier train on it).
+      feature_shapes: per module, one example's shape of the features its head reads: the
+        module's output; with a last head, the last module's features before the classifier.
       image_shape: the network's input shape (for reconstruction).
       groups: local modules per device the heads were built for.
       grouped: whether the heads depend on `groups` (`HeadKind.grouped`).
@@ -275,6 +297,13 @@ class AuxHeads:
     @property
     def num_stages(self) -> int:
         return len(self.heads)
+
+    @property
+    def splits_last(self) -> bool:
+        """Whether the last module has a head: its classifier (the network's last block) then trains
+        on the task's loss of stopped features, its other blocks on the head's loss
+        (`StagedNet.apply_stage_split`)."""
+        return self.heads[-1] is not None
 
     @property
     def modules(self) -> tuple:
@@ -308,16 +337,18 @@ class AuxHeads:
         return params, state
 
     def loss(self, j: int, params, state, features, labels, images=None, train: bool = True):
-        """Module j's local loss on its output `features`: `(loss, (accuracy, new_state))`.
+        """Module j's local loss on the `features` its head reads: `(loss, (accuracy, new_state))`.
 
-        The last module's features are the network's outputs: its loss is the task's on them
-        and `state` passes through. With `train`, BatchNorm uses this call's statistics and
-        updates its running averages in the new state; EMA parameters pass through (no
-        gradient reaches them).
+        The last module without a head: `features` are the network's outputs, its loss is the
+        task's on them and `state` passes through. With a last head (`splits_last`), this is
+        that head's loss on the features before the classifier; the task's loss of the
+        classifier's outputs is added by the caller (`cdpjax.methods.local.stage_grads`). With
+        `train`, BatchNorm uses this call's statistics and updates its running averages in the new
+        state; EMA parameters pass through (no gradient reaches them).
         """
         head = self.heads[j]
         if head is None:
-            loss, score = task_loss(_task(self.task))(features, labels)
+            loss, score = self.output_loss(features, labels)
             return loss, (score, state)
         ema = state.get("ema")
         mutable = {k: v for k, v in state.items() if k != "ema"}
@@ -331,6 +362,10 @@ class AuxHeads:
             new_state["ema"] = ema
         loss, acc = head.loss(outputs, labels, images)
         return loss, (acc, new_state)
+
+    def output_loss(self, outputs, labels):
+        """`(loss, score)`: the task's on the network's outputs."""
+        return task_loss(_task(self.task))(outputs, labels)
 
     def follow(self, j: int, params, state, next_body):
         """Module j's head state after its step: its EMA parameters moved towards module j+1's
@@ -422,11 +457,20 @@ def build(kind: str, net, num_classes: int, kwargs: dict | None = None, groups=N
     entry = REGISTRY.lookup(kind)
     task = _task(task)
     shapes = tuple(tuple(s[1:]) for s in net.stage_output_shapes(1))
-    own = {k: v for k, v in kwargs.items() if k not in SHARED_OPTIONS}
+    own = {k: v for k, v in kwargs.items() if k not in SHARED_OPTIONS + (LAST_OPTION,)}
     groups = _groups(groups, len(shapes), kind, entry.grouped)
     shapes_of_blocks = functools.cache(lambda: partition.block_shapes(net.blocks, net.input_shape))
+    last = kwargs.get(LAST_OPTION, False)
+    if not isinstance(last, bool):
+        raise ConfigError(f"aux_kwargs.{LAST_OPTION}={last!r} must be True or False")
+    if last:
+        first, end = net.bounds[-1]
+        if end - first < 2:
+            raise ConfigError(f"aux_kwargs.{LAST_OPTION}=True needs a block before the classifier in the last "
+                              f"module; it holds block {first} alone: cut the stages one block earlier")
+        shapes = (*shapes[:-1], tuple(shapes_of_blocks()[-2][1:]))  # the classifier's input
     heads = []
-    for j in range(len(shapes) - 1):
+    for j in range(len(shapes) - (0 if last else 1)):
         made = entry.factory(HeadContext(j, net, num_classes, shapes, groups, shapes_of_blocks, task), **own)
         head = made if isinstance(made, Head) else Head(made)
         heads.append(_check_task(kind, entry, head, task, j, shapes[j], num_classes, net.input_shape))
@@ -435,7 +479,8 @@ def build(kind: str, net, num_classes: int, kwargs: dict | None = None, groups=N
         channels = net.input_shape[-1]
         mean = per_channel(kwargs, "pixel_mean", 0.0, channels, False)
         std = per_channel(kwargs, "pixel_std", 1.0, channels, True)
-    return AuxHeads(kind, (*heads, None), shapes, tuple(net.input_shape), groups, entry.grouped, mean, std, task)
+    heads = (*heads, *(() if last else (None,)))  # the last module's: its last head, else none
+    return AuxHeads(kind, heads, shapes, tuple(net.input_shape), groups, entry.grouped, mean, std, task)
 
 
 def head_lr_scale(kwargs: dict | None) -> float:
@@ -537,23 +582,25 @@ class ViTHead(nn.Module):
     mlp_dim: int
     pool: str = "cls"
     kernel_init: Any = RELEASED_DENSE  # of its linear layers: the network's blocks' (`_encoder_shape`)
+    approximate_gelu: bool = False  # the network's blocks' activation (`_encoder_shape`)
 
     @nn.compact
     def __call__(self, y, train: bool = False):
         for _ in range(self.depth):
-            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init)(y)
+            y = EncoderBlock(self.heads, self.mlp_dim, kernel_init=self.kernel_init,
+                             approximate_gelu=self.approximate_gelu)(y)
         y = nn.LayerNorm(epsilon=1e-6)(y)
         y = y[:, 0] if self.pool == "cls" else y.mean(axis=1)
         return nn.Dense(self.num_classes, kernel_init=self.kernel_init)(y)
 
 
-def _encoder_shape(net, width: int) -> tuple[int, int, Any]:
-    """Heads, MLP width and linear layers' initialiser of the network's own encoder blocks (else
-    64-wide heads, MLP 4x, PPLL's released initialiser)."""
+def _encoder_shape(net, width: int) -> tuple[int, int, Any, bool]:
+    """Heads, MLP width, linear layers' initialiser and GELU form (approximate or not) of the network's
+    own encoder blocks (else 64-wide heads, MLP 4x, PPLL's released initialiser and exact GELU)."""
     for block in net.blocks:
         if isinstance(block, EncoderBlock):
-            return block.heads, block.mlp_dim, block.kernel_init
-    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE
+            return block.heads, block.mlp_dim, block.kernel_init, block.approximate_gelu
+    return max(1, width // 64) if width % 64 == 0 else 1, 4 * width, RELEASED_DENSE, False
 
 
 @register("greedy")
@@ -566,7 +613,7 @@ def dgl(ctx: HeadContext, *, n_lin: int = 3, mlp_layers: int = 3):
     return DGLHead(ctx.num_classes, number(n_lin, "n_lin", int), number(mlp_layers, "mlp_layers", int))
 
 
-@register("vit")
+@register("vit", last=True)
 def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = None, mlp_dim: int | None = None,
         pool: str = "cls"):
     shape, j = ctx.feature_shape, ctx.index
@@ -575,13 +622,14 @@ def vit(ctx: HeadContext, *, blocks=PPLL_VIT_BLOCKS, num_heads: int | None = Non
                           f"gives {list(shape)}: use greedy, dgl or infopro")
     blocks = tuple(blocks)
     depth = int(blocks[j]) if j < len(blocks) else 0
-    own_heads, own_mlp, kernel_init = _encoder_shape(ctx.net, shape[-1])
+    own_heads, own_mlp, kernel_init, approximate_gelu = _encoder_shape(ctx.net, shape[-1])
     heads = int(own_heads if num_heads is None else num_heads)
     if shape[-1] % heads:
         raise ConfigError(f"aux_kwargs.num_heads={heads} does not divide the token width {shape[-1]}")
     if pool not in ("cls", "mean"):
         raise ConfigError(f"aux_kwargs.pool={pool!r} is not one of cls, mean")
-    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init)
+    return ViTHead(ctx.num_classes, depth, heads, int(own_mlp if mlp_dim is None else mlp_dim), pool, kernel_init,
+                   approximate_gelu)
 
 
 # InfoPro's classifiers and decoder, and PPLL's momentum heads, register themselves on import.

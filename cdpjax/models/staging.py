@@ -35,7 +35,20 @@ class Chain(nn.Module):
     def __call__(self, x, train: bool = False):
         for block in self.blocks:
             x = block(x, train)
-        return jax.tree.map(lambda y: y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) else y, x)
+        return _float32(x)
+
+    def split(self, x, train: bool = False):
+        """`(h, y)`: h the output of every block but the last, y the last block's output on
+        `stop_gradient(h)`, both float32: the last block learns from y's loss alone, and no gradient of
+        it reaches the blocks before (`AuxHeads`' last head)."""
+        for block in self.blocks[:-1]:
+            x = block(x, train)
+        return _float32(x), _float32(self.blocks[-1](jax.lax.stop_gradient(x), train))
+
+
+def _float32(tree):
+    """Floating leaves as float32: what a stage hands on (`Chain`)."""
+    return jax.tree.map(lambda y: y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) else y, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +100,17 @@ class StagedNet:
             y, new_state = stage.apply(variables, x, train=True, mutable=list(state))
             return y, dict(new_state)
         return stage.apply(variables, x, train=train), state
+
+    def apply_stage_split(self, j: int, params: Params, state: State, x, train: bool):
+        """`(h, y, new_state)`: stage j's features before its last block, and its output, the last block
+        applied to `stop_gradient(h)` (`Chain.split`); stage j needs two blocks at least."""
+        stage = self.stages[j]
+        variables = {"params": params, **state}
+        if train and state:
+            (h, y), new_state = stage.apply(variables, x, train=True, mutable=list(state), method=Chain.split)
+            return h, y, dict(new_state)
+        h, y = stage.apply(variables, x, train=train, method=Chain.split)
+        return h, y, state
 
     def apply(self, params: Sequence[Params], state: Sequence[State], x, train: bool):
         """Logits and the new per-stage states, running the stages in order."""

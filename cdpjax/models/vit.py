@@ -24,6 +24,11 @@ dim); class token and positions `trunc_normal_(std=0.02)` (cut at +-2, a normal 
 std 0.02); LayerNorm scale 1, bias 0. `'xavier'`: what cdpjax had, Xavier-uniform
 linear layers, flax's LeCun-normal patch projection, a zero class token: the
 default of `vit_tiny`. Decoder blocks (`cdpjax.models.gpt`) keep Xavier.
+
+Activation (`gelu`): `'exact'` (default) is PPLL's released ViT, PyTorch's `nn.GELU()`
+(`models/vit_model.py`, `Block`'s `act_layer=nn.GELU`, lines 181 and 230), the erf form
+x Phi(x); `'tanh'`: flax's default tanh approximation, what cdpjax had (`vit_tiny`'s
+default; decoder blocks keep it). PPLL's ViT heads (`aux_head='vit'`) take the network's.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ RELEASED_DENSE = nn.initializers.normal(0.01)
 RELEASED_TOKENS = nn.initializers.normal(0.02)
 RELEASED_PATCH = nn.initializers.variance_scaling(2.0, "fan_out", "normal")  # kaiming_normal_: untruncated
 INITS = ("released", "xavier")
+GELUS = ("exact", "tanh")  # PyTorch's nn.GELU() (erf) | flax's default tanh approximation
 
 
 class PatchEmbedding(nn.Module):
@@ -74,6 +80,7 @@ class EncoderBlock(nn.Module):
     dtype: Any = None
     causal: bool = False
     kernel_init: Any = dense_init  # of every linear layer (ViT: `init`, module docstring)
+    approximate_gelu: bool = True  # tanh GELU; False: the exact erf form (ViT: `gelu`, module docstring)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -84,7 +91,8 @@ class EncoderBlock(nn.Module):
             y, y, mask=mask, deterministic=True)
         x = x + y
         y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)(x)
-        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=self.kernel_init, dtype=self.dtype)(y))
+        y = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=self.kernel_init, dtype=self.dtype)(y),
+                    approximate=self.approximate_gelu)
         return x + nn.Dense(d, kernel_init=self.kernel_init, dtype=self.dtype)(y)
 
 
@@ -106,9 +114,10 @@ class Head(nn.Module):
 @register("vit")
 def vit(num_classes: int, input_shape, norm: str = "batch", bn_axis_name=None, *, patch: int | None = None,
         dim: int = 768, depth: int = 12, heads: int = 12, mlp_dim: int | None = None, dtype=None,
-        init: str = "released") -> list[nn.Module]:
+        init: str = "released", gelu: str = "exact") -> list[nn.Module]:
     """`depth + 2` blocks. `patch=None`: 4 for inputs of 32x32 or less, else 16; `mlp_dim=None`: 4 * dim;
-    `dtype`: what every block computes in (None: float32); `init`: 'released' or 'xavier' (module docstring)."""
+    `dtype`: what every block computes in (None: float32); `init`: 'released' or 'xavier'; `gelu`: 'exact'
+    or 'tanh' (module docstring)."""
     del norm, bn_axis_name  # LayerNorm throughout (see the module docstring)
     h, w = input_shape[:2]
     patch = (4 if max(h, w) <= 32 else 16) if patch is None else int(patch)
@@ -120,26 +129,30 @@ def vit(num_classes: int, input_shape, norm: str = "batch", bn_axis_name=None, *
         raise ConfigError(f"ViT depth={depth} must be >= 1")
     if init not in INITS:
         raise ConfigError(f"ViT init={init!r} is not one of {', '.join(INITS)}")
+    if gelu not in GELUS:
+        raise ConfigError(f"ViT gelu={gelu!r} is not one of {', '.join(GELUS)}")
     mlp_dim = 4 * dim if mlp_dim is None else int(mlp_dim)
     kernel_init = RELEASED_DENSE if init == "released" else dense_init
     return ([PatchEmbedding(patch, dim, dtype, init)]
-            + [EncoderBlock(heads, mlp_dim, dtype, kernel_init=kernel_init) for _ in range(depth)]
+            + [EncoderBlock(heads, mlp_dim, dtype, kernel_init=kernel_init, approximate_gelu=gelu == "tanh")
+               for _ in range(depth)]
             + [Head(num_classes, dtype, init)])
 
 
 @register("vit_b")
-def vit_b(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dtype=None, init="released"):
+def vit_b(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dtype=None, init="released",
+          gelu="exact"):
     """ViT-B: 768 wide, 12 heads, 12 blocks, MLP 3072 (85.2M parameters at patch 4 on 32x32, 10 classes)."""
     return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=768, depth=12, heads=12, dtype=dtype,
-               init=init)
+               init=init, gelu=gelu)
 
 
 @register("vit_tiny")
 def vit_tiny(num_classes, input_shape, norm="batch", bn_axis_name=None, *, patch=None, dim=32, depth=4, heads=2,
-             mlp_dim=64, dtype=None, init="xavier"):
-    """6 blocks by default; patch 2 for inputs up to 16x16, else 4. Xavier by default: a model for tests
-    with no reference code, where std 0.01 leaves 32-wide blocks near the identity for many steps."""
+             mlp_dim=64, dtype=None, init="xavier", gelu="tanh"):
+    """6 blocks by default; patch 2 for inputs up to 16x16, else 4. Xavier and tanh GELU by default: a model
+    for tests with no reference code, where std 0.01 leaves 32-wide blocks near the identity for many steps."""
     if patch is None:
         patch = 2 if max(input_shape[:2]) <= 16 else 4
     return vit(num_classes, input_shape, norm, bn_axis_name, patch=patch, dim=dim, depth=depth, heads=heads,
-               mlp_dim=mlp_dim, dtype=dtype, init=init)
+               mlp_dim=mlp_dim, dtype=dtype, init=init, gelu=gelu)
