@@ -462,10 +462,13 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
 
     Between steps (XLA: arguments): parameters x stored versions, optimizer state, gradient
     buffers in flight, relayed parameters, activations in flight (kept inputs, cotangents,
-    residuals, labels) and the device's slice of the batch. Within a step (XLA: temporaries):
-    the most gradient bytes held at once and the activation peak. A method with a lowered
-    program is priced from the buffers its program declares (`cdpjax.program.Program`), padding
-    included; a one-device method or dp from its structure and its table."""
+    residuals, labels) and the device's slice of the batch (the global batch over the mesh's
+    `data` axis: a pipeline's stage devices each hold their replica's whole slice). Within a step
+    (XLA: temporaries): the most gradient bytes held at once and the activation peak; where the
+    gradient is all-reduced over devices (dp), the reduced copy beside it once the activations
+    are freed: the peak is the larger of the two moments. A method with a lowered program is
+    priced from the buffers its program declares (`cdpjax.program.Program`), padding included; a
+    one-device method or dp from its structure and its table."""
     from cdpjax import optim
 
     tx = optim.make(config)
@@ -473,16 +476,28 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
     opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
     image = int(np.prod(method.net.input_shape)) * 4
-    batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
-        devices if method.input_sharding is None else 1, 1)
+    batch = (config.global_batch_size * image + config.global_batch_size * 4) / _batch_shards(method, config, devices)
     if method.program is not None:
         between, within = _program_memory(method.program, priced, opt_ratio)
     else:
-        between, within = _structural_memory(method, table, sizes, opt_ratio)
+        reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
+        between, within = _structural_memory(method, table, sizes, opt_ratio, reduced)
     between["batch"] = batch
     between["total"] = sum(v for k, v in between.items() if k != "versions")
-    within["total"] = within["gradients_in_flight"] + within["activations"]
+    within.setdefault("reduced_gradients", 0.0)
+    within["total"] = within["gradients_in_flight"] + max(within["activations"], within["reduced_gradients"])
     return {"arguments": between, "temporaries": within}
+
+
+def _batch_shards(method, config, devices: int) -> int:
+    """How many pieces the global batch is cut into, one a device: the mesh's `data` axis where the
+    trainer places the batch over it (the default), 1 for a method that takes it on one device."""
+    from cdpjax.layouts import mesh_for
+    from cdpjax.mesh import resolve_axes
+
+    if method.input_sharding is not None:
+        return 1
+    return max(int(resolve_axes(mesh_for(config), devices).get("data", 1)), 1)
 
 
 _IN_FLIGHT = ("activations", "cotangents", "residuals", "images", "labels")
@@ -500,9 +515,11 @@ def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
     return between, within
 
 
-def _structural_memory(method, table, sizes, opt_ratio) -> tuple[dict, dict]:
+def _structural_memory(method, table, sizes, opt_ratio, reduced: bool) -> tuple[dict, dict]:
     """dp, simulate and the one-device methods: every stage on every device, one gradient of the
-    whole model within the step, the table's activations (or every stage's output at once)."""
+    whole model within the step, the table's activations (or every stage's output at once);
+    `reduced`: the gradient is all-reduced over devices, which XLA does out of place (the summed
+    copy is a second whole gradient, live with the first after the backward)."""
     params = float(sum(sizes["param_bytes"]))
     versions = int(method.stored_versions)
     acts_between = acts_peak = 0.0
@@ -514,7 +531,8 @@ def _structural_memory(method, table, sizes, opt_ratio) -> tuple[dict, dict]:
         acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
     between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
                "gradients_in_flight": 0.0, "relayed_parameters": 0.0, "activations_in_flight": acts_between}
-    return between, {"gradients_in_flight": params, "activations": acts_peak}
+    return between, {"gradients_in_flight": params, "activations": acts_peak,
+                     "reduced_gradients": params if reduced else 0.0}
 
 
 def format_table(records: list[dict]) -> str:

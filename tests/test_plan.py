@@ -6,7 +6,7 @@ import math
 import jax
 import pytest
 
-from cdpjax import bench, cli, plan, speedup, train
+from cdpjax import bench, cli, plan, setup, speedup
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS
 from cdpjax.speedup import StageCosts
@@ -83,7 +83,7 @@ def _exhaustive(base, devices, budgets, bandwidth):
                             if ticks is not None:
                                 c.cdp_ticks = ticks
                             try:
-                                _, mesh_, method = train.setup(c, jax.devices()[:math.prod(mesh.values())])
+                                _, mesh_, method = setup.setup(c, jax.devices()[:math.prod(mesh.values())])
                             except Exception:  # noqa: BLE001 - the method refuses this run
                                 continue
                             n = int(mesh_.devices.size)
