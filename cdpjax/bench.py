@@ -28,7 +28,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -260,7 +260,10 @@ def micro_batch(method, config, mesh) -> int:
 
 def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     """Per-stage bytes that price a program's `Size`s: parameters, model state, the heads', one
-    micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images."""
+    micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images. The
+    residuals (what each stage's `jax.vjp` keeps for its backward) are traced where something
+    holds them: a program that carries them, or a method without a program, whose backward sweeps
+    the whole model's (`memory_model`)."""
     from cdpjax import tasks
     from cdpjax.methods.stage_ops import StageOps
 
@@ -279,7 +282,7 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
-    if method.program is not None and method.program.carries:
+    if True:
         shapes = StageOps(net, task=task).residual_shapes(params, state, inputs, labels,
                                                lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
         out["residual"] = [tree_bytes(r) for r in shapes]
@@ -479,13 +482,13 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     batch = (config.global_batch_size * image + config.global_batch_size * 4) / _batch_shards(method, config, devices)
     if method.program is not None:
         between, within = _program_memory(method.program, priced, opt_ratio)
+        within["workspace"] = op_workspace(method.program, priced)
+        within["total"] = within["gradients_in_flight"] + within["activations"] + within["workspace"]
     else:
         reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
-        between, within = _structural_memory(method, table, sizes, opt_ratio, reduced)
+        between, within = _structural_memory(method, table, sizes, opt_ratio, reduced, priced)
     between["batch"] = batch
     between["total"] = sum(v for k, v in between.items() if k != "versions")
-    within.setdefault("reduced_gradients", 0.0)
-    within["total"] = within["gradients_in_flight"] + max(within["activations"], within["reduced_gradients"])
     return {"arguments": between, "temporaries": within}
 
 
@@ -515,24 +518,46 @@ def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
     return between, within
 
 
-def _structural_memory(method, table, sizes, opt_ratio, reduced: bool) -> tuple[dict, dict]:
-    """dp, simulate and the one-device methods: every stage on every device, one gradient of the
-    whole model within the step, the table's activations (or every stage's output at once);
-    `reduced`: the gradient is all-reduced over devices, which XLA does out of place (the summed
-    copy is a second whole gradient, live with the first after the backward)."""
-    params = float(sum(sizes["param_bytes"]))
+def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=None) -> tuple[dict, dict]:
+    """dp and the one-device methods: every stage on every device. Within the step, the backward
+    sweeps the stages from the last to the first: while stage j's backward runs, the residuals
+    that stages 0..j's forwards kept for it (`jax.vjp`'s, traced by `program_sizes`: each layer's
+    input and what its derivative reads, a stage's internal activations included) and the
+    gradients of stages j..L-1 are held; the peak is the largest such moment (`backward_sweep`).
+    `reduced`: the gradient is then all-reduced over devices, which XLA does out of place (the
+    summed copy a second whole gradient, live with the first once the residuals are freed).
+    Without `priced` residuals, each stage's output stands for them (the table's activations)."""
+    heads = [0.0] * len(sizes["param_bytes"]) if priced is None else list(priced["head_param"])
+    grads = [float(p) + h for p, h in zip(sizes["param_bytes"], heads)]  # local learning: its heads' too
+    params = float(sum(grads))
     versions = int(method.stored_versions)
-    acts_between = acts_peak = 0.0
-    if table is None:
-        acts_peak = float(sum(sizes["activation_bytes"]))
-    elif table.ops:
-        held = table.activation_bytes(sizes["activation_bytes"])
-        lo, hi = table.steady
-        acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
+    state = 0.0 if priced is None else float(sum(priced["model_state"]) + sum(priced["head_state"]))
     between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
-               "gradients_in_flight": 0.0, "relayed_parameters": 0.0, "activations_in_flight": acts_between}
-    return between, {"gradients_in_flight": params, "activations": acts_peak,
-                     "reduced_gradients": params if reduced else 0.0}
+               "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
+               "activations_in_flight": 0.0}
+    kept = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
+    sweep = backward_sweep(kept, grads)
+    within = {"gradients_in_flight": params, "activations": float(sum(kept)),
+              "reduced_gradients": params if reduced else 0.0}
+    within["total"] = max(sweep, 2 * params if reduced else 0.0)
+    return between, within
+
+
+def op_workspace(program, priced) -> float:
+    """The most bytes one backward op holds beyond the program's buffers: the forward residuals it
+    recomputes (none where the program carries them: they are its buffers) and the parameter
+    gradient it makes before adding it to the unit's sum, for the largest unit."""
+    per_unit = []
+    for stages in program.placement.units:
+        kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
+        per_unit.append(kept + sum(priced["param"][j] for j in stages))
+    return float(max(per_unit, default=0.0))
+
+
+def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:
+    """The most bytes a backward from the last stage to the first holds at once: at stage j's
+    backward, the residuals of stages 0..j (not yet read) and the gradients of stages j..L-1."""
+    return float(max((sum(kept[:j + 1]) + sum(grads[j:]) for j in range(len(kept))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:
