@@ -283,8 +283,11 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
     if True:
-        shapes = StageOps(net, task=task).residual_shapes(params, state, inputs, labels,
-                                               lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
+        # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
+        bound = [("stage", 1), ("data", 1)]
+        shapes = StageOps(net, task=task).residual_shapes(
+            params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0,
+                                                                        axis_env=bound)())
         out["residual"] = [tree_bytes(r) for r in shapes]
     return {k: [float(x) for x in v] for k, v in out.items()}
 
@@ -483,7 +486,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     if method.program is not None:
         between, within = _program_memory(method.program, priced, opt_ratio)
         within["workspace"] = op_workspace(method.program, priced)
-        within["total"] = within["gradients_in_flight"] + within["activations"] + within["workspace"]
+        within["total"] = (within["gradients_in_flight"] + within["reduced_gradients"] + within["activations"]
+                           + within["workspace"] + within["updated_parameters"])
     else:
         reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
         between, within = _structural_memory(method, table, sizes, opt_ratio, reduced, priced)
@@ -514,7 +518,9 @@ def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
                "relayed_parameters": args.get("relayed_parameters", 0.0),
                "activations_in_flight": sum(args.get(k, 0.0) for k in _IN_FLIGHT)}
     held = lambda holds: float(program.held(holds, priced).max())  # noqa: E731 - peak over the call's ticks
-    within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT)}
+    within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT),
+              "reduced_gradients": held("reduced_gradients"),
+              "updated_parameters": held("parameters") - float(program.held("parameters", priced)[0])}
     return between, within
 
 
