@@ -261,9 +261,9 @@ def micro_batch(method, config, mesh) -> int:
 def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     """Per-stage bytes that price a program's `Size`s: parameters, model state, the heads', one
     micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images. The
-    residuals (what each stage's `jax.vjp` keeps for its backward) are traced where something
-    holds them: a program that carries them, or a method without a program, whose backward sweeps
-    the whole model's (`memory_model`)."""
+    residuals (what each stage's `jax.vjp` keeps for its backward) are traced for every method: a
+    program that carries them holds them in its buffers, one that recomputes them holds one op's
+    (`op_workspace`), and a method without a program sweeps the whole model's (`memory_model`)."""
     from cdpjax import tasks
     from cdpjax.methods.stage_ops import StageOps
 
@@ -276,19 +276,17 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.dtype(task.label_dtype))
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
-           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L,
+           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L,
            "flag": [1] * L}  # a boolean
     if method.heads is not None:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
-    if True:
-        # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
-        bound = [("stage", 1), ("data", 1)]
-        shapes = StageOps(net, task=task).residual_shapes(
-            params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0,
-                                                                        axis_env=bound)())
-        out["residual"] = [tree_bytes(r) for r in shapes]
+    # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
+    bound = [("stage", 1), ("data", 1)]
+    shapes = StageOps(net, task=task).residual_shapes(
+        params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0, axis_env=bound)())
+    out["residual"] = [tree_bytes(r) for r in shapes]
     return {k: [float(x) for x in v] for k, v in out.items()}
 
 
@@ -470,11 +468,12 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     buffers in flight, relayed parameters, activations in flight (kept inputs, cotangents,
     residuals, labels) and the device's slice of the batch (the global batch over the mesh's
     `data` axis: a pipeline's stage devices each hold their replica's whole slice). Within a step
-    (XLA: temporaries): the most gradient bytes held at once and the activation peak; where the
-    gradient is all-reduced over devices (dp), the reduced copy beside it once the activations
-    are freed: the peak is the larger of the two moments. A method with a lowered program is
-    priced from the buffers its program declares (`cdpjax.program.Program`), padding included; a
-    one-device method or dp from its structure and its table."""
+    (XLA: temporaries): for a method with a lowered program, the peak of each category of the
+    call's buffers its program declares (`cdpjax.program.Program`, padding included) plus one
+    backward op's workspace (`op_workspace`); for dp and the one-device methods, the backward's
+    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
+    all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
+    method in `tests/test_plan.py` (within 5%, or the recorded ratio and why)."""
     from cdpjax import optim
 
     tx = optim.make(config)
