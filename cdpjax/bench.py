@@ -28,7 +28,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -260,7 +260,10 @@ def micro_batch(method, config, mesh) -> int:
 
 def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     """Per-stage bytes that price a program's `Size`s: parameters, model state, the heads', one
-    micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images."""
+    micro-batch's stage inputs (stage 0's: the batch), kept residuals, labels and images. The
+    residuals (what each stage's `jax.vjp` keeps for its backward) are traced for every method: a
+    program that carries them holds them in its buffers, one that recomputes them holds one op's
+    (`op_workspace`), and a method without a program sweeps the whole model's (`memory_model`)."""
     from cdpjax import tasks
     from cdpjax.methods.stage_ops import StageOps
 
@@ -273,16 +276,17 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     labels = jax.ShapeDtypeStruct((micro, *task.label_shape(tuple(net.input_shape))), jnp.dtype(task.label_dtype))
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
-           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L, "residual": [0] * L,
+           "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L,
            "flag": [1] * L}  # a boolean
     if method.heads is not None:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
-    if method.program is not None and method.program.carries:
-        shapes = StageOps(net, task=task).residual_shapes(params, state, inputs, labels,
-                                               lambda probe: jax.eval_shape(lambda: probe(lambda t: t) or 0))
-        out["residual"] = [tree_bytes(r) for r in shapes]
+    # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
+    bound = [("stage", 1), ("data", 1)]
+    shapes = StageOps(net, task=task).residual_shapes(
+        params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0, axis_env=bound)())
+    out["residual"] = [tree_bytes(r) for r in shapes]
     return {k: [float(x) for x in v] for k, v in out.items()}
 
 
@@ -462,10 +466,14 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
 
     Between steps (XLA: arguments): parameters x stored versions, optimizer state, gradient
     buffers in flight, relayed parameters, activations in flight (kept inputs, cotangents,
-    residuals, labels) and the device's slice of the batch. Within a step (XLA: temporaries):
-    the most gradient bytes held at once and the activation peak. A method with a lowered
-    program is priced from the buffers its program declares (`cdpjax.program.Program`), padding
-    included; a one-device method or dp from its structure and its table."""
+    residuals, labels) and the device's slice of the batch (the global batch over the mesh's
+    `data` axis: a pipeline's stage devices each hold their replica's whole slice). Within a step
+    (XLA: temporaries): for a method with a lowered program, the peak of each category of the
+    call's buffers its program declares (`cdpjax.program.Program`, padding included) plus one
+    backward op's workspace (`op_workspace`); for dp and the one-device methods, the backward's
+    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
+    all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
+    method in `tests/test_plan.py` (within 5%, or the recorded ratio and why)."""
     from cdpjax import optim
 
     tx = optim.make(config)
@@ -473,16 +481,29 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
     opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
     image = int(np.prod(method.net.input_shape)) * 4
-    batch = (config.global_batch_size * image + config.global_batch_size * 4) / max(
-        devices if method.input_sharding is None else 1, 1)
+    batch = (config.global_batch_size * image + config.global_batch_size * 4) / _batch_shards(method, config, devices)
     if method.program is not None:
         between, within = _program_memory(method.program, priced, opt_ratio)
+        within["workspace"] = op_workspace(method.program, priced)
+        within["total"] = (within["gradients_in_flight"] + within["reduced_gradients"] + within["activations"]
+                           + within["workspace"] + within["updated_parameters"])
     else:
-        between, within = _structural_memory(method, table, sizes, opt_ratio)
+        reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
+        between, within = _structural_memory(method, table, sizes, opt_ratio, reduced, priced)
     between["batch"] = batch
     between["total"] = sum(v for k, v in between.items() if k != "versions")
-    within["total"] = within["gradients_in_flight"] + within["activations"]
     return {"arguments": between, "temporaries": within}
+
+
+def _batch_shards(method, config, devices: int) -> int:
+    """How many pieces the global batch is cut into, one a device: the mesh's `data` axis where the
+    trainer places the batch over it (the default), 1 for a method that takes it on one device."""
+    from cdpjax.layouts import mesh_for
+    from cdpjax.mesh import resolve_axes
+
+    if method.input_sharding is not None:
+        return 1
+    return max(int(resolve_axes(mesh_for(config), devices).get("data", 1)), 1)
 
 
 _IN_FLIGHT = ("activations", "cotangents", "residuals", "images", "labels")
@@ -496,25 +517,52 @@ def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
                "relayed_parameters": args.get("relayed_parameters", 0.0),
                "activations_in_flight": sum(args.get(k, 0.0) for k in _IN_FLIGHT)}
     held = lambda holds: float(program.held(holds, priced).max())  # noqa: E731 - peak over the call's ticks
-    within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT)}
+    within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT),
+              "reduced_gradients": held("reduced_gradients"),
+              "updated_parameters": held("parameters") - float(program.held("parameters", priced)[0])}
     return between, within
 
 
-def _structural_memory(method, table, sizes, opt_ratio) -> tuple[dict, dict]:
-    """dp, simulate and the one-device methods: every stage on every device, one gradient of the
-    whole model within the step, the table's activations (or every stage's output at once)."""
-    params = float(sum(sizes["param_bytes"]))
+def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=None) -> tuple[dict, dict]:
+    """dp and the one-device methods: every stage on every device. Within the step, the backward
+    sweeps the stages from the last to the first: while stage j's backward runs, the residuals
+    that stages 0..j's forwards kept for it (`jax.vjp`'s, traced by `program_sizes`: each layer's
+    input and what its derivative reads, a stage's internal activations included) and the
+    gradients of stages j..L-1 are held; the peak is the largest such moment (`backward_sweep`).
+    `reduced`: the gradient is then all-reduced over devices, which XLA does out of place (the
+    summed copy a second whole gradient, live with the first once the residuals are freed).
+    Without `priced` residuals, each stage's output stands for them (the table's activations)."""
+    heads = [0.0] * len(sizes["param_bytes"]) if priced is None else list(priced["head_param"])
+    grads = [float(p) + h for p, h in zip(sizes["param_bytes"], heads)]  # local learning: its heads' too
+    params = float(sum(grads))
     versions = int(method.stored_versions)
-    acts_between = acts_peak = 0.0
-    if table is None:
-        acts_peak = float(sum(sizes["activation_bytes"]))
-    elif table.ops:
-        held = table.activation_bytes(sizes["activation_bytes"])
-        lo, hi = table.steady
-        acts_peak = float(held[lo:hi].max()) if hi > lo else 0.0
+    state = 0.0 if priced is None else float(sum(priced["model_state"]) + sum(priced["head_state"]))
     between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
-               "gradients_in_flight": 0.0, "relayed_parameters": 0.0, "activations_in_flight": acts_between}
-    return between, {"gradients_in_flight": params, "activations": acts_peak}
+               "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
+               "activations_in_flight": 0.0}
+    kept = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
+    sweep = backward_sweep(kept, grads)
+    within = {"gradients_in_flight": params, "activations": float(sum(kept)),
+              "reduced_gradients": params if reduced else 0.0}
+    within["total"] = max(sweep, 2 * params if reduced else 0.0)
+    return between, within
+
+
+def op_workspace(program, priced) -> float:
+    """The most bytes one backward op holds beyond the program's buffers: the forward residuals it
+    recomputes (none where the program carries them: they are its buffers) and the parameter
+    gradient it makes before adding it to the unit's sum, for the largest unit."""
+    per_unit = []
+    for stages in program.placement.units:
+        kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
+        per_unit.append(kept + sum(priced["param"][j] for j in stages))
+    return float(max(per_unit, default=0.0))
+
+
+def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:
+    """The most bytes a backward from the last stage to the first holds at once: at stage j's
+    backward, the residuals of stages 0..j (not yet read) and the gradients of stages j..L-1."""
+    return float(max((sum(kept[:j + 1]) + sum(grads[j:]) for j in range(len(kept))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:

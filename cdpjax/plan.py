@@ -7,7 +7,7 @@ that fit, ranked by predicted step time, the best ones checked against XLA.
    count the model can be cut into (powers of two up to its blocks, and the config's own), every
    partition asked for (`cdpjax.models.partition`), micro-batch counts S, 2S and 4S for the
    methods that read them (S: stage devices), both residual policies and every tick kind of the
-   tables that take one. A candidate the method refuses (`train.setup` raises) cannot train the
+   tables that take one. A candidate the method refuses (`setup.setup` raises) cannot train the
    config: it is left out and counted.
 2. Predict (`predict`): memory per device is `bench.memory_model`, the buffers the candidate's
    lowered program declares (or, for dp and the one-device methods, its structure) priced with
@@ -274,7 +274,7 @@ def measure_block_costs(config, micro_batch: int, repeats: int = 3) -> BlockCost
 
 def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: float) -> Prediction:
     """`candidate`'s memory per device and step time (module docstring), from its `config` and
-    `built`: `train.setup`'s (dataset, mesh, method) for it (nothing compiled)."""
+    `built`: `setup.setup`'s (dataset, mesh, method) for it (nothing compiled)."""
     from cdpjax import bench, speedup, tasks
 
     dataset, mesh, method = built

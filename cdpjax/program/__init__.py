@@ -54,7 +54,7 @@ SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "resi
 # ('recompute'), or the residuals the forward's `jax.vjp` kept ('carry').
 RESIDUALS = ("recompute", "carry")
 CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_state", "gradients", "activations",
-              "cotangents", "residuals", "relayed_parameters", "labels", "images", "flags")
+              "cotangents", "residuals", "relayed_parameters", "labels", "images", "flags", "reduced_gradients")
 
 
 def carries(residuals: str) -> bool:

@@ -315,6 +315,28 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
     if lag:
         out.append(Buffer("labels", "labels", Size("label", ((0,),), False, lag * microbatches), True))
         out.append(Buffer("fed", "flags", Size("flag", ((0,),), False, lag), True))  # which calls fed a batch
+    # ppll (local learning, no cotangents) leaves them out: with them its prediction overshoots
+    # XLA's (1.8x on the digits MLP); which of them XLA folds there is not yet read from its assignment
+    return tuple(out) + (_step_temporaries(place, microbatches, heads) if backprop else ())
+
+
+def _step_temporaries(place, microbatches, heads) -> tuple[Buffer, ...]:
+    """What one call allocates beside the state: every device runs every boundary's gated message
+    (one SPMD program), so it holds each boundary's received activation (and cotangent) at its own
+    size; the batch slice split into the call's micro-batches; the gradient sums averaged over
+    `data` (a loop's zero start and its result, two rows) and the update's new row."""
+    units = place.units
+    rows = lambda of, count: Size(of, units, True, place.chunks * count)  # noqa: E731 - carrier rows
+    crossing = tuple((units[u + 1][0],) for u in range(len(units) - 1) if place.device[u] != place.device[u + 1])
+    out = [Buffer("batch.micro", "images", Size("image", ((0,),), False, microbatches), False),
+           Buffer("grads.reduced", "reduced_gradients", rows("param", 2), False),
+           Buffer("rows.updated", "parameters", rows("param", 1), False)]
+    if heads:
+        out += [Buffer("grads.head.reduced", "reduced_gradients", rows("head_param", 2), False),
+                Buffer("rows.head.updated", "parameters", rows("head_param", 1), False)]
+    if crossing:
+        out += [Buffer("messages.act", "activations", Size("input", crossing), False),
+                Buffer("messages.cot", "cotangents", Size("input", crossing), False)]
     return tuple(out)
 
 
