@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax import lax
 
 from cdpjax.errors import ConfigError
 
@@ -42,9 +43,9 @@ SCALE_BYTES = 4
 
 
 class Encoded(NamedTuple):
-    """A message on the wire: `payload` in the codec's dtype (blocks of `BLOCK` elements as rows,
-    the last zero-padded, for the block codecs; else the message's own shape), `scale` [blocks]
-    float32 (None for codecs without blocks)."""
+    """A message on the wire: `payload` in the codec's dtype, a float format as its bits (blocks
+    of `BLOCK` elements as rows, the last zero-padded, for the block codecs; else the message's
+    own shape), `scale` [blocks] float32 (None for codecs without blocks)."""
 
     payload: jax.Array
     scale: jax.Array | None = None
@@ -92,7 +93,7 @@ class Codec:
         if self.lossless:
             return Encoded(x)
         if not self.blocked:
-            return Encoded(x.astype(self.wire))
+            return Encoded(_bits(x.astype(self.wire)))
         blocks = _blocks(x.astype(jnp.float32))
         peak = jnp.max(jnp.abs(blocks), axis=1)
         scale = peak / self.largest
@@ -101,15 +102,16 @@ class Codec:
         scaled = blocks / safe[:, None]
         if self.integer:
             scaled = jnp.clip(jnp.round(scaled), -self.largest, self.largest)
-        return Encoded(scaled.astype(self.wire), scale)
+        return Encoded(_bits(scaled.astype(self.wire)), scale)
 
     def decode(self, encoded: Encoded, like: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         """The message in `like`'s shape and dtype."""
         if self.lossless:
             return encoded.payload
+        payload = _unbits(encoded.payload, self.wire)
         if not self.blocked:
-            return encoded.payload.astype(like.dtype)
-        values = encoded.payload.astype(jnp.float32) * encoded.scale[:, None]
+            return payload.astype(like.dtype)
+        values = payload.astype(jnp.float32) * encoded.scale[:, None]
         n = math.prod(like.shape)
         return values.reshape(-1)[:n].reshape(like.shape).astype(like.dtype)
 
@@ -125,6 +127,22 @@ class Codec:
         leaves, tree = jax.tree.flatten(like)
         sent = tree.flatten_up_to(encoded)
         return jax.tree.unflatten(tree, [self.decode(e, x) for e, x in zip(sent, leaves)])
+
+
+def _bits(payload: jax.Array) -> jax.Array:
+    """A float payload as its bits, an unsigned integer of its width (an integer payload as it is):
+    XLA:CPU widens bfloat16 and float8 collectives to f32 / f16, never an integer one, so the
+    message crosses in the codec's bytes on every backend."""
+    if not jnp.issubdtype(payload.dtype, jnp.floating):
+        return payload
+    return lax.bitcast_convert_type(payload, jnp.dtype(f"uint{8 * payload.dtype.itemsize}"))
+
+
+def _unbits(payload: jax.Array, wire: str) -> jax.Array:
+    """`_bits`' inverse: the payload in the codec's wire dtype."""
+    if payload.dtype == jnp.dtype(wire):
+        return payload
+    return lax.bitcast_convert_type(payload, jnp.dtype(wire))
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -189,6 +207,18 @@ def default_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({k: "none" for k in KINDS})
 
 
+def with_codecs(program, codecs: Codecs):
+    """`program` (a lowered `cdpjax.program.Program`) with each message event's codec set by what
+    it carries, so that its `sent_bytes` are the bytes on the wire."""
+    from cdpjax.program.events import Receive, Send
+
+    def coded(event):
+        if not isinstance(event, (Send, Receive)):
+            return event
+        return dataclasses.replace(event, codec=codecs.of(event.what).name)
+    return dataclasses.replace(program, events=tuple(coded(e) for e in program.events))
+
+
 class Feedback(NamedTuple):
     """Error feedback on one route: `kept`, what the codec dropped from the sender's last
     message on it (zeros before the first)."""
@@ -205,4 +235,4 @@ def feedback_encode(codec: Codec, x: jax.Array, state: Feedback) -> tuple[Encode
 
 
 __all__ = ["BLOCK", "CODECS", "Codec", "Codecs", "Encoded", "Feedback", "KINDS", "SCALE_BYTES", "default_config",
-           "feedback_encode", "lookup"]
+           "feedback_encode", "lookup", "with_codecs"]

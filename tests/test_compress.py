@@ -7,12 +7,19 @@ error <= 2^-4 / 2^-3) except below the smallest normal, where the error is at mo
 smallest subnormal times the scale. The bytes on the wire are the payload's plus one float32
 scale per block. Error feedback resends what the codec dropped (a hand-computed three-step case).
 """
+import json
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cdpjax import compress
+from cdpjax.cli import main
 from cdpjax.config import ConfigError
+from cdpjax.methods.common import loss_and_metrics
+from helpers import build, random_batches, small_config
 
 SHAPES = [(3, 50), (128,), (7, 300), (1,)]
 
@@ -127,3 +134,124 @@ def test_error_feedback_three_steps():
     np.testing.assert_allclose(received, [0.0, 1.0, 0.0], atol=1e-6)
     np.testing.assert_allclose(kept, [0.4, -0.2, 0.2], atol=1e-6)
     assert float(state.kept[1]) == 0.0  # 127 is exact every time
+
+
+# ---------------------------------------------------------------- on the wire: the compiled program's permutes
+
+_PERMUTE = re.compile(r"=\s*(\(.*?\)|\S+)\s+collective-permute(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([0-9,]*)\]")
+_ITEMSIZE = {"f32": 4, "u16": 2, "u8": 1, "s8": 1}
+
+
+def _permutes(hlo_text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of each array a collective-permute of the compiled program sends."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _PERMUTE.search(line)
+        for dtype, dims in _ARRAY.findall(m.group(1)) if m else ():
+            out.append((dtype, int(np.prod([int(d) for d in dims.split(",") if d])) * _ITEMSIZE[dtype]))
+    return out
+
+
+def _wire(codec: str, n: int) -> list[tuple[str, int]]:
+    """What a message of n float32 elements should cross as, written out per codec: bf16 its 2-byte
+    bits, fp8 and int8 one byte an element padded to blocks of 128 beside one float32 scale a block."""
+    blocks = -(-n // 128)
+    return {"none": [("f32", 4 * n)], "bf16": [("u16", 2 * n)], "int8": [("s8", 128 * blocks), ("f32", 4 * blocks)],
+            "fp8-e4m3": [("u8", 128 * blocks), ("f32", 4 * blocks)],
+            "fp8-e5m2": [("u8", 128 * blocks), ("f32", 4 * blocks)]}[codec]
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3"])
+def test_ppll_activation_permutes_carry_the_codec(codec):
+    """ppll on 2 devices, an MLP 16 wide, 12 examples a step: one message, stage 0's output
+    [12, 16] = 192 float32 elements, crosses per step, in the codec's dtype and bytes."""
+    config = small_config("ppll", "mlp", stages=2, global_batch_size=12)
+    config.compress.activations = codec
+    method = build(config, {"stage": 2})
+    batch = random_batches(1, 12)[0]
+    hlo = jax.jit(method.train_step).lower(method.init(jax.random.key(0)), batch).compile().as_text()
+    assert sorted(_permutes(hlo)) == sorted(_wire(codec, 12 * 16))
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_gpipe_cotangent_permutes_carry_the_codec(codec):
+    """gpipe on 2 devices, 2 micro-batches of 4: the activation [4, 16] forward as float32, its
+    cotangent [4, 16] back in the codec's dtype (compress.cotangents only)."""
+    config = small_config("gpipe", "mlp", stages=2, microbatches=2, global_batch_size=8)
+    config.compress.cotangents = codec
+    method = build(config, {"stage": 2})
+    batch = random_batches(1, 8)[0]
+    hlo = jax.jit(method.train_step).lower(method.init(jax.random.key(0)), batch).compile().as_text()
+    assert sorted(_permutes(hlo)) == sorted(_wire("none", 4 * 16) + _wire(codec, 4 * 16))
+
+
+def _ring(codec: str, workers: int = 2, stages: int = 2, batch: int = 8):
+    config = small_config("cdp-v2", "mlp", cdp_impl="ring", workers=workers, stages=stages, global_batch_size=batch,
+                          momentum=0.0, weight_decay=0.0, schedule="constant", learning_rate=0.5)
+    config.compress.gradients = codec
+    return build(config, {"data": workers})
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_ring_gradient_permutes_carry_the_codec(codec):
+    """Each gradient message of the ring (a stage's gradient raveled, n float32 elements with no
+    codec) crosses as the codec's wire arrays for n elements."""
+    batch = random_batches(1, 8)[0]
+
+    def permutes(method):
+        return _permutes(jax.jit(method.train_step).lower(method.init(jax.random.key(0)), batch).compile().as_text())
+
+    plain = permutes(_ring("none"))
+    assert plain and {dtype for dtype, _ in plain} == {"f32"}
+    assert sorted(permutes(_ring(codec))) == sorted(w for _, nbytes in plain for w in _wire(codec, nbytes // 4))
+
+
+def test_ring_with_bf16_sums_within_the_rounding_bound():
+    """CDP-v2's ring, 2 workers, 2 stages, SGD without momentum: one step (and a flush) applies
+    theta_1 = theta_0 - lr G, G summed along the chain from the workers' gradients g_w at theta_0.
+    With bf16 messages the partial worker 0 sends is rounded (error <= 2^-8 |g_0|), the sum worker
+    1 completes is rounded once (<= 2^-8 |g_0 + g_1|, with slack) and passed on exactly (bf16 again),
+    so |theta_1(bf16) - theta_1(none)| <= lr 2^-8 (2 |g_0| + |g_1|)(1 + 2^-7), each g_w here taken as
+    the gradient of its micro-batch's mean loss (at least the share a worker adds). Every worker
+    ends with the same parameters (the completing worker applies what it sends)."""
+    batch = random_batches(1, 8)[0]
+    runs = {}
+    for codec in ("none", "bf16"):
+        method = _ring(codec)
+        state, _ = method.train_step(method.init(jax.random.key(0)), batch)
+        runs[codec] = method, method.flush(state)
+    method, state = runs["none"]
+    theta0 = method.export(method.init(jax.random.key(0)))[0]
+    model_state = method.export(method.init(jax.random.key(0)))[1]
+
+    def grad(rows):
+        loss = lambda p: loss_and_metrics(method.net, p, model_state, batch["image"][rows], batch["label"][rows])[0]  # noqa: E731,E501
+        return jax.grad(loss)(theta0)
+
+    g0, g1 = grad(slice(0, 4)), grad(slice(4, 8))
+    bound = jax.tree.map(lambda a, b: 0.5 * 2.0**-8 * (2 * np.abs(a) + np.abs(b)) * (1 + 2.0**-7) + 1e-7, g0, g1)
+    got, want = runs["bf16"][0].export(runs["bf16"][1])[0], method.export(state)[0]
+    diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), got, want)
+    assert all(jax.tree.leaves(jax.tree.map(lambda d, b: bool(np.all(d <= b)), diff, bound)))
+    assert max(float(d.max()) for d in jax.tree.leaves(diff)) > 0  # the codec did round
+    for j, stage in enumerate(runs["bf16"][1]["params"]):  # every worker's copy the same
+        for leaf in jax.tree.leaves(stage):
+            np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[1])
+
+
+@pytest.mark.parametrize("codec,wire_bytes", [("bf16", 2 * 64 * 16), ("int8", 8 * (128 + 4))])
+def test_bench_counts_the_wire_bytes(tmp_path, codec, wire_bytes):
+    """ppll on two devices, a 16-wide MLP cut after two blocks, 64 examples a step: one message a
+    step, the [64, 16] hidden layer, crosses as `wire_bytes` (written out: bf16 2 bytes an element;
+    int8 1024 elements = 8 blocks of 128 bytes and a 4-byte scale), i.e. half that per device. What
+    the program says (its Send events through their codec) and what the compiled program's
+    permutes carry (bench's HLO count) agree within 1%."""
+    path = tmp_path / "b.json"
+    assert main(["bench", "--methods", "ppll", "--cpu-devices", "2", "--repeats", "1",
+                 "--config.stages=[2]", "--config.model_kwargs.width=16", "--config.global_batch_size=64",
+                 f"--config.compress.activations={codec}", "--json", str(path)]) == 0
+    (r,) = json.loads(path.read_text())
+    assert r["sent_bytes_per_device_per_step"] == wire_bytes / 2
+    permuted = r["sent_bytes_by_kind"]["collective-permute"] / 2  # the rest: the metric scalars' all-reduce
+    assert permuted == pytest.approx(r["sent_bytes_per_device_per_step"], rel=0.01)

@@ -37,6 +37,10 @@ maths is `cdpjax.methods.stage_ops`'s:
   bytes); a device in no pair sends nothing. No other collective but the psum of
   the three metric scalars, and with rings side by side over `data` (`ring_mesh`)
   one psum over `data` of each completed sum (`Period._combine`).
+- codecs: each message crosses encoded by `compress.gradients` (`cdpjax.compress`) and is
+  decoded where it arrives; with a lossy codec the worker that completes a sum holds it as
+  its receivers get it (`Period._settle`) before it applies it, so every copy of the
+  parameters takes the same update ('none': nothing added, bit for bit).
 - applies: per device a `lax.switch` over stages (or none) before the sends and
   after them, from the sum's slot; every worker applies the same optax update
   (`cdpjax.optim.apply`) to its own copy.
@@ -68,6 +72,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
+from cdpjax.compress import CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
@@ -396,10 +401,10 @@ class Period:
     sums received. The program holds each op's piece once per position, whatever N.
     """
 
-    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1):
+    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1, codec: Codec = CODECS["none"]):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
-        self.rings = rings
+        self.rings, self.codec = rings, codec
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
@@ -409,6 +414,7 @@ class Period:
             lambda params, opt, grads, slot: varying((params, opt), AXIS)]
         self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
         self.combine_branches = [self._combine(tk) for tk in self.ticks.ticks]
+        self.settle_branches = [self._settle(tk) for tk in self.ticks.ticks]
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -483,7 +489,8 @@ class Period:
             for name, rounds, merge in messages:
                 j, s = name[1], slot(name)
                 held = _at(grads[j], s)
-                sent = [lax.ppermute(held, WORKERS, list(r)) for r in rounds]
+                wire = self.codec.encode_tree(held)
+                sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
                 value = sent[0]
                 if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
                     value = held
@@ -510,6 +517,21 @@ class Period:
             return varying(grads, AXIS)
         return run
 
+    def _settle(self, tk):
+        """Each sum completed at this tick held as its receivers will get it, decode(encode(sum))
+        (a lossy gradient codec): the worker that completes a sum applies what it sends, so every
+        copy of the parameters takes the same update."""
+        slot = self.routing.slot
+
+        def run(grads: tuple, me):
+            for c in sorted(tk.completes):
+                s = slot(("sum", c.stage, c.lag))
+                held = _at(grads[c.stage], s)
+                sent = self.codec.decode_tree(self.codec.encode_tree(held), held)
+                grads = _set(grads, c.stage, _put(grads[c.stage], s, jnp.where(me == c.worker, sent, held)))
+            return varying(grads, AXIS)
+        return run
+
     def __call__(self, state, images, new_labels, feeding):
         ticks, r = self.ticks, self.routing
         me = lax.axis_index(WORKERS)
@@ -531,6 +553,8 @@ class Period:
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
                     c = c._replace(grads=lax.switch(t, self.combine_branches, c.grads, me))
+            if not self.codec.lossless:
+                c = c._replace(grads=lax.switch(t, self.settle_branches, c.grads, me))
             c = self._applies(c, table, valid, t, me, 0)
             with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
                 c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
@@ -663,7 +687,9 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     micro = batch // (N * rings)
     carry = program.carries
     stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
-    period = Period(stages, program, tx, rings)
+    codecs = Codecs.from_config(ctx.config)
+    program = with_codecs(program, codecs)
+    period = Period(stages, program, tx, rings, codecs.gradients)
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 
