@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax import lax
 
 from cdpjax.errors import ConfigError
@@ -202,11 +201,6 @@ class Codecs:
         return all(getattr(self, k).lossless for k in KINDS)
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """`config.compress`: every kind uncompressed."""
-    return ml_collections.ConfigDict({k: "none" for k in KINDS})
-
-
 def with_codecs(program, codecs: Codecs):
     """`program` (a lowered `cdpjax.program.Program`) with each message event's codec set by what
     it carries, so that its `sent_bytes` are the bytes on the wire."""
@@ -217,6 +211,19 @@ def with_codecs(program, codecs: Codecs):
             return event
         return dataclasses.replace(event, codec=codecs.of(event.what).name)
     return dataclasses.replace(program, events=tuple(coded(e) for e in program.events))
+
+
+def check_method(name: str, program, codecs: Codecs) -> None:
+    """A ConfigError where a kind's codec is set but method `name` encodes no message of that
+    kind (its program, `with_codecs` applied by the engines that encode, has no such send in that
+    codec: dp and e2e send none point to point, ppll no cotangents, cdp-zero's pieces not yet)."""
+    for kind, messages in KINDS.items():
+        codec = getattr(codecs, kind)
+        sends = () if program is None else program.sends
+        if not codec.lossless and not any(s.what in messages and s.codec == codec.name for s in sends):
+            raise ConfigError(f"compress.{kind}={codec.name!r}: method {name!r} encodes no {kind} messages (codecs "
+                              f"run on the pipelines' activations and cotangents and the CDP ring's gradient sums); "
+                              f"set compress.{kind}='none'")
 
 
 class Feedback(NamedTuple):
@@ -234,5 +241,5 @@ def feedback_encode(codec: Codec, x: jax.Array, state: Feedback) -> tuple[Encode
     return encoded, Feedback(sent - codec.decode(encoded, sent))
 
 
-__all__ = ["BLOCK", "CODECS", "Codec", "Codecs", "Encoded", "Feedback", "KINDS", "SCALE_BYTES", "default_config",
+__all__ = ["BLOCK", "CODECS", "Codec", "Codecs", "Encoded", "Feedback", "KINDS", "SCALE_BYTES", "check_method",
            "feedback_encode", "lookup", "with_codecs"]

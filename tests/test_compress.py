@@ -255,3 +255,14 @@ def test_bench_counts_the_wire_bytes(tmp_path, codec, wire_bytes):
     assert r["sent_bytes_per_device_per_step"] == wire_bytes / 2
     permuted = r["sent_bytes_by_kind"]["collective-permute"] / 2  # the rest: the metric scalars' all-reduce
     assert permuted == pytest.approx(r["sent_bytes_per_device_per_step"], rel=0.01)
+
+
+@pytest.mark.parametrize("method,mesh,key", [
+    ("dp", {"data": 2}, "gradients"), ("ppll", {"stage": 2}, "cotangents"), ("ppll", {"stage": 2}, "gradients"),
+    ("gpipe", {"stage": 2}, "parameters")])
+def test_a_codec_no_message_takes_is_refused(method, mesh, key):
+    config = small_config(method, "mlp", stages=2, microbatches=2, global_batch_size=8)
+    config.compress[key] = "bf16"
+    with pytest.raises(ConfigError, match=rf"^compress.{key}='bf16': method '{method}' encodes no {key} messages .*"
+                                          rf"set compress.{key}='none'$"):
+        build(config, mesh)
