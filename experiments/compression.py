@@ -12,9 +12,10 @@ its codec, per device and step, mean over devices; tests/test_compress.py checks
 compiled program's permutes carry them within 1%); the ratio is over the same run's bytes with
 no codec. The final test loss and accuracy are over the whole test split.
 
-Writes OUT/compression.json (every run) and OUT/compression.md (mean and sample standard
-deviation over seeds). Wall times are not reported: on simulated devices sharing the cores they
-say nothing about a real link.
+Writes OUT/compression.json (every run, after each: a call stopped part-way, as a simulated
+device's collective timing out on an overloaded machine, goes on from there when run again) and
+OUT/compression.md (mean and sample standard deviation over seeds). Wall times are not
+reported: on simulated devices sharing the cores they say nothing about a real link.
 """
 from __future__ import annotations
 
@@ -119,6 +120,17 @@ def table_markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finished(path: str, grid: dict) -> dict:
+    """The runs an earlier call of the same grid wrote to `path`, by (route, codec, seed)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        record = json.load(f)
+    if record.get("grid", {}).get("steps") != grid["steps"]:
+        return {}
+    return {(r["route"], r["codec"], r["seed"]): Run(**r) for r in record["runs"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="the CI grid (same as --grid tiny)")
@@ -130,16 +142,18 @@ def main(argv=None) -> int:
 
     mesh_lib.setup_devices(DEVICES)  # simulated CPU devices, where JAX has not started yet
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "compression.json")
+    done = finished(path, grid)
     runs = []
     for route in grid["routes"]:
         for codec in grid["codecs"]:
             for seed in grid["seeds"]:
-                runs.append(train_one(route, codec, seed, grid["steps"]))
-                r = runs[-1]
+                r = done.get((route, codec, seed)) or train_one(route, codec, seed, grid["steps"])
+                runs.append(r)
                 print(f"{route} {codec} seed {seed}: {r.sent_bytes:,.0f} bytes/device/step, test loss "
                       f"{r.test_loss:.4f}, accuracy {r.test_accuracy:.4f}", flush=True)
-    with open(os.path.join(args.out, "compression.json"), "w") as f:
-        json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
+                with open(path, "w") as f:  # after each run: a call stopped part-way goes on from there
+                    json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
     with open(os.path.join(args.out, "compression.md"), "w") as f:
         f.write(table_markdown(runs))
     print(f"wrote {args.out}/compression.md")
