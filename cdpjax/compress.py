@@ -179,14 +179,22 @@ class Codecs:
     cotangents: Codec = CODECS["none"]
     gradients: Codec = CODECS["none"]
     parameters: Codec = CODECS["none"]
+    feedback: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Codecs":
         given = dict(config.get("compress", {}) or {})
         for key in given:
-            if key not in KINDS:
-                raise ConfigError(f"unknown config key 'compress.{key}'; known: {', '.join(KINDS)}")
-        return cls(**{k: lookup(v, f"compress.{k}") for k, v in given.items()})
+            if key not in KINDS and key != "feedback":
+                raise ConfigError(f"unknown config key 'compress.{key}'; known: {', '.join(KINDS)}, feedback")
+        feedback = given.pop("feedback", False)
+        if not isinstance(feedback, bool):
+            raise ConfigError(f"compress.feedback must be True or False, got {feedback!r}")
+        codecs = cls(**{k: lookup(v, f"compress.{k}") for k, v in given.items()}, feedback=feedback)
+        if feedback and codecs.gradients.lossless:
+            raise ConfigError("compress.feedback=True resends what a gradient codec drops, but compress.gradients="
+                              "'none' drops nothing: set a lossy compress.gradients or compress.feedback=False")
+        return codecs
 
     def of(self, what: str) -> Codec:
         """The codec of a message carrying `what` (an events.MESSAGES name); `none` for messages

@@ -109,6 +109,10 @@ def test_unknown_codec_refused_in_one_line():
         compress.Codecs.from_config({"compress": {"gradients": "int4"}})
     with pytest.raises(ConfigError, match="unknown config key 'compress.weights'"):
         compress.Codecs.from_config({"compress": {"weights": "bf16"}})
+    with pytest.raises(ConfigError, match=r"^compress.feedback=True .* compress.gradients='none' drops nothing"):
+        compress.Codecs.from_config({"compress": {"feedback": True}})
+    with pytest.raises(ConfigError, match=r"^compress.feedback must be True or False, got 'yes'$"):
+        compress.Codecs.from_config({"compress": {"gradients": "int8", "feedback": "yes"}})
 
 
 def test_codecs_by_message():
@@ -299,3 +303,52 @@ def test_gpipe_with_bf16_messages_is_backprop_through_bf16_boundaries():
     unrounded = build(plain, {"stage": 2}).gradients(state, batch)
     assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(unrounded), jax.tree.leaves(reference))) > 1e-6  # the codec is felt
+
+
+def test_ring_error_feedback_resends_what_the_codec_dropped():
+    """CDP-v2's ring, 2 workers, 2 stages, bf16 sums with error feedback, learning rate 0 and the
+    same batch every step: the parameters stay theta_0, so worker w adds the same g_w = (1/2) x the
+    gradient of its micro-batch's mean loss at theta_0 to every partial sum it sends. With
+    feedback the k-th partial it sends is x_k = g_w + e_{k-1} and it keeps e_k = x_k - bf16(x_k)
+    (e_0 = 0), written out below in numpy (ml_dtypes' rounding); a step's partial sent `lag` calls
+    after it was fed has been sent K - lag times after K calls. The sum a worker completes keeps
+    its own remainder, at most half a bf16 step of what it sent."""
+    import ml_dtypes
+
+    config = small_config("cdp-v2", "mlp", cdp_impl="ring", workers=2, stages=2, global_batch_size=8,
+                          momentum=0.0, weight_decay=0.0, schedule="constant", learning_rate=0.0)
+    config.compress.gradients, config.compress.feedback = "bf16", True
+    ring = build(config, {"data": 2})
+    batch = random_batches(1, 8)[0]
+    state = ring.init(jax.random.key(0))
+    theta0, model_state = ring.export(state)
+    steps = 3
+    for _ in range(steps):
+        state, _ = ring.train_step(state, batch)
+
+    def g(worker, j):
+        rows = slice(4 * worker, 4 * worker + 4)
+        loss = lambda p: loss_and_metrics(ring.net, p, model_state, batch["image"][rows], batch["label"][rows])[0]  # noqa: E731,E501
+        grad = jax.grad(loss)(theta0)[j]
+        return 0.5 * np.concatenate([np.asarray(leaf, np.float32).reshape(-1) for leaf in jax.tree.leaves(grad)])
+
+    def kept_after(x_part, times):
+        e = np.zeros_like(x_part)
+        for _ in range(times):
+            x = (x_part + e).astype(np.float32)
+            e = x - x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        return e
+
+    partials = {(s.stage, s.src): s.lag for s in ring.program.sends if s.what == "partial"}
+    assert partials  # the ring sends partial sums
+    for j in range(2):
+        feedback = np.asarray(state["feedback"][j])  # [workers, 2, n]
+        for w in range(2):
+            if (j, w) in partials:
+                expected = kept_after(g(w, j), steps - partials[j, w])
+                assert np.abs(expected).max() > 0
+                np.testing.assert_allclose(feedback[w, 0], expected, rtol=1e-3, atol=1e-9)
+            else:
+                assert not feedback[w, 0].any()  # it sends no partial of stage j: nothing kept
+        completing = [w for w in range(2) if feedback[w, 1].any()]
+        assert len(completing) == 1  # one worker completes stage j's sum and keeps its remainder
