@@ -154,8 +154,8 @@ def main(argv=None) -> int:
                       f"{r.test_loss:.4f}, accuracy {r.test_accuracy:.4f}", flush=True)
                 with open(path, "w") as f:  # after each run: a call stopped part-way goes on from there
                     json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
-    with open(os.path.join(args.out, "compression.md"), "w") as f:
-        f.write(table_markdown(runs))
+                with open(os.path.join(args.out, "compression.md"), "w") as f:
+                    f.write(table_markdown(runs))
     print(f"wrote {args.out}/compression.md")
     return 0
 
