@@ -6,11 +6,12 @@ the CDP ring's gradient sums.
 
 Every run trains on digits (`cdpjax/configs/digits.py`: the 4-stage MLP, batch 128) on 4
 simulated CPU devices: `ppll` (one module per device, `compress.activations` set to the codec)
-or `cdp-v2` on the ring (4 workers, `compress.gradients` set to the codec). A row is (route,
-codec, seed). Bytes per step are the program's (`Program.sent_bytes`: each `Send` event through
-its codec, per device and step, mean over devices; tests/test_compress.py checks that the
-compiled program's permutes carry them within 1%); the ratio is over the same run's bytes with
-no codec. The final test loss and accuracy are over the whole test split.
+or `cdp-v2` on the ring (4 workers, `compress.gradients` set to the codec; `int8+feedback`:
+int8 with `compress.feedback`). A row is (route, codec, seed). Bytes per step are the
+program's (`Program.sent_bytes`: each `Send` event through its codec, per device and step, mean
+over devices; tests/test_compress.py checks that the compiled program's permutes carry them
+within 1%); the ratio is over the same run's bytes with no codec. The final test loss and
+accuracy are over the whole test split.
 
 Writes OUT/compression.json (every run, after each: a call stopped part-way, as a simulated
 device's collective timing out on an overloaded machine, goes on from there when run again) and
@@ -31,12 +32,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 DEVICES = 4
 CODECS = ("none", "bf16", "fp8-e4m3", "fp8-e5m2", "int8")
+FEEDBACK = "+feedback"  # a codec name ending in it: with compress.feedback (gradient routes only)
 # route: (method, config key of its messages, extra config)
 ROUTES = {"ppll-activations": ("ppll", "activations", {}),
           "ring-gradients": ("cdp-v2", "gradients", {"cdp_impl": "ring", "workers": DEVICES})}
 GRIDS = {
     "tiny": dict(routes=tuple(ROUTES), codecs=("none", "int8"), seeds=(0,), steps=10),
-    "small": dict(routes=tuple(ROUTES), codecs=CODECS, seeds=(0, 1, 2), steps=200),
+    "small": dict(routes=tuple(ROUTES), codecs=(*CODECS, "int8" + FEEDBACK), seeds=(0, 1, 2), steps=200),
 }
 
 
@@ -59,7 +61,8 @@ def config_of(route: str, codec: str, seed: int, steps: int):
     c = config_lib.load_file(f"digits:method={method},steps={steps}")
     c.seed, c.eval_every, c.checkpoint_every = seed, 0, 0
     c.update(extra)
-    c.compress[key] = codec
+    c.compress[key] = codec.removesuffix(FEEDBACK)
+    c.compress.feedback = codec.endswith(FEEDBACK)
     return c
 
 
@@ -147,6 +150,8 @@ def main(argv=None) -> int:
     runs = []
     for route in grid["routes"]:
         for codec in grid["codecs"]:
+            if codec.endswith(FEEDBACK) and ROUTES[route][1] != "gradients":
+                continue
             for seed in grid["seeds"]:
                 r = done.get((route, codec, seed)) or train_one(route, codec, seed, grid["steps"])
                 runs.append(r)
