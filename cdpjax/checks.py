@@ -97,11 +97,12 @@ def try_model(config, input_shape, num_classes, input_dtype: str = "float32") ->
 
 def validate(config) -> None:
     """`config.validate`, then the method, model, dataset and auxiliary head names and their options."""
-    from cdpjax import data, layouts, models  # the registries (models and data import JAX)
+    from cdpjax import compress, data, layouts, models  # the registries (models and data import JAX)
     from cdpjax.models import aux_heads
 
     cfg_lib.validate(config)
     layouts.LAYOUTS.lookup(config.method)
+    compress.Codecs.from_config(config)
     if not isinstance(config.get("aux_head", "greedy"), str):
         raise ConfigError(f"aux_head must be a string, got {config.aux_head!r}")
     aux_heads.check_options(config.get("aux_head", "greedy"), dict(config.get("aux_kwargs", {}) or {}))

@@ -103,6 +103,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
+    # Codecs of the point-to-point messages, per kind (cdpjax.compress: none, bf16, fp8-e4m3, fp8-e5m2,
+    # int8): pipeline activations and cotangents, the ring's gradient sums, cdp-zero's parameter pieces;
+    # `feedback`: the ring's senders resend what the gradient codec dropped from their last message.
+    c.compress = ml_collections.ConfigDict({"activations": "none", "cotangents": "none", "gradients": "none",
+                                            "parameters": "none", "feedback": False})
     c.profile_steps = ()  # [first, last]: a jax.profiler trace of those steps in WORKDIR (steps from 1)
     # Multi-process runs (see cdpjax.distributed); empty: from the environment, or one process.
     c.distributed = ml_collections.ConfigDict({
@@ -385,7 +390,7 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
 # Keys of other kinds: booleans, names, nested option dicts (checked against their consumer).
 _BOOLS = ("bn_cross_device", "augment", "nesterov")
 _STRINGS = ("method", "model", "dataset", "data_dir", "task")
-_DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed", "checkpoint")
+_DICTS = ("model_kwargs", "aux_kwargs", "dataset_kwargs", "mesh", "distributed", "checkpoint", "compress")
 _CHECKPOINT = {"keep": (int, 1, 2**20), "strict_resume": bool, "async_save": bool}
 # Processes of one run, from any source (the config, CDPJAX_NUM_PROCESSES, SLURM's task count).
 PROCESS_LIMIT = 2**20

@@ -6,6 +6,7 @@ about a method (mesh axes, time table, diagrams), is its `Layout` in
 """
 from __future__ import annotations
 
+from cdpjax import compress
 from cdpjax.layouts import LAYOUTS
 from cdpjax.methods.common import Context, Method
 
@@ -20,7 +21,9 @@ def build(ctx: Context) -> Method:
     # Every method of a process compiles with the same convolution lowering, so that side-by-side
     # timings compare like with like (see cdpjax.xla_cpu; CPU only).
     use_canonical_cpu_convolutions()
-    return LAYOUTS.lookup(ctx.config.method).build(ctx)
+    method = LAYOUTS.lookup(ctx.config.method).build(ctx)
+    compress.check_method(ctx.config.method, method.program, compress.Codecs.from_config(ctx.config))
+    return method
 
 
 __all__ = ["REGISTRY", "Context", "Method", "build"]

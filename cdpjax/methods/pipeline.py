@@ -27,7 +27,10 @@ the messages follow the program:
   `ppermute` of that boundary's shape, run only at the ticks the program names (a
   while loop of trip count 0 or 1: nothing is sent when the table sends nothing;
   the trip count is the same on every device); a boundary within one device is a
-  copy. The receiver stores it in the slot the program names.
+  copy. The receiver stores it in the slot the program names. A message crosses
+  encoded by its kind's codec (`compress.activations`, `compress.cotangents`;
+  `cdpjax.compress`) and is decoded on arrival: the receiver's op reads the decoded
+  values ('none': the message itself, bit for bit).
 - **Updates.** At the ticks the table gives, a unit applies its optax update to its
   accumulated gradient (averaged over `data` groups first), keeping the previous
   version where the table reads it (cdp-mp).
@@ -69,6 +72,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import carrier as carriers
+from cdpjax import compress
 from cdpjax import kinds as op_kinds
 from cdpjax import optim
 from cdpjax.errors import ConfigError
@@ -448,6 +452,10 @@ class _Runtime:
         self.place = _Place.of(program.placement)
         self.ops = StageOps(net, 1.0 / program.microbatches, lambda x: varying(x, self.axes.names), ctx.task)
         self.carry = program.carries
+        codecs = compress.Codecs.from_config(ctx.config)
+        program = self.program = compress.with_codecs(program, codecs)
+        # each entry of a boundary's message by its codec (the image beside an activation goes as it is)
+        self.codecs = {"act": codecs.activations, "cot": codecs.cotangents, "image": codecs.of("image")}
         self.layouts = self._layouts()
         if self.carry:  # a forward's branch writes its residuals unconditionally: every forward must have a slot
             ticks = program.ticks
@@ -631,10 +639,11 @@ class _Runtime:
             message = {"act": act[:, :width]}
             if buf.image is not None:
                 message["image"] = image
-            arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes.names)
+            arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes.names, self.codecs)
             buf = _deliver(buf, arrived, x["recv_act"][b], (me == dst) & (x["send_act"][b] > 0), lay.acts.width)
             if buf.cot is not None:
-                back = _gated_permute({"cot": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names)
+                back = _gated_permute({"cot": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names,
+                                      self.codecs)
                 buf = _deliver(buf, back, x["recv_cot"][b], (me == src) & (x["send_cot"][b] > 0), lay.acts.width)
         return buf
 
@@ -892,13 +901,17 @@ class _Runtime:
                       export_heads=export_heads, padding=padding)
 
 
-def _gated_permute(message: dict, go, src: int, dst: int, axes):
+def _gated_permute(message: dict, go, src: int, dst: int, axes, codecs: dict):
     """`message` from device `src` to `dst` of the stage axis when `go` (0 or 1, the same on every
-    device) is 1; nothing is sent when it is 0. A boundary within one device is the message itself."""
+    device) is 1; nothing is sent when it is 0. Each entry crosses encoded by its codec
+    (`codecs[name]`, `cdpjax.compress`) and is decoded where it arrives, so the permute carries the
+    codec's wire dtype. A boundary within one device is the message itself (a copy, not encoded)."""
     if src == dst:
         return message
-    zeros = varying(jax.tree.map(jnp.zeros_like, message), axes)
-    return lax.fori_loop(0, go, lambda _, m: lax.ppermute(message, "stage", [(src, dst)]), zeros)
+    wire = {name: codecs[name].encode(value) for name, value in message.items()}
+    zeros = varying(jax.tree.map(jnp.zeros_like, wire), axes)
+    arrived = lax.fori_loop(0, go, lambda _, m: lax.ppermute(wire, "stage", [(src, dst)]), zeros)
+    return {name: codecs[name].decode(arrived[name], value) for name, value in message.items()}
 
 
 def _write_leaves(row, leaves):

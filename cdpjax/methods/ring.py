@@ -37,6 +37,13 @@ maths is `cdpjax.methods.stage_ops`'s:
   bytes); a device in no pair sends nothing. No other collective but the psum of
   the three metric scalars, and with rings side by side over `data` (`ring_mesh`)
   one psum over `data` of each completed sum (`Period._combine`).
+- codecs: each message crosses encoded by `compress.gradients` (`cdpjax.compress`) and is
+  decoded where it arrives; with a lossy codec the worker that completes a sum holds it as
+  its receivers get it (`Period._settle`) before it applies it, so every copy of the
+  parameters takes the same update ('none': nothing added, bit for bit). With
+  `compress.feedback`, a worker adds to each partial sum it sends, and to each sum it
+  completes, what the codec dropped from its last one of that stage (kept in the train
+  state: the next step's message on the route carries it).
 - applies: per device a `lax.switch` over stages (or none) before the sends and
   after them, from the sum's slot; every worker applies the same optax update
   (`cdpjax.optim.apply`) to its own copy.
@@ -68,6 +75,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
+from cdpjax.compress import CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
@@ -334,7 +342,9 @@ class RingState(NamedTuple):
     """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
     optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
     kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
-    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period."""
+    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period; per
+    stage, with error feedback, what the codec dropped from the worker's last partial sum and
+    last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty)."""
 
     params: tuple
     opt: tuple
@@ -345,6 +355,7 @@ class RingState(NamedTuple):
     labels: Any
     grads: tuple
     metrics: Any
+    feedback: tuple = ()
 
 
 class Flat:
@@ -396,10 +407,11 @@ class Period:
     sums received. The program holds each op's piece once per position, whatever N.
     """
 
-    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1):
+    def __init__(self, stages: Stages, program: Program, tx, rings: int = 1, codec: Codec = CODECS["none"],
+                 feedback: bool = False):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
-        self.rings = rings
+        self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
@@ -409,6 +421,7 @@ class Period:
             lambda params, opt, grads, slot: varying((params, opt), AXIS)]
         self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
         self.combine_branches = [self._combine(tk) for tk in self.ticks.ticks]
+        self.settle_branches = [self._settle(tk) for tk in self.ticks.ticks]
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -473,7 +486,7 @@ class Period:
         """The tick's messages, each a static `ppermute` of one stage's gradient buffer."""
         slot, N = self.routing.slot, self.ticks.workers
 
-        def run(grads: tuple, me):
+        def run(grads: tuple, feedback: tuple, me):
             # A worker a message does not reach gets zeros in that slot: no other name sharing the
             # slot lives at this tick (lives do not overlap), and the next to live there is written
             # first on every worker.
@@ -483,7 +496,13 @@ class Period:
             for name, rounds, merge in messages:
                 j, s = name[1], slot(name)
                 held = _at(grads[j], s)
-                sent = [lax.ppermute(held, WORKERS, list(r)) for r in rounds]
+                if self.feedback and name[0] == "partial":  # the sender adds what its last partial dropped
+                    senders = _member(me, [src for r in rounds for src, _ in r], N)
+                    held, kept = self._with_feedback(held, _at(feedback[j], 0))
+                    feedback = _set(feedback, j, _put(feedback[j], 0, jax.tree.map(
+                        functools.partial(jnp.where, senders), kept, _at(feedback[j], 0))))
+                wire = self.codec.encode_tree(held)
+                sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
                 value = sent[0]
                 if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
                     value = held
@@ -491,8 +510,14 @@ class Period:
                         value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
                                              got, value)
                 grads = _set(grads, j, _put(grads[j], s, value))
-            return varying(grads, AXIS)
+            return varying((grads, feedback), AXIS)
         return run
+
+    def _with_feedback(self, held, kept):
+        """(held + kept, what the codec drops of it): the message with what the last one on its
+        route dropped added, and what this one drops (`compress.feedback_encode`)."""
+        total = jax.tree.map(jnp.add, held, kept)
+        return total, jax.tree.map(jnp.subtract, total, self.codec.decode_tree(self.codec.encode_tree(total), total))
 
     def _combine(self, tk):
         """Each sum completed at this tick made the sum over the rings (one `psum` over `RINGS`
@@ -510,6 +535,36 @@ class Period:
             return varying(grads, AXIS)
         return run
 
+    def _settle(self, tk):
+        """Each sum completed at this tick held as its receivers will get it, decode(encode(sum))
+        (a lossy gradient codec): the worker that completes a sum applies what it sends, so every
+        copy of the parameters takes the same update."""
+        slot = self.routing.slot
+
+        def run(grads: tuple, feedback: tuple, me):
+            for c in sorted(tk.completes):
+                s = slot(("sum", c.stage, c.lag))
+                held = _at(grads[c.stage], s)
+                mine = me == c.worker
+                if self.feedback:  # the completing worker adds what its last sum of the stage dropped
+                    held_now = held
+                    held, kept = self._with_feedback(held, _at(feedback[c.stage], 1))
+                    feedback = _set(feedback, c.stage, _put(feedback[c.stage], 1, jax.tree.map(
+                        functools.partial(jnp.where, mine), kept, _at(feedback[c.stage], 1))))
+                    held = jax.tree.map(functools.partial(jnp.where, mine), held, held_now)
+                sent = self.codec.decode_tree(self.codec.encode_tree(held), held)
+                grads = _set(grads, c.stage, _put(grads[c.stage], s, jax.tree.map(
+                    functools.partial(jnp.where, mine), sent, held)))
+            return varying((grads, feedback), AXIS)
+        return run
+
+    def feedback_zeros(self, params) -> list:
+        """Per stage, the error-feedback rows a worker starts from ([2, ...] zeros; none without)."""
+        if not self.feedback:
+            return []
+        return [jax.tree.map(lambda a: jnp.zeros((2, *a.shape), a.dtype), self.flat[j].pack(p))
+                for j, p in enumerate(params)]
+
     def __call__(self, state, images, new_labels, feeding):
         ticks, r = self.ticks, self.routing
         me = lax.axis_index(WORKERS)
@@ -519,7 +574,8 @@ class Period:
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
-                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics()), AXIS)
+                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics(),
+                              tuple(state["feedback"]) if self.feedback else ()), AXIS)
 
         def tick(c: RingState, t):
             for k, branches in enumerate(self.op_branches):
@@ -531,9 +587,13 @@ class Period:
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
                     c = c._replace(grads=lax.switch(t, self.combine_branches, c.grads, me))
+            if not self.codec.lossless:
+                grads, feedback = lax.switch(t, self.settle_branches, c.grads, c.feedback, me)
+                c = c._replace(grads=grads, feedback=feedback)
             c = self._applies(c, table, valid, t, me, 0)
             with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
-                c = c._replace(grads=lax.switch(t, self.send_branches, c.grads, me))
+                grads, feedback = lax.switch(t, self.send_branches, c.grads, c.feedback, me)
+                c = c._replace(grads=grads, feedback=feedback)
             c = self._applies(c, table, valid, t, me, 1)
             return c, None
 
@@ -546,6 +606,8 @@ class Period:
                "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
         if self.carry:
             new["kept"] = list(c.kept)
+        if self.feedback:
+            new["feedback"] = list(c.feedback)
         return new, c.metrics
 
     def _applies(self, c, table, valid, t, me, phase):
@@ -663,12 +725,16 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     micro = batch // (N * rings)
     carry = program.carries
     stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
-    period = Period(stages, program, tx, rings)
+    codecs = Codecs.from_config(ctx.config)
+    program = with_codecs(program, codecs)
+    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback)
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry)
+        if period.feedback:
+            state["feedback"] = period.feedback_zeros(state["params"])
         # Every worker holds its own copy of everything: a leading axis over (data, worker).
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 

@@ -208,10 +208,10 @@ class Program:
     # ----------------------------------------------------------------- messages
 
     def sent_bytes(self, sizes: Mapping[str, Sequence[float]]) -> np.ndarray:
-        """[devices] bytes each device sends per call (per training step)."""
+        """[devices] bytes each device sends per call (per training step), through each message's codec."""
         out = np.zeros(self.devices)
         for s in self.sends:
-            out[s.src] += s.size.bytes(sizes)
+            out[s.src] += s.wire_bytes(sizes)
         return out
 
     def sends_per_tick(self) -> np.ndarray:
@@ -222,7 +222,7 @@ class Program:
         return out
 
     def largest_send(self, sizes: Mapping[str, Sequence[float]]) -> float:
-        return max((s.size.bytes(sizes) for s in self.sends), default=0.0)
+        return max((s.wire_bytes(sizes) for s in self.sends), default=0.0)
 
     # ------------------------------------------------------------------- memory
 

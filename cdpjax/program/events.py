@@ -7,8 +7,9 @@ bench's bytes and memory, describe, the tests) reads them and nothing engine-spe
 - `Compute`: a device runs an op of a kind (`cdpjax.kinds.OpKind`) on a stage for a
   micro-batch, reading a parameter version (0: the newest it stores, 1: the one before).
 - `Send` / `Receive`: a point-to-point message at the end of a tick, from `src` to `dst`:
-  what it carries (`MESSAGES`) and its size in per-stage units (`Size`: one stage's own
-  size, never a padded row). Every `Send` has its `Receive` in the same tick.
+  what it carries (`MESSAGES`), its size in per-stage units (`Size`: one stage's own
+  size, never a padded row) and the codec it crosses in (`cdpjax.compress`; set on a
+  lowered program by `compress.with_codecs`). Every `Send` has its `Receive` in the same tick.
 - `Apply`: a device applies a completed gradient sum to a stage at the end of a tick, to
   the whole stage (`parts` 1) or to its 1/`parts` piece of it.
 - `Gather`: at the start of a tick, a device assembles a stage (version row `row`) from
@@ -71,6 +72,7 @@ class _Message:
     dst: int
     stage: int
     lag: int = 0
+    codec: str = "none"
 
     def __post_init__(self):
         if self.what not in MESSAGES:
@@ -78,11 +80,25 @@ class _Message:
         if self.src == self.dst:
             raise ValueError(f"{type(self).__name__} from device {self.src} to itself: a copy, not a message")
         _check(self, tick=self.tick, src=self.src, dst=self.dst, stage=self.stage, lag=self.lag)
+        if self.codec != "none":  # the registry imports JAX: only a program with codecs reads it
+            from cdpjax import compress
+            compress.lookup(self.codec, f"{type(self).__name__}.codec")
+
+    def wire_bytes(self, sizes) -> float:
+        """The bytes it takes on the wire: its size (`Size.bytes`, float32 values) through its codec
+        (`cdpjax.compress`), counted as one array (each further array of a message pads at most one
+        block of its codec more)."""
+        nbytes = self.size.bytes(sizes)
+        if self.codec == "none":
+            return nbytes
+        from cdpjax import compress
+        return float(compress.lookup(self.codec).wire_bytes(-(-int(nbytes) // 4)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Send(_Message):
-    """Device `src` sends `what` of `stage` (`size`) to `dst` at the end of `tick`."""
+    """Device `src` sends `what` of `stage` (`size`) to `dst` at the end of `tick`, encoded by
+    `codec` (a `cdpjax.compress` name; 'none': as it is)."""
 
     @property
     def device(self) -> int:
@@ -140,7 +156,7 @@ def messages(sends: list[Send]) -> list[Event]:
     """Each send with its receive (same tick, same message), in that order."""
     out: list[Event] = []
     for s in sends:
-        out += [s, Receive(s.tick, s.what, s.size, s.src, s.dst, s.stage, s.lag)]
+        out += [s, Receive(s.tick, s.what, s.size, s.src, s.dst, s.stage, s.lag, s.codec)]
     return out
 
 
