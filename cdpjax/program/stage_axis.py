@@ -133,6 +133,12 @@ class StageTicks:
     def lanes(self) -> int:
         return self.kind.shape[2]
 
+    @property
+    def slots(self) -> dict[str, int]:
+        """Buffer slots per kind of stash (each device's rows of the engine's buffers)."""
+        return {"act": self.act_slots, "input": self.input_slots, "cot": self.cot_slots,
+                "residual": self.residual_slots}
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-tick arrays a `lax.scan` reads (leading axis: the ticks of the period)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
