@@ -68,6 +68,8 @@ PPLL_HEAD_VARIANTS = (
     ("infopro contrast", "", ("aux_head=infopro", "aux_kwargs.loss=contrast", "aux_kwargs.feature_dim=128")),
 )
 PPLL_RECIPE_VARIANTS = (("InfoPro's recipe", "recipe=infopro", ()),)
+# PPLL's ViT on 2 GPUs (configs/k2_vit_224_p16.yaml): the same 12 modules grouped [5, 7], local and ppll.
+PPLL_VIT_VARIANTS = (("2 devices", "devices=2", ()),)
 PIPELINES = ("ppll", "gpipe")
 TINY_STEPS = 600  # what cdpjax/configs/digits.py documents its expectations for
 BENCH_REPEATS = {True: 20, False: 10}  # timed steps per bench record (tiny, full): medians of many
@@ -104,8 +106,9 @@ def ppll_rows(tiny: bool) -> list[Row]:
     else:
         groups = [("resnet32", (2, 4, 8, 16), (2, 4, 8, 16), "ppll_resnet32.py:K={K},method={method}",
                    PPLL_RECIPE_VARIANTS),
-                  # PPLL's ViT: 12 one-block modules, [2, 3, 3, 4] on 4 devices (ppll_vit.py's default devices)
-                  ("vit", (12,), (), "ppll_vit.py:K={K},method={method}", ())]
+                  # PPLL's ViT: 12 one-block modules, [2, 3, 3, 4] on 4 devices (ppll_vit.py's default
+                  # devices), and [5, 7] on 2 as a variant read against its own local row
+                  ("vit", (12,), (12,), "ppll_vit.py:K={K},method={method}", PPLL_VIT_VARIANTS)]
     rows = []
     for model, ks, variant_ks, spec, variants in groups:
         # e2e does not depend on K: one row per model.
@@ -380,8 +383,10 @@ def ppll_markdown(records: list[dict]) -> str:
         "against the local row of the same variant. InfoPro's recipe runs InfoPro's 160 epochs with its "
         "reflect-padded CIFAR-10 crops (cdpjax/configs/ppll_resnet32.py).",
         "vit: K = 12 one-block modules, grouped [2, 3, 3, 4] on 4 devices for local and ppll, and 4 stages of "
-        "those blocks for gpipe; the last module's block trains on its own head and the classifier on the "
-        "block's detached output, as released; every row runs the recipe's 50 epochs (equal work), where the "
+        "those blocks for gpipe; local and ppll (2 devices): the same modules grouped [5, 7] on 2 devices, as "
+        "PPLL's 2-GPU runs (configs/k2_vit_224_p16.yaml); the last module's block trains on its own head and "
+        "the classifier on the block's detached output, as released; every row runs the recipe's 50 epochs "
+        "(equal work), where the "
         "released end-to-end script ran 400 and the pipeline baseline 200 (cdpjax/configs/ppll_vit.py).",
     ]
     return _markdown(PPLL_HEAD, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"

@@ -13,6 +13,7 @@ import pytest
 from cdpjax import train
 from cdpjax.config import ConfigError, load_file
 from cdpjax.data.base import random_crop_flip
+from cdpjax.layouts import mesh_for
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cdpjax", "configs")
 STEPS_PER_EPOCH = 50_000 // 1024 + 1  # CIFAR-10 at batch 1024
@@ -108,8 +109,8 @@ def test_infopro_recipe_is_infopros_table_2():
 
 def test_reproduce_rows_are_the_papers():
     """reproduce.py's PPLL table: the ViT rows at K = 12 one-block modules grouped [2, 3, 3, 4] on 4 devices
-    (configs/k4_vit_224_p16.yaml's four aux_depth_lists), gpipe on 4 stages of those blocks; InfoPro's rows
-    160 epochs with reflect padding."""
+    (configs/k4_vit_224_p16.yaml's four aux_depth_lists) and [5, 7] on 2, gpipe on 4 stages of those blocks;
+    InfoPro's rows 160 epochs with reflect padding."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(CONFIGS)), "experiments"))
     import reproduce
 
@@ -119,6 +120,11 @@ def test_reproduce_rows_are_the_papers():
     ppll = reproduce.row_config(rows["ppll-vit-K12-ppll"], None)
     assert len(ppll.stages) + 1 == 12 and list(ppll.module_groups) == [2, 3, 3, 4]
     assert list(reproduce.row_config(rows["ppll-vit-K12-local"], None).module_groups) == [2, 3, 3, 4]
+    # and on 2 devices, configs/k2_vit_224_p16.yaml's two aux_depth_lists of 5 and 7 entries
+    for method in ("local", "ppll"):
+        two = reproduce.row_config(rows[f"ppll-vit-K12-{method}-2-devices"], None)
+        assert len(two.stages) + 1 == 12 and list(two.module_groups) == [5, 7] and two.method == method
+    assert mesh_for(reproduce.row_config(rows["ppll-vit-K12-ppll-2-devices"], None))["stage"] == 2
     # blocks: [patch embedding, encoder 1..12, classifier]; device d starts at encoder 1 + 2, 5, 8 modules
     assert list(reproduce.row_config(rows["ppll-vit-K12-gpipe-M1"], None).stages) == [3, 6, 9]
     infopro = [r for r in rows.values() if r.variant == "InfoPro's recipe"]
