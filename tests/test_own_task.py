@@ -16,6 +16,7 @@ from cdpjax import data, layouts, methods, models, tasks
 from cdpjax import setup as setup_lib
 from cdpjax.errors import ConfigError
 from cdpjax.models import aux_heads
+from helpers import assert_trees_close, max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "experiments", "own_task")
@@ -89,6 +90,26 @@ def test_regression_trains_under_local_learning(own_task, method):
         stage_losses = stage_losses[4:]
     start, end = stage_losses[:10].mean(axis=0), stage_losses[-10:].mean(axis=0)
     assert np.all(end < 0.5 * start), (start, end)
+
+
+def test_ppll_equals_local_on_the_regression_task(own_task):
+    """ppll's pipeline carries the float targets down its stages with the activations: after the same 6
+    steps and its flush it holds local's parameters (local's per-module losses are the squared errors
+    checked above), so a cast of the targets in ppll's buffers would show here."""
+    trained = []
+    for method in ("local", "ppll"):
+        config = own_task(f"method={method}")
+        needed = layouts.devices_needed(config) or len(jax.devices())
+        dataset, mesh, built = setup_lib.setup(config, jax.devices()[:needed])
+        state = built.init(jax.random.key(config.seed))
+        for step in range(6):
+            batch = dataset.train_batch(step, config.global_batch_size, config.seed, augment=False)
+            state, _ = built.train_step(state, setup_lib.put_batch(batch, mesh, built.input_sharding))
+        if built.flush is not None:
+            state = built.flush(state)
+        trained.append(jax.device_get(built.export(state)[0]))
+    assert_trees_close(trained[1], trained[0])
+    assert max_diff(trained[0], jax.device_get(built.export(built.init(jax.random.key(config.seed)))[0])) > 1e-4
 
 
 @pytest.mark.parametrize("method", [m if m in CI_METHODS else pytest.param(m, marks=pytest.mark.heavy)
