@@ -45,6 +45,10 @@ GRIDS = {
     # docs/delays.md's figure, on a busy 2-core machine: digits, two models, 1 seed
     "small": dict(tasks=("digits",), models=("uniform-tau", "straggler"), taus=(0, 2, 8), corrections=CORRECTIONS,
                   seeds=(0,), steps={"digits": 200}),
+    # the issue's target: the character language model at tau = L (random delays, uniform on {0..2 tau}),
+    # every correction, 3 seeds, against dp's plain update (tau = 0: the gap's other end)
+    "target": dict(tasks=("charlm",), models=("uniform-tau",), taus=(0, STAGES), corrections=CORRECTIONS,
+                   seeds=(0, 1, 2), steps={"charlm": 300}, fresh_corrections=("none",)),
     # the issue's grid: both tasks, every model, tau in {0, 1, 2, 4, 8}, 3 seeds
     "full": dict(tasks=("digits", "charlm"), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
                  seeds=(0, 1, 2), steps={"digits": 600, "charlm": 300}),
@@ -124,11 +128,12 @@ def train_one(task: str, model: str, tau: int, correction: str, seed: int, steps
 
 def rows(grid: dict):
     """(task, model, tau, correction, seed) of the grid; tau = 0 once per task, correction and seed
-    (every model is dp there), under the first model."""
+    (every model is dp there), under the first model; only the grid's `fresh_corrections` there if it
+    names them."""
     for task in grid["tasks"]:
         for seed in grid["seeds"]:
             for correction in grid["corrections"]:
-                if 0 in grid["taus"]:
+                if 0 in grid["taus"] and correction in grid.get("fresh_corrections", grid["corrections"]):
                     yield task, grid["models"][0], 0, correction, seed
                 for model in grid["models"]:
                     for tau in grid["taus"]:
