@@ -8,6 +8,7 @@ learning with the same modules); sizes that cannot fill the devices are refused 
 that fits.
 """
 import json
+import re
 
 import jax
 import numpy as np
@@ -148,6 +149,30 @@ def test_a_second_identical_run_reads_its_programs_from_the_compilation_cache(tm
     off = _train_cli(tmp_path / "c", "--compilation-cache", str(cache), "--no-compilation-cache")
     assert [x for x in off if x.startswith("cdpjax: training ")][0].endswith("; compilation cache off)")
     assert "(1 program compiled)" in _compiled(off)
+
+
+def _bench_cli(cache, *flags):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "bench", "--methods", "dp", "--repeats", "1",
+                           "--cpu-devices", "2", "--compilation-cache", str(cache), *flags],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return [x for x in proc.stderr.splitlines() if x.startswith("cdpjax bench: compil")]
+
+
+def test_bench_announces_each_compile_and_says_where_its_program_came_from(tmp_path):
+    """`bench` (tiny digits, 1 repeat): 'compiling dp ...' then 'compiled dp in X s (...)', the step
+    being the one program compiled in between; run again on the same cache, it is read back."""
+    first, second = _bench_cli(tmp_path / "xla"), _bench_cli(tmp_path / "xla")
+    pattern = r"cdpjax bench: compiled dp in \d+\.\d s \({}\)"
+    for lines, programs in ((first, "1 program compiled"),
+                            (second, "0 programs compiled, 1 read from the compilation cache")):
+        assert len(lines) == 2 and lines[0] == "cdpjax bench: compiling dp ...", lines
+        assert re.fullmatch(pattern.format(re.escape(programs)), lines[1]), lines
 
 
 def _compiled(lines):
