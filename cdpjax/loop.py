@@ -80,9 +80,9 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             with first_step_compiles(config.method, first):
                 p.state, metrics, flags = step_fn(p.state, batch)
                 if first:  # the first step of a process compiles: timed apart, left out of the rates
-                    pending.append((step + 1, *jax.device_get((metrics, flags))))
+                    jax.block_until_ready((metrics, flags))
+            pending.append((step + 1, metrics, flags))
             if not first:
-                pending.append((step + 1, metrics, flags))
                 timed.steps += 1
             done = step + 1
             # The flush of a finished run's final checkpoint belongs to its step: once a step trains
@@ -97,7 +97,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 continue
             # Metrics come to the host here only: at log, evaluation and checkpoint steps (and the end).
             finite = True
-            for d, m, f in jax.device_get(pending):
+            for d, m, f in _to_host(pending):
                 p.done, finite = d, guard.all_finite(m, f)
                 if not finite:
                     _nonfinite(p, m, f, skip, bar)  # stop: raises; skip: counted
@@ -153,6 +153,12 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
         bar.close()
         profile.stop(p.done)
         log.close()
+
+
+def _to_host(pending: list) -> list:
+    """The metrics and finite flags of the steps in `pending` ([(step, metrics, flags)]), on the host:
+    the step loop's one transfer from the devices (the steps' values, waited for)."""
+    return jax.device_get(pending)
 
 
 def _sync_step(config, done: int, profile: Profile, first: bool) -> bool:

@@ -181,6 +181,30 @@ def _compiled(lines):
 
 # The input pipeline ------------------------------------------------------------------------------
 
+def test_metrics_come_to_the_host_only_at_log_evaluation_and_checkpoint_steps(tmp_path, monkeypatch):
+    """A dp run of 10 steps, logging every 3, evaluating every 4 and checkpointing every 5: the loop
+    brings metrics to the host (`loop._to_host`, its one transfer) at the first step (which
+    compiles), at each multiple of 3, 4 or 5 and at the last step, each time with every step since
+    the one before, in order; summary.json's input wait is a fraction of the timed steps."""
+    from cdpjax import loop
+
+    brought = []
+
+    def to_host(pending):
+        brought.append([step for step, _, _ in pending])
+        return jax.device_get(pending)
+
+    monkeypatch.setattr(loop, "_to_host", to_host)
+    c = default_config()
+    c.method, c.model, c.global_batch_size, c.num_steps = "dp", "mlp", 64, 10
+    c.log_every, c.eval_every, c.checkpoint_every = 3, 4, 5
+    summary = train.train(c, str(tmp_path), progress=False, devices=jax.devices()[:2])
+    # syncs by the rule: {1} + multiples of 3, 4 or 5 up to 10 + {10} = 1, 3, 4, 5, 6, 8, 9, 10
+    assert brought == [[1], [2, 3], [4], [5], [6], [7, 8], [9], [10]]
+    wait = json.loads((tmp_path / "summary.json").read_text())["input_wait_fraction"]
+    assert wait == summary["input_wait_fraction"] and 0.0 <= wait <= 1.0
+
+
 def test_prefetch_prepares_batches_in_order_off_the_training_thread_and_at_most_depth_ahead():
     import threading
     import time
