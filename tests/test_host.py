@@ -8,6 +8,7 @@ learning with the same modules); sizes that cannot fill the devices are refused 
 that fits.
 """
 import json
+import os
 import re
 
 import jax
@@ -288,3 +289,35 @@ def test_a_prediction_off_the_measured_step_by_more_than_25_percent_says_why(pre
     if says_why:
         assert why[0].startswith(f"why {predicted / 0.02:.2f}x, not within 25%: ") and "lockstep ticks" in why[0]
         assert "timed alone" in why[0] and "bandwidth" in why[0], why[0]
+
+
+# The measurements' scripts, in seconds (their figures are in docs/measured.md) ----------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_prefetch_figure_runs_and_says_its_ratio_and_input_waits(monkeypatch, capsys):
+    from cdpjax import data
+    from cdpjax.data import prefetch
+    from helpers import load_script
+
+    monkeypatch.setattr(data.REGISTRY, "_entries", dict(data.REGISTRY._entries))  # its dataset, for this test only
+    monkeypatch.setattr(prefetch, "DEPTH", prefetch.DEPTH)  # it sets the depth of each run
+    load_script(f"{ROOT}/experiments/prefetch_figure.py", "prefetch_figure").main(["--repeats", "1", "--steps", "3"])
+    line = capsys.readouterr().out.strip()
+    found = re.fullmatch(r"prefetch 2 / none: images/s (\d+\.\d\d)x; input wait (\d+\.\d)% of the step with "
+                         r"prefetch, (\d+\.\d)% without \(medians of 1 runs each\)", line)
+    assert found, line
+    assert float(found[1]) > 0 and all(0 <= float(x) <= 100 for x in found.groups()[1:])
+
+
+def test_the_compile_cache_figure_runs_a_cold_and_a_warm_command(monkeypatch, capsys):
+    from helpers import load_script
+
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # its commands import this checkout
+    load_script(f"{ROOT}/experiments/compile_cache.py", "compile_cache").main(
+        ["--methods", "dp", "--repeats", "1", "--steps", "2"])
+    line = capsys.readouterr().out.strip()
+    found = re.fullmatch(r"dp: first step cold/warm (\d+\.\d\d)x, whole command cold/warm (\d+\.\d\d)x "
+                         r"\(medians of 1 pairs\)", line)
+    assert found and float(found[1]) > 0 and float(found[2]) > 0, line
