@@ -80,24 +80,25 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
             with first_step_compiles(config.method, first):
                 p.state, metrics, flags = step_fn(p.state, batch)
                 if first:  # the first step of a process compiles: timed apart, left out of the rates
-                    pending.append((step + 1, *jax.device_get((metrics, flags))))
+                    jax.block_until_ready((metrics, flags))
+            pending.append((step + 1, metrics, flags))
             if not first:
-                pending.append((step + 1, metrics, flags))
                 timed.steps += 1
             done = step + 1
             # The flush of a finished run's final checkpoint belongs to its step: once a step trains
             # past it (the run extended), batches are in flight again and the new end flushes them.
             p.flushed = False
             boundary.open()  # from the end of the first step (compiled): a SIGTERM saves at a boundary
-            preempted = done < config.num_steps and _preempted(boundary, done)
-            if not (preempted or _sync_step(config, done, profile, first)):
+            sync = _sync_step(config, done, profile, first)
+            preempted = done < config.num_steps and _preempted(boundary, done, sync)
+            if not (preempted or sync):
                 p.done = done
                 bar.step(done)
                 rundir.test_hooks(done)
                 continue
             # Metrics come to the host here only: at log, evaluation and checkpoint steps (and the end).
             finite = True
-            for d, m, f in jax.device_get(pending):
+            for d, m, f in _to_host(pending):
                 p.done, finite = d, guard.all_finite(m, f)
                 if not finite:
                     _nonfinite(p, m, f, skip, bar)  # stop: raises; skip: counted
@@ -136,7 +137,7 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                                           "time": p.clock(), "metrics": log.digest()})
             # A signal that came during this step's evaluation or checkpoint write stops the run here
             # (every process asks again at the same sync step, so they still agree).
-            if preempted or done < config.num_steps and _preempted(boundary, done):
+            if preempted or done < config.num_steps and _preempted(boundary, done, sync=True):
                 raise _save_and_stop(p, boundary, done, {**here, "metrics": log.digest()})
             bar.leave_out(time.perf_counter() - t_aside)
             timed.restart()  # evaluation and checkpoints are not train steps
@@ -153,6 +154,12 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
         bar.close()
         profile.stop(p.done)
         log.close()
+
+
+def _to_host(pending: list) -> list:
+    """The metrics and finite flags of the steps in `pending` ([(step, metrics, flags)]), on the host:
+    the step loop's one transfer from the devices (the steps' values, waited for)."""
+    return jax.device_get(pending)
 
 
 def _sync_step(config, done: int, profile: Profile, first: bool) -> bool:
@@ -181,20 +188,26 @@ def _nonfinite(p: Prepared, metrics, flags, skip: bool, progress: Progress) -> N
                          f"(--config.nonfinite=skip skips such steps instead)")
 
 
-def _preempted(boundary: shutdown.Boundary, done: int) -> bool:
-    """Whether the run saves and stops at this step boundary: a SIGTERM-like signal reached this
-    process, or (multi-process) any process, or JAX's preemption notice came; every process of
-    the run agrees, at the same step."""
-    asked = boundary.asked()
-    if jax.process_count() == 1:
-        return asked
+def _preempted(boundary: shutdown.Boundary, done: int, sync: bool) -> bool:
+    """Whether the run saves and stops at step boundary `done` (asked at every boundary, and again
+    after a sync step's evaluation and checkpoint); every process of the run answers the same.
+
+    JAX's preemption notice (`multihost_utils.reached_preemption_sync_point`) is asked at every
+    boundary with the step, as JAX's protocol wants (and as orbax asks it at each save): a host
+    call, no device sync; it answers yes at the same step on every process. A SIGTERM-like signal
+    to one process stops a single-process run at the next boundary; in a multi-process run the
+    processes agree on it only at sync steps (log, evaluation, checkpoint, first, profiled: the
+    loop's `_sync_step`), where the metrics come to the host anyway, by an all-gather of one flag:
+    so at the next sync step, at most `log_every` steps after the signal."""
     from jax.experimental import multihost_utils
 
     try:
-        asked = multihost_utils.reached_preemption_sync_point(done) or asked
+        noticed = multihost_utils.reached_preemption_sync_point(done)
     except RuntimeError:  # no preemption service (jax.distributed started without one)
-        pass
-    return bool(np.any(multihost_utils.process_allgather(np.int32(asked))))
+        noticed = False
+    if noticed or jax.process_count() == 1:
+        return noticed or boundary.asked()
+    return sync and bool(np.any(multihost_utils.process_allgather(np.int32(boundary.asked()))))
 
 
 def _save_and_stop(p: Prepared, boundary: shutdown.Boundary, done: int, here: dict) -> Interrupted:

@@ -22,11 +22,17 @@ per second, XLA's compiled memory analysis):
   speedup model's prediction (`cdpjax.speedup.simulate`) of the CDP ring (cdp-v2, N = L = 4)
   and of ppll (K = 4) on 4 such devices, with `--bandwidth` bytes/s between devices.
 
+- every device of the machine (`host`): `gpipe` trained for a few steps, in its own
+  process, on a (stage, data) mesh filling them (pipeline replicas over `data`, ViT-B's 4
+  stages; --tiny: vit_tiny's 2 stages on 4 simulated CPU devices), with its images per
+  second and the fraction of the timed steps spent waiting for input (summary.json's
+  `input_wait_fraction`); skipped where the stages cannot fill the devices.
+
 The tasks run in order of importance and the JSON file is rewritten after each, so
 that a run stopped at any point keeps what it measured; past `--budget` seconds the
 remaining tasks are recorded as skipped, and a task that fails (out of memory...) is
 recorded with its error and the others go on. The script uses the first device only,
-whatever the machine has (one GPU; `--tiny` on one CPU device).
+whatever the machine has (one GPU; `--tiny` on one CPU device), but for the `host` task.
 """
 from __future__ import annotations
 
@@ -58,6 +64,8 @@ TINY = {
 # (N = L = K = 4; --tiny: 2).
 DEVICES = {"full": 4, "tiny": 2}
 PREDICTED = ("cdp-v2", "ppll")
+# The `host` task: a stage-axis method on every device, and how many simulated CPU devices --tiny gives it.
+HOST_METHOD, HOST_WORKLOAD, HOST_STEPS, TINY_HOST_DEVICES = "gpipe", "vit_b", {"full": 30, "tiny": 6}, 4
 # H200 SXM: NVLink 4, 18 links of 25 GB/s per direction = 450 GB/s each way.
 NVLINK_BANDWIDTH = 450e9
 
@@ -66,13 +74,14 @@ def plan(tiny: bool = False) -> list[tuple[str, str, str, str]]:
     """(kind, workload, dtype, method) in order of importance: e2e step times, the float32
     predictions, cdp-v2 against dp, then the rest. `tiny`: each kind of task once, each
     workload and dtype at least once (what a CPU smoke test can afford)."""
+    host = ("host", HOST_WORKLOAD, "float32", HOST_METHOD)
     if tiny:
         return [("step", "resnet18", "bfloat16", "e2e"), ("step", "vit_b", "float32", "e2e"),
                 ("prediction", "resnet18", "bfloat16", "cdp-v2"), ("prediction", "vit_b", "float32", "ppll"),
-                ("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2")]
+                ("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2"), host]
     tasks = [("step", w, d, "e2e") for w in WORKLOADS for d in DTYPES]
     tasks += [("prediction", w, "float32", m) for w in WORKLOADS for m in PREDICTED]
-    tasks += [("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2")]
+    tasks += [("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2"), host]
     rest = [("step", w, d, m) for w in WORKLOADS for d in DTYPES for m in ("dp", "cdp-v2")]
     tasks += [t for t in rest if t not in tasks]
     tasks += [("prediction", w, "bfloat16", m) for w in WORKLOADS for m in PREDICTED]
@@ -118,7 +127,50 @@ def prediction_record(config, devices: int, bandwidth: float) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}
 
 
-def run_task(task, workloads, devices: int, device, repeats: int, bandwidth: float) -> dict:
+def host_config(workload: dict, steps: int):
+    """`HOST_METHOD` on a (stage, data) mesh over every device: the workload's stages on `stage`,
+    pipeline replicas over `data`; logged once, no evaluation or checkpoint before the end."""
+    c = config_for(workload, HOST_METHOD, "float32", 1)
+    c.mesh, c.microbatches, c.num_steps = {"stage": c.stages, "data": -1}, 2, steps
+    c.log_every, c.eval_every, c.checkpoint_every = steps, 0, 0
+    return c
+
+
+def host_record(tiny: bool) -> dict:
+    """The `host` task, in its own process (this one uses the first device only): `main(['--host', ...])`
+    trains and prints summary.json's figures; the record keeps the mesh, the devices, images per
+    second and the input-wait fraction."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-figures-host-") as workdir:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--host", workdir, *(["--tiny"] * tiny)],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def host_run(workdir: str, tiny: bool) -> dict:
+    """Trains the `host` task's config in `workdir` on every device (--tiny: 4 simulated CPU
+    devices); its figures, or why the stages cannot fill the devices."""
+    from cdpjax.mesh import setup_devices
+
+    setup_devices(TINY_HOST_DEVICES if tiny else None)
+    import jax
+
+    from cdpjax import train
+
+    config = host_config((TINY if tiny else WORKLOADS)[HOST_WORKLOAD], HOST_STEPS["tiny" if tiny else "full"])
+    stages, devices = config.stages, jax.device_count()
+    if devices < 2 * stages or devices % stages:
+        return {"skipped": f"{stages} stages cannot fill {devices} device{'s' * (devices != 1)} with 2 or more "
+                           f"pipeline replicas"}
+    s = train.train(config, workdir, progress=False)
+    return {k: s[k] for k in ("mesh", "devices", "stages", "steps", "global_batch_size", "images_per_second",
+                              "input_wait_fraction")}
+
+
+def run_task(task, workloads, devices: int, device, repeats: int, bandwidth: float, tiny: bool = False) -> dict:
     """One task's record; `devices`: of the predictions and cdp-v2's workers, `device`: where it runs."""
     kind, name, dtype, method = task
     config = config_for(workloads[name], method, dtype, devices)
@@ -128,6 +180,8 @@ def run_task(task, workloads, devices: int, device, repeats: int, bandwidth: flo
     try:
         if kind == "step":
             record.update(step_record(config, device, repeats))
+        elif kind == "host":
+            record.update(host_record(tiny))
         else:
             record.update(prediction_record(config, devices, bandwidth))
     except Exception as e:  # noqa: BLE001 - one task's failure (out of memory...) must not lose the others
@@ -185,7 +239,7 @@ def measure(out: str, tiny: bool, budget: float, repeats: int, bandwidth: float)
                                    "skipped": f"time budget: {spent:.0f} s of {budget:.0f} s spent"})
         else:
             print(f"gpu_figures: {' '.join(task)} ({spent:.0f} s)", file=sys.stderr, flush=True)
-            doc["records"].append(run_task(task, workloads, devices, device, repeats, bandwidth))
+            doc["records"].append(run_task(task, workloads, devices, device, repeats, bandwidth, tiny))
         doc["wall_seconds"] = time.perf_counter() - start
         write(doc, out)
     return doc
@@ -240,6 +294,16 @@ def prediction_rows(doc: dict) -> list[str]:
     return rows
 
 
+def host_rows(doc: dict) -> list[str]:
+    """The `host` task: a stage-axis method on every device, and how long its steps waited for input."""
+    rows = ["| method | workload (batch) | mesh | devices | images/s | input wait |", "|---|---|---|---|---|---|"]
+    for r in doc["records"]:
+        if r["kind"] == "host" and "images_per_second" in r:
+            rows.append(f"| {r['method']} | {r['workload']} ({r['global_batch_size']}) | {r['mesh']} | {r['devices']} "
+                        f"| {r['images_per_second']:.0f} | {r['input_wait_fraction']:.1%} |")
+    return rows
+
+
 def table(doc: dict) -> str:
     """The markdown of docs/measured.md's GPU section: step times on one device, then the
     predictions on `devices` devices."""
@@ -247,7 +311,8 @@ def table(doc: dict) -> str:
     lines = [f"{env['device']} x1 ({env['backend']}), JAX {env['jax']}, {env['date'][:10]}"
              f"{' (--tiny)' if settings['tiny'] else ''}", "", *step_rows(doc), "",
              f"Predicted on {settings['devices']} devices at {settings['bandwidth'] / 1e9:.0f} GB/s "
-             f"(`cdpjax.speedup`, from per-stage times measured on the one device):", "", *prediction_rows(doc)]
+             f"(`cdpjax.speedup`, from per-stage times measured on the one device):", "", *prediction_rows(doc), "",
+             "Every device of the machine, pipeline replicas over `data` (its own process):", "", *host_rows(doc)]
     missing = [r for r in doc["records"] if "skipped" in r or "error" in r]
     if missing:
         lines += ["", "Not measured: " + "; ".join(
@@ -260,6 +325,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "gpu_figures.json"))
     parser.add_argument("--table", metavar="FILE.json", help="print the markdown table of a results file and exit")
+    parser.add_argument("--host", metavar="WORKDIR", help="the host task alone, in WORKDIR; its figures as JSON")
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches (a CPU smoke test)")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds after which remaining tasks are skipped")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per step measurement (median)")
@@ -270,9 +336,12 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             print(table(json.load(f)))
         return 0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.tiny:  # before JAX starts: a smoke test measures nothing, so skip LLVM's optimisation (1.5x faster)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    if args.host:
+        print(json.dumps(host_run(args.host, args.tiny)))
+        return 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     doc = measure(args.out, args.tiny, args.budget, args.repeats, args.bandwidth)
     print(table(doc))
     print(f"gpu_figures: {args.out} ({doc['wall_seconds']:.0f} s)", file=sys.stderr)

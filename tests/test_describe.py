@@ -196,3 +196,17 @@ def test_bad_input_exits_2_with_one_line(argv, match, capsys, compiles):
 
     assert re.search(match, err), err
     assert not [e for e in compiles if e[0] == "backend"], compiles
+
+
+@pytest.mark.parametrize("argv,mesh", [
+    # gpipe's default mesh: its 4 stages, `data` taking the rest; on 8 devices 8 / 4 = 2 replicas
+    ([], "mesh {'stage': 4, 'data': -1} (data takes the devices the other axes leave: on 8 devices "
+         "{'stage': 4, 'data': 2}, 2 pipeline replicas of 4 stage devices)"),
+    # a mesh given whole: 4 replicas of a 2-stage pipeline
+    (["--config.stages=2", "--config.mesh.stage=2", "--config.mesh.data=4"],
+     "mesh {'data': 4, 'stage': 2} (4 pipeline replicas of 2 stage devices)"),  # the config's key order
+])
+def test_a_stage_axis_method_says_its_pipeline_replicas(argv, mesh, capsys):
+    rc, out, err = _cli(["--config.method=gpipe", *argv], capsys)
+    assert rc == 0, err
+    assert f"for method gpipe, {mesh}, no auxiliary heads" in out.splitlines()[0], out

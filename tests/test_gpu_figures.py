@@ -1,7 +1,8 @@
 """experiments/gpu_figures.sh runs end to end before a GPU ever sees it: `--tiny` (tiny models of
 the same families) in a fresh process with ONE CPU device, as the GPU machine has one device; its
-figures obey their definitions, its markdown table is made from its JSON, and what it imports is
-what the GPU image has (JAX, flax, optax, orbax, chex and ml_collections)."""
+figures obey their definitions (a stage-axis method on every device of its own process among
+them), its markdown table is made from its JSON, and what it imports is what the GPU image has
+(JAX, flax, optax, orbax, chex and ml_collections)."""
 import json
 import os
 import subprocess
@@ -75,6 +76,17 @@ def test_predictions_obey_the_schedules(run):
             assert r["sequential_step_seconds"] == pytest.approx(stage.sum())
             hop = max(r["activation_bytes"]) / bandwidth
             assert stage.max() * (1 - 1e-9) <= r["step_seconds"] <= stage.max() + hop + 1e-12
+
+
+def test_a_stage_axis_method_fills_every_device_and_says_its_input_wait(run):
+    """The host task: gpipe's 2 tiny stages on the 4 simulated CPU devices its own process has,
+    so 4 / 2 = 2 pipeline replicas on `data`; its input wait a fraction; its row in the table."""
+    doc, markdown, _ = run
+    (host,) = [r for r in doc["records"] if r["kind"] == "host"]
+    assert host["method"] == "gpipe" and host["mesh"] == {"stage": 2, "data": 2} and host["devices"] == 4
+    assert host["images_per_second"] > 0 and 0.0 <= host["input_wait_fraction"] <= 1.0
+    assert (f"| gpipe | vit_b ({host['global_batch_size']}) | {{'stage': 2, 'data': 2}} | 4 | "
+            f"{host['images_per_second']:.0f} | {host['input_wait_fraction']:.1%} |") in markdown
 
 
 def test_markdown_table_is_made_from_the_json(run):

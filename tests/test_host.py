@@ -8,6 +8,8 @@ learning with the same modules); sizes that cannot fill the devices are refused 
 that fits.
 """
 import json
+import os
+import re
 
 import jax
 import numpy as np
@@ -150,11 +152,59 @@ def test_a_second_identical_run_reads_its_programs_from_the_compilation_cache(tm
     assert "(1 program compiled)" in _compiled(off)
 
 
+def _bench_cli(cache, *flags):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "cdpjax.cli", "bench", "--methods", "dp", "--repeats", "1",
+                           "--cpu-devices", "2", "--compilation-cache", str(cache), *flags],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return [x for x in proc.stderr.splitlines() if x.startswith("cdpjax bench: compil")]
+
+
+def test_bench_announces_each_compile_and_says_where_its_program_came_from(tmp_path):
+    """`bench` (tiny digits, 1 repeat): 'compiling dp ...' then 'compiled dp in X s (...)', the step
+    being the one program compiled in between; run again on the same cache, it is read back."""
+    first, second = _bench_cli(tmp_path / "xla"), _bench_cli(tmp_path / "xla")
+    pattern = r"cdpjax bench: compiled dp in \d+\.\d s \({}\)"
+    for lines, programs in ((first, "1 program compiled"),
+                            (second, "0 programs compiled, 1 read from the compilation cache")):
+        assert len(lines) == 2 and lines[0] == "cdpjax bench: compiling dp ...", lines
+        assert re.fullmatch(pattern.format(re.escape(programs)), lines[1]), lines
+
+
 def _compiled(lines):
     return [x for x in lines if x.startswith("cdpjax: compiled dp and ran its first step in ")][0]
 
 
 # The input pipeline ------------------------------------------------------------------------------
+
+def test_metrics_come_to_the_host_only_at_log_evaluation_and_checkpoint_steps(tmp_path, monkeypatch):
+    """A dp run of 10 steps, logging every 3, evaluating every 4 and checkpointing every 5: the loop
+    brings metrics to the host (`loop._to_host`, its one transfer) at the first step (which
+    compiles), at each multiple of 3, 4 or 5 and at the last step, each time with every step since
+    the one before, in order; summary.json's input wait is a fraction of the timed steps."""
+    from cdpjax import loop
+
+    brought = []
+
+    def to_host(pending):
+        brought.append([step for step, _, _ in pending])
+        return jax.device_get(pending)
+
+    monkeypatch.setattr(loop, "_to_host", to_host)
+    c = default_config()
+    c.method, c.model, c.global_batch_size, c.num_steps = "dp", "mlp", 64, 10
+    c.log_every, c.eval_every, c.checkpoint_every = 3, 4, 5
+    summary = train.train(c, str(tmp_path), progress=False, devices=jax.devices()[:2])
+    # syncs by the rule: {1} + multiples of 3, 4 or 5 up to 10 + {10} = 1, 3, 4, 5, 6, 8, 9, 10
+    assert brought == [[1], [2, 3], [4], [5], [6], [7, 8], [9], [10]]
+    wait = json.loads((tmp_path / "summary.json").read_text())["input_wait_fraction"]
+    assert wait == summary["input_wait_fraction"] and 0.0 <= wait <= 1.0
+
 
 def test_prefetch_prepares_batches_in_order_off_the_training_thread_and_at_most_depth_ahead():
     import threading
@@ -239,3 +289,35 @@ def test_a_prediction_off_the_measured_step_by_more_than_25_percent_says_why(pre
     if says_why:
         assert why[0].startswith(f"why {predicted / 0.02:.2f}x, not within 25%: ") and "lockstep ticks" in why[0]
         assert "timed alone" in why[0] and "bandwidth" in why[0], why[0]
+
+
+# The measurements' scripts, in seconds (their figures are in docs/measured.md) ----------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_prefetch_figure_runs_and_says_its_ratio_and_input_waits(monkeypatch, capsys):
+    from cdpjax import data
+    from cdpjax.data import prefetch
+    from helpers import load_script
+
+    monkeypatch.setattr(data.REGISTRY, "_entries", dict(data.REGISTRY._entries))  # its dataset, for this test only
+    monkeypatch.setattr(prefetch, "DEPTH", prefetch.DEPTH)  # it sets the depth of each run
+    load_script(f"{ROOT}/experiments/prefetch_figure.py", "prefetch_figure").main(["--repeats", "1", "--steps", "3"])
+    line = capsys.readouterr().out.strip()
+    found = re.fullmatch(r"prefetch 2 / none: images/s (\d+\.\d\d)x; input wait (\d+\.\d)% of the step with "
+                         r"prefetch, (\d+\.\d)% without \(medians of 1 runs each\)", line)
+    assert found, line
+    assert float(found[1]) > 0 and all(0 <= float(x) <= 100 for x in found.groups()[1:])
+
+
+def test_the_compile_cache_figure_runs_a_cold_and_a_warm_command(monkeypatch, capsys):
+    from helpers import load_script
+
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # its commands import this checkout
+    load_script(f"{ROOT}/experiments/compile_cache.py", "compile_cache").main(
+        ["--methods", "dp", "--repeats", "1", "--steps", "2"])
+    line = capsys.readouterr().out.strip()
+    found = re.fullmatch(r"dp: first step cold/warm (\d+\.\d\d)x, whole command cold/warm (\d+\.\d\d)x "
+                         r"\(medians of 1 pairs\)", line)
+    assert found and float(found[1]) > 0 and float(found[2]) > 0, line

@@ -503,6 +503,68 @@ def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_en
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+def test_jax_preemption_notice_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(reference, tmp_path,
+                                                                                         monkeypatch):
+    """JAX's preemption notice (`multihost_utils.reached_preemption_sync_point`, stood in for here:
+    one process has no preemption service) answers yes at step 6, between checkpoints 4 and 8:
+    the run saves checkpoint 6 there and stops as a SIGTERM stops it (exit status 143, the same
+    line); the notice was asked at every step boundary with the step (what JAX's protocol needs);
+    resumed, the run ends as the uninterrupted one."""
+    from jax.experimental import multihost_utils
+
+    from cdpjax import loop
+
+    ref, work, devices = reference("dp"), tmp_path / "run", layout("dp")[1]
+    asked = []
+
+    def notice(step):  # JAX's answer: yes at the safe step its protocol agreed on (every process alike)
+        asked.append(step)
+        return step == 6
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", notice)
+    c = small_config("dp")
+    with pytest.raises(loop.Interrupted) as stopped:
+        train.train(c, str(work), progress=False, devices=devices)
+    assert stopped.value.exit_status == 143
+    assert str(stopped.value) == (f"terminated (SIGTERM) at step 6; checkpoint 6 saved in {work}/checkpoints; run "
+                                  f"the same command to resume from it")
+    assert steps(work) == [4, 6] and not (work / "lock.json").exists()
+    # asked at every step boundary 1..6 in order (again after a sync step's checkpoint; orbax asks too
+    # at each save, with the step), and at none after 6
+    assert sorted(set(asked)) == [1, 2, 3, 4, 5, 6] and asked == sorted(asked)
+    monkeypatch.undo()
+    resumed = train.train(c, str(work), progress=False, devices=devices)
+    assert resumed["resumed_from"] == 6
+    _equal_trees(final_state(c, work, devices)[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
+def test_multi_process_preemption_is_agreed_on_only_at_sync_steps(monkeypatch):
+    """Two processes (stood in for): the loop's preemption question all-gathers its flag only at
+    sync steps (here 4 and 8 of 1..8), never at the steps between, where nothing else comes to
+    the host; a signal to this process after step 5 stops the run at 8, the next sync step, and
+    not at 6 or 7; JAX's notice, a host call, stops it at once, with no all-gather."""
+    from jax.experimental import multihost_utils
+
+    from cdpjax import loop, shutdown
+
+    gathered, noticed_at = [], [None]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: gathered.append(int(x)) or np.array([x, 0]))
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda step: step == noticed_at[0])
+    boundary = shutdown.Boundary()
+    answers = []
+    for done in range(1, 9):
+        if done == 6:
+            boundary.signum = signal.SIGTERM  # what the watcher records when a signal asks
+        answers.append(loop._preempted(boundary, done, sync=done % 4 == 0))
+    assert answers == [False] * 7 + [True]  # asked from 6; agreed on at 8
+    assert gathered == [0, 1]  # steps 4 and 8 only
+    noticed_at[0], gathered[:] = 3, []
+    assert loop._preempted(shutdown.Boundary(), 3, sync=False) and gathered == []
+
+
 # CI runs tests/test_faults.py::test_force_during_checkpoints_stops_the_old_run_and_the_forcing_run_ends_whole
 @pytest.mark.heavy
 def test_force_takes_a_live_runs_directory_and_keeps_its_checkpoint_in_progress(reference, tmp_path, capsys):
