@@ -130,6 +130,10 @@ CASES = [
     pytest.param("vit_tiny", "carry", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),
     pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "split", marks=pytest.mark.heavy),  # F, B, W
     ("mlp", "carry", "cdp-v1", "none", "split"),
+    # paired forwards: each tick in two halves (a pair's second forward reads the first's output from
+    # the device before); a forward beside the previous step's backward in one cell
+    ("mlp", "carry", "cdp-v2", "none", "paired"),
+    ("mlp", "recompute", "cdp-v1", "none", "paired"),
     pytest.param("mlp", "recompute", "cdp-v1", "none", "whole", marks=pytest.mark.heavy),
     pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "whole", marks=pytest.mark.heavy),
     pytest.param("vit_tiny", "recompute", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),

@@ -461,6 +461,10 @@ class _Runtime:
         self.codecs = {"act": codecs.activations, "cot": codecs.cotangents, "image": codecs.of("image")}
         # what the scan reads: compiled from the program's events, the only description of what it runs
         self.ticks: StageTicks = program_ticks(program)
+        # some cell runs ops of different steps (cdp-mp's paired forwards: a forward beside the
+        # previous step's backward), which the runtime then gates lane by lane
+        lags = np.where(self.ticks.kind > 0, self.ticks.lag, -1).reshape(-1, self.ticks.lanes)
+        self.mixed_steps = any(len(set(row[row >= 0].tolist())) > 1 for row in lags)
         self.layouts = self._layouts()
         if self.carry:  # a forward's branch writes its residuals unconditionally: every forward must have a slot
             ticks = self.ticks
@@ -593,14 +597,21 @@ class _Runtime:
                                state_sums=c.state_sums.at[v].set(jnp.where(land, 0.0, c.state_sums[v])))
         operands = tuple(self._operands(c, lane, images, labels) for lane in lanes)
         cell = x["cell"][me]
-        valid = (cell > 0) & fed[lanes[0].lag]  # a cell's lanes are ops of one step (the lowering checks)
+        if self.mixed_steps:  # a cell's lanes of different steps: each runs where its own step was fed
+            fed_lanes = [(lane.kind > 0) & fed[lane.lag] for lane in lanes]
+            valid = (cell > 0) & functools.reduce(jnp.logical_or, fed_lanes)
+        else:  # a cell's lanes are ops of one step: the whole cell runs or none of it
+            valid = (cell > 0) & fed[lanes[0].lag]
+            fed_lanes = [valid & (lane.kind > 0) for lane in lanes]
         outs = lax.switch(jnp.where(valid, cell, 0), branches, varying(operands, self.axes.names))
+        if self.mixed_steps:  # a lane whose step was not fed gives what an idle lane gives
+            outs = tuple(jax.tree.map(lambda a, b, keep=keep: jnp.where(keep, a, b), out, self.results(ops))
+                         for out, ops, keep in zip(outs, operands, fed_lanes))
         buf = c.buffers
         # lanes in reverse: a lane with no op (trailing) writes back the residual row it read before
         # an op's lane writes its own, so an empty lane's slot 0 never undoes a real write
-        for lane, ops, out in reversed(list(zip(lanes, operands, outs))):
+        for lane, ops, out, here in reversed(list(zip(lanes, operands, outs, fed_lanes))):
             v = jnp.asarray(self.place.chunk_of)[lane.unit]
-            here = valid & (lane.kind > 0)
             if buf.input is not None:
                 slot = jnp.where(forward[lane.kind] & (lane.unit == 0), lane.input_slot, -1)
                 at = jnp.maximum(slot, 0)

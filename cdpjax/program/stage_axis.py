@@ -1,10 +1,12 @@
 """Lowering for the stage-axis engine: a table whose stages live on their own devices.
 
 The tick runtime (`cdpjax.methods.pipeline`) runs every stage-axis layout (gpipe,
-1f1b, interleaved-1f1b, zb-h1, zbv, looped-bfs, cdp-mp, ppll) from its program;
-this module reads the table once, at build time, into small integer arrays indexed
-[tick, device] (`StageTicks`) that a `lax.scan` over the ticks of one *period*
-reads with `lax.axis_index('stage')`.
+1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, looped-bfs, cdp-mp, ppll) from its
+program. This module reads the table once, at build time, into the typed events of
+one *period* (`table_events`), then compiles those events, and nothing else, into
+small integer arrays indexed [tick, device] (`StageTicks`, `stage_ticks`) that a
+`lax.scan` over the ticks of the period reads with `lax.axis_index('stage')`; the
+engine compiles them from the events of the program it is given (`program_ticks`).
 
 - **Units.** A device runs units: a unit is one stage (backprop layouts) or the
   group of local modules a device runs one after another within a tick (ppll's
@@ -20,8 +22,9 @@ reads with `lax.axis_index('stage')`.
   backward op, and each incoming cotangent until the last backward op that reads
   it (the `W` of a split backward reads it too). Slot indices come from these
   lifetimes: by interval colouring for a layout with lag 0 (the fewest buffers the
-  schedule allows: 1F1B needs at most K-j where GPipe needs M), and by (unit,
-  micro-batch, step) for a periodic layout, so the assignment repeats every period.
+  schedule allows: 1F1B needs at most K-j where GPipe needs M), and one per (unit,
+  micro-batch) for a periodic layout, so the assignment repeats every period (a
+  lifetime longer than the period is refused: the next step's would need its slot).
 - **Cells.** A device's ops of one tick are its cell: one op in most tables, a
   forward of one micro-batch beside a backward of another where the schedule
   overlaps them (dualpipev's pairs). Each op is a *lane* of the per-tick arrays
@@ -29,8 +32,10 @@ reads with `lax.axis_index('stage')`.
 - **Sends.** Each boundary b (unit b's output to unit b+1) has its own message of
   its own size: `send_act[t, b]` says whether unit b's forward at tick t sends it
   (the receiver stores it in slot `recv_act[t, b]`), `send_cot[t, b]` whether unit
-  b+1's backward sends the cotangent back (`recv_cot[t, b]`). A boundary inside
-  one device (a V-shaped layout's turn) is a copy, not a message.
+  b+1's backward sends the cotangent back (`recv_cot[t, b]`): between two devices at
+  the ticks of the program's `Send` events, the slot the one of the micro-batch of
+  the sender's op of that tick. A boundary inside one device (a V-shaped layout's
+  turn) is a copy at each op that crosses it, not a message.
 - **Updates.** `update[t, d, v]`: unit v of device d applies its update at the
   end of tick t (for the step `update_lag` steps back).
 """
@@ -315,14 +320,12 @@ def program_ticks(program: Program) -> StageTicks:
 
 
 def _check_cell(cell: list[_Op], method: str) -> None:
-    """Refuses a cell the engine cannot run as one piece (naming it): ops of different steps, two ops
-    of one unit and kind, two that send to the next unit or two that send a cotangent back."""
+    """Refuses a cell the engine cannot run as one piece (naming it): two ops of one unit and kind,
+    two that send to the next unit or two that send a cotangent back. Its ops may be of different
+    steps (a forward beside the previous step's backward): the engine gates each by its own."""
     t, d = cell[0].tick, cell[0].device
     what = " + ".join(f"{o.kind} of unit {o.unit} (micro-batch {o.micro}, lag {o.lag})" for o in cell)
     flags = [op_kinds.lookup(o.kind) for o in cell]
-    if len({o.lag for o in cell}) > 1:
-        raise ConfigError(f"{method}: device {d} runs ops of different steps in tick {t} ({what}); "
-                          f"the stage-axis engine runs a cell's ops for one step")
     if len({(o.kind, o.unit) for o in cell}) < len(cell):
         raise ConfigError(f"{method}: device {d} runs two {cell[0].kind} ops of one unit in tick {t} ({what})")
     if sum(k.forward for k in flags) > 1 or sum(k.cotangent for k in flags) > 1:
