@@ -111,6 +111,9 @@ def direct_arrays(tbl, residuals):
     arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
     index = {(): 0}
     for (t, d), cell in sorted(cells.items()):
+        # a cell's lanes in the kinds' order, then by unit: the table's order in every layout but
+        # cdp-mp's paired halves (which list a backward before the forward beside it)
+        cell = sorted(cell, key=lambda o: (codes[o.kind], unit_of[o.stage]))
         lanes = tuple((o.kind, unit_of[o.stage]) for o in cell)
         arrays["cell"][t, d] = index.setdefault(lanes, len(index))
         for k, o in enumerate(cell):
@@ -153,7 +156,8 @@ SIZES = {"gpipe": [dict(stages=3, microbatches=1)], "1f1b": [dict(stages=4, micr
          "zbv": [dict(stages=8, microbatches=8)], "dualpipev": [dict(stages=6, microbatches=6),
                                                                 dict(stages=8, microbatches=12)],
          "looped-bfs": [dict(stages=8, microbatches=4, chunks=2)], "ppll": [dict(stages=8, module_groups=(4, 2, 2))],
-         "cdp-mp": [dict(stages=3, rule="cdp-v1"), dict(stages=4, ticks="split")]}
+         "cdp-mp": [dict(stages=3, rule="cdp-v1"), dict(stages=4, ticks="split"),
+                    dict(stages=4, ticks="paired")]}
 ENOUGH_STEPS = {"cdp-mp": 6}  # its builder lays its table over more steps than the table's default
 CASES = [(name, sizes) for name in STAGE_LAYOUTS for sizes in [{}] + SIZES.get(name, [])]
 
