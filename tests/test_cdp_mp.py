@@ -130,6 +130,10 @@ CASES = [
     pytest.param("vit_tiny", "carry", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),
     pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "split", marks=pytest.mark.heavy),  # F, B, W
     ("mlp", "carry", "cdp-v1", "none", "split"),
+    # paired forwards: each tick in two halves (a pair's second forward reads the first's output from
+    # the device before); a forward beside the previous step's backward in one cell
+    ("mlp", "carry", "cdp-v2", "none", "paired"),
+    ("mlp", "recompute", "cdp-v1", "none", "paired"),
     pytest.param("mlp", "recompute", "cdp-v1", "none", "whole", marks=pytest.mark.heavy),
     pytest.param("resnet_tiny", "carry", "cdp-v2", "group", "whole", marks=pytest.mark.heavy),
     pytest.param("vit_tiny", "recompute", "cdp-v2", "none", "whole", marks=pytest.mark.heavy),
@@ -339,3 +343,24 @@ def test_carried_residuals_are_not_copied_per_tick(name, bound):
     declared = model["gradients_in_flight"] + model["activations"]  # the program's buffers (no op's workspace)
     temp = bench.memory(run["compiled"])["temp_bytes"]
     assert temp <= bound * declared, (temp / 2**20, declared / 2**20)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_paired_forwards_in_two_half_ticks(stages):
+    """Paired ticks on the stage axis: a worker's forward of stage 2a+1 runs one half-tick after its
+    forward of stage 2a (on the next device, which needs its output), every other op of the CDP paired
+    table keeps its order in the first halves (tick 2t), each update lands at the end of its tick's
+    second half (2t + 1); a device runs at most a forward and a backward of different workers in one
+    half, and some device runs both (an overlapped cell)."""
+    t = cdp_mp_table(stages, steps=4, ticks="paired")
+    base = table("cdp-v2", workers=stages, stages=stages, steps=4, ticks="paired")
+    second = lambda o: o.kind == "F" and o.stage % 2 == 1  # noqa: E731 - the pair (2a, 2a+1)'s second
+    want = {(2 * o.tick + second(o), o.stage, o.kind, o.device, o.step, o.version) for o in base.ops}
+    assert {(o.tick, o.device, o.kind, o.micro, o.step, o.version) for o in t.ops} == want
+    assert {(u.tick, u.stage, u.step) for u in t.updates} == {(2 * u.tick + 1, u.stage, u.step) for u in base.updates}
+    cells = {}
+    for o in t.ops:
+        cells.setdefault((o.tick, o.device), []).append(o)
+    assert all(len(c) == 1 or (sorted(o.kind for o in c) == ["B", "F"] and len({o.micro for o in c}) == 2)
+               for c in cells.values())
+    assert any(len(c) == 2 for c in cells.values())

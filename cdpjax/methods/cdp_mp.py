@@ -11,6 +11,11 @@ and one backward per tick would take N = 2L): busy fraction 1.0, and no fill,
 drain or flush between steps. At the end of every tick the forward output goes to
 stage j+1 and the input cotangent to stage j-1: two `ppermute`s (shifts +1 and -1
 on `stage`) after the switch, of one micro-batch's padded activation each.
+With `cdp_ticks='paired'` (a worker's forwards of two stages in one tick) each tick
+is cut in two, the pair's second forward a half-tick after the first (it needs the
+first's output from the device before), and a device runs a forward beside another
+worker's backward of the previous step in one half (an overlapped cell); with
+'split' the ticks are F, B, W (3L a step).
 
 Update rule: CDP's, with the staleness of `config.cdp_rule` ('cdp-v2', default, or
 'cdp-v1'), one optax state per stage, two stored versions per stage (current,

@@ -80,7 +80,7 @@ from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import RESIDUALS, Program, carries
-from cdpjax.program.stage_axis import LANE_FIELDS, kind_codes, lower_stage_axis
+from cdpjax.program.stage_axis import LANE_FIELDS, StageTicks, kind_codes, lower_stage_axis, program_ticks
 from cdpjax.timetable import TimeTable
 
 MODEL_STATE = ("sequential", "step_mean")
@@ -142,21 +142,24 @@ class _Layouts:
 
 
 def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), shown: TimeTable | None = None,
-          heads=None, optimizers: "Rows | None" = None) -> Method:
+          heads=None, optimizers: "Rows | None" = None, program: Program | None = None) -> Method:
     """The method `method` running `table` (laid out over enough steps for a steady period).
 
     `heads`, `optimizers` (`Rows(body=tx, head=tx)`): local learning's auxiliary heads and
     optimizers (default: the config's optimizer for the bodies). `shown`: the table the
-    method reports (a few steps), default `table`.
+    method reports (a few steps), default `table`. `program`: what the engine runs (default:
+    `table` lowered); the engine compiles its scan's arrays from the program's events
+    (`program_ticks`), so a program whose events differ from the table's runs its events.
     """
     carry = carries(rules.residuals)
     if rules.model_state not in MODEL_STATE:
         raise ValueError(f"model_state={rules.model_state!r} is not one of {', '.join(MODEL_STATE)}")
     if carry and rules.local:
         raise ConfigError(f"{method} has no backward to carry residuals to: use residuals='recompute'")
-    program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
-                               carry_image=heads is not None and heads.needs_image,
-                               model_state_sums=rules.model_state == "step_mean")
+    if program is None:
+        program = lower_stage_axis(table, rules.residuals, heads=heads is not None,
+                                   carry_image=heads is not None and heads.needs_image,
+                                   model_state_sums=rules.model_state == "step_mean")
     op_kinds.refuse_unknown(program.kinds, PIECES, "the stage-axis engine")
     groups = check_mesh(ctx, method, program.devices)
     net = ctx.net(stages=ctx.config.stages)
@@ -456,9 +459,15 @@ class _Runtime:
         program = self.program = compress.with_codecs(program, codecs)
         # each entry of a boundary's message by its codec (the image beside an activation goes as it is)
         self.codecs = {"act": codecs.activations, "cot": codecs.cotangents, "image": codecs.of("image")}
+        # what the scan reads: compiled from the program's events, the only description of what it runs
+        self.ticks: StageTicks = program_ticks(program)
+        # some cell runs ops of different steps (cdp-mp's paired forwards: a forward beside the
+        # previous step's backward), which the runtime then gates lane by lane
+        lags = np.where(self.ticks.kind > 0, self.ticks.lag, -1).reshape(-1, self.ticks.lanes)
+        self.mixed_steps = any(len(set(row[row >= 0].tolist())) > 1 for row in lags)
         self.layouts = self._layouts()
         if self.carry:  # a forward's branch writes its residuals unconditionally: every forward must have a slot
-            ticks = program.ticks
+            ticks = self.ticks
             backprop_forward = _flags("forward")[ticks.kind] & ~_flags("backward")[ticks.kind]
             if np.any(ticks.residual_slot[backprop_forward] < 0):
                 raise AssertionError(f"{method}: a forward with no residual slot (residuals='carry')")
@@ -539,14 +548,14 @@ class _Runtime:
     def branches(self) -> list:
         """Per cell of the program (`StageTicks.cells`; the first idle), the branch that runs its
         lanes' pieces one after another, an idle lane giving back what it read."""
-        lanes = self.program.ticks.lanes
+        lanes = self.ticks.lanes
 
         def cell_branch(cell):
             pieces = [PIECES[name](self, u, op_kinds.lookup(name)) for name, u in cell]
             pieces += [self.results] * (lanes - len(cell))
             return lambda ops: varying(tuple(piece(o) for piece, o in zip(pieces, ops)), self.axes.names)
 
-        return [cell_branch(cell) for cell in self.program.ticks.cells]
+        return [cell_branch(cell) for cell in self.ticks.cells]
 
     # ------------------------------------------------------------------ the tick
 
@@ -578,7 +587,7 @@ class _Runtime:
         """One tick on one device: its cell's ops, the messages, the updates the table gives.
         `fed[h]`: the batch of h calls ago was fed; `labels[h]`: its labels."""
         me = lax.axis_index("stage")
-        lanes = [Lane(*(x[name][me, k] for name in LANE_FIELDS)) for k in range(self.program.ticks.lanes)]
+        lanes = [Lane(*(x[name][me, k] for name in LANE_FIELDS)) for k in range(self.ticks.lanes)]
         forward = jnp.asarray(_flags("forward"))
         if self.rules.model_state == "step_mean":  # the last step's mean update lands before its first forward
             for lane in lanes:
@@ -588,14 +597,21 @@ class _Runtime:
                                state_sums=c.state_sums.at[v].set(jnp.where(land, 0.0, c.state_sums[v])))
         operands = tuple(self._operands(c, lane, images, labels) for lane in lanes)
         cell = x["cell"][me]
-        valid = (cell > 0) & fed[lanes[0].lag]  # a cell's lanes are ops of one step (the lowering checks)
+        if self.mixed_steps:  # a cell's lanes of different steps: each runs where its own step was fed
+            fed_lanes = [(lane.kind > 0) & fed[lane.lag] for lane in lanes]
+            valid = (cell > 0) & functools.reduce(jnp.logical_or, fed_lanes)
+        else:  # a cell's lanes are ops of one step: the whole cell runs or none of it
+            valid = (cell > 0) & fed[lanes[0].lag]
+            fed_lanes = [valid & (lane.kind > 0) for lane in lanes]
         outs = lax.switch(jnp.where(valid, cell, 0), branches, varying(operands, self.axes.names))
+        if self.mixed_steps:  # a lane whose step was not fed gives what an idle lane gives
+            outs = tuple(jax.tree.map(lambda a, b, keep=keep: jnp.where(keep, a, b), out, self.results(ops))
+                         for out, ops, keep in zip(outs, operands, fed_lanes))
         buf = c.buffers
         # lanes in reverse: a lane with no op (trailing) writes back the residual row it read before
         # an op's lane writes its own, so an empty lane's slot 0 never undoes a real write
-        for lane, ops, out in reversed(list(zip(lanes, operands, outs))):
+        for lane, ops, out, here in reversed(list(zip(lanes, operands, outs, fed_lanes))):
             v = jnp.asarray(self.place.chunk_of)[lane.unit]
-            here = valid & (lane.kind > 0)
             if buf.input is not None:
                 slot = jnp.where(forward[lane.kind] & (lane.unit == 0), lane.input_slot, -1)
                 at = jnp.maximum(slot, 0)
@@ -634,7 +650,7 @@ class _Runtime:
         """Each boundary's message of this tick, at its own size: a unit's output (with its image,
         for heads that reconstruct it) to the next unit's device, a cotangent back."""
         lay = self.layouts
-        for b, (src, dst) in enumerate(self.program.ticks.boundaries):
+        for b, (src, dst) in enumerate(self.ticks.boundaries):
             width = math.prod(lay.acts.shapes[b + 1])
             message = {"act": act[:, :width]}
             if buf.image is not None:
@@ -724,7 +740,7 @@ class _Runtime:
 
     def buffer_shapes(self) -> dict:
         """One device's (one data group's) slot buffers, as the program declares them."""
-        lay, tk, mb = self.layouts, self.program.ticks, self.shapes.micro
+        lay, tk, mb = self.layouts, self.ticks, self.shapes.micro
         declared = {b.name for b in self.program.buffers}
         image = tuple(self.net.input_shape)
         shapes = {"act": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
@@ -797,7 +813,7 @@ class _Runtime:
         batch_labels = labels_p.reshape(M, mb, *label_shape)[None]
         fed = fed_now[None] if c.fed is None else jnp.concatenate([fed_now[None], c.fed])
         labels = batch_labels if c.labels is None else jnp.concatenate([batch_labels, c.labels])
-        xs = jax.tree.map(jnp.asarray, self.program.ticks.arrays())
+        xs = jax.tree.map(jnp.asarray, self.ticks.arrays())
         c, _ = lax.scan(lambda c, x: self._tick(c, x, fed, batch_images, labels, branches, apply_updates), c, xs)
         if c.previous is not None:  # after a flush both versions are the newest, as at step 0
             c = c._replace(previous=jnp.where(fed_now, c.previous, c.rows.body))
@@ -892,7 +908,7 @@ class _Runtime:
         padding = self.layouts.padding_report()
         print(f"cdpjax: {self.name}: {self.net.num_stages} stages as {self.place.U} units on {self.place.D} devices x "
               f"{self.shapes.groups} data groups, {self.program.microbatches} micro-batch(es) of {self.shapes.micro} "
-              f"per step, {self.program.ticks.act_slots} activation slot(s); {carriers.format_report(padding)}")
+              f"per step, {self.ticks.act_slots} activation slot(s); {carriers.format_report(padding)}")
         return Method(self.name, self.net, init, train_step, export, flush=flush, table=shown, run_steps=run_steps,
                       carrier=self.layouts, devices=self.place.D * self.shapes.groups,
                       # in-flight micro-batches are rows of a data group's slice only when a step has one

@@ -1,10 +1,12 @@
 """Lowering for the stage-axis engine: a table whose stages live on their own devices.
 
 The tick runtime (`cdpjax.methods.pipeline`) runs every stage-axis layout (gpipe,
-1f1b, interleaved-1f1b, zb-h1, zbv, looped-bfs, cdp-mp, ppll) from its program;
-this module reads the table once, at build time, into small integer arrays indexed
-[tick, device] (`StageTicks`) that a `lax.scan` over the ticks of one *period*
-reads with `lax.axis_index('stage')`.
+1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, looped-bfs, cdp-mp, ppll) from its
+program. This module reads the table once, at build time, into the typed events of
+one *period* (`table_events`), then compiles those events, and nothing else, into
+small integer arrays indexed [tick, device] (`StageTicks`, `stage_ticks`) that a
+`lax.scan` over the ticks of the period reads with `lax.axis_index('stage')`; the
+engine compiles them from the events of the program it is given (`program_ticks`).
 
 - **Units.** A device runs units: a unit is one stage (backprop layouts) or the
   group of local modules a device runs one after another within a tick (ppll's
@@ -20,8 +22,9 @@ reads with `lax.axis_index('stage')`.
   backward op, and each incoming cotangent until the last backward op that reads
   it (the `W` of a split backward reads it too). Slot indices come from these
   lifetimes: by interval colouring for a layout with lag 0 (the fewest buffers the
-  schedule allows: 1F1B needs at most K-j where GPipe needs M), and by (unit,
-  micro-batch, step) for a periodic layout, so the assignment repeats every period.
+  schedule allows: 1F1B needs at most K-j where GPipe needs M), and one per (unit,
+  micro-batch) for a periodic layout, so the assignment repeats every period (a
+  lifetime longer than the period is refused: the next step's would need its slot).
 - **Cells.** A device's ops of one tick are its cell: one op in most tables, a
   forward of one micro-batch beside a backward of another where the schedule
   overlaps them (dualpipev's pairs). Each op is a *lane* of the per-tick arrays
@@ -29,8 +32,10 @@ reads with `lax.axis_index('stage')`.
 - **Sends.** Each boundary b (unit b's output to unit b+1) has its own message of
   its own size: `send_act[t, b]` says whether unit b's forward at tick t sends it
   (the receiver stores it in slot `recv_act[t, b]`), `send_cot[t, b]` whether unit
-  b+1's backward sends the cotangent back (`recv_cot[t, b]`). A boundary inside
-  one device (a V-shaped layout's turn) is a copy, not a message.
+  b+1's backward sends the cotangent back (`recv_cot[t, b]`): between two devices at
+  the ticks of the program's `Send` events, the slot the one of the micro-batch of
+  the sender's op of that tick. A boundary inside one device (a V-shaped layout's
+  turn) is a copy at each op that crosses it, not a message.
 - **Updates.** `update[t, d, v]`: unit v of device d applies its update at the
   end of tick t (for the step `update_lag` steps back).
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -147,7 +153,10 @@ class StageTicks:
 
 def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool = False,
                      carry_image: bool = False, model_state_sums: bool = False) -> Program:
-    """The program of one period of `table` (laid out over enough steps, see `period_window`).
+    """The program of one period of `table` (laid out over enough steps, see `period_window`):
+    the period's typed events first (`table_events`), then the arrays the engine's scan reads,
+    compiled from those events alone (`stage_ticks`, as the engine compiles them from the program
+    it is given), then the buffers those arrays need.
 
     residuals: 'recompute' (backward ops recompute from the kept input) or 'carry' (the
     forward's `jax.vjp` residuals are kept). heads: the units have auxiliary heads (local
@@ -159,133 +168,275 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
     codes = kind_codes()
     present = sorted({o.kind for o in table.ops}, key=list(codes).index)
     op_kinds.refuse_unknown(present, codes, "the stage-axis engine")
-    split = op_kinds.split(present)
     place = placement(table)
-    unit_of = place.unit_of
-    P, D, U = table.period, place.devices, len(place.units)
     m, lag = period_window(table)
-    lo, hi = m * P, (m + 1) * P
-    ops = [o for o in table.ops if o.stage == place.units[unit_of[o.stage]][0]]  # one op per unit
-    # (unit, micro, step) -> the tick whose end sends the unit's output on (a forward kind), its input's cotangent back
-    sends = {flag: {(unit_of[o.stage], o.micro, o.step): o.tick for o in ops if getattr(op_kinds.lookup(o.kind), flag)}
-             for flag in ("forward", "cotangent")}
-    last_backward = {}  # (unit, micro, step) -> the tick of the last op that reads its cotangent (B, or its W)
-    for o in ops:
-        if op_kinds.lookup(o.kind).reads_cotangent:
-            key = (unit_of[o.stage], o.micro, o.step)
-            last_backward[key] = max(last_backward.get(key, -1), o.tick)
-    periodic = lag > 0
-    lives = _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic)
-    slots = {name: _slots(life, periodic) for name, life in lives.items()}
-    slot_of = {name: s[0] for name, s in slots.items()}
-    count = {name: max(s[1], 1) for name, s in slots.items()}
-    arrays, cells = _tick_arrays(table, ops, place, slot_of, m)
-    update = np.zeros((P, D, place.chunks), bool)
-    update_lag = np.zeros((P, D, place.chunks), np.int32)
-    for up in table.updates:
-        if lo <= up.tick < hi and up.stage == place.units[unit_of[up.stage]][0]:
-            u = unit_of[up.stage]
-            update[up.tick - lo, place.device[u], place.chunk[u]] = True
-            update_lag[up.tick - lo, place.device[u], place.chunk[u]] = m - up.step
-    ticks = StageTicks(update=update, update_lag=update_lag, any_update=update.any(axis=(1, 2)).astype(np.int32),
-                       act_slots=count["act"], input_slots=count["input"], cot_slots=count["cot"],
-                       residual_slots=count["residual"],
-                       boundaries=tuple((place.device[u], place.device[u + 1]) for u in range(U - 1)),
-                       cells=cells, **arrays)
-    microbatches = max(o.micro for o in ops) + 1
-    versions = 2 if any(o.slot == "previous" for o in ops) else 1
-    in_flight = _grads_in_flight(ticks, place, P)
+    events = table_events(table, place, m, carry_image)
+    ticks = stage_ticks(events, place, table.period, lag, carry, table.method)
+    computes = [e for e in events if isinstance(e, Compute)]
+    microbatches = max(e.microbatch for e in computes) + 1
+    versions = 2 if any(e.version == 1 for e in computes) else 1
+    in_flight = _grads_in_flight(ticks, place, table.period)
     buffers = _buffers(place, ticks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
-                       backprop=any(op_kinds.lookup(o.kind).reads_cotangent for o in ops),
+                       backprop=any(op_kinds.lookup(k).reads_cotangent for k in present),
                        model_state_sums=model_state_sums)
-    return Program(table.method, "stage", P, lag, D, microbatches, tuple(present), split, residuals, versions,
-                   in_flight, place, buffers, stage_events(ticks, place, carry_image), ticks)
+    return Program(table.method, "stage", table.period, lag, place.devices, microbatches, tuple(present),
+                   op_kinds.split(present), residuals, versions, in_flight, place, buffers, events, ticks)
 
 
-def _cells(table, ops, place, lo, hi) -> dict[tuple[int, int], list]:
-    """The ops of each (tick of the period, device), in the table's order; refuses a cell the
-    engine cannot run as one piece (naming it): ops of different steps, two ops of one unit and
-    kind, two that send to the next unit or two that send a cotangent back."""
-    unit_of = place.unit_of
-    cells = defaultdict(list)
-    for o in ops:
-        if lo <= o.tick < hi:
-            cells[(o.tick - lo, o.device)].append(o)
-    for (t, d), cell in cells.items():
-        what = " + ".join(f"{o.kind} of stage {o.stage} (micro-batch {o.micro}, step {o.step})" for o in cell)
-        flags = [op_kinds.lookup(o.kind) for o in cell]
-        if len({o.step for o in cell}) > 1:
-            raise ConfigError(f"{table.method}: device {d} runs ops of different steps in tick {lo + t} ({what}); "
-                              f"the stage-axis engine runs a cell's ops for one step")
-        if len({(o.kind, unit_of[o.stage]) for o in cell}) < len(cell):
-            raise ConfigError(f"{table.method}: device {d} runs two {cell[0].kind} ops of one unit in tick {lo + t} "
-                              f"({what})")
-        if sum(k.forward for k in flags) > 1 or sum(k.cotangent for k in flags) > 1:
-            raise ConfigError(f"{table.method}: device {d} in tick {lo + t} runs {what}: the stage-axis engine "
-                              f"overlaps at most one forward and one backward that sends a cotangent per cell")
-    return cells
+def table_events(table: TimeTable, place: Placement, m: int, carry_image: bool) -> tuple[Event, ...]:
+    """The typed events of the period of step m (the table's ticks [mP, (m+1)P)), read straight
+    from the table: each op as a `Compute` of every stage of its unit (a unit's ops are its first
+    stage's), at its tick in the period, with lag m - its step; a forward whose output goes to
+    another device as a `Send` of the next unit's input (and with `carry_image` the image beside
+    it), a backward that sends its input's cotangent to another device as a `Send` back, each with
+    its `Receive`, at the size of the receiving unit's first stage's input; each update as an
+    `Apply` of every stage of its unit. A boundary inside one device (a V's turn) is a copy: no
+    message."""
+    unit_of, units, device = place.unit_of, place.units, place.device
+    lo, hi = m * table.period, (m + 1) * table.period
+    events: list[Event] = []
+    sends: list[Send] = []
+    for o in table.ops:
+        u = unit_of[o.stage]
+        if not lo <= o.tick < hi or o.stage != units[u][0]:
+            continue
+        t, lag, kind = o.tick - lo, m - o.step, op_kinds.lookup(o.kind)
+        events += [Compute(t, o.device, o.kind, j, o.micro, int(o.slot == "previous"), lag) for j in units[u]]
+        if kind.forward and u + 1 < len(units) and device[u + 1] != o.device:
+            first = units[u + 1][0]
+            sends.append(Send(t, "activation", Size.stage("input", first), o.device, device[u + 1], first, lag))
+            if carry_image:
+                sends.append(Send(t, "image", Size.stage("image", 0), o.device, device[u + 1], 0, lag))
+        if kind.cotangent and u > 0 and device[u - 1] != o.device:
+            first = units[u][0]
+            sends.append(Send(t, "cotangent", Size.stage("input", first), o.device, device[u - 1], first, lag))
+    for up in table.updates:
+        u = unit_of[up.stage]
+        if lo <= up.tick < hi and up.stage == units[u][0]:
+            events += [Apply(up.tick - lo, device[u], j, 1, m - up.step) for j in units[u]]
+    return sorted_events(events + messages(sends))
 
 
-def _tick_arrays(table, ops, place, slot_of, m) -> tuple[dict, tuple]:
-    """The [tick, device, lane] op arrays and the [tick, boundary] send arrays of the period of
-    step m, with the cells' (kind, unit) lanes."""
-    unit_of, P, D, U = place.unit_of, table.period, place.devices, len(place.units)
-    lo, hi = m * P, (m + 1) * P
+class _Op(NamedTuple):
+    """One op of a period as `stage_ticks` reads it from the `Compute` events of its unit's stages."""
+
+    tick: int
+    device: int
+    kind: str
+    unit: int
+    micro: int
+    lag: int
+    version: int
+
+
+def stage_ticks(events: Sequence[Event], place: Placement, period: int, lag: int, carry: bool,
+                method: str = "the program") -> StageTicks:
+    """The arrays the engine's scan reads, compiled from a program's events and nothing else (the
+    engine compiles them from the program it runs; the lowering from the events it emits).
+
+    - Ops: the `Compute` events of one tick, device, kind, unit, micro-batch and lag are one op
+      (a unit's stages run together). A device's ops of a tick are its cell, its lanes in the
+      kinds' registered order (a forward before a backward), then by unit.
+    - Slots: from each op's lifetimes (module docstring), counted in ticks from the start of its
+      own step's period (an op `lag` calls back ran `lag` periods earlier): a unit's input arrives
+      the tick after the previous unit's forward of its micro-batch, a cotangent the tick after
+      the next unit's backward that sends it. A periodic program (lag > 0) keeps each
+      (unit, micro-batch) in a slot of its own, each step's in turn.
+    - Messages: a boundary between two devices sends at the ticks of its `Send` events (the
+      activation forward, the cotangent back), into the receiver's slot for the micro-batch of the
+      sender's op of that tick; a boundary inside one device copies at each forward (backward)
+      that crosses it.
+    - Updates: at the ticks of the `Apply` events, for the step of their lag.
+
+    A ConfigError names an event the engine cannot run (a stage off its device, a message with no
+    op to send it or none to read it, a cell it cannot run as one piece)."""
+    unit_of, D, U = place.unit_of, place.devices, len(place.units)
     codes = kind_codes()
-    cells = _cells(table, ops, place, lo, hi)
+    found: dict[tuple, int] = {}
+    for e in events:
+        if isinstance(e, (Compute, Apply)) and place.device[unit_of[e.stage]] != e.device:
+            raise ConfigError(f"{method}: {e} is on device {e.device}, but stage {e.stage} lives on device "
+                              f"{place.device[unit_of[e.stage]]}")
+        if isinstance(e, Compute):
+            found.setdefault((e.tick, e.device, e.kind, unit_of[e.stage], e.microbatch, e.lag), e.version)
+    ops = sorted((_Op(*key, version) for key, version in found.items()),
+                 key=lambda o: (o.tick, o.device, codes[o.kind], o.unit))
+    cells: dict[tuple[int, int], list[_Op]] = defaultdict(list)
+    for o in ops:
+        cells[(o.tick, o.device)].append(o)
+    for cell in cells.values():
+        _check_cell(cell, method)
+    at = {name: {} for name in ("forward", "cotangent")}  # (unit, micro) -> the op's tick from its step's start
+    done: dict[tuple[int, int], int] = {}  # (unit, micro) -> the last tick that reads its output's cotangent
+    for o in ops:
+        kind, key, tick = op_kinds.lookup(o.kind), (o.unit, o.micro), o.tick + o.lag * period
+        for flag in at:
+            if getattr(kind, flag) and at[flag].setdefault(key, tick) != tick:
+                raise ConfigError(f"{method}: unit {o.unit} runs two {flag} ops of micro-batch {o.micro} in a step "
+                                  f"(ticks {at[flag][key]} and {tick} from the step's start)")
+        if kind.reads_cotangent:
+            done[key] = max(done.get(key, -1), tick)
+    lives = _lifetimes(ops, at, done, U, carry, lag > 0, period, method)
+    slots = {name: _slots(life, lag > 0, period, method) for name, life in lives.items()}
+
+    def slot(name, device, unit, micro):
+        return slots[name][0].get((device, (unit, micro)), -1)
+
     K = max((len(c) for c in cells.values()), default=1)
-    arrays = {k: np.full((P, D, K), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot", "cot_slot")}
-    arrays.update({k: np.zeros((P, D, K), np.int32) for k in ("kind", "unit", "micro", "lag", "version")})
-    arrays["cell"] = np.zeros((P, D), np.int32)
-    arrays.update({k: np.zeros((P, U - 1), np.int32) for k in ("send_act", "send_cot")})
-    arrays.update({k: np.full((P, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
+    arrays = {k: np.full((period, D, K), -1, np.int32) for k in ("act_slot", "input_slot", "residual_slot",
+                                                                 "cot_slot")}
+    arrays.update({k: np.zeros((period, D, K), np.int32) for k in ("kind", "unit", "micro", "lag", "version")})
+    arrays["cell"] = np.zeros((period, D), np.int32)
     index: dict[tuple, int] = {(): IDLE}
     for (t, d), cell in sorted(cells.items()):
-        lanes = tuple((o.kind, unit_of[o.stage]) for o in cell)
-        arrays["cell"][t, d] = index.setdefault(lanes, len(index))
+        arrays["cell"][t, d] = index.setdefault(tuple((o.kind, o.unit) for o in cell), len(index))
         for k, o in enumerate(cell):
-            u = unit_of[o.stage]
-            kind = op_kinds.lookup(o.kind)
-            key = (d, (u, o.micro, o.step))
-            for name, value in (("kind", codes[o.kind]), ("unit", u), ("micro", o.micro), ("lag", m - o.step),
-                                ("version", int(o.slot == "previous"))):
+            for name, value in (("kind", codes[o.kind]), ("unit", o.unit), ("micro", o.micro), ("lag", o.lag),
+                                ("version", o.version)):
                 arrays[name][t, d, k] = value
             for name in ("act", "input", "residual"):
-                arrays[f"{name}_slot"][t, d, k] = slot_of[name].get(key, -1)
-            if kind.reads_cotangent:
-                arrays["cot_slot"][t, d, k] = slot_of["cot"].get(key, -1)
-            if kind.forward and u == 0 and o.step != m:
-                raise ConfigError(f"{table.method}: a period must feed its own batch into the first stage "
-                                  f"(tick {o.tick} feeds step {o.step} in the period of step {m})")
-            if kind.forward and u + 1 < U:  # its output goes to the next unit's device
-                arrays["send_act"][t, u] = 1
-                arrays["recv_act"][t, u] = slot_of["act"][(place.device[u + 1], (u + 1, o.micro, o.step))]
-            if kind.cotangent and u > 0:  # the cotangent of its input goes back
-                arrays["send_cot"][t, u - 1] = 1
-                arrays["recv_cot"][t, u - 1] = slot_of["cot"][(place.device[u - 1], (u - 1, o.micro, o.step))]
-    return arrays, tuple(sorted(index, key=index.get))
+                arrays[f"{name}_slot"][t, d, k] = slot(name, d, o.unit, o.micro)
+            if op_kinds.lookup(o.kind).reads_cotangent:
+                arrays["cot_slot"][t, d, k] = slot("cot", d, o.unit, o.micro)
+    arrays.update(_message_arrays(events, cells, place, period, slot, method))
+    update = np.zeros((period, D, place.chunks), bool)
+    update_lag = np.zeros((period, D, place.chunks), np.int32)
+    for e in events:
+        if isinstance(e, Apply):
+            u = unit_of[e.stage]
+            update[e.tick, e.device, place.chunk[u]] = True
+            update_lag[e.tick, e.device, place.chunk[u]] = e.lag
+    return StageTicks(update=update, update_lag=update_lag, any_update=update.any(axis=(1, 2)).astype(np.int32),
+                      act_slots=max(slots["act"][1], 1), input_slots=max(slots["input"][1], 1),
+                      cot_slots=max(slots["cot"][1], 1), residual_slots=max(slots["residual"][1], 1),
+                      boundaries=tuple((place.device[u], place.device[u + 1]) for u in range(U - 1)),
+                      cells=tuple(sorted(index, key=index.get)), **arrays)
 
 
-def _lifetimes(ops, unit_of, sends, last_backward, U, carry, periodic) -> dict[str, dict]:
-    """Per buffer kind, each device's (first tick, last tick, (unit, micro, step)) lifetimes."""
+def program_ticks(program: Program) -> StageTicks:
+    """The arrays the engine's scan reads for `program`: `stage_ticks` of its events."""
+    return stage_ticks(program.events, program.placement, program.period, program.lag, program.carries,
+                       program.method)
+
+
+def _check_cell(cell: list[_Op], method: str) -> None:
+    """Refuses a cell the engine cannot run as one piece (naming it): two ops of one unit and kind,
+    two that send to the next unit or two that send a cotangent back. Its ops may be of different
+    steps (a forward beside the previous step's backward): the engine gates each by its own."""
+    t, d = cell[0].tick, cell[0].device
+    what = " + ".join(f"{o.kind} of unit {o.unit} (micro-batch {o.micro}, lag {o.lag})" for o in cell)
+    flags = [op_kinds.lookup(o.kind) for o in cell]
+    if len({(o.kind, o.unit) for o in cell}) < len(cell):
+        raise ConfigError(f"{method}: device {d} runs two {cell[0].kind} ops of one unit in tick {t} ({what})")
+    if sum(k.forward for k in flags) > 1 or sum(k.cotangent for k in flags) > 1:
+        raise ConfigError(f"{method}: device {d} in tick {t} runs {what}: the stage-axis engine "
+                          f"overlaps at most one forward and one backward that sends a cotangent per cell")
+    if any(k.forward and o.unit == 0 and o.lag for k, o in zip(flags, cell)):
+        raise ConfigError(f"{method}: a period must feed its own batch into the first stage (tick {t} feeds "
+                          f"the step {max(o.lag for o in cell)} back)")
+
+
+def _lifetimes(ops, at, done, U, carry, periodic, period, method) -> dict[str, dict]:
+    """Per buffer kind, each device's (first tick, last tick, (unit, micro)) lifetimes, in ticks from
+    the start of the op's own step's period."""
     lives = {name: defaultdict(list) for name in ("act", "input", "residual", "cot")}
     for o in ops:
-        u = unit_of[o.stage]
-        key = (u, o.micro, o.step)
-        done = last_backward.get(key)
-        kind = op_kinds.lookup(o.kind)
+        key, tick, kind = (o.unit, o.micro), o.tick + o.lag * period, op_kinds.lookup(o.kind)
+        end = done.get(key)
         if kind.forward:
-            arrival = o.tick if u == 0 else sends["forward"][(u - 1, o.micro, o.step)] + 1
-            if u > 0:
-                lives["act"][o.device].append((arrival, o.tick if (carry or done is None) else done, key))
-            elif done is not None and not carry and periodic:
+            if o.unit > 0:
+                arrival = _after(at["forward"], (o.unit - 1, o.micro), o, "the previous unit's forward", method)
+                lives["act"][o.device].append((arrival, tick if (carry or end is None) else end, key))
+            elif end is not None and not carry and periodic:
                 # the first unit reads the call's batch; only a backward in a later call needs it kept
-                lives["input"][o.device].append((arrival, done, key))
-            if carry and done is not None:
-                lives["residual"][o.device].append((o.tick, done, key))
-        elif kind.cotangent and u + 1 < U:  # not the last unit's: its cotangent arrives from the next one
-            lives["cot"][o.device].append((sends["cotangent"][(u + 1, o.micro, o.step)] + 1, done, key))
+                lives["input"][o.device].append((tick, end, key))
+            if carry and end is not None:
+                lives["residual"][o.device].append((tick, end, key))
+        elif kind.cotangent and o.unit + 1 < U:  # not the last unit's: its cotangent arrives from the next one
+            arrival = _after(at["cotangent"], (o.unit + 1, o.micro), o, "the next unit's backward", method)
+            lives["cot"][o.device].append((arrival, end, key))
     return lives
+
+
+def _after(ticks: dict, key, op: _Op, what: str, method: str) -> int:
+    """The tick after the op `key` names (where what it sends arrives); refuses an op with no such op."""
+    if key not in ticks:
+        raise ConfigError(f"{method}: {op.kind} of unit {op.unit}, micro-batch {op.micro} in tick {op.tick} has no "
+                          f"input: {what} of micro-batch {op.micro} runs nowhere in the program")
+    return ticks[key] + 1
+
+
+def _message_arrays(events, cells, place, period, slot, method) -> dict[str, np.ndarray]:
+    """[P, B] send_act / recv_act / send_cot / recv_cot: boundary b sends at the end of the tick, into
+    the slot of the receiving device (module docstring). A message between devices is its `Send`
+    event; a boundary inside one device is a copy at each op that crosses it."""
+    U = len(place.units)
+    out = {k: np.zeros((period, U - 1), np.int32) for k in ("send_act", "send_cot")}
+    out.update({k: np.full((period, U - 1), -1, np.int32) for k in ("recv_act", "recv_cot")})
+    unit_of, device = place.unit_of, place.device
+    crossings = []  # (tick, boundary, the op that sends, 'act' | 'cot')
+    for e in events:
+        if isinstance(e, Send) and e.what in ("activation", "cotangent"):
+            forward = e.what == "activation"
+            b = unit_of[e.stage] - 1  # the boundary into the unit whose input it is
+            u = b if forward else b + 1  # the unit that sends it
+            if b < 0 or e.stage != place.units[b + 1][0] or \
+                    (e.src, e.dst) != ((device[b], device[b + 1]) if forward else (device[b + 1], device[b])):
+                raise ConfigError(f"{method}: {e} crosses no boundary between two units' devices (stage "
+                                  f"{e.stage}'s input comes from device {device[max(b, 0)]})")
+            flag = "forward" if forward else "cotangent"
+            sender = next((o for o in cells.get((e.tick, e.src), ()) if o.unit == u and o.lag == e.lag
+                           and getattr(op_kinds.lookup(o.kind), flag)), None)
+            if sender is None:
+                raise ConfigError(f"{method}: {e} has no {flag} op of unit {u} on device {e.src} in tick "
+                                  f"{e.tick} to send it")
+            crossings.append((e.tick, b, sender, "act" if forward else "cot"))
+    for (t, d), cell in cells.items():  # a boundary inside one device: a copy
+        for o in cell:
+            kind = op_kinds.lookup(o.kind)
+            if kind.forward and o.unit + 1 < U and device[o.unit + 1] == d:
+                crossings.append((t, o.unit, o, "act"))
+            if kind.cotangent and o.unit > 0 and device[o.unit - 1] == d:
+                crossings.append((t, o.unit - 1, o, "cot"))
+    for t, b, o, what in crossings:
+        receiver = b + 1 if what == "act" else b
+        into = slot(what, device[receiver], receiver, o.micro)
+        if into < 0:
+            raise ConfigError(f"{method}: {o.kind} of unit {o.unit}, micro-batch {o.micro} in tick {t} sends to "
+                              f"unit {receiver}, which has no op to read it")
+        out[f"send_{what}"][t, b] = 1
+        out[f"recv_{what}"][t, b] = into
+    return out
+
+
+def _slots(lives: dict, periodic: bool, period: int, method: str) -> tuple[dict, int]:
+    """Slot index per (device, (unit, micro)) and the slots a device needs at most.
+
+    Lag 0: interval colouring (greedy by first tick: optimal for intervals). Periodic: one slot
+    per (unit, micro-batch), so that the same op finds the same slot every period; a lifetime
+    longer than a period is refused (the next step's would need the slot while it is held, and
+    the arrays are the same every call)."""
+    out, most = {}, 0
+    for d, items in lives.items():
+        if not periodic:
+            ends: list[int] = []  # last tick of each slot's current tenant
+            for first, last, key in sorted(items):
+                free = [s for s, end in enumerate(ends) if end < first]
+                s = free[0] if free else len(ends)
+                if s == len(ends):
+                    ends.append(last)
+                ends[s] = last
+                out[(d, key)] = s
+            most = max(most, len(ends))
+            continue
+        long = next(((first, last, key) for first, last, key in items if last - first >= period), None)
+        if long is not None:
+            raise ConfigError(f"{method}: device {d} keeps unit {long[2][0]}'s micro-batch {long[2][1]} from tick "
+                              f"{long[0]} to {long[1]} of its step, longer than the period of {period} ticks")
+        keys = sorted({key for _, _, key in items})
+        out.update({(d, k): i for i, k in enumerate(keys)})
+        most = max(most, len(keys))
+    return out, most
 
 
 def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, carry_image, microbatches,
@@ -362,41 +513,6 @@ def period_window(table: TimeTable) -> tuple[int, int]:
     return m, lag
 
 
-def _slots(lives: dict, periodic: bool) -> tuple[dict, int]:
-    """Slot index per (device, key) and the slots a device needs at most.
-
-    Lag 0: interval colouring (greedy by first tick: optimal for intervals). Periodic: one
-    slot per (unit, micro-batch, step mod H), H the fewest steps after which a key's lifetimes
-    no longer overlap, so that the same op finds the same slot every period."""
-    out, most = {}, 0
-    for d, items in lives.items():
-        if not periodic:
-            ends: list[int] = []  # last tick of each slot's current tenant
-            for first, last, key in sorted(items):
-                free = [s for s, end in enumerate(ends) if end < first]
-                s = free[0] if free else len(ends)
-                if s == len(ends):
-                    ends.append(last)
-                ends[s] = last
-                out[(d, key)] = s
-            most = max(most, len(ends))
-            continue
-        by_key = defaultdict(list)
-        for first, last, (u, micro, step) in items:
-            by_key[(u, micro)].append((step, first, last))
-        H = 1
-        for spans in by_key.values():
-            spans.sort()
-            for i, (_, first, last) in enumerate(spans):
-                H = max(H, 1 + sum(1 for _, f2, _ in spans[i + 1:] if f2 <= last))
-        keys = sorted({(u, micro, step % H) for (u, micro) in by_key for step, _, _ in by_key[(u, micro)]})
-        index = {k: i for i, k in enumerate(keys)}
-        for first, last, (u, micro, step) in items:
-            out[(d, (u, micro, step))] = index[(u, micro, step % H)]
-        most = max(most, len(keys))
-    return out, most
-
-
 def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     """Whether a unit's gradient sum spans calls: some gradient op of the period comes after the
     unit's last update in it (cdp-mp), rather than every sum being applied where it is made."""
@@ -411,45 +527,5 @@ def _grads_in_flight(ticks: StageTicks, place: Placement, P: int) -> bool:
     return False
 
 
-def stage_events(ticks: StageTicks, place: Placement, carry_image: bool) -> tuple[Event, ...]:
-    """The period's typed events, from its arrays: each op (each lane of a cell) as a `Compute` of
-    every stage of its unit; each boundary's message between two devices (a unit's output, the
-    cotangent of a unit's input, and with `carry_image` the image beside the output) as a `Send`
-    and its `Receive`, at the size of the receiving unit's first stage's input; each unit's update
-    as an `Apply` of each of its stages. A boundary inside one device (a V's turn) is a copy: no
-    message. A cell's ops are of one step (`_cells`), so its lanes share one lag."""
-    kind_of = {code: kind for kind, code in kind_codes().items()}
-    events: list[Event] = []
-    sends: list[Send] = []
-    P, D, K = ticks.kind.shape
-
-    def cell_lag(t, d):
-        return next(int(ticks.lag[t, d, k]) for k in range(K) if ticks.kind[t, d, k] != IDLE)
-
-    for t in range(P):
-        for d in range(D):
-            for k in range(K):
-                code = int(ticks.kind[t, d, k])
-                if code != IDLE:
-                    events += [Compute(t, d, kind_of[code], j, int(ticks.micro[t, d, k]),
-                                       int(ticks.version[t, d, k]), int(ticks.lag[t, d, k]))
-                               for j in place.units[int(ticks.unit[t, d, k])]]
-            for u in place.of_device(d):
-                if ticks.update[t, d, place.chunk[u]]:
-                    events += [Apply(t, d, j, 1, int(ticks.update_lag[t, d, place.chunk[u]])) for j in place.units[u]]
-        for b, (src, dst) in enumerate(ticks.boundaries):
-            first = place.units[b + 1][0]
-            if src == dst:
-                continue
-            if ticks.send_act[t, b]:
-                lag = cell_lag(t, src)
-                sends.append(Send(t, "activation", Size.stage("input", first), src, dst, first, lag))
-                if carry_image:
-                    sends.append(Send(t, "image", Size.stage("image", 0), src, dst, 0, lag))
-            if ticks.send_cot[t, b]:
-                sends.append(Send(t, "cotangent", Size.stage("input", first), dst, src, first, cell_lag(t, dst)))
-    return sorted_events(events + messages(sends))
-
-
 __all__ = ["IDLE", "LANE_FIELDS", "StageTicks", "kind_codes", "lower_stage_axis", "period_window", "placement",
-           "stage_events"]
+           "program_ticks", "stage_ticks", "table_events"]
