@@ -80,7 +80,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import SENDS_BY_TICK, RingRouting, RingTicks, lower_ring, ring_routing
+from cdpjax.program.ring import SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
@@ -365,6 +365,7 @@ class Flat:
     def __init__(self, like):
         leaves, self.tree = jax.tree.flatten(like)
         self.shapes = [leaf.shape for leaf in leaves]
+        self.dtypes = [leaf.dtype for leaf in leaves]
         self.flat = len({leaf.dtype for leaf in leaves}) == 1 and len(leaves) > 1
 
     def pack(self, tree):
@@ -378,6 +379,27 @@ class Flat:
         sizes = np.cumsum([int(np.prod(s)) for s in self.shapes])[:-1]
         parts = jnp.split(value, sizes)
         return jax.tree.unflatten(self.tree, [x.reshape(s) for x, s in zip(parts, self.shapes)])
+
+    @property
+    def size(self) -> int:
+        return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
+
+    def read(self, pool, offset):
+        """The stage's gradient (as `pack` gives it) from its `size` elements of `pool` at `offset`."""
+        row = lax.dynamic_slice(pool, (offset,), (self.size,))
+        if self.flat:
+            return row.astype(self.dtypes[0])
+        leaves, at = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = int(np.prod(shape, dtype=np.int64))
+            leaves.append(row[at:at + n].reshape(shape).astype(dtype))
+            at += n
+        return jax.tree.unflatten(self.tree, leaves)
+
+    def write(self, pool, offset, value):
+        """`pool` with the stage's gradient `value` (as `pack` gives it) at `offset`."""
+        row = jnp.concatenate([leaf.reshape(-1).astype(pool.dtype) for leaf in jax.tree.leaves(value)])
+        return lax.dynamic_update_slice(pool, row, (offset,))
 
 
 def _at(tree, slot):
@@ -415,13 +437,16 @@ class Period:
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
-        self.flat = [Flat(p) for p in jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]]
+        params = jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]
+        self.flat = [Flat(p) for p in params]
+        self.pool: RingPool = ring_pool(self.ticks, self.routing, [f.size for f in self.flat])
+        self.pool_dtype = jnp.result_type(*jax.tree.leaves(params)) if jax.tree.leaves(params) else jnp.float32
         self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
         self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
-            lambda params, opt, grads, slot: varying((params, opt), AXIS)]
-        self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
-        self.combine_branches = [self._combine(tk) for tk in self.ticks.ticks]
-        self.settle_branches = [self._settle(tk) for tk in self.ticks.ticks]
+            lambda params, opt, grads, offset: varying((params, opt), AXIS)]
+        self.send_branches = [self._sends(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+        self.combine_branches = [self._combine(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+        self.settle_branches = [self._settle(t, tk) for t, tk in enumerate(self.ticks.ticks)]
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -468,34 +493,38 @@ class Period:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if gradient:
                 flat = self.flat[j]
-                partial = flat.unpack(_at(c.grads[j], read))
+                partial = flat.unpack(flat.read(c.grads, read))
                 total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
-                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, flat.pack(total))))
+                c = c._replace(grads=flat.write(c.grads, write, flat.pack(total)))
             return varying(c, AXIS)
         return run
 
     def _apply(self, j: int):
         tx = self.tx
 
-        def run(params, opt, grads, slot):  # only what an apply touches: the switch copies no other buffer
-            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(_at(grads[j], slot)))
+        def run(params, opt, grads, offset):  # only what an apply touches: the switch copies no other buffer
+            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(self.flat[j].read(grads, offset)))
             return varying((_set(params, j, p), _set(opt, j, o)), AXIS)
         return run
 
-    def _sends(self, tk):
-        """The tick's messages, each a static `ppermute` of one stage's gradient buffer."""
-        slot, N = self.routing.slot, self.ticks.workers
+    def _offset(self, t: int, name, me):
+        """Where worker `me` keeps gradient buffer `name` at tick t (`RingPool.at`)."""
+        return jnp.asarray(self.pool.at.get((t, name), np.zeros((self.ticks.workers,), np.int64)))[me]
 
-        def run(grads: tuple, feedback: tuple, me):
-            # A worker a message does not reach gets zeros in that slot: no other name sharing the
-            # slot lives at this tick (lives do not overlap), and the next to live there is written
-            # first on every worker.
-            messages = [(("partial", j, lag), [pairs], False) for j, lag, pairs in tk.partials]
+    def _sends(self, t: int, tk):
+        """The tick's messages, each a static `ppermute` of one stage's gradient buffer, read from
+        and written to each worker's own place for it in its pool."""
+        N = self.ticks.workers
+
+        def run(grads, feedback: tuple, me):
+            # A worker a message does not reach writes back what it read: its bytes there may be
+            # another buffer's (the pool places a buffer only where its worker holds it).
+            messages = [(("partial", j, lag), [pairs]) for j, lag, pairs in tk.partials]
             # a worker may send one sum to two others in a tick: two permutes
-            messages += [(("sum", j, lag), _rounds(pairs), merge) for j, lag, pairs, merge in tk.sums]
-            for name, rounds, merge in messages:
-                j, s = name[1], slot(name)
-                held = _at(grads[j], s)
+            messages += [(("sum", j, lag), _rounds(pairs)) for j, lag, pairs, _ in tk.sums]
+            for name, rounds in messages:
+                j, offset = name[1], self._offset(t, name, me)
+                held = self.flat[j].read(grads, offset)
                 if self.feedback and name[0] == "partial":  # the sender adds what its last partial dropped
                     senders = _member(me, [src for r in rounds for src, _ in r], N)
                     held, kept = self._with_feedback(held, _at(feedback[j], 0))
@@ -503,13 +532,10 @@ class Period:
                         functools.partial(jnp.where, senders), kept, _at(feedback[j], 0))))
                 wire = self.codec.encode_tree(held)
                 sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
-                value = sent[0]
-                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
-                    value = held
-                    for r, got in zip(rounds, sent):
-                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
-                                             got, value)
-                grads = _set(grads, j, _put(grads[j], s, value))
+                value = held  # only the receivers take what arrives
+                for r, got in zip(rounds, sent):
+                    value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
+                grads = self.flat[j].write(grads, offset, value)
             return varying((grads, feedback), AXIS)
         return run
 
@@ -519,32 +545,29 @@ class Period:
         total = jax.tree.map(jnp.add, held, kept)
         return total, jax.tree.map(jnp.subtract, total, self.codec.decode_tree(self.codec.encode_tree(total), total))
 
-    def _combine(self, tk):
+    def _combine(self, t: int, tk):
         """Each sum completed at this tick made the sum over the rings (one `psum` over `RINGS`
         per stage and step) before any worker applies it or passes it on: the same worker of every
         ring completes it at the same tick, so every ring then applies the gradient of the whole
         batch. The other workers keep what their slot holds."""
-        slot = self.routing.slot
-
-        def run(grads: tuple, me):
+        def run(grads, me):
             for c in sorted(tk.completes):
-                s = slot(("sum", c.stage, c.lag))
-                held = _at(grads[c.stage], s)
+                flat, offset = self.flat[c.stage], self._offset(t, ("sum", c.stage, c.lag), me)
+                held = flat.read(grads, offset)
                 summed = lax.psum(held, RINGS)
-                grads = _set(grads, c.stage, _put(grads[c.stage], s, jnp.where(me == c.worker, summed, held)))
+                grads = flat.write(grads, offset, jax.tree.map(functools.partial(jnp.where, me == c.worker),
+                                                               summed, held))
             return varying(grads, AXIS)
         return run
 
-    def _settle(self, tk):
+    def _settle(self, t: int, tk):
         """Each sum completed at this tick held as its receivers will get it, decode(encode(sum))
         (a lossy gradient codec): the worker that completes a sum applies what it sends, so every
         copy of the parameters takes the same update."""
-        slot = self.routing.slot
-
-        def run(grads: tuple, feedback: tuple, me):
+        def run(grads, feedback: tuple, me):
             for c in sorted(tk.completes):
-                s = slot(("sum", c.stage, c.lag))
-                held = _at(grads[c.stage], s)
+                flat, offset = self.flat[c.stage], self._offset(t, ("sum", c.stage, c.lag), me)
+                held = flat.read(grads, offset)
                 mine = me == c.worker
                 if self.feedback:  # the completing worker adds what its last sum of the stage dropped
                     held_now = held
@@ -553,8 +576,7 @@ class Period:
                         functools.partial(jnp.where, mine), kept, _at(feedback[c.stage], 1))))
                     held = jax.tree.map(functools.partial(jnp.where, mine), held, held_now)
                 sent = self.codec.decode_tree(self.codec.encode_tree(held), held)
-                grads = _set(grads, c.stage, _put(grads[c.stage], s, jax.tree.map(
-                    functools.partial(jnp.where, mine), sent, held)))
+                grads = flat.write(grads, offset, jax.tree.map(functools.partial(jnp.where, mine), sent, held))
             return varying((grads, feedback), AXIS)
         return run
 
@@ -570,11 +592,13 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot")}
+                 ("op_branch", "op_lag", "op_start", "apply_stage", "apply_lag")}
+        table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
+                     apply_at=jnp.asarray(self.pool.apply_at))
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
-                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics(),
+                              state["grads"], self.stages.ops.no_metrics(),
                               tuple(state["feedback"]) if self.feedback else ()), AXIS)
 
         def tick(c: RingState, t):
@@ -601,8 +625,7 @@ class Period:
         # The in-flight buffers go on, their step one call older.
         new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
                "cots": list(c.cots), "labels": c.labels,
-               "grads": [self.flat[j].unpack(_at(c.grads[j], r.slot((kind, j, lag - 1))))
-                         for kind, j, lag in ticks.live],
+               "grads": self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
                "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
         if self.carry:
             new["kept"] = list(c.kept)
@@ -610,26 +633,23 @@ class Period:
             new["feedback"] = list(c.feedback)
         return new, c.metrics
 
+    def _moved(self, pool, me):
+        """`pool` with each buffer held into the next period moved to its place there (`PoolMove`): every
+        source read before any target is written (a target may be another move's source)."""
+        got = [lax.dynamic_slice(pool, (jnp.asarray(m.source)[me],), (m.size,)) for m in self.pool.moves]
+        for m, row in zip(self.pool.moves, got):
+            target = jnp.asarray(m.target)[me]
+            row = jnp.where(jnp.asarray(m.held)[me], row, lax.dynamic_slice(pool, (target,), (m.size,)))
+            pool = lax.dynamic_update_slice(pool, row, (target,))
+        return pool
+
     def _applies(self, c, table, valid, t, me, phase):
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_slot"][at])
+            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_at"][at])
             c = c._replace(params=params, opt=opt)
         return c
-
-    def _stacked(self, grads, params) -> tuple:
-        """Per stage, its gradient buffers stacked by slot: the carried ones from `grads`
-        (`ticks.live` order), the others zeros (a stage with no gradient buffer: no slot)."""
-        given = dict(zip(self.ticks.live, grads))
-        out = []
-        r = self.routing
-        for j in range(self.ticks.stages):
-            held = {r.slot(n): n for n in self.ticks.live if n[1] == j}
-            rows = [self.flat[j].pack(given[held[i]] if i in held else jax.tree.map(jnp.zeros_like, params[j]))
-                    for i in range(r.slot_count[j])]
-            out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
-        return tuple(out)
 
 
 def _rounds(pairs) -> list[list]:
@@ -666,11 +686,12 @@ def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
     return out
 
 
-def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool):
-    """One worker's state: every worker starts from the same parameters."""
+def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool: int = 0, pool_dtype=jnp.float32):
+    """One worker's state: every worker starts from the same parameters; its gradient pool
+    (`RingPool`, `pool` elements) zeros."""
     params, model_state = net.init(rng)
     return {"params": params, "opt_state": [tx.init(p) for p in params],
-            "grads": [jax.tree.map(jnp.zeros_like, params[j]) for _, j, _ in ticks.live],
+            "grads": jnp.zeros((pool,), pool_dtype),
             "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 
 
@@ -732,7 +753,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
-        state = init_state(net, stages, ticks, tx, rng, carry)
+        state = init_state(net, stages, ticks, tx, rng, carry, period.pool.size, period.pool_dtype)
         if period.feedback:
             state["feedback"] = period.feedback_zeros(state["params"])
         # Every worker holds its own copy of everything: a leading axis over (data, worker).
