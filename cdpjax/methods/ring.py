@@ -396,10 +396,13 @@ class Flat:
             at += n
         return jax.tree.unflatten(self.tree, leaves)
 
+    def row(self, value, dtype):
+        """The stage's gradient `value` (as `pack` gives it) as the pool holds it: one vector of `dtype`."""
+        return jnp.concatenate([leaf.reshape(-1).astype(dtype) for leaf in jax.tree.leaves(value)])
+
     def write(self, pool, offset, value):
         """`pool` with the stage's gradient `value` (as `pack` gives it) at `offset`."""
-        row = jnp.concatenate([leaf.reshape(-1).astype(pool.dtype) for leaf in jax.tree.leaves(value)])
-        return lax.dynamic_update_slice(pool, row, (offset,))
+        return lax.dynamic_update_slice(pool, self.row(value, pool.dtype), (offset,))
 
 
 def _at(tree, slot):
@@ -441,12 +444,110 @@ class Period:
         self.flat = [Flat(p) for p in params]
         self.pool: RingPool = ring_pool(self.ticks, self.routing, [f.size for f in self.flat])
         self.pool_dtype = jnp.result_type(*jax.tree.leaves(params)) if jax.tree.leaves(params) else jnp.float32
-        self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
+        self._stage_ops()
         self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
             lambda params, opt, grads, offset: varying((params, opt), AXIS)]
-        self.send_branches = [self._sends(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+        self._stage_sends()
         self.combine_branches = [self._combine(t, tk) for t, tk in enumerate(self.ticks.ticks)]
         self.settle_branches = [self._settle(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+
+    def _stage_ops(self):
+        """Per position k of a tick's ops and stage j, the switch over the op kinds stage j runs at k
+        (`stage_branches[k][j]`, its last branch idle; None where none) and its branch per (tick,
+        worker) (`stage_branch[k][j]`: the idle one where the worker's k-th op is another stage's).
+        Why one switch per stage: a switch's result is a new buffer in XLA (a branch that writes
+        into an operand copies it first), so each returns only its stage's buffers and the gradient
+        row it computed, which is written into the pool outside it."""
+        r, L = self.routing, self.ticks.stages
+        self.stage_branches, self.stage_branch = [], []
+        for k, kinds in enumerate(r.op_kinds):
+            at_k = [[kind for kind, s in kinds if s == j] for j in range(L)]
+            self.stage_branches.append([[self._stage_op(kind, j, k) for kind in at_k[j]] + [self._stage_op(None, j, k)]
+                                        if at_k[j] else None for j in range(L)])
+            index = np.full((L, *r.op_branch.shape[:2]), 0, np.int32)
+            for j in range(L):
+                index[j] = len(at_k[j])
+            for t, w in zip(*np.nonzero(r.op_branch[:, :, k] < len(kinds))):
+                kind, j = kinds[r.op_branch[t, w, k]]
+                index[j, t, w] = at_k[j].index(kind)
+            self.stage_branch.append(index)
+
+    def _stage_op(self, kind, j: int, k: int):
+        """The branch running op `kind` of stage j (None: idle), returning what it writes of stage j's
+        buffers (`_written`) and, where stage j has a gradient op at position k, its gradient row
+        (zeros where this branch computes none) and whether it computed one."""
+        op = self._op(kind, j) if kind is not None else (lambda c, *_: (c, None))
+        size = self.flat[j].size
+        has_row = any(kd in ("W",) or (kd == "B" and not self.split) for kd, s in self.routing.op_kinds[k] if s == j)
+
+        def run(c: RingState, images, new_labels, read, start):
+            new, row = op(c, images, new_labels, read, start)
+            out = self._written(j, new)
+            if has_row:
+                out["wrote"] = jnp.asarray(row is not None)
+                out["row"] = row if row is not None else jnp.zeros((size,), self.pool_dtype)
+            return varying(out, AXIS)
+        return run
+
+    def _written(self, j: int, c: RingState) -> dict:
+        """What an op of stage j may write, by name: its input (stage 0: the images) and labels, the
+        next stage's input, its output cotangent's predecessor, its kept residuals, model state, the
+        metrics."""
+        L = self.ticks.stages
+        out = {"ms": c.ms[j], "metrics": c.metrics}
+        if j == 0:
+            out["images"], out["labels"] = c.acts[0], c.labels
+        if j < L - 1:
+            out["next"] = c.acts[j + 1]
+        if j > 0:
+            out["cot"] = c.cots[j - 1]
+        if self.carry:
+            out["kept"] = c.kept[j]
+        return out
+
+    def _take(self, c: RingState, j: int, out: dict, write) -> RingState:
+        """`c` with stage j's op's writes (`_stage_op`'s result); its gradient row at pool offset `write`
+        where it computed one (the pool updated in place, outside any switch)."""
+        acts = c.acts
+        if "images" in out:
+            acts = _set(acts, 0, out["images"])
+        if "next" in out:
+            acts = _set(acts, j + 1, out["next"])
+        c = c._replace(acts=acts, ms=_set(c.ms, j, out["ms"]), metrics=out["metrics"],
+                       labels=out.get("labels", c.labels))
+        if "cot" in out:
+            c = c._replace(cots=_set(c.cots, j - 1, out["cot"]))
+        if "kept" in out:
+            c = c._replace(kept=_set(c.kept, j, out["kept"]))
+        if "row" in out:
+            c = c._replace(grads=_put_row(c.grads, write, out["row"], out["wrote"]))
+        return c
+
+    def _stage_sends(self):
+        """Per stage with messages, the switch over ticks that sends them (`send_branches[j]`, branch t
+        at tick t: that tick's static `ppermute`s of stage j) and where each received row goes:
+        `send_to[j][t, m, w]` the offset of the m-th message's row on worker w, `send_got[j][t, m, w]`
+        whether w receives it. One switch a stage, returning the received rows, for `_stage_ops`'s
+        reason: the pool is written outside it."""
+        T, N, L = self.ticks.period_ticks, self.ticks.workers, self.ticks.stages
+        by_stage = [[[] for _ in range(T)] for _ in range(L)]
+        for t, tk in enumerate(self.ticks.ticks):
+            for j, lag, pairs in tk.partials:
+                by_stage[j][t].append((("partial", j, lag), [pairs]))
+            for j, lag, pairs, _ in tk.sums:  # a worker may send one sum to two others in a tick: two permutes
+                by_stage[j][t].append((("sum", j, lag), _rounds(pairs)))
+        self.send_branches, self.send_to, self.send_got = {}, {}, {}
+        for j in range(L):
+            rows = max(len(m) for m in by_stage[j])
+            if not rows:
+                continue
+            to, got = np.zeros((T, rows, N), np.int32), np.zeros((T, rows, N), bool)
+            for t, messages in enumerate(by_stage[j]):
+                for m, (name, rounds) in enumerate(messages):
+                    to[t, m] = self.pool.at.get((t, name), 0)
+                    got[t, m, [d for r in rounds for _, d in r]] = True
+            self.send_branches[j] = [self._sends(j, t, by_stage[j][t], rows) for t in range(T)]
+            self.send_to[j], self.send_got[j] = to, got
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -458,7 +559,7 @@ class Period:
         stages, carry, L = self.stages, self.carry, self.ticks.stages
         ops = stages.ops
 
-        def run(c: RingState, images, new_labels, read, write, start):
+        def run(c: RingState, images, new_labels, read, start):
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
             kept = c.kept
@@ -472,31 +573,31 @@ class Period:
                 acts = _set(acts, 0, images)
             c = c._replace(acts=acts, kept=kept, ms=_set(c.ms, j, ms), metrics=c.metrics + metrics,
                            labels=new_labels if j == 0 else c.labels)
-            return varying(c, AXIS)
+            return c, None
         return run
 
     def _gradient_op(self, kind: str, j: int):
         """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
-        gradient only): the gradient added to the partial sum in slot `read` (or a new sum where
-        `start`), written to slot `write`."""
+        gradient only): (c, the gradient added to the partial sum at pool offset `read` (or a new sum
+        where `start`), as a pool row; None without a gradient)."""
         L, carry = self.ticks.stages, self.carry
         cotangent = kind == "B"
         gradient = kind == "W" or not self.split
         want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
 
-        def run(c: RingState, images, new_labels, read, write, start):
+        def run(c: RingState, images, new_labels, read, start):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
             d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
                                                             want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
-            if gradient:
-                flat = self.flat[j]
-                partial = flat.unpack(flat.read(c.grads, read))
-                total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
-                c = c._replace(grads=flat.write(c.grads, write, flat.pack(total)))
-            return varying(c, AXIS)
+            if not gradient:
+                return c, None
+            flat = self.flat[j]
+            partial = flat.unpack(flat.read(c.grads, read))
+            total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
+            return c, flat.row(flat.pack(total), self.pool_dtype)
         return run
 
     def _apply(self, j: int):
@@ -511,32 +612,29 @@ class Period:
         """Where worker `me` keeps gradient buffer `name` at tick t (`RingPool.at`)."""
         return jnp.asarray(self.pool.at.get((t, name), np.zeros((self.ticks.workers,), np.int64)))[me]
 
-    def _sends(self, t: int, tk):
-        """The tick's messages, each a static `ppermute` of one stage's gradient buffer, read from
-        and written to each worker's own place for it in its pool."""
-        N = self.ticks.workers
+    def _sends(self, j: int, t: int, messages: list, rows: int):
+        """Stage j's messages of tick t, each a static `ppermute` of the sender's buffer read from its
+        pool: (`rows` rows, the m-th what message m brings its receivers (the sender's own elsewhere;
+        zeros past the tick's messages), the stage's error-feedback rows)."""
+        N, flat = self.ticks.workers, self.flat[j]
 
-        def run(grads, feedback: tuple, me):
-            # A worker a message does not reach writes back what it read: its bytes there may be
-            # another buffer's (the pool places a buffer only where its worker holds it).
-            messages = [(("partial", j, lag), [pairs]) for j, lag, pairs in tk.partials]
-            # a worker may send one sum to two others in a tick: two permutes
-            messages += [(("sum", j, lag), _rounds(pairs)) for j, lag, pairs, _ in tk.sums]
+        def run(grads, feedback, me):
+            out = []
             for name, rounds in messages:
-                j, offset = name[1], self._offset(t, name, me)
-                held = self.flat[j].read(grads, offset)
+                held = flat.read(grads, self._offset(t, name, me))
                 if self.feedback and name[0] == "partial":  # the sender adds what its last partial dropped
                     senders = _member(me, [src for r in rounds for src, _ in r], N)
-                    held, kept = self._with_feedback(held, _at(feedback[j], 0))
-                    feedback = _set(feedback, j, _put(feedback[j], 0, jax.tree.map(
-                        functools.partial(jnp.where, senders), kept, _at(feedback[j], 0))))
+                    held, kept = self._with_feedback(held, _at(feedback, 0))
+                    feedback = _put(feedback, 0, jax.tree.map(functools.partial(jnp.where, senders), kept,
+                                                              _at(feedback, 0)))
                 wire = self.codec.encode_tree(held)
-                sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
                 value = held  # only the receivers take what arrives
-                for r, got in zip(rounds, sent):
+                for r in rounds:
+                    got = self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held)
                     value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
-                grads = self.flat[j].write(grads, offset, value)
-            return varying((grads, feedback), AXIS)
+                out.append(flat.row(value, self.pool_dtype))
+            out += [jnp.zeros((flat.size,), self.pool_dtype)] * (rows - len(out))
+            return varying((tuple(out), feedback), AXIS)
         return run
 
     def _with_feedback(self, held, kept):
@@ -602,12 +700,16 @@ class Period:
                               tuple(state["feedback"]) if self.feedback else ()), AXIS)
 
         def tick(c: RingState, t):
-            for k, branches in enumerate(self.op_branches):
+            for k, per_stage in enumerate(self.stage_branches):
                 at = (t, me, k)
-                idle = len(branches) - 1
-                branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], idle)
-                c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                               table["op_write"][at], table["op_start"][at])
+                fed = valid[table["op_lag"][at]]
+                for j, branches in enumerate(per_stage):
+                    if branches is None:
+                        continue
+                    branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
+                    out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
+                                     table["op_start"][at])
+                    c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
                     c = c._replace(grads=lax.switch(t, self.combine_branches, c.grads, me))
@@ -615,9 +717,14 @@ class Period:
                 grads, feedback = lax.switch(t, self.settle_branches, c.grads, c.feedback, me)
                 c = c._replace(grads=grads, feedback=feedback)
             c = self._applies(c, table, valid, t, me, 0)
-            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
-                grads, feedback = lax.switch(t, self.send_branches, c.grads, c.feedback, me)
-                c = c._replace(grads=grads, feedback=feedback)
+            for j, branches in self.send_branches.items():
+                with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
+                    rows, kept = lax.switch(t, branches, c.grads, c.feedback[j] if self.feedback else (), me)
+                pool = c.grads
+                for m, row in enumerate(rows):
+                    pool = _put_row(pool, jnp.asarray(self.send_to[j])[t, m, me], row,
+                                    jnp.asarray(self.send_got[j])[t, m, me])
+                c = c._replace(grads=pool, feedback=_set(c.feedback, j, kept) if self.feedback else c.feedback)
             c = self._applies(c, table, valid, t, me, 1)
             return c, None
 
@@ -647,9 +754,19 @@ class Period:
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_at"][at])
-            c = c._replace(params=params, opt=opt)
+            params, opt = list(c.params), list(c.opt)
+            for j in range(self.ticks.stages):
+                params[j], opt[j] = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at: (p, o),
+                                             params[j], opt[j], c.grads, table["apply_at"][at])
+            c = c._replace(params=tuple(params), opt=tuple(opt))
         return c
+
+    def _apply_stage(self, j: int):
+        tx, flat = self.tx, self.flat[j]
+
+        def run(p, o, grads, offset):
+            return varying(optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset))), AXIS)
+        return run
 
 
 def _rounds(pairs) -> list[list]:
@@ -668,6 +785,12 @@ def _rounds(pairs) -> list[list]:
 
 def _idle(c: RingState, *_):
     return varying(c, AXIS)
+
+
+def _put_row(pool, offset, row, where):
+    """`pool` with `row` at `offset` where `where`, else as it was (a dynamic update in place)."""
+    old = lax.dynamic_slice(pool, (offset,), row.shape)
+    return lax.dynamic_update_slice(pool, jnp.where(where, row, old), (offset,))
 
 
 # ------------------------------------------------------------------ the method
