@@ -80,7 +80,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing
+from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing,
+                                 with_pool)
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
@@ -526,7 +527,8 @@ class Period:
     def _stage_sends(self):
         """Per stage with messages, the switch over ticks that sends them (`send_branches[j]`, branch t
         at tick t: that tick's static `ppermute`s of stage j) and where each received row goes:
-        `send_to[j][t, m, w]` the offset of the m-th message's row on worker w, `send_got[j][t, m, w]`
+        `send_to[j][t, m, w]` the offset of the m-th message's buffer on worker w (its sender reads it
+        there, its receivers write it there), `send_got[j][t, m, w]`
         whether w receives it. One switch a stage, returning the received rows, for `_stage_ops`'s
         reason: the pool is written outside it."""
         T, N, L = self.ticks.period_ticks, self.ticks.workers, self.ticks.stages
@@ -541,13 +543,13 @@ class Period:
             rows = max(len(m) for m in by_stage[j])
             if not rows:
                 continue
-            to, got = np.zeros((T, rows, N), np.int32), np.zeros((T, rows, N), bool)
+            at, got = np.zeros((T, rows, N), np.int32), np.zeros((T, rows, N), bool)
             for t, messages in enumerate(by_stage[j]):
                 for m, (name, rounds) in enumerate(messages):
-                    to[t, m] = self.pool.at.get((t, name), 0)
+                    at[t, m] = self.pool.at.get((t, name), 0)  # where its sender reads it and its receivers put it
                     got[t, m, [d for r in rounds for _, d in r]] = True
-            self.send_branches[j] = [self._sends(j, t, by_stage[j][t], rows) for t in range(T)]
-            self.send_to[j], self.send_got[j] = to, got
+            self.send_branches[j] = [self._sends(j, by_stage[j][t], rows) for t in range(T)]
+            self.send_to[j], self.send_got[j] = at, got
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -612,25 +614,26 @@ class Period:
         """Where worker `me` keeps gradient buffer `name` at tick t (`RingPool.at`)."""
         return jnp.asarray(self.pool.at.get((t, name), np.zeros((self.ticks.workers,), np.int64)))[me]
 
-    def _sends(self, j: int, t: int, messages: list, rows: int):
-        """Stage j's messages of tick t, each a static `ppermute` of the sender's buffer read from its
-        pool: (`rows` rows, the m-th what message m brings its receivers (the sender's own elsewhere;
-        zeros past the tick's messages), the stage's error-feedback rows)."""
+    def _sends(self, j: int, messages: list, rows: int):
+        """Stage j's messages of one tick, each a static `ppermute` of the sender's buffer read from its
+        pool at `offsets[m]`: (`rows` rows, the m-th what message m brings its receivers (anything
+        elsewhere: `send_got` masks its write; zeros past the tick's messages), the stage's
+        error-feedback rows)."""
         N, flat = self.ticks.workers, self.flat[j]
 
-        def run(grads, feedback, me):
+        def run(grads, feedback, offsets, me):
             out = []
-            for name, rounds in messages:
-                held = flat.read(grads, self._offset(t, name, me))
+            for m, (name, rounds) in enumerate(messages):
+                held = flat.read(grads, offsets[m])
                 if self.feedback and name[0] == "partial":  # the sender adds what its last partial dropped
                     senders = _member(me, [src for r in rounds for src, _ in r], N)
                     held, kept = self._with_feedback(held, _at(feedback, 0))
                     feedback = _put(feedback, 0, jax.tree.map(functools.partial(jnp.where, senders), kept,
                                                               _at(feedback, 0)))
                 wire = self.codec.encode_tree(held)
-                value = held  # only the receivers take what arrives
-                for r in rounds:
-                    got = self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held)
+                sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
+                value = sent[0]
+                for r, got in zip(rounds[1:], sent[1:]):  # each receiver takes the round that reaches it
                     value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
                 out.append(flat.row(value, self.pool_dtype))
             out += [jnp.zeros((flat.size,), self.pool_dtype)] * (rows - len(out))
@@ -717,12 +720,15 @@ class Period:
                 grads, feedback = lax.switch(t, self.settle_branches, c.grads, c.feedback, me)
                 c = c._replace(grads=grads, feedback=feedback)
             c = self._applies(c, table, valid, t, me, 0)
+            # the applies read the pool: a write into it in place must depend on each (else XLA copies it)
+            applied = sum((zero_of(p) for p in c.params), jnp.zeros((), jnp.float32)).astype(self.pool_dtype)
             for j, branches in self.send_branches.items():
                 with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
-                    rows, kept = lax.switch(t, branches, c.grads, c.feedback[j] if self.feedback else (), me)
+                    rows, kept = lax.switch(t, branches, c.grads, c.feedback[j] if self.feedback else (),
+                                            jnp.asarray(self.send_to[j])[t, :, me], me)
                 pool = c.grads
                 for m, row in enumerate(rows):
-                    pool = _put_row(pool, jnp.asarray(self.send_to[j])[t, m, me], row,
+                    pool = _put_row(pool, jnp.asarray(self.send_to[j])[t, m, me], row + applied,
                                     jnp.asarray(self.send_got[j])[t, m, me])
                 c = c._replace(grads=pool, feedback=_set(c.feedback, j, kept) if self.feedback else c.feedback)
             c = self._applies(c, table, valid, t, me, 1)
@@ -872,6 +878,7 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     codecs = Codecs.from_config(ctx.config)
     program = with_codecs(program, codecs)
     period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback)
+    program = with_pool(program, period.pool)  # what it holds: each worker's gradient sums in its own pool
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 

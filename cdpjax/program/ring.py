@@ -268,6 +268,8 @@ class RingPool(NamedTuple):
     apply_at[p, t, w, a]: the offset of the sum of `RingRouting.apply_stage[p, t, w, a]`;
     at[(t, name)][w]: the offset of gradient buffer `name` on worker w at tick t (0 where w
     does not hold it: a message or sum not meant for w reads and writes back its own bytes).
+    moves: `PoolMove`s. held: each distinct set of stages whose sums a worker holds at once (a
+    stage twice where it holds two of its sums), sorted: the pool holds the largest at least.
     """
 
     size: int
@@ -276,6 +278,7 @@ class RingPool(NamedTuple):
     apply_at: np.ndarray
     at: dict
     moves: tuple = ()
+    held: tuple = ()
 
 
 class PoolMove(NamedTuple):
@@ -352,7 +355,18 @@ def ring_pool(ticks: RingTicks, routing: RingRouting, sizes) -> RingPool:
     for p, t, w, a in zip(*np.nonzero(routing.apply_stage < ticks.stages)):
         name = ("sum", int(routing.apply_stage[p, t, w, a]), int(routing.apply_lag[p, t, w, a]))
         apply_at[p, t, w, a] = placed(t, name)[w]
-    return RingPool(int(size), read, write, apply_at, where, moves)
+    held = {tuple(sorted(b[1] for b, (mask, _) in mine.items() if mask >> t & 1)) for mine in lives for t in range(T)}
+    return RingPool(int(size), read, write, apply_at, where, moves, tuple(sorted(held - {()})))
+
+
+def with_pool(program: Program, pool: RingPool) -> Program:
+    """`program` declaring the gradient buffers its runtime holds: each worker's pool (`ring_pool`),
+    between calls, as large as the most sums a worker holds at once (the first fit places them within
+    15% of it in the cases tests/test_ring_memory.py checks), in place of one buffer per name for every
+    worker."""
+    kept = tuple(b for b in program.buffers if b.holds != "gradients")
+    pooled = Buffer("pool", "gradients", Size("param", pool.held, True), True)
+    return dataclasses.replace(program, buffers=kept + (pooled,))
 
 
 def _mask(first: int, last: int, T: int) -> int:
@@ -748,4 +762,4 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
 
 __all__ = ["SENDS_BY_TICK", "Completes", "Partial", "PoolMove", "RingApply", "RingOp", "RingPool", "RingRouting",
            "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events",
-           "ring_pool", "ring_routing", "ring_ticks"]
+           "ring_pool", "ring_routing", "ring_ticks", "with_pool"]
