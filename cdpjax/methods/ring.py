@@ -23,7 +23,7 @@ maths is `cdpjax.methods.stage_ops`'s:
   (`residuals='recompute'`) or rebuilds the pullback from the kept residuals
   ('carry', whose FLOPs are then DP's) and writes the input's cotangent for the
   next tick; with whole backwards it also adds its gradient to the partial sum it
-  received (slot `op_read`, or starts one) and writes it to slot `op_write`.
+  received (pool offset `op_read`, or starts one) and writes it at offset `op_write`.
 - W (split backwards): the weight gradient of stage j from the same input or
   residuals and the cotangent its B read, added to the partial sum it received. A
   split backward makes every tick about one forward's cost, so the lockstep of
@@ -44,21 +44,27 @@ maths is `cdpjax.methods.stage_ops`'s:
   `compress.feedback`, a worker adds to each partial sum it sends, and to each sum it
   completes, what the codec dropped from its last one of that stage (kept in the train
   state: the next step's message on the route carries it).
-- applies: per device a `lax.switch` over stages (or none) before the sends and
-  after them, from the sum's slot; every worker applies the same optax update
-  (`cdpjax.optim.apply`) to its own copy.
+- applies: per device, per stage, a `lax.cond` (that stage's update or nothing) before
+  the sends and after them, from the sum at its pool offset; every worker applies the
+  same optax update (`cdpjax.optim.apply`) to its own copy.
 
-Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed, stacked per stage in slots (`RingRouting`: names whose lives do not overlap share
-one); those a period reads before
-writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
-lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
-(their ops idle, their updates masked), so that the parameters account for every
-batch fed; training on after a flush restarts the cycle from the flushed parameters.
+Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step was
+fed; each worker keeps its own in one flat pool (`cdpjax.program.ring.RingPool`: a
+buffer at an offset chosen for that worker over the ticks it lives, so a worker holds
+what it needs at once, not every sum any worker has in flight). The pool is the
+in-flight part of the train state, passed from call to call as it is (a buffer living a
+period or more is moved on at the period's end). `flush` runs `max_lag` periods with
+nothing fed (their ops idle, their updates masked), so that the parameters account for
+every batch fed; training on after a flush restarts the cycle from the flushed parameters.
 
-Memory: the scan's carry holds every slot for the whole period (two a stage for
-CDP's tables), where the unrolled period dropped each buffer after its last read;
-docs/measured.md gives the compile time, program size and held bytes against N.
+Memory: a switch's result is a new buffer in XLA (a branch writing into an operand copies
+it first), so no switch returns the pool or the parameters: the ops run as one switch a
+stage returning that stage's buffers and its gradient row, the sends as one switch a
+stage returning the rows received, and the rows are written into the pool outside them
+(in place); each in-place write depends on the applies that read the pool before it.
+With rings side by side (`_combine`) or a lossy codec (`_settle`) the pool passes
+through a switch (one copy more). docs/measured.md gives the compile time, program size
+and held bytes against N.
 `Buffers`, `forward_op` and the pieces are the unrolled form's, which cdp-zero's
 period (`cdpjax.methods.cdp_zero`) still runs.
 """
@@ -342,8 +348,8 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
 class RingState(NamedTuple):
     """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
     optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
-    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
-    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period; per
+    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; its gradient
+    pool (`grads`, `RingPool`: one vector); the metric sums of the period; per
     stage, with error feedback, what the codec dropped from the worker's last partial sum and
     last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty)."""
 
@@ -422,7 +428,7 @@ class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
     stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
-    labels, grads (the in-flight gradient buffers, in `ticks.live` order), fed (per lag >= 1).
+    labels, grads (the worker's gradient pool, `RingPool`), fed (per lag >= 1).
 
     The period is one `lax.scan` over its T ticks (`RingState` the carry), the routing data
     (`cdpjax.program.ring.RingRouting`, indexed by tick and `axis_index`): per tick each worker
