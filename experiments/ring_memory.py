@@ -9,8 +9,9 @@ sums added over the rings once per stage and step). Per method XLA's compiled me
 the step as the trainer runs it (the state donated: `held` = arguments + temporaries), and for the
 rings the gradient buffers the ring's program declares: those carried between calls (`between`,
 in XLA's arguments) and the most alive at once within a call (`within`, in its temporaries), in
-units of the model's parameters, beside the most one worker needs at once (`worker_needs`): what
-a program with per-device gradient slots would hold. Compiled only: memory analysis does not move with load.
+units of the model's parameters, beside the most one worker needs at once (`worker_needs`): the least
+each worker's pool (`cdpjax.program.ring.RingPool`, the buffer the program declares) can be. Compiled
+only: memory analysis does not move with load.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ maths is `cdpjax.methods.stage_ops`'s:
   (`residuals='recompute'`) or rebuilds the pullback from the kept residuals
   ('carry', whose FLOPs are then DP's) and writes the input's cotangent for the
   next tick; with whole backwards it also adds its gradient to the partial sum it
-  received (slot `op_read`, or starts one) and writes it to slot `op_write`.
+  received (pool offset `op_read`, or starts one) and writes it at offset `op_write`.
 - W (split backwards): the weight gradient of stage j from the same input or
   residuals and the cotangent its B read, added to the partial sum it received. A
   split backward makes every tick about one forward's cost, so the lockstep of
@@ -44,21 +44,27 @@ maths is `cdpjax.methods.stage_ops`'s:
   `compress.feedback`, a worker adds to each partial sum it sends, and to each sum it
   completes, what the codec dropped from its last one of that stage (kept in the train
   state: the next step's message on the route carries it).
-- applies: per device a `lax.switch` over stages (or none) before the sends and
-  after them, from the sum's slot; every worker applies the same optax update
-  (`cdpjax.optim.apply`) to its own copy.
+- applies: per device, per stage, a `lax.cond` (that stage's update or nothing) before
+  the sends and after them, from the sum at its pool offset; every worker applies the
+  same optax update (`cdpjax.optim.apply`) to its own copy.
 
-Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step
-was fed, stacked per stage in slots (`RingRouting`: names whose lives do not overlap share
-one); those a period reads before
-writing (`RingTicks.live`) are the in-flight part of the train state, renamed lag ->
-lag + 1 at the end of each period. `flush` runs `max_lag` periods with nothing fed
-(their ops idle, their updates masked), so that the parameters account for every
-batch fed; training on after a flush restarts the cycle from the flushed parameters.
+Gradient buffers are keyed (kind, stage, lag), lag = how many calls ago the step was
+fed; each worker keeps its own in one flat pool (`cdpjax.program.ring.RingPool`: a
+buffer at an offset chosen for that worker over the ticks it lives, so a worker holds
+what it needs at once, not every sum any worker has in flight). The pool is the
+in-flight part of the train state, passed from call to call as it is (a buffer living a
+period or more is moved on at the period's end). `flush` runs `max_lag` periods with
+nothing fed (their ops idle, their updates masked), so that the parameters account for
+every batch fed; training on after a flush restarts the cycle from the flushed parameters.
 
-Memory: the scan's carry holds every slot for the whole period (two a stage for
-CDP's tables), where the unrolled period dropped each buffer after its last read;
-docs/measured.md gives the compile time, program size and held bytes against N.
+Memory: a switch's result is a new buffer in XLA (a branch writing into an operand copies
+it first), so no switch returns the pool or the parameters: the ops run as one switch a
+stage returning that stage's buffers and its gradient row, the sends as one switch a
+stage returning the rows received, and the rows are written into the pool outside them
+(in place); each in-place write depends on the applies that read the pool before it.
+With rings side by side (`_combine`) or a lossy codec (`_settle`) the pool passes
+through a switch (one copy more). docs/measured.md gives the compile time, program size
+and held bytes against N.
 `Buffers`, `forward_op` and the pieces are the unrolled form's, which cdp-zero's
 period (`cdpjax.methods.cdp_zero`) still runs.
 """
@@ -80,7 +86,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import SENDS_BY_TICK, RingRouting, RingTicks, lower_ring, ring_routing
+from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing,
+                                 with_pool)
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
@@ -341,8 +348,8 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
 class RingState(NamedTuple):
     """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
     optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
-    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per stage its
-    gradient buffers stacked by slot (`RingRouting.slot`); the metric sums of the period; per
+    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; its gradient
+    pool (`grads`, `RingPool`: one vector); the metric sums of the period; per
     stage, with error feedback, what the codec dropped from the worker's last partial sum and
     last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty)."""
 
@@ -365,6 +372,7 @@ class Flat:
     def __init__(self, like):
         leaves, self.tree = jax.tree.flatten(like)
         self.shapes = [leaf.shape for leaf in leaves]
+        self.dtypes = [leaf.dtype for leaf in leaves]
         self.flat = len({leaf.dtype for leaf in leaves}) == 1 and len(leaves) > 1
 
     def pack(self, tree):
@@ -378,6 +386,30 @@ class Flat:
         sizes = np.cumsum([int(np.prod(s)) for s in self.shapes])[:-1]
         parts = jnp.split(value, sizes)
         return jax.tree.unflatten(self.tree, [x.reshape(s) for x, s in zip(parts, self.shapes)])
+
+    @property
+    def size(self) -> int:
+        return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
+
+    def read(self, pool, offset):
+        """The stage's gradient (as `pack` gives it) from its `size` elements of `pool` at `offset`."""
+        row = lax.dynamic_slice(pool, (offset,), (self.size,))
+        if self.flat:
+            return row.astype(self.dtypes[0])
+        leaves, at = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = int(np.prod(shape, dtype=np.int64))
+            leaves.append(row[at:at + n].reshape(shape).astype(dtype))
+            at += n
+        return jax.tree.unflatten(self.tree, leaves)
+
+    def row(self, value, dtype):
+        """The stage's gradient `value` (as `pack` gives it) as the pool holds it: one vector of `dtype`."""
+        return jnp.concatenate([leaf.reshape(-1).astype(dtype) for leaf in jax.tree.leaves(value)])
+
+    def write(self, pool, offset, value):
+        """`pool` with the stage's gradient `value` (as `pack` gives it) at `offset`."""
+        return lax.dynamic_update_slice(pool, self.row(value, pool.dtype), (offset,))
 
 
 def _at(tree, slot):
@@ -396,7 +428,7 @@ class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
     stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
-    labels, grads (the in-flight gradient buffers, in `ticks.live` order), fed (per lag >= 1).
+    labels, grads (the worker's gradient pool, `RingPool`), fed (per lag >= 1).
 
     The period is one `lax.scan` over its T ticks (`RingState` the carry), the routing data
     (`cdpjax.program.ring.RingRouting`, indexed by tick and `axis_index`): per tick each worker
@@ -415,13 +447,115 @@ class Period:
         self.ticks: RingTicks = program.ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
-        self.flat = [Flat(p) for p in jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]]
-        self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle] for kinds in self.routing.op_kinds]
+        params = jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]
+        self.flat = [Flat(p) for p in params]
+        self.pool: RingPool = ring_pool(self.ticks, self.routing, [f.size for f in self.flat])
+        self.pool_dtype = jnp.result_type(*jax.tree.leaves(params)) if jax.tree.leaves(params) else jnp.float32
+        self._stage_ops()
         self.apply_branches = [self._apply(j) for j in range(self.ticks.stages)] + [
-            lambda params, opt, grads, slot: varying((params, opt), AXIS)]
-        self.send_branches = [self._sends(tk) for tk in self.ticks.ticks]
-        self.combine_branches = [self._combine(tk) for tk in self.ticks.ticks]
-        self.settle_branches = [self._settle(tk) for tk in self.ticks.ticks]
+            lambda params, opt, grads, offset: varying((params, opt), AXIS)]
+        self._stage_sends()
+        self.combine_branches = [self._combine(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+        self.settle_branches = [self._settle(t, tk) for t, tk in enumerate(self.ticks.ticks)]
+
+    def _stage_ops(self):
+        """Per position k of a tick's ops and stage j, the switch over the op kinds stage j runs at k
+        (`stage_branches[k][j]`, its last branch idle; None where none) and its branch per (tick,
+        worker) (`stage_branch[k][j]`: the idle one where the worker's k-th op is another stage's).
+        Why one switch per stage: a switch's result is a new buffer in XLA (a branch that writes
+        into an operand copies it first), so each returns only its stage's buffers and the gradient
+        row it computed, which is written into the pool outside it."""
+        r, L = self.routing, self.ticks.stages
+        self.stage_branches, self.stage_branch = [], []
+        for k, kinds in enumerate(r.op_kinds):
+            at_k = [[kind for kind, s in kinds if s == j] for j in range(L)]
+            self.stage_branches.append([[self._stage_op(kind, j, k) for kind in at_k[j]] + [self._stage_op(None, j, k)]
+                                        if at_k[j] else None for j in range(L)])
+            index = np.full((L, *r.op_branch.shape[:2]), 0, np.int32)
+            for j in range(L):
+                index[j] = len(at_k[j])
+            for t, w in zip(*np.nonzero(r.op_branch[:, :, k] < len(kinds))):
+                kind, j = kinds[r.op_branch[t, w, k]]
+                index[j, t, w] = at_k[j].index(kind)
+            self.stage_branch.append(index)
+
+    def _stage_op(self, kind, j: int, k: int):
+        """The branch running op `kind` of stage j (None: idle), returning what it writes of stage j's
+        buffers (`_written`) and, where stage j has a gradient op at position k, its gradient row
+        (zeros where this branch computes none) and whether it computed one."""
+        op = self._op(kind, j) if kind is not None else (lambda c, *_: (c, None))
+        size = self.flat[j].size
+        has_row = any(kd in ("W",) or (kd == "B" and not self.split) for kd, s in self.routing.op_kinds[k] if s == j)
+
+        def run(c: RingState, images, new_labels, read, start):
+            new, row = op(c, images, new_labels, read, start)
+            out = self._written(j, new)
+            if has_row:
+                out["wrote"] = jnp.asarray(row is not None)
+                out["row"] = row if row is not None else jnp.zeros((size,), self.pool_dtype)
+            return varying(out, AXIS)
+        return run
+
+    def _written(self, j: int, c: RingState) -> dict:
+        """What an op of stage j may write, by name: its input (stage 0: the images) and labels, the
+        next stage's input, its output cotangent's predecessor, its kept residuals, model state, the
+        metrics."""
+        L = self.ticks.stages
+        out = {"ms": c.ms[j], "metrics": c.metrics}
+        if j == 0:
+            out["images"], out["labels"] = c.acts[0], c.labels
+        if j < L - 1:
+            out["next"] = c.acts[j + 1]
+        if j > 0:
+            out["cot"] = c.cots[j - 1]
+        if self.carry:
+            out["kept"] = c.kept[j]
+        return out
+
+    def _take(self, c: RingState, j: int, out: dict, write) -> RingState:
+        """`c` with stage j's op's writes (`_stage_op`'s result); its gradient row at pool offset `write`
+        where it computed one (the pool updated in place, outside any switch)."""
+        acts = c.acts
+        if "images" in out:
+            acts = _set(acts, 0, out["images"])
+        if "next" in out:
+            acts = _set(acts, j + 1, out["next"])
+        c = c._replace(acts=acts, ms=_set(c.ms, j, out["ms"]), metrics=out["metrics"],
+                       labels=out.get("labels", c.labels))
+        if "cot" in out:
+            c = c._replace(cots=_set(c.cots, j - 1, out["cot"]))
+        if "kept" in out:
+            c = c._replace(kept=_set(c.kept, j, out["kept"]))
+        if "row" in out:
+            c = c._replace(grads=_put_row(c.grads, write, out["row"], out["wrote"]))
+        return c
+
+    def _stage_sends(self):
+        """Per stage with messages, the switch over ticks that sends them (`send_branches[j]`, branch t
+        at tick t: that tick's static `ppermute`s of stage j) and where each received row goes:
+        `send_to[j][t, m, w]` the offset of the m-th message's buffer on worker w (its sender reads it
+        there, its receivers write it there), `send_got[j][t, m, w]`
+        whether w receives it. One switch a stage, returning the received rows, for `_stage_ops`'s
+        reason: the pool is written outside it."""
+        T, N, L = self.ticks.period_ticks, self.ticks.workers, self.ticks.stages
+        by_stage = [[[] for _ in range(T)] for _ in range(L)]
+        for t, tk in enumerate(self.ticks.ticks):
+            for j, lag, pairs in tk.partials:
+                by_stage[j][t].append((("partial", j, lag), [pairs]))
+            for j, lag, pairs, _ in tk.sums:  # a worker may send one sum to two others in a tick: two permutes
+                by_stage[j][t].append((("sum", j, lag), _rounds(pairs)))
+        self.send_branches, self.send_to, self.send_got = {}, {}, {}
+        for j in range(L):
+            rows = max(len(m) for m in by_stage[j])
+            if not rows:
+                continue
+            at, got = np.zeros((T, rows, N), np.int32), np.zeros((T, rows, N), bool)
+            for t, messages in enumerate(by_stage[j]):
+                for m, (name, rounds) in enumerate(messages):
+                    at[t, m] = self.pool.at.get((t, name), 0)  # where its sender reads it and its receivers put it
+                    got[t, m, [d for r in rounds for _, d in r]] = True
+            self.send_branches[j] = [self._sends(j, by_stage[j][t], rows) for t in range(T)]
+            self.send_to[j], self.send_got[j] = at, got
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
@@ -433,7 +567,7 @@ class Period:
         stages, carry, L = self.stages, self.carry, self.ticks.stages
         ops = stages.ops
 
-        def run(c: RingState, images, new_labels, read, write, start):
+        def run(c: RingState, images, new_labels, read, start):
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
             kept = c.kept
@@ -447,70 +581,69 @@ class Period:
                 acts = _set(acts, 0, images)
             c = c._replace(acts=acts, kept=kept, ms=_set(c.ms, j, ms), metrics=c.metrics + metrics,
                            labels=new_labels if j == 0 else c.labels)
-            return varying(c, AXIS)
+            return c, None
         return run
 
     def _gradient_op(self, kind: str, j: int):
         """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
-        gradient only): the gradient added to the partial sum in slot `read` (or a new sum where
-        `start`), written to slot `write`."""
+        gradient only): (c, the gradient added to the partial sum at pool offset `read` (or a new sum
+        where `start`), as a pool row; None without a gradient)."""
         L, carry = self.ticks.stages, self.carry
         cotangent = kind == "B"
         gradient = kind == "W" or not self.split
         want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
 
-        def run(c: RingState, images, new_labels, read, write, start):
+        def run(c: RingState, images, new_labels, read, start):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
             d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
                                                             want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
-            if gradient:
-                flat = self.flat[j]
-                partial = flat.unpack(_at(c.grads[j], read))
-                total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
-                c = c._replace(grads=_set(c.grads, j, _put(c.grads[j], write, flat.pack(total))))
-            return varying(c, AXIS)
+            if not gradient:
+                return c, None
+            flat = self.flat[j]
+            partial = flat.unpack(flat.read(c.grads, read))
+            total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
+            return c, flat.row(flat.pack(total), self.pool_dtype)
         return run
 
     def _apply(self, j: int):
         tx = self.tx
 
-        def run(params, opt, grads, slot):  # only what an apply touches: the switch copies no other buffer
-            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(_at(grads[j], slot)))
+        def run(params, opt, grads, offset):  # only what an apply touches: the switch copies no other buffer
+            p, o = optim.apply(tx, params[j], opt[j], self.flat[j].unpack(self.flat[j].read(grads, offset)))
             return varying((_set(params, j, p), _set(opt, j, o)), AXIS)
         return run
 
-    def _sends(self, tk):
-        """The tick's messages, each a static `ppermute` of one stage's gradient buffer."""
-        slot, N = self.routing.slot, self.ticks.workers
+    def _offset(self, t: int, name, me):
+        """Where worker `me` keeps gradient buffer `name` at tick t (`RingPool.at`)."""
+        return jnp.asarray(self.pool.at.get((t, name), np.zeros((self.ticks.workers,), np.int64)))[me]
 
-        def run(grads: tuple, feedback: tuple, me):
-            # A worker a message does not reach gets zeros in that slot: no other name sharing the
-            # slot lives at this tick (lives do not overlap), and the next to live there is written
-            # first on every worker.
-            messages = [(("partial", j, lag), [pairs], False) for j, lag, pairs in tk.partials]
-            # a worker may send one sum to two others in a tick: two permutes
-            messages += [(("sum", j, lag), _rounds(pairs), merge) for j, lag, pairs, merge in tk.sums]
-            for name, rounds, merge in messages:
-                j, s = name[1], slot(name)
-                held = _at(grads[j], s)
+    def _sends(self, j: int, messages: list, rows: int):
+        """Stage j's messages of one tick, each a static `ppermute` of the sender's buffer read from its
+        pool at `offsets[m]`: (`rows` rows, the m-th what message m brings its receivers (anything
+        elsewhere: `send_got` masks its write; zeros past the tick's messages), the stage's
+        error-feedback rows)."""
+        N, flat = self.ticks.workers, self.flat[j]
+
+        def run(grads, feedback, offsets, me):
+            out = []
+            for m, (name, rounds) in enumerate(messages):
+                held = flat.read(grads, offsets[m])
                 if self.feedback and name[0] == "partial":  # the sender adds what its last partial dropped
                     senders = _member(me, [src for r in rounds for src, _ in r], N)
-                    held, kept = self._with_feedback(held, _at(feedback[j], 0))
-                    feedback = _set(feedback, j, _put(feedback[j], 0, jax.tree.map(
-                        functools.partial(jnp.where, senders), kept, _at(feedback[j], 0))))
+                    held, kept = self._with_feedback(held, _at(feedback, 0))
+                    feedback = _put(feedback, 0, jax.tree.map(functools.partial(jnp.where, senders), kept,
+                                                              _at(feedback, 0)))
                 wire = self.codec.encode_tree(held)
                 sent = [self.codec.decode_tree(lax.ppermute(wire, WORKERS, list(r)), held) for r in rounds]
                 value = sent[0]
-                if merge or len(rounds) > 1:  # another worker still holds its copy: only the receivers take it
-                    value = held
-                    for r, got in zip(rounds, sent):
-                        value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)),
-                                             got, value)
-                grads = _set(grads, j, _put(grads[j], s, value))
-            return varying((grads, feedback), AXIS)
+                for r, got in zip(rounds[1:], sent[1:]):  # each receiver takes the round that reaches it
+                    value = jax.tree.map(functools.partial(jnp.where, _member(me, [d for _, d in r], N)), got, value)
+                out.append(flat.row(value, self.pool_dtype))
+            out += [jnp.zeros((flat.size,), self.pool_dtype)] * (rows - len(out))
+            return varying((tuple(out), feedback), AXIS)
         return run
 
     def _with_feedback(self, held, kept):
@@ -519,32 +652,29 @@ class Period:
         total = jax.tree.map(jnp.add, held, kept)
         return total, jax.tree.map(jnp.subtract, total, self.codec.decode_tree(self.codec.encode_tree(total), total))
 
-    def _combine(self, tk):
+    def _combine(self, t: int, tk):
         """Each sum completed at this tick made the sum over the rings (one `psum` over `RINGS`
         per stage and step) before any worker applies it or passes it on: the same worker of every
         ring completes it at the same tick, so every ring then applies the gradient of the whole
         batch. The other workers keep what their slot holds."""
-        slot = self.routing.slot
-
-        def run(grads: tuple, me):
+        def run(grads, me):
             for c in sorted(tk.completes):
-                s = slot(("sum", c.stage, c.lag))
-                held = _at(grads[c.stage], s)
+                flat, offset = self.flat[c.stage], self._offset(t, ("sum", c.stage, c.lag), me)
+                held = flat.read(grads, offset)
                 summed = lax.psum(held, RINGS)
-                grads = _set(grads, c.stage, _put(grads[c.stage], s, jnp.where(me == c.worker, summed, held)))
+                grads = flat.write(grads, offset, jax.tree.map(functools.partial(jnp.where, me == c.worker),
+                                                               summed, held))
             return varying(grads, AXIS)
         return run
 
-    def _settle(self, tk):
+    def _settle(self, t: int, tk):
         """Each sum completed at this tick held as its receivers will get it, decode(encode(sum))
         (a lossy gradient codec): the worker that completes a sum applies what it sends, so every
         copy of the parameters takes the same update."""
-        slot = self.routing.slot
-
-        def run(grads: tuple, feedback: tuple, me):
+        def run(grads, feedback: tuple, me):
             for c in sorted(tk.completes):
-                s = slot(("sum", c.stage, c.lag))
-                held = _at(grads[c.stage], s)
+                flat, offset = self.flat[c.stage], self._offset(t, ("sum", c.stage, c.lag), me)
+                held = flat.read(grads, offset)
                 mine = me == c.worker
                 if self.feedback:  # the completing worker adds what its last sum of the stage dropped
                     held_now = held
@@ -553,8 +683,7 @@ class Period:
                         functools.partial(jnp.where, mine), kept, _at(feedback[c.stage], 1))))
                     held = jax.tree.map(functools.partial(jnp.where, mine), held, held_now)
                 sent = self.codec.decode_tree(self.codec.encode_tree(held), held)
-                grads = _set(grads, c.stage, _put(grads[c.stage], s, jax.tree.map(
-                    functools.partial(jnp.where, mine), sent, held)))
+                grads = flat.write(grads, offset, jax.tree.map(functools.partial(jnp.where, mine), sent, held))
             return varying((grads, feedback), AXIS)
         return run
 
@@ -570,20 +699,26 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot")}
+                 ("op_branch", "op_lag", "op_start", "apply_stage", "apply_lag")}
+        table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
+                     apply_at=jnp.asarray(self.pool.apply_at))
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
-                              self._stacked(state["grads"], state["params"]), self.stages.ops.no_metrics(),
+                              state["grads"], self.stages.ops.no_metrics(),
                               tuple(state["feedback"]) if self.feedback else ()), AXIS)
 
         def tick(c: RingState, t):
-            for k, branches in enumerate(self.op_branches):
+            for k, per_stage in enumerate(self.stage_branches):
                 at = (t, me, k)
-                idle = len(branches) - 1
-                branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], idle)
-                c = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                               table["op_write"][at], table["op_start"][at])
+                fed = valid[table["op_lag"][at]]
+                for j, branches in enumerate(per_stage):
+                    if branches is None:
+                        continue
+                    branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
+                    out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
+                                     table["op_start"][at])
+                    c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
                     c = c._replace(grads=lax.switch(t, self.combine_branches, c.grads, me))
@@ -591,9 +726,17 @@ class Period:
                 grads, feedback = lax.switch(t, self.settle_branches, c.grads, c.feedback, me)
                 c = c._replace(grads=grads, feedback=feedback)
             c = self._applies(c, table, valid, t, me, 0)
-            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
-                grads, feedback = lax.switch(t, self.send_branches, c.grads, c.feedback, me)
-                c = c._replace(grads=grads, feedback=feedback)
+            # the applies read the pool: a write into it in place must depend on each (else XLA copies it)
+            applied = sum((zero_of(p) for p in c.params), jnp.zeros((), jnp.float32)).astype(self.pool_dtype)
+            for j, branches in self.send_branches.items():
+                with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
+                    rows, kept = lax.switch(t, branches, c.grads, c.feedback[j] if self.feedback else (),
+                                            jnp.asarray(self.send_to[j])[t, :, me], me)
+                pool = c.grads
+                for m, row in enumerate(rows):
+                    pool = _put_row(pool, jnp.asarray(self.send_to[j])[t, m, me], row + applied,
+                                    jnp.asarray(self.send_got[j])[t, m, me])
+                c = c._replace(grads=pool, feedback=_set(c.feedback, j, kept) if self.feedback else c.feedback)
             c = self._applies(c, table, valid, t, me, 1)
             return c, None
 
@@ -601,8 +744,7 @@ class Period:
         # The in-flight buffers go on, their step one call older.
         new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
                "cots": list(c.cots), "labels": c.labels,
-               "grads": [self.flat[j].unpack(_at(c.grads[j], r.slot((kind, j, lag - 1))))
-                         for kind, j, lag in ticks.live],
+               "grads": self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
                "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
         if self.carry:
             new["kept"] = list(c.kept)
@@ -610,26 +752,33 @@ class Period:
             new["feedback"] = list(c.feedback)
         return new, c.metrics
 
+    def _moved(self, pool, me):
+        """`pool` with each buffer held into the next period moved to its place there (`PoolMove`): every
+        source read before any target is written (a target may be another move's source)."""
+        got = [lax.dynamic_slice(pool, (jnp.asarray(m.source)[me],), (m.size,)) for m in self.pool.moves]
+        for m, row in zip(self.pool.moves, got):
+            target = jnp.asarray(m.target)[me]
+            row = jnp.where(jnp.asarray(m.held)[me], row, lax.dynamic_slice(pool, (target,), (m.size,)))
+            pool = lax.dynamic_update_slice(pool, row, (target,))
+        return pool
+
     def _applies(self, c, table, valid, t, me, phase):
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt = lax.switch(stage, self.apply_branches, c.params, c.opt, c.grads, table["apply_slot"][at])
-            c = c._replace(params=params, opt=opt)
+            params, opt = list(c.params), list(c.opt)
+            for j in range(self.ticks.stages):
+                params[j], opt[j] = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at: (p, o),
+                                             params[j], opt[j], c.grads, table["apply_at"][at])
+            c = c._replace(params=tuple(params), opt=tuple(opt))
         return c
 
-    def _stacked(self, grads, params) -> tuple:
-        """Per stage, its gradient buffers stacked by slot: the carried ones from `grads`
-        (`ticks.live` order), the others zeros (a stage with no gradient buffer: no slot)."""
-        given = dict(zip(self.ticks.live, grads))
-        out = []
-        r = self.routing
-        for j in range(self.ticks.stages):
-            held = {r.slot(n): n for n in self.ticks.live if n[1] == j}
-            rows = [self.flat[j].pack(given[held[i]] if i in held else jax.tree.map(jnp.zeros_like, params[j]))
-                    for i in range(r.slot_count[j])]
-            out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *rows) if rows else ())
-        return tuple(out)
+    def _apply_stage(self, j: int):
+        tx, flat = self.tx, self.flat[j]
+
+        def run(p, o, grads, offset):
+            return varying(optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset))), AXIS)
+        return run
 
 
 def _rounds(pairs) -> list[list]:
@@ -650,6 +799,12 @@ def _idle(c: RingState, *_):
     return varying(c, AXIS)
 
 
+def _put_row(pool, offset, row, where):
+    """`pool` with `row` at `offset` where `where`, else as it was (a dynamic update in place)."""
+    old = lax.dynamic_slice(pool, (offset,), row.shape)
+    return lax.dynamic_update_slice(pool, jnp.where(where, row, old), (offset,))
+
+
 # ------------------------------------------------------------------ the method
 
 
@@ -666,11 +821,12 @@ def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
     return out
 
 
-def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool):
-    """One worker's state: every worker starts from the same parameters."""
+def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool: int = 0, pool_dtype=jnp.float32):
+    """One worker's state: every worker starts from the same parameters; its gradient pool
+    (`RingPool`, `pool` elements) zeros."""
     params, model_state = net.init(rng)
     return {"params": params, "opt_state": [tx.init(p) for p in params],
-            "grads": [jax.tree.map(jnp.zeros_like, params[j]) for _, j, _ in ticks.live],
+            "grads": jnp.zeros((pool,), pool_dtype),
             "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 
 
@@ -728,11 +884,12 @@ def build(ctx, name: str, net, table, residuals: str) -> Method:
     codecs = Codecs.from_config(ctx.config)
     program = with_codecs(program, codecs)
     period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback)
+    program = with_pool(program, period.pool)  # what it holds: each worker's gradient sums in its own pool
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
 
     def init(rng):
-        state = init_state(net, stages, ticks, tx, rng, carry)
+        state = init_state(net, stages, ticks, tx, rng, carry, period.pool.size, period.pool_dtype)
         if period.feedback:
             state["feedback"] = period.feedback_zeros(state["params"])
         # Every worker holds its own copy of everything: a leading axis over (data, worker).

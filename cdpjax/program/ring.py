@@ -249,6 +249,169 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                        tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage))
 
 
+class RingPool(NamedTuple):
+    """Where each worker keeps its gradient sums: one flat pool of `size` elements per worker
+    (the train state between calls, the scan's carry within one), each buffer at an offset
+    chosen for that worker alone, so that a worker holds what it needs at once, not every buffer
+    any worker needs at a tick (what one slot per name shared by every worker held: L running
+    and L completed sums, 2 models, at every N).
+
+    A buffer is one (kind, stage, step) on one worker, from its first access by that worker to
+    its last (the ring's events repeated over periods: a buffer may cross a period's end, its
+    lag then one more); its offset repeats every period, so the pool passes from call to call
+    as it is, but for a buffer living a period or more: one buffer per period of its life, each
+    moved on to the next at the period's end (`moves`). Two buffers of a worker share bytes only
+    if their lives share no tick.
+
+    op_read[t, w, k] / op_write[t, w, k]: the offsets of the partial sum worker w's k-th op of
+    tick t adds to and of the sum it writes (`RingRouting`'s op_read / op_write, as offsets);
+    apply_at[p, t, w, a]: the offset of the sum of `RingRouting.apply_stage[p, t, w, a]`;
+    at[(t, name)][w]: the offset of gradient buffer `name` on worker w at tick t (0 where w
+    does not hold it: a message or sum not meant for w reads and writes back its own bytes).
+    moves: `PoolMove`s. held: each distinct set of stages whose sums a worker holds at once (a
+    stage twice where it holds two of its sums), sorted: the pool holds the largest at least.
+    """
+
+    size: int
+    op_read: np.ndarray
+    op_write: np.ndarray
+    apply_at: np.ndarray
+    at: dict
+    moves: tuple = ()
+    held: tuple = ()
+
+
+class PoolMove(NamedTuple):
+    """A buffer held across a period's end placed elsewhere in the next period (it lives a period
+    or more: its two periods' lives meet): `size` elements of stage `stage` moved from `source[w]`
+    to `target[w]` on each worker w with `held[w]`."""
+
+    size: int
+    stage: int
+    source: np.ndarray
+    target: np.ndarray
+    held: np.ndarray
+
+
+def ring_pool(ticks: RingTicks, routing: RingRouting, sizes) -> RingPool:
+    """Each worker's buffers placed in its own pool (`RingPool`); `sizes[j]`: stage j's gradient
+    elements. Offsets are first fit, by the buffers' birth tick and then by size (the smaller
+    pool of the two orders)."""
+    T, N = ticks.period_ticks, ticks.workers
+    periods = 2 * max(ticks.max_lag, 1) + 3
+    middle = periods // 2
+    touched = [list(_touches(tk)) for tk in ticks.ticks]
+    spans: dict = {}  # (kind, stage, step, worker) -> (first, last) absolute tick
+    for per in range(periods):
+        for t, tk in enumerate(touched):
+            for (kind, j, lag), w in tk:
+                key, now = (kind, j, per - lag, w), per * T + t
+                first, last = spans.get(key, (now, now))
+                spans[key] = (min(first, now), max(last, now))
+    at: dict = {}
+    lives: list[dict] = [{} for _ in range(N)]  # per worker: buffer -> (ticks of the period it holds, size)
+    moved: dict = {}  # (buffer, its next period's) -> workers: moved at the period's end
+    for t, tk in enumerate(touched):
+        for (kind, j, lag), w in tk:
+            first, last = spans[(kind, j, middle - lag, w)]
+            # the same buffer in every period: born at the same tick of a period, as the same lag; one
+            # living a period or more is one buffer per period of its life, moved on at each period's end
+            born = (kind, j, first % T, first // T - (middle - lag))
+            if last - first < T:
+                lives[w][born + (0,)] = (_mask(first, last, T), int(sizes[j]))
+                at.setdefault((t, (kind, j, lag)), {})[w] = born + (0,)
+                continue
+            periods_held = range(first // T, last // T + 1)
+            for i, per in enumerate(periods_held):
+                lives[w][born + (i,)] = (_mask(max(first, per * T), min(last, per * T + T - 1), T), int(sizes[j]))
+                if per < last // T:
+                    moved.setdefault((born + (i,), born + (i + 1,)), set()).add(w)
+            at.setdefault((t, (kind, j, lag)), {})[w] = born + (middle - first // T,)
+    offset = [_first_fit(mine) for mine in lives]
+    moves = tuple(PoolMove(int(sizes[a[1]]), a[1], np.array([offset[w][a] if w in ws else 0 for w in range(N)]),
+                           np.array([offset[w][b] if w in ws else 0 for w in range(N)]),
+                           np.array([w in ws for w in range(N)]))
+                  for (a, b), ws in sorted(moved.items()) if any(offset[w][a] != offset[w][b] for w in ws))
+    size = max([max(sizes, default=0)] + [o + lives[w][b][1] for w in range(N) for b, o in offset[w].items()])
+    where = {key: np.array([offset[w][b] if (b := on.get(w)) is not None else 0 for w in range(N)], np.int64)
+             for key, on in at.items()}
+    nowhere = np.zeros((N,), np.int64)
+
+    def placed(t, name):
+        return where.get((t, name), nowhere)
+
+    read, write = np.zeros(routing.op_read.shape, np.int64), np.zeros(routing.op_write.shape, np.int64)
+    for t, tk in enumerate(ticks.ticks):
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        k_of = [0] * N
+        for o in op_order(tk):
+            k, k_of[o.worker] = k_of[o.worker], k_of[o.worker] + 1
+            if o.kind in tk.gradient_kinds:
+                if (o.worker, o.stage) not in tk.chain_start:
+                    read[t, o.worker, k] = placed(t, ("partial", o.stage, o.lag))[o.worker]
+                kind = "sum" if (o.worker, o.stage, o.lag) in done else "partial"
+                write[t, o.worker, k] = placed(t, (kind, o.stage, o.lag))[o.worker]
+    apply_at = np.zeros(routing.apply_slot.shape, np.int64)
+    for p, t, w, a in zip(*np.nonzero(routing.apply_stage < ticks.stages)):
+        name = ("sum", int(routing.apply_stage[p, t, w, a]), int(routing.apply_lag[p, t, w, a]))
+        apply_at[p, t, w, a] = placed(t, name)[w]
+    held = {tuple(sorted(b[1] for b, (mask, _) in mine.items() if mask >> t & 1)) for mine in lives for t in range(T)}
+    return RingPool(int(size), read, write, apply_at, where, moves, tuple(sorted(held - {()})))
+
+
+def with_pool(program: Program, pool: RingPool) -> Program:
+    """`program` declaring the gradient buffers its runtime holds: each worker's pool (`ring_pool`),
+    between calls, as large as the most sums a worker holds at once (the first fit places them within
+    15% of it in the cases tests/test_ring_memory.py checks), in place of one buffer per name for every
+    worker."""
+    kept = tuple(b for b in program.buffers if b.holds != "gradients")
+    pooled = Buffer("pool", "gradients", Size("param", pool.held, True), True)
+    return dataclasses.replace(program, buffers=kept + (pooled,))
+
+
+def _mask(first: int, last: int, T: int) -> int:
+    """Ticks first..last (absolute) as a bit mask over the period's T ticks."""
+    held = 0
+    for now in range(first, last + 1):
+        held |= 1 << (now % T)
+    return held
+
+
+def _touches(tk: RingTick):
+    """(gradient buffer, worker) of every access of the tick (`accesses`), and the two a tick may
+    make of a running sum it starts and sends on at once: the op's write, the send's read."""
+    yield from ((name, w) for name, w, _ in accesses(tk))
+    done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+    for w, kind, j, lag in tk.ops:
+        if kind in tk.gradient_kinds and (w, j, lag) not in done:
+            yield ("partial", j, lag), w
+    for j, lag, pairs in tk.partials:
+        for src, _ in pairs:
+            yield ("partial", j, lag), src
+
+
+def _first_fit(lives: dict) -> dict:
+    """buffer -> offset, each at the lowest offset clear of every placed buffer whose ticks meet
+    its own; `lives`: buffer -> (ticks held, as a bit mask; size). Tried in two orders (birth
+    tick; size, largest first), the one whose pool ends lower kept."""
+    best, end = {}, None
+    for order in (sorted(lives, key=lambda b: (b[2], b)), sorted(lives, key=lambda b: (-lives[b][1], b))):
+        placed: dict = {}
+        for b in order:
+            held, size = lives[b]
+            taken = sorted((placed[o], placed[o] + lives[o][1]) for o in placed if lives[o][0] & held)
+            at = 0
+            for lo, hi in taken:
+                if at + size <= lo:
+                    break
+                at = max(at, hi)
+            placed[b] = at
+        top = max((placed[b] + lives[b][1] for b in placed), default=0)
+        if end is None or top < end:
+            best, end = placed, top
+    return best
+
+
 def name_lives(ticks: RingTicks, names) -> dict:
     """Gradient buffer name -> (first, last) tick of its life in the period: from its first
     access (0 where the previous period hands it on: `live`) to its last (T - 1 where the next
@@ -597,5 +760,6 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     return sorted_events(events + messages(sends))
 
 
-__all__ = ["SENDS_BY_TICK", "Completes", "Partial", "RingApply", "RingOp", "RingRouting", "RingTick", "RingTicks",
-           "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events", "ring_routing", "ring_ticks"]
+__all__ = ["SENDS_BY_TICK", "Completes", "Partial", "PoolMove", "RingApply", "RingOp", "RingPool", "RingRouting",
+           "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events",
+           "ring_pool", "ring_routing", "ring_ticks", "with_pool"]
