@@ -272,9 +272,39 @@ def measure_block_costs(config, micro_batch: int, repeats: int = 3) -> BlockCost
 # ---------------------------------------------------------------------------- prediction
 
 
-def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: float) -> Prediction:
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """The per-stage byte counts a prediction prices a program with: `bench.stage_sizes`,
+    `bench.program_sizes` and the optimizer state's bytes per parameter byte."""
+
+    sizes: dict
+    priced: dict
+    opt_ratio: float
+
+
+def stage_bytes(method, config, micro: int, task, memo: dict | None = None) -> StageBytes:
+    """`StageBytes` of `method`'s net at `micro` examples. Abstract evaluation of the model (each
+    stage's shapes, its `jax.vjp` residuals), the slow part of a prediction, depends only on where
+    the stages are cut, the micro-batch and the auxiliary heads: with `memo`, candidates that share
+    those (other tick kinds, residual policies, meshes) read the first one's."""
+    from cdpjax import bench
+
+    heads = config.method if method.heads is not None else None  # local learning's heads are its method's
+    key = (tuple(method.net.bounds), int(micro), heads)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = StageBytes(bench.stage_sizes(method.net, micro), bench.program_sizes(method, micro, task),
+                     bench.optimizer_ratio(config, method.net))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: float,
+            memo: dict | None = None) -> Prediction:
     """`candidate`'s memory per device and step time (module docstring), from its `config` and
-    `built`: `setup.setup`'s (dataset, mesh, method) for it (nothing compiled)."""
+    `built`: `setup.setup`'s (dataset, mesh, method) for it (nothing compiled). `memo`: the
+    `stage_bytes` of the candidates predicted before, shared."""
     from cdpjax import bench, speedup, tasks
 
     dataset, mesh, method = built
@@ -286,9 +316,8 @@ def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: f
         except ConfigError:  # sizes its table cannot lay out (dp's: N workers over L ticks): priced as one device
             table = None
     micro = bench.micro_batch(method, config, mesh)
-    sizes = bench.stage_sizes(method.net, micro)
-    priced = bench.program_sizes(method, micro, tasks.resolve(config, dataset))
-    model = bench.memory_model(method, config, table, sizes, devices, priced)
+    measured = stage_bytes(method, config, micro, tasks.resolve(config, dataset), memo)
+    model = bench.memory_model(method, config, table, measured.sizes, devices, measured.priced, measured.opt_ratio)
     points = _points(method.net)
     if table is None:  # every op in sequence on a device's share of the batch, then dp's all-reduce
         share = costs.stage_costs(points, micro if candidate.mesh else int(config.global_batch_size), "recompute")
@@ -370,21 +399,26 @@ def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
     pool = jax.devices()[:devices]
     if costs is None:
         costs = block_costs(base, max(int(base.global_batch_size) // devices, 1))
-    predictions, refused, seen = [], 0, set()
+    predictions, refused, seen, memo = [], 0, set(), {}
+    without_program = set()  # methods that lower no program: their 'carry' twin is their 'recompute' run
     for c in candidates:
+        if c.residuals == "carry" and c.method in without_program:
+            continue  # known before building it (the 'recompute' twin is enumerated first)
         try:
             config, built = build(c, base, pool)
         except (ConfigError, AssertionError):  # a table that refuses the sizes asserts
             refused += 1
             continue
         method = built[2]
-        if c.residuals == "carry" and method.program is None:
-            continue  # no program: the residual policy does not apply (its recompute twin is the same run)
+        if method.program is None:
+            without_program.add(c.method)
+            if c.residuals == "carry":
+                continue
         key = (c.method, c.mesh, _points(method.net), c.microbatches, c.residuals, c.ticks)
         if key in seen:  # two partitions that cut the same: one run
             continue
         seen.add(key)
-        predictions.append(predict(c, config, built, costs, bandwidth))
+        predictions.append(predict(c, config, built, costs, bandwidth, memo))
     say(f"{len(predictions)} candidates predicted, {refused} refused by their method")
     return Plan(tuple(predictions), rank(predictions, budget), refused, budget)
 
@@ -432,6 +466,6 @@ def format_plan(plan: Plan, verified: Sequence[Prediction], top: int) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-__all__ = ["BlockCosts", "Candidate", "Plan", "Prediction", "block_costs", "build", "cache_dir", "check_budget",
-           "enumerate_candidates", "format_plan", "make_plan", "predict", "rank", "stage_options",
-           "train_command", "verify"]
+__all__ = ["BlockCosts", "Candidate", "Plan", "Prediction", "StageBytes", "block_costs", "build", "cache_dir",
+           "check_budget", "enumerate_candidates", "format_plan", "make_plan", "predict", "rank", "stage_bytes",
+           "stage_options", "train_command", "verify"]
