@@ -401,7 +401,9 @@ def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
         costs = block_costs(base, max(int(base.global_batch_size) // devices, 1))
     predictions, refused, seen, memo = [], 0, set(), {}
     without_program = set()  # methods that lower no program: their 'carry' twin is their 'recompute' run
-    for c in candidates:
+    for i, c in enumerate(candidates):
+        if i and i % 50 == 0:
+            say(f"{i} of {len(candidates)} candidates built, {len(predictions)} predicted")
         if c.residuals == "carry" and c.method in without_program:
             continue  # known before building it (the 'recompute' twin is enumerated first)
         try:
