@@ -468,6 +468,85 @@ def format_plan(plan: Plan, verified: Sequence[Prediction], top: int) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-__all__ = ["BlockCosts", "Candidate", "Plan", "Prediction", "StageBytes", "block_costs", "build", "cache_dir",
-           "check_budget", "enumerate_candidates", "format_plan", "make_plan", "predict", "rank", "stage_bytes",
-           "stage_options", "train_command", "verify"]
+# ---------------------------------------------------------------------------- the model against XLA
+
+CHECK_MODELS = ("mlp", "resnet_tiny")
+CHECK_DEVICES = (2, 4, 8)
+CHECK_STAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCase:
+    """One case of the memory model's check against XLA: `method` training `model` (digits, the
+    default config, `CHECK_STAGES` stages) on `devices` devices, every one on the axis its layout
+    declares; `left_out` says why the grid skips it (None: it is measured)."""
+
+    model: str
+    devices: int
+    method: str
+    left_out: str | None = None
+
+    def config(self):
+        from cdpjax.config import default_config
+        from cdpjax.layouts import LAYOUTS
+
+        c = default_config()
+        c.method, c.model, c.stages = self.method, self.model, CHECK_STAGES
+        layout = LAYOUTS[self.method]
+        if layout.device_axis == "data":
+            c.mesh.data = self.devices
+        elif layout.device_axis == "stage":
+            s = layout.default_mesh(c)["stage"]
+            c.mesh.stage, c.mesh.data = s, self.devices // s
+        return c
+
+
+def memory_cases(models=CHECK_MODELS, devices=CHECK_DEVICES, methods=None) -> list[MemoryCase]:
+    """The grid of `MemoryCase`s (every registered method by default): a one-device method is
+    measured at 2 devices only; a stage-axis one where its stage devices divide the count."""
+    from cdpjax.config import default_config
+    from cdpjax.layouts import LAYOUTS
+
+    out = []
+    for model in models:
+        for n in devices:
+            for method in methods or list(LAYOUTS):
+                layout, why = LAYOUTS[method], None
+                if layout.device_axis is None and n != 2:
+                    why = f"{method} runs on one device whatever the count: measured at devices=2"
+                elif layout.device_axis == "stage":
+                    c = default_config()
+                    c.method, c.model, c.stages = method, model, CHECK_STAGES
+                    s = layout.default_mesh(c)["stage"]
+                    if n % s:
+                        why = f"{method}'s {CHECK_STAGES} stages take {s} stage devices, which do not divide {n}"
+                out.append(MemoryCase(model, n, method, why))
+    return out
+
+
+def held_and_predicted(case: MemoryCase, say=lambda line: None) -> tuple[float, float]:
+    """(XLA's held bytes per device of `case`'s compiled, donated step, the memory model's
+    prediction: arguments + temporaries)."""
+    import jax
+
+    from cdpjax import bench, speedup
+    from cdpjax.layouts import LAYOUTS
+
+    c = case.config()
+    n = math.prod(dict(c.mesh).values()) if dict(c.mesh) else 1
+    say(f"compiling {case.method} on {case.model}, {case.devices} devices ...")
+    run = bench._prepare(c, jax.devices()[:n])
+    m = run["method"]
+    table = m.table
+    if table is None and LAYOUTS[case.method].table is not None:  # dp keeps no table: laid out from its layout
+        table = speedup.table_for(c, n, m.net.num_stages)
+    micro = bench.micro_batch(m, c, run["mesh"])
+    model = bench.memory_model(m, c, table, bench.stage_sizes(m.net, micro), n,
+                               bench.program_sizes(m, micro, run["task"]))
+    return (float(bench.memory(run["compiled"])["held_bytes"]),
+            float(model["arguments"]["total"] + model["temporaries"]["total"]))
+
+
+__all__ = ["BlockCosts", "Candidate", "MemoryCase", "Plan", "Prediction", "StageBytes", "block_costs", "build",
+           "cache_dir", "check_budget", "enumerate_candidates", "format_plan", "held_and_predicted", "make_plan",
+           "memory_cases", "predict", "rank", "stage_bytes", "stage_options", "train_command", "verify"]
