@@ -557,14 +557,19 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
 
 
 def op_workspace(program, priced) -> float:
-    """The most bytes one backward op holds beyond the program's buffers: the forward residuals it
-    recomputes (none where the program carries them: they are its buffers) and the parameter
-    gradient it makes before adding it to the unit's sum, for the largest unit."""
+    """The most bytes a device's backward ops hold beyond the program's buffers: per unit, the
+    forward residuals its backward recomputes (none where the program carries them: they are its
+    buffers) and the parameter gradient it makes before adding it to the unit's sum. A device that
+    holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the tick's
+    switch, whose buffers XLA does not share: its workspace is the sum over its units; the
+    largest device's is returned."""
+    place = program.placement
     per_unit = []
-    for stages in program.placement.units:
+    for stages in place.units:
         kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
         per_unit.append(kept + sum(priced["param"][j] for j in stages))
-    return float(max(per_unit, default=0.0))
+    per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
+    return float(max(per_device, default=0.0))
 
 
 def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:
