@@ -12,7 +12,8 @@ that fit, ranked by predicted step time, the best ones checked against XLA.
 2. Predict (`predict`): memory per device is `bench.memory_model`, the buffers the candidate's
    lowered program declares (or, for dp and the one-device methods, its structure) priced with
    the per-stage byte counts `bench.program_sizes` measures by abstract evaluation (nothing
-   compiled); arguments plus temporaries. Step time is the lockstep model (`cdpjax.speedup`)
+   compiled; once per cut, micro-batch and heads, shared by the candidates that have them:
+   `stage_bytes`); arguments plus temporaries. Step time is the lockstep model (`cdpjax.speedup`)
    replaying the candidate's table with per-stage op times summed from per-block times measured
    once on this device (`block_costs`, cached under the user's cache dir, keyed by the model and
    the device), scaled linearly from the micro-batch they were measured at, plus transfers at the
