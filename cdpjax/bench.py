@@ -559,15 +559,18 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
 def op_workspace(program, priced) -> float:
     """The most bytes a device's backward ops hold beyond the program's buffers: per unit, the
     forward residuals its backward recomputes (none where the program carries them: they are its
-    buffers) and the parameter gradient it makes before adding it to the unit's sum. A device that
-    holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the tick's
-    switch, whose buffers XLA does not share: its workspace is the sum over its units; the
-    largest device's is returned."""
+    buffers) and the parameter gradient it makes before adding it to the unit's sum. A stage-engine
+    device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
+    tick's switch, whose buffers XLA does not share: its workspace is the sum over its units, the
+    largest device's returned. A ring worker holds every stage and runs one op a tick: the largest
+    unit's (its placement names one device)."""
     place = program.placement
     per_unit = []
     for stages in place.units:
         kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
         per_unit.append(kept + sum(priced["param"][j] for j in stages))
+    if program.engine != "stage":
+        return float(max(per_unit, default=0.0))
     per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
     return float(max(per_device, default=0.0))
 
