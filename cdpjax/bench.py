@@ -461,7 +461,18 @@ def bench_method(config, devices=None, warmup: int = 2, repeats: int = 5) -> dic
 # ------------------------------------------------------------ the memory model
 
 
-def memory_model(method, config, table, sizes: dict, devices: int, priced: dict | None = None) -> dict[str, Any]:
+def optimizer_ratio(config, net) -> float:
+    """The optimizer state's bytes per parameter byte of `config`'s optimizer on `net` (abstract)."""
+    from cdpjax import optim
+
+    tx = optim.make(config)
+    shapes = jax.eval_shape(lambda: net.init(jax.random.key(0)))[0]
+    opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
+    return sum(opt) / max(sum(tree_bytes(p) for p in shapes), 1)
+
+
+def memory_model(method, config, table, sizes: dict, devices: int, priced: dict | None = None,
+                 opt_ratio: float | None = None) -> dict[str, Any]:
     """What one device must hold, in bytes, beside which `bench` prints XLA's figures.
 
     Between steps (XLA: arguments): parameters x stored versions, optimizer state, gradient
@@ -473,13 +484,10 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     backward op's workspace (`op_workspace`); for dp and the one-device methods, the backward's
     sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
     all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
-    method in `tests/test_plan.py` (within 5%, or the recorded ratio and why)."""
-    from cdpjax import optim
-
-    tx = optim.make(config)
-    shapes = jax.eval_shape(lambda: method.net.init(jax.random.key(0)))[0]
-    opt = [tree_bytes(jax.eval_shape(tx.init, p)) for p in shapes]
-    opt_ratio = sum(opt) / max(sum(sizes["param_bytes"]), 1)
+    method in `tests/test_plan.py` (within 5%, or the recorded ratio and why). `opt_ratio`:
+    `optimizer_ratio(config, method.net)`, where the caller has it."""
+    if opt_ratio is None:
+        opt_ratio = optimizer_ratio(config, method.net)
     image = int(np.prod(method.net.input_shape)) * 4
     batch = (config.global_batch_size * image + config.global_batch_size * 4) / _batch_shards(method, config, devices)
     if method.program is not None:
@@ -549,14 +557,22 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
 
 
 def op_workspace(program, priced) -> float:
-    """The most bytes one backward op holds beyond the program's buffers: the forward residuals it
-    recomputes (none where the program carries them: they are its buffers) and the parameter
-    gradient it makes before adding it to the unit's sum, for the largest unit."""
+    """The most bytes a device's backward ops hold beyond the program's buffers: per unit, the
+    forward residuals its backward recomputes (none where the program carries them: they are its
+    buffers) and the parameter gradient it makes before adding it to the unit's sum. A stage-engine
+    device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
+    tick's switch, whose buffers XLA does not share: its workspace is the sum over its units, the
+    largest device's returned. A ring worker holds every stage and runs one op a tick: the largest
+    unit's (its placement names one device)."""
+    place = program.placement
     per_unit = []
-    for stages in program.placement.units:
+    for stages in place.units:
         kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
         per_unit.append(kept + sum(priced["param"][j] for j in stages))
-    return float(max(per_unit, default=0.0))
+    if program.engine != "stage":
+        return float(max(per_unit, default=0.0))
+    per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
+    return float(max(per_device, default=0.0))
 
 
 def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:

@@ -12,7 +12,8 @@ that fit, ranked by predicted step time, the best ones checked against XLA.
 2. Predict (`predict`): memory per device is `bench.memory_model`, the buffers the candidate's
    lowered program declares (or, for dp and the one-device methods, its structure) priced with
    the per-stage byte counts `bench.program_sizes` measures by abstract evaluation (nothing
-   compiled); arguments plus temporaries. Step time is the lockstep model (`cdpjax.speedup`)
+   compiled; once per cut, micro-batch and heads, shared by the candidates that have them:
+   `stage_bytes`); arguments plus temporaries. Step time is the lockstep model (`cdpjax.speedup`)
    replaying the candidate's table with per-stage op times summed from per-block times measured
    once on this device (`block_costs`, cached under the user's cache dir, keyed by the model and
    the device), scaled linearly from the micro-batch they were measured at, plus transfers at the
@@ -272,9 +273,39 @@ def measure_block_costs(config, micro_batch: int, repeats: int = 3) -> BlockCost
 # ---------------------------------------------------------------------------- prediction
 
 
-def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: float) -> Prediction:
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """The per-stage byte counts a prediction prices a program with: `bench.stage_sizes`,
+    `bench.program_sizes` and the optimizer state's bytes per parameter byte."""
+
+    sizes: dict
+    priced: dict
+    opt_ratio: float
+
+
+def stage_bytes(method, config, micro: int, task, memo: dict | None = None) -> StageBytes:
+    """`StageBytes` of `method`'s net at `micro` examples. Abstract evaluation of the model (each
+    stage's shapes, its `jax.vjp` residuals), the slow part of a prediction, depends only on where
+    the stages are cut, the micro-batch and the auxiliary heads: with `memo`, candidates that share
+    those (other tick kinds, residual policies, meshes) read the first one's."""
+    from cdpjax import bench
+
+    heads = config.method if method.heads is not None else None  # local learning's heads are its method's
+    key = (tuple(method.net.bounds), int(micro), heads)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = StageBytes(bench.stage_sizes(method.net, micro), bench.program_sizes(method, micro, task),
+                     bench.optimizer_ratio(config, method.net))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: float,
+            memo: dict | None = None) -> Prediction:
     """`candidate`'s memory per device and step time (module docstring), from its `config` and
-    `built`: `setup.setup`'s (dataset, mesh, method) for it (nothing compiled)."""
+    `built`: `setup.setup`'s (dataset, mesh, method) for it (nothing compiled). `memo`: the
+    `stage_bytes` of the candidates predicted before, shared."""
     from cdpjax import bench, speedup, tasks
 
     dataset, mesh, method = built
@@ -286,9 +317,8 @@ def predict(candidate: Candidate, config, built, costs: BlockCosts, bandwidth: f
         except ConfigError:  # sizes its table cannot lay out (dp's: N workers over L ticks): priced as one device
             table = None
     micro = bench.micro_batch(method, config, mesh)
-    sizes = bench.stage_sizes(method.net, micro)
-    priced = bench.program_sizes(method, micro, tasks.resolve(config, dataset))
-    model = bench.memory_model(method, config, table, sizes, devices, priced)
+    measured = stage_bytes(method, config, micro, tasks.resolve(config, dataset), memo)
+    model = bench.memory_model(method, config, table, measured.sizes, devices, measured.priced, measured.opt_ratio)
     points = _points(method.net)
     if table is None:  # every op in sequence on a device's share of the batch, then dp's all-reduce
         share = costs.stage_costs(points, micro if candidate.mesh else int(config.global_batch_size), "recompute")
@@ -370,21 +400,28 @@ def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
     pool = jax.devices()[:devices]
     if costs is None:
         costs = block_costs(base, max(int(base.global_batch_size) // devices, 1))
-    predictions, refused, seen = [], 0, set()
-    for c in candidates:
+    predictions, refused, seen, memo = [], 0, set(), {}
+    without_program = set()  # methods that lower no program: their 'carry' twin is their 'recompute' run
+    for i, c in enumerate(candidates):
+        if i and i % 50 == 0:
+            say(f"{i} of {len(candidates)} candidates built, {len(predictions)} predicted")
+        if c.residuals == "carry" and c.method in without_program:
+            continue  # known before building it (the 'recompute' twin is enumerated first)
         try:
             config, built = build(c, base, pool)
         except (ConfigError, AssertionError):  # a table that refuses the sizes asserts
             refused += 1
             continue
         method = built[2]
-        if c.residuals == "carry" and method.program is None:
-            continue  # no program: the residual policy does not apply (its recompute twin is the same run)
+        if method.program is None:
+            without_program.add(c.method)
+            if c.residuals == "carry":
+                continue
         key = (c.method, c.mesh, _points(method.net), c.microbatches, c.residuals, c.ticks)
         if key in seen:  # two partitions that cut the same: one run
             continue
         seen.add(key)
-        predictions.append(predict(c, config, built, costs, bandwidth))
+        predictions.append(predict(c, config, built, costs, bandwidth, memo))
     say(f"{len(predictions)} candidates predicted, {refused} refused by their method")
     return Plan(tuple(predictions), rank(predictions, budget), refused, budget)
 
@@ -432,6 +469,85 @@ def format_plan(plan: Plan, verified: Sequence[Prediction], top: int) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-__all__ = ["BlockCosts", "Candidate", "Plan", "Prediction", "block_costs", "build", "cache_dir", "check_budget",
-           "enumerate_candidates", "format_plan", "make_plan", "predict", "rank", "stage_options",
-           "train_command", "verify"]
+# ---------------------------------------------------------------------------- the model against XLA
+
+CHECK_MODELS = ("mlp", "resnet_tiny")
+CHECK_DEVICES = (2, 4, 8)
+CHECK_STAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCase:
+    """One case of the memory model's check against XLA: `method` training `model` (digits, the
+    default config, `CHECK_STAGES` stages) on `devices` devices, every one on the axis its layout
+    declares; `left_out` says why the grid skips it (None: it is measured)."""
+
+    model: str
+    devices: int
+    method: str
+    left_out: str | None = None
+
+    def config(self):
+        from cdpjax.config import default_config
+        from cdpjax.layouts import LAYOUTS
+
+        c = default_config()
+        c.method, c.model, c.stages = self.method, self.model, CHECK_STAGES
+        layout = LAYOUTS[self.method]
+        if layout.device_axis == "data":
+            c.mesh.data = self.devices
+        elif layout.device_axis == "stage":
+            s = layout.default_mesh(c)["stage"]
+            c.mesh.stage, c.mesh.data = s, self.devices // s
+        return c
+
+
+def memory_cases(models=CHECK_MODELS, devices=CHECK_DEVICES, methods=None) -> list[MemoryCase]:
+    """The grid of `MemoryCase`s (every registered method by default): a one-device method is
+    measured at 2 devices only; a stage-axis one where its stage devices divide the count."""
+    from cdpjax.config import default_config
+    from cdpjax.layouts import LAYOUTS
+
+    out = []
+    for model in models:
+        for n in devices:
+            for method in methods or list(LAYOUTS):
+                layout, why = LAYOUTS[method], None
+                if layout.device_axis is None and n != 2:
+                    why = f"{method} runs on one device whatever the count: measured at devices=2"
+                elif layout.device_axis == "stage":
+                    c = default_config()
+                    c.method, c.model, c.stages = method, model, CHECK_STAGES
+                    s = layout.default_mesh(c)["stage"]
+                    if n % s:
+                        why = f"{method}'s {CHECK_STAGES} stages take {s} stage devices, which do not divide {n}"
+                out.append(MemoryCase(model, n, method, why))
+    return out
+
+
+def held_and_predicted(case: MemoryCase, say=lambda line: None) -> tuple[float, float]:
+    """(XLA's held bytes per device of `case`'s compiled, donated step, the memory model's
+    prediction: arguments + temporaries)."""
+    import jax
+
+    from cdpjax import bench, speedup
+    from cdpjax.layouts import LAYOUTS
+
+    c = case.config()
+    n = math.prod(dict(c.mesh).values()) if dict(c.mesh) else 1
+    say(f"compiling {case.method} on {case.model}, {case.devices} devices ...")
+    run = bench._prepare(c, jax.devices()[:n])
+    m = run["method"]
+    table = m.table
+    if table is None and LAYOUTS[case.method].table is not None:  # dp keeps no table: laid out from its layout
+        table = speedup.table_for(c, n, m.net.num_stages)
+    micro = bench.micro_batch(m, c, run["mesh"])
+    model = bench.memory_model(m, c, table, bench.stage_sizes(m.net, micro), n,
+                               bench.program_sizes(m, micro, run["task"]))
+    return (float(bench.memory(run["compiled"])["held_bytes"]),
+            float(model["arguments"]["total"] + model["temporaries"]["total"]))
+
+
+__all__ = ["BlockCosts", "Candidate", "MemoryCase", "Plan", "Prediction", "StageBytes", "block_costs", "build",
+           "cache_dir", "check_budget", "enumerate_candidates", "format_plan", "held_and_predicted", "make_plan",
+           "memory_cases", "predict", "rank", "stage_bytes", "stage_options", "train_command", "verify"]

@@ -148,17 +148,21 @@ counts:
   stage engine also each crossing boundary's received activation and cotangent, the micro-batch
   split, the gradient averaged over `data` and the update's new row) and one backward op's
   workspace (the residuals it recomputes, from `jax.vjp` traced per stage, and its parameter
-  gradient); dp and the one-device methods sweep the backward over the stages (the residuals of
-  stages 0..j with the gradients of j..L-1), dp's all-reduced copy beside the gradient.
+  gradient) per unit, summed over the units a device holds (each unit runs in its own branch of
+  the tick's switch, whose buffers XLA keeps apart); dp and the one-device methods sweep the
+  backward over the stages (the residuals of stages 0..j with the gradients of j..L-1), dp's
+  all-reduced copy beside the gradient.
 
-Within 5% of XLA (20 of the 78 cases): dp (0.95-1.00; resnet_tiny at 8 devices 0.948), e2e,
-local on the MLP, gpipe / 1f1b / zb-h1 on the MLP, ppll and cdp-zero on the MLP at 4 devices,
-cdp-mp on `resnet_tiny`, cdp-v2 / cdp-random on `resnet_tiny` at 8. The others, recorded in the
-test with their reasons (predicted over XLA's): the CDP rings 0.74-0.95 (XLA keeps each gradient
-sum in the scan's carry and again as the tick switch's result); the pipelines with two units a
-device (zbv, interleaved-1f1b, looped-bfs) 0.74-0.92 and dualpipev 0.58-0.71 (each unit's or
-lane's branch buffers apart); gpipe / 1f1b / zb-h1 on `resnet_tiny` 0.74-0.83 (a conv op's
-workspace beyond its residuals); cdp-zero 0.75-1.33 and cdp-mp on the MLP 1.13-1.14 (declared
+Within 5% of XLA (27 of the 78 cases): dp (0.95-1.00; resnet_tiny at 8 devices 0.948), e2e,
+local on the MLP, gpipe / 1f1b / zb-h1 on the MLP, zbv on the MLP, interleaved-1f1b and
+looped-bfs on the MLP at 4 and 8 devices, ppll and cdp-zero on the MLP at 4 devices, cdp-mp on
+`resnet_tiny`, cdp-v2 / cdp-random on `resnet_tiny` at 8. The others, recorded in the test with
+their reasons (predicted over XLA's): the CDP rings 0.74-0.95 (XLA keeps each gradient sum in the
+scan's carry and again as the tick switch's result); the pipelines with two units a device on
+`resnet_tiny` (zbv 0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90; 0.95 on the MLP at 2
+devices) and dualpipev 0.58-0.77 (a forward and a backward lane in one cell, each with its own
+branch buffers); gpipe / 1f1b / zb-h1 on `resnet_tiny` 0.74-0.83 (a conv op's workspace beyond
+its residuals); cdp-zero 0.75-1.33 and cdp-mp on the MLP 1.13-1.14 (declared
 temporaries XLA partly reuses); ppll 0.88-1.10; local on `resnet_tiny` 0.89 (its heads'
 residuals are not traced).
 

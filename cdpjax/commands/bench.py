@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from cdpjax.commands.common import add_cache_flags, check_output, config_parser, created_output, enable_cache
+from cdpjax.commands.common import add_cache_flags, check_output, config_on_devices, config_parser, created_output
 from cdpjax.errors import ConfigError
 
 # Timed steps per method: the median of a thousand is as good as of more, and a bench stays minutes long.
@@ -96,12 +96,7 @@ def run(args, overrides=()) -> int:
 
 
 def _run(args, overrides) -> int:
-    from cdpjax.cli import _load
-    from cdpjax.mesh import setup_devices
-
-    base = _load(args, overrides)
-    setup_devices(args.cpu_devices)
-    cache = enable_cache(args)
+    base, cache = config_on_devices(args, overrides, args.cpu_devices)
     from cdpjax import bench, config as cfg_lib
 
     specs = [m.strip() for m in args.methods.split(",") if m.strip()]

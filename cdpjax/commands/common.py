@@ -82,4 +82,17 @@ def enable_cache(args):
     return compilation.enable(getattr(args, "compilation_cache", None), getattr(args, "no_compilation_cache", False))
 
 
-__all__ = ["FIGURE_SUFFIXES", "add_cache_flags", "check_output", "config_parser", "created_output", "enable_cache"]
+def config_on_devices(args, overrides, devices: int):
+    """What `plan` and `bench` set up before they build anything: the config their flags name (the
+    file completed with the defaults, then the overrides), `devices` simulated CPU devices, and
+    the compilation cache as their flags say; returns (the config, the cache's choice)."""
+    from cdpjax.cli import _load
+    from cdpjax.mesh import setup_devices
+
+    config = _load(args, overrides)
+    setup_devices(devices)
+    return config, enable_cache(args)
+
+
+__all__ = ["FIGURE_SUFFIXES", "add_cache_flags", "check_output", "config_on_devices", "config_parser",
+           "created_output", "enable_cache"]

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 
-from cdpjax.commands.common import add_cache_flags, check_output, config_parser, created_output, enable_cache
+from cdpjax.commands.common import add_cache_flags, check_output, config_on_devices, config_parser, created_output
 from cdpjax.errors import ConfigError
 
 # Candidates compiled to verify: each compile is seconds to minutes; more is a bench, not a plan.
@@ -85,16 +85,10 @@ def run(args, overrides=()) -> int:
 
 
 def _run(args, overrides) -> int:
-    from cdpjax.cli import _load
-    from cdpjax.mesh import setup_devices
-
-    base = _load(args, overrides)
-    from cdpjax import checks
+    base, _ = config_on_devices(args, overrides, args.devices)
+    from cdpjax import checks, plan as plan_lib
 
     checks.validate(base)
-    setup_devices(args.devices)
-    enable_cache(args)
-    from cdpjax import plan as plan_lib
 
     def say(line):
         print(f"cdpjax plan: {line}", file=sys.stderr, flush=True)

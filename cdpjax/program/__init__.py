@@ -53,6 +53,8 @@ SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "resi
 # What a backward op starts from: the stage's kept input, the forward rerun under `jax.vjp`
 # ('recompute'), or the residuals the forward's `jax.vjp` kept ('carry').
 RESIDUALS = ("recompute", "carry")
+# What a device keeps of a micro-batch between the ops that read it: its slotted buffers.
+STASHES = ("activations", "images", "cotangents", "residuals")
 CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_state", "gradients", "activations",
               "cotangents", "residuals", "relayed_parameters", "labels", "images", "flags", "reduced_gradients")
 
@@ -262,10 +264,16 @@ class Program:
                "sends_per_call": len(self.sends), "buffers": [b.name for b in self.buffers],
                "events": {kind.__name__: sum(isinstance(e, kind) for e in self.events)
                           for kind in (Compute, Send, Receive, Apply, Gather)}}
-        slots = getattr(self.ticks, "slots", None)  # the stage engine's stash rows per kind
+        slots = self.slots()
         if slots:
-            out["slots"] = dict(slots)
+            out["slots"] = slots
         return out
+
+    def slots(self) -> dict[str, int]:
+        """Slots of each stash: a buffer of data in flight (`STASHES`) laid out as rows of one shape
+        whatever micro-batch or unit a row holds (`Size.padded`), counted by its `Size`. The stage
+        engine's; the ring and cdp-zero keep each stage's data in its own buffer (none)."""
+        return {b.name: b.size.count for b in self.buffers if b.holds in STASHES and b.size.padded}
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:
@@ -293,4 +301,4 @@ def lower(table, residuals: str = "recompute", **options) -> Program:
 
 
 __all__ = ["Apply", "Buffer", "CATEGORIES", "Compute", "ENGINES", "Event", "Gather", "MESSAGES", "Placement",
-           "Program", "Receive", "SIZE_KINDS", "Send", "Size", "lower", "sorted_events"]
+           "Program", "Receive", "SIZE_KINDS", "STASHES", "Send", "Size", "lower", "sorted_events"]
