@@ -380,3 +380,35 @@ def test_ring_error_feedback_resends_what_the_codec_dropped():
                 assert not feedback[w, 0].any()  # it sends no partial of stage j: nothing kept
         completing = [w for w in range(2) if feedback[w, 1].any()]
         assert len(completing) == 1  # one worker completes stage j's sum and keeps its remainder
+
+
+# ---------------------------------------------------------------- the lockstep model's step time through a codec
+
+def test_lockstep_step_time_through_a_codec_two_ticks():
+    """ppll, 2 stages, 1 step: tick 0 runs stage 0's FB on device 0 (F 1 + B 2 = 3 s), whose
+    1000-byte activation (250 float32) crosses at the tick's end; tick 1 runs stage 1's FB (3 s).
+    The steady window is both ticks, one tick a period: a step is half the total. By hand:
+    - none at 100 bytes/s: (3 + 1000/100 + 3) / 2 = 8;
+    - int8, 2 blocks of 128 + 4 bytes = 264 bytes, coding 0.5 s: (3 + 2.64 + 0.5 + 3) / 2 = 4.57;
+    - int4, 2 blocks of 64 + 4 = 136 bytes, coding 0.5 s: (3 + 1.36 + 0.5 + 3) / 2 = 3.93;
+    - int8 pays for its coding below 1000/B = 264/B + 0.5, B = 1472 bytes/s: at 2000 bytes/s
+      (3 + 0.132 + 0.5 + 3) / 2 = 3.316 > none's (3 + 0.5 + 3) / 2 = 3.25."""
+    from cdpjax import speedup
+    from cdpjax.layouts.ppll import ppll_table
+
+    table = ppll_table(2, 1)
+    costs = speedup.uniform_costs({"F": 1, "B": 2}, 2, activation_bytes=1000.0)
+    coding = ((1000.0, 0.5),)
+    step = {codec: speedup.lockstep_step_seconds(table, costs, speedup.Link(100.0, codec, coding))
+            for codec in ("none", "int8", "int4")}
+    assert step == pytest.approx({"none": 8.0, "int8": 4.57, "int4": 3.93})
+    assert step["none"] == speedup.simulate(table, costs, 100.0)["step_seconds"]  # the same replay without a codec
+    at_2000 = {codec: speedup.lockstep_step_seconds(table, costs, speedup.Link(2000.0, codec, coding))
+               for codec in ("none", "int8")}
+    assert at_2000 == pytest.approx({"none": 3.25, "int8": 3.316})
+    assert speedup.message_sizes(table, costs) == (1000.0,)
+    assert speedup.break_even_bandwidth(table, costs, "int8", coding) == pytest.approx(1472.0, rel=1e-6)
+    assert speedup.break_even_bandwidth(table, costs, "int8", coding, high=1000.0) == 1000.0  # pays everywhere
+    with pytest.raises(ConfigError, match=r"^Link\(codec='int8'\) has no coding time for a message of 1000 bytes; "
+                                          r"measured for: 500$"):
+        speedup.lockstep_step_seconds(table, costs, speedup.Link(100.0, "int8", ((500.0, 0.1),)))
