@@ -447,7 +447,7 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
 
     carries(residuals)
     params, state = net.init(jax.random.key(0))
-    image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
+    image = x = jnp.zeros((micro_batch, *net.input_shape), net.input_dtype)  # token ids: integers
     task = heads.task if heads is not None and heads.task is not None else None
     label_shape = tuple(task.label_shape(tuple(net.input_shape))) if task is not None else ()
     labels = jnp.zeros((micro_batch, *label_shape), task.label_dtype if task is not None else jnp.int32)
@@ -607,7 +607,7 @@ def _table_and_costs(config, devices: int, heads: bool, calibrate: str, repeats:
     if calibrate not in CALIBRATIONS:
         raise ConfigError(f"calibrate={calibrate!r}: choose {' or '.join(CALIBRATIONS)}")
     ds = data.build(config)
-    net = models.build(config, ds.image_shape, ds.num_classes)
+    net = models.build(config, ds.image_shape, ds.num_classes, input_dtype=ds.input_dtype)
     method = config.method
     stages = net.num_stages
     try:
