@@ -17,6 +17,9 @@ Registered codecs (`CODECS`):
   near zero).
 - `int8`: per block, scale = max|x| / 127, rounded to the nearest integer: absolute error
   <= scale / 2 = max|x| / 254.
+- `int4`: per block, scale = max|x| / 7, rounded to the nearest integer in [-7, 7], stored
+  as the nibble q + 8 and packed two to a byte (element 2i in the low nibble, 2i + 1 in the
+  high), so the wire carries 4 bits an element: absolute error <= max|x| / 14.
 
 Error feedback (`feedback_encode`): the sender adds what the codec dropped from its last
 message on a route to its next one on that route, keeping the new remainder (`Feedback`).
@@ -43,8 +46,9 @@ SCALE_BYTES = 4
 
 class Encoded(NamedTuple):
     """A message on the wire: `payload` in the codec's dtype, a float format as its bits (blocks
-    of `BLOCK` elements as rows, the last zero-padded, for the block codecs; else the message's
-    own shape), `scale` [blocks] float32 (None for codecs without blocks)."""
+    of `BLOCK` elements as rows, the last zero-padded, for the block codecs, int4's rows of
+    BLOCK / 2 bytes, two nibbles each; else the message's own shape), `scale` [blocks] float32
+    (None for codecs without blocks)."""
 
     payload: jax.Array
     scale: jax.Array | None = None
@@ -56,13 +60,15 @@ class Codec:
 
     name: its registry name. wire: the payload's dtype name (None: the message's own, `none`).
     largest: the largest magnitude a block is scaled to (block codecs; 0: no blocks, no scale).
-    integer: the payload is rounded to integers (int8) rather than cast to a float format.
+    integer: the payload is rounded to integers (int8, int4) rather than cast to a float format.
+    packed: values per payload element: 2 for int4, whose nibbles share a uint8 (1: one value each).
     """
 
     name: str
     wire: str | None = None
     largest: float = 0.0
     integer: bool = False
+    packed: int = 1
 
     @property
     def blocked(self) -> bool:
@@ -82,7 +88,7 @@ class Codec:
         if not self.blocked:
             return int(elements) * self.wire_itemsize(dtype)
         blocks = -(-int(elements) // BLOCK)
-        return blocks * (BLOCK * self.wire_itemsize() + SCALE_BYTES)
+        return blocks * (BLOCK // self.packed * self.wire_itemsize() + SCALE_BYTES)
 
     def ratio(self, dtype=jnp.float32) -> float:
         """Wire bytes per byte of the message, for large messages (scales included)."""
@@ -101,13 +107,18 @@ class Codec:
         scaled = blocks / safe[:, None]
         if self.integer:
             scaled = jnp.clip(jnp.round(scaled), -self.largest, self.largest)
+        if self.packed == 2:
+            return Encoded(_pack_nibbles(scaled), scale)
         return Encoded(_bits(scaled.astype(self.wire)), scale)
 
     def decode(self, encoded: Encoded, like: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         """The message in `like`'s shape and dtype."""
         if self.lossless:
             return encoded.payload
-        payload = _unbits(encoded.payload, self.wire)
+        if self.packed == 2:
+            payload = _unpack_nibbles(encoded.payload)
+        else:
+            payload = _unbits(encoded.payload, self.wire)
         if not self.blocked:
             return payload.astype(like.dtype)
         values = payload.astype(jnp.float32) * encoded.scale[:, None]
@@ -144,6 +155,24 @@ def _unbits(payload: jax.Array, wire: str) -> jax.Array:
     return lax.bitcast_convert_type(payload, jnp.dtype(wire))
 
 
+# The nibble of integer q in [-7, 7] is q + NIBBLE_ZERO, in [1, 15] (an unsigned 4-bit field).
+NIBBLE_ZERO = 8
+
+
+def _pack_nibbles(q: jax.Array) -> jax.Array:
+    """Integer-valued rows [blocks, BLOCK] in [-7, 7] as uint8 [blocks, BLOCK / 2]: element 2i's
+    nibble in the low 4 bits of byte i, element 2i + 1's in the high 4 (packed by hand: XLA has no
+    4-bit collective on every backend, a uint8 one it sends as it is)."""
+    nibbles = (q + NIBBLE_ZERO).astype(jnp.uint8).reshape(q.shape[0], -1, 2)
+    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+
+
+def _unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """`_pack_nibbles`' inverse: float32 rows [blocks, BLOCK] of the integers."""
+    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return nibbles.astype(jnp.float32) - NIBBLE_ZERO
+
+
 def _blocks(x: jax.Array) -> jax.Array:
     """`x` raveled into rows of BLOCK elements, the last zero-padded."""
     flat = x.reshape(-1)
@@ -157,6 +186,7 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
     Codec("fp8-e4m3", "float8_e4m3fn", largest=448.0),
     Codec("fp8-e5m2", "float8_e5m2", largest=57344.0),
     Codec("int8", "int8", largest=127.0, integer=True),
+    Codec("int4", "uint8", largest=7.0, integer=True, packed=2),
 )}
 
 # Config keys `compress.<kind>`, and the messages (`cdpjax.program.events.MESSAGES`) each covers.

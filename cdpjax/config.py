@@ -103,8 +103,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.module_groups = ml_collections.FieldReference(None, field_type=object)
     c.residuals = "recompute"  # 'recompute' | 'carry' (pipeline backward residuals)
     c.nonfinite = "stop"  # 'stop' | 'skip'
-    # Codecs of the point-to-point messages, per kind (cdpjax.compress: none, bf16, fp8-e4m3, fp8-e5m2,
-    # int8): pipeline activations and cotangents, the ring's gradient sums, cdp-zero's parameter pieces;
+    # Codecs of the point-to-point messages, per kind (cdpjax.compress: none, bf16, fp8-e4m3, fp8-e5m2, int8,
+    # int4): pipeline activations and cotangents, the ring's gradient sums, cdp-zero's parameter pieces;
     # `feedback`: the ring's senders resend what the gradient codec dropped from their last message.
     c.compress = ml_collections.ConfigDict({"activations": "none", "cotangents": "none", "gradients": "none",
                                             "parameters": "none", "feedback": False})

@@ -29,7 +29,8 @@ Assumptions (stated, not hidden):
   `StageCosts.residuals` says which.
 - An op's output crossing devices (an activation to the next stage's forward, a
   cotangent to the previous stage's backward) is one message of the boundary's bytes,
-  bytes / bandwidth, one hop, no latency term.
+  bytes / bandwidth, one hop, no latency term; through a codec (`Link`, lockstep only), its
+  wire bytes / bandwidth plus the codec's encode and decode time measured for that size.
 - lockstep: a tick's time is the largest, over devices, of the sum of the device's ops
   in it, plus the largest message sent at its end (messages of one tick travel in
   parallel): activations and cotangents, and the table's gradient traffic ('partial',
@@ -148,17 +149,94 @@ def simulate(table, costs: StageCosts, bandwidth: float, model: str = "lockstep"
             "speedup": sequential / step if step > 0 else float("nan"), "devices": int(table.devices)}
 
 
-def lockstep_ticks(table, costs: StageCosts, bandwidth: float = float("inf")) -> tuple[np.ndarray, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """How a message crosses: `bandwidth` bytes/s, through codec `codec` (a `cdpjax.compress` name)
+    that sends a message of n float32 bytes as `wire_bytes(n / 4)` bytes and takes `coding` seconds
+    to encode it and decode it, given per message size as (float32 bytes, seconds) pairs (measured:
+    `measure_coding`). A message's time is its wire bytes / bandwidth plus its coding time."""
+
+    bandwidth: float
+    codec: str = "none"
+    coding: tuple[tuple[float, float], ...] = ()
+
+    def seconds(self, nbytes: float) -> float:
+        from cdpjax import compress
+
+        codec = compress.lookup(self.codec)
+        wire = codec.wire_bytes(-(-int(nbytes) // 4))
+        if codec.lossless:
+            return wire / self.bandwidth
+        coding = dict(self.coding)
+        if float(nbytes) not in coding:
+            raise ConfigError(f"Link(codec={self.codec!r}) has no coding time for a message of {nbytes:g} bytes; "
+                              f"measured for: {', '.join(f'{b:g}' for b in sorted(coding)) or 'none'}")
+        return wire / self.bandwidth + coding[float(nbytes)]
+
+
+def lockstep_ticks(table, costs: StageCosts, bandwidth: float = float("inf"),
+                   link: Link | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([ticks] compute seconds, [ticks] transfer seconds) of `table` run in lockstep: a tick's
-    compute is its busiest device's ops, its transfer the largest message sent at its end."""
+    compute is its busiest device's ops, its transfer the longest message sent at its end (bytes /
+    bandwidth; with `link`, `link.seconds(bytes)`: through its codec, coding time added)."""
     split = table.split_backward
     busy = np.zeros((table.num_ticks, max(table.devices, 1)))
     for op in table.ops:
         busy[op.tick, op.device] += costs.seconds(op.kind, op.stage, split)
     transfer = np.zeros(table.num_ticks)
     for tick, nbytes in _messages(table, costs):
-        transfer[tick] = max(transfer[tick], nbytes / bandwidth)
+        transfer[tick] = max(transfer[tick], link.seconds(nbytes) if link is not None else nbytes / bandwidth)
     return busy.max(1), transfer
+
+
+def lockstep_step_seconds(table, costs: StageCosts, link: Link) -> float:
+    """The lockstep model's step time (`simulate`'s, its steady window per period) with every
+    message crossing `link`."""
+    compute, transfer = lockstep_ticks(table, costs, link=link)
+    return _steady_step(table, compute + transfer)
+
+
+def break_even_bandwidth(table, costs: StageCosts, codec: str, coding, low: float = 1.0,
+                         high: float = 1e15) -> float:
+    """The bandwidth (bytes/s) below which `codec` (its `Link.coding` times) shortens the lockstep
+    step and above which its coding costs more than its fewer bytes save: where the step through
+    the codec equals the step without one, found by bisection on log(bandwidth) in [low, high]
+    (the difference grows with the bandwidth: bytes saved count less, coding the same). `high`
+    where the codec is no slower anywhere in the range, `low` where it is slower everywhere."""
+    def slower(bandwidth):
+        return lockstep_step_seconds(table, costs, Link(bandwidth, codec, tuple(coding))) > \
+            lockstep_step_seconds(table, costs, Link(bandwidth))
+
+    if not slower(high):
+        return high
+    if slower(low):
+        return low
+    lo, hi = math.log(low), math.log(high)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if slower(math.exp(mid)) else (mid, hi)
+    return math.exp(lo)
+
+
+def message_sizes(table, costs: StageCosts) -> tuple[float, ...]:
+    """The distinct sizes (float32 bytes) of the messages the lockstep model sends in `table`."""
+    return tuple(sorted({float(nbytes) for _, nbytes in _messages(table, costs)}))
+
+
+def measure_coding(codec: str, sizes, repeats: int = 5) -> tuple[tuple[float, float], ...]:
+    """(bytes, seconds) of `codec`'s encode and decode of a float32 message of each size in `sizes`,
+    jitted, on this process's first device (the median of `repeats` runs): `Link.coding`."""
+    import jax
+
+    from cdpjax import compress
+
+    c = compress.lookup(codec)
+    trip = jax.jit(lambda x: c.decode(c.encode(x), x))
+    out = []
+    for nbytes in sizes:
+        x = jax.random.normal(jax.random.key(0), (-(-int(nbytes) // 4),), "float32")
+        out.append((float(nbytes), median_seconds(trip, x, repeats=repeats)))
+    return tuple(out)
 
 
 # The op costs a busy fraction is weighed with where none are measured: a backward takes two forwards, and
@@ -233,11 +311,17 @@ def format_lockstep(table, costs: StageCosts, bandwidth: float = float("inf"), d
     return "\n".join(lines)
 
 
+def _steady_step(table, tick_seconds: np.ndarray) -> float:
+    """Seconds per step of the table's steady window (`TimeTable.steady`), ticks of `tick_seconds`."""
+    lo, hi = table.steady
+    periods = max(hi - lo, 1) / max(table.period, 1)
+    return float(tick_seconds[lo:hi].sum() / periods)
+
+
 def _lockstep(table, costs: StageCosts, bandwidth: float) -> dict:
     compute, transfer = lockstep_ticks(table, costs, bandwidth)
     lo, hi = table.steady
-    periods = max(hi - lo, 1) / max(table.period, 1)
-    return {"step_seconds": float((compute + transfer)[lo:hi].sum() / periods),
+    return {"step_seconds": _steady_step(table, compute + transfer),
             "total_seconds": float((compute + transfer).sum()),
             "transfer_fraction": float(transfer[lo:hi].sum() / max((compute + transfer)[lo:hi].sum(), 1e-300))}
 
@@ -363,7 +447,7 @@ def measure_stage_costs(net, micro_batch: int, repeats: int = 5, heads=None,
 
     carries(residuals)
     params, state = net.init(jax.random.key(0))
-    image = x = jnp.zeros((micro_batch, *net.input_shape), jnp.float32)
+    image = x = jnp.zeros((micro_batch, *net.input_shape), net.input_dtype)  # token ids: integers
     task = heads.task if heads is not None and heads.task is not None else None
     label_shape = tuple(task.label_shape(tuple(net.input_shape))) if task is not None else ()
     labels = jnp.zeros((micro_batch, *label_shape), task.label_dtype if task is not None else jnp.int32)
@@ -494,23 +578,44 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
     or from kept residuals). Local learning (a table of 'FB' ops) also times each stage's
     auxiliary head, forward and backward, unless `heads=False`; its modules are grouped on the
     devices as the config says, else by measured time (`group_by_time`)."""
+    if model not in MODELS:
+        raise ConfigError(f"speedup model {model!r}: choose {' or '.join(MODELS)}")
+    measured = _table_and_costs(config, devices, heads, calibrate, repeats)
+    if isinstance(measured, str):
+        return {"method": config.method, "model": model, "error": measured}
+    tbl, costs, mb = measured
+    stages = len(costs.forward)
+    out = simulate(tbl, costs, bandwidth, model)
+    per_stage = np.array([costs.local(j) for j in range(stages)])
+    out.update(method=config.method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
+               stage_backward_input=costs.backward_input, stage_backward_weight=costs.backward_weight,
+               backward_from=costs.residuals, split_backward=tbl.split_backward, calibrate=calibrate,
+               stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb, repeats=repeats,
+               activation_bytes=costs.activation_bytes,
+               imbalance=float(per_stage.max() / per_stage.mean()),
+               busy_fraction=tbl.busy_fraction()["devices"], busy_fraction_lockstep=lockstep_busy_fraction(tbl, costs),
+               assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
+    return out
+
+
+def _table_and_costs(config, devices: int, heads: bool, calibrate: str, repeats: int):
+    """(table, measured StageCosts, micro-batch) of `config.method` on `devices` devices
+    (`predict_for_config` says how), or why there is none (a string)."""
     from cdpjax import data, models
     from cdpjax.layouts import LAYOUTS
 
-    if model not in MODELS:
-        raise ConfigError(f"speedup model {model!r}: choose {' or '.join(MODELS)}")
     if calibrate not in CALIBRATIONS:
         raise ConfigError(f"calibrate={calibrate!r}: choose {' or '.join(CALIBRATIONS)}")
     ds = data.build(config)
-    net = models.build(config, ds.image_shape, ds.num_classes)
+    net = models.build(config, ds.image_shape, ds.num_classes, input_dtype=ds.input_dtype)
     method = config.method
     stages = net.num_stages
     try:
         tbl = table_for(config, devices, stages)
     except (ConfigError, AssertionError) as e:  # e.g. sizes a CDP table refuses
-        return {"method": method, "model": model, "error": str(e)}
+        return str(e)
     if tbl is None:
-        return {"method": method, "model": model, "error": "no time table (single-device method)"}
+        return "no time table (single-device method)"
     per_step = config.microbatches if LAYOUTS[method].microbatches else max(tbl.workers, 1)
     mb = max(config.global_batch_size // per_step, 1)
     local = any(kinds.lookup(op.kind).forward and kinds.lookup(op.kind).backward for op in tbl.ops)  # ppll
@@ -529,19 +634,16 @@ def predict_for_config(config, devices: int, bandwidth: float, heads: bool = Tru
         points = _balanced([costs.local(j) for j in range(stages)], devices)
         tbl = LAYOUTS[method].make_table(stages=stages, steps=max(6, 2 * devices), module_groups=points)
     if tbl.devices != devices:
-        return {"method": method, "model": model, "error": f"{method} with {stages} stages runs on {tbl.devices} "
-                                                           f"devices, not {devices}"}
-    out = simulate(tbl, costs, bandwidth, model)
-    per_stage = np.array([costs.local(j) for j in range(stages)])
-    out.update(method=method, bandwidth=bandwidth, stage_forward=costs.forward, stage_backward=costs.backward,
-               stage_backward_input=costs.backward_input, stage_backward_weight=costs.backward_weight,
-               backward_from=costs.residuals, split_backward=tbl.split_backward, calibrate=calibrate,
-               stage_head=costs.head, heads_timed=bool(costs.head), micro_batch=mb, repeats=repeats,
-               activation_bytes=costs.activation_bytes,
-               imbalance=float(per_stage.max() / per_stage.mean()),
-               busy_fraction=tbl.busy_fraction()["devices"], busy_fraction_lockstep=lockstep_busy_fraction(tbl, costs),
-               assumptions=__doc__.split("Assumptions (stated, not hidden):")[1].strip())
-    return out
+        return f"{method} with {stages} stages runs on {tbl.devices} devices, not {devices}"
+    return tbl, costs, mb
+
+
+def measured_costs(config, devices: int, heads: bool = True, calibrate: str = "alone", repeats: int = 5):
+    """(table, StageCosts) `predict_for_config` replays, measured here; a ConfigError where there is none."""
+    measured = _table_and_costs(config, devices, heads, calibrate, repeats)
+    if isinstance(measured, str):
+        raise ConfigError(f"no speedup model for method {config.method!r} on {devices} devices: {measured}")
+    return measured[:2]
 
 
 def _balanced(costs, devices) -> tuple[int, ...]:

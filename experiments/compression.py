@@ -1,22 +1,38 @@
 """Compressed transfers: bytes per step and final test loss per codec, for ppll's activations and
-the CDP ring's gradient sums.
+the CDP ring's gradient sums, on digits and the character language model.
 
-    python experiments/compression.py --tiny --out out/compression_tiny       # CI: a minute
-    python experiments/compression.py --grid small --out out/compression      # docs/compression.md's table
+    python experiments/compression.py --tiny --out out/compression_tiny           # CI: a few minutes
+    python experiments/compression.py --grid charlm --out out/compression_charlm  # docs/compression.md's tables
+    python experiments/compression.py --grid digits --out out/compression         # its digits table
 
-Every run trains on digits (`cdpjax/configs/digits.py`: the 4-stage MLP, batch 128) on 4
-simulated CPU devices: `ppll` (one module per device, `compress.activations` set to the codec)
-or `cdp-v2` on the ring (4 workers, `compress.gradients` set to the codec; `int8+feedback`:
-int8 with `compress.feedback`). A row is (route, codec, seed). Bytes per step are the
-program's (`Program.sent_bytes`: each `Send` event through its codec, per device and step, mean
-over devices; tests/test_compress.py checks that the compiled program's permutes carry them
-within 1%); the ratio is over the same run's bytes with no codec. The final test loss and
-accuracy are over the whole test split.
+Tasks: digits (`cdpjax/configs/digits.py`: the 4-stage MLP, batch 128, 200 steps) and charlm
+(`cdpjax/configs/charlm.py`: the 4-block character GPT, 64 wide, windows of 32, batch 64;
+shrunk to 50 steps of its 300, and to fewer codecs and seeds (`GRIDS['charlm']`), so that the
+grid ran within an hour on two shared, overloaded cores). Every run
+trains on 4 simulated CPU devices: `ppll` (one module per device, `compress.activations` set
+to the codec; charlm's modules learn through its `token_linear` heads) or `cdp-v2` on the ring
+(4 workers, `compress.gradients` set to the codec; `+feedback`: with `compress.feedback`),
+each with the codecs (and seeds) `GRIDS[grid]` names for its task and route. A
+row is (task, route, codec, seed). Bytes per step are the program's (`Program.sent_bytes`:
+each `Send` event through its codec, per device and step, mean over devices;
+tests/test_compress.py checks that the compiled program's permutes carry them within 1%); the
+ratio is over the same task and route's bytes with no codec. The final test loss and accuracy
+(charlm: per token) are over the whole test split (`cdpjax.loop.evaluate`).
+
+The issue's target, ppll on charlm with at least 4x fewer forward bytes than float32 and at
+most 2% higher final test loss (mean over seeds), is read off the charlm ppll rows (`TARGET`).
 
 Writes OUT/compression.json (every run, after each: a call stopped part-way, as a simulated
 device's collective timing out on an overloaded machine, goes on from there when run again) and
 OUT/compression.md (mean and sample standard deviation over seeds). Wall times are not
 reported: on simulated devices sharing the cores they say nothing about a real link.
+
+`--bandwidth B [B ...]` (bytes/s): OUT/steps.md (and steps.json), the lockstep model's step
+time (`cdpjax.speedup`: the route's time table replayed, stage costs measured here, each op alone
+on one device) of each (task, route, codec) over the same step with no codec, a message taking
+its wire bytes / B plus the codec's encode and decode time measured here for that message's
+size; and the bandwidth below which the codec shortens the step. Ratios and a bandwidth only:
+they depend on this device's compute and coding speeds, which a busy machine distorts.
 """
 from __future__ import annotations
 
@@ -31,21 +47,39 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 DEVICES = 4
-CODECS = ("none", "bf16", "fp8-e4m3", "fp8-e5m2", "int8")
+CODECS = ("none", "bf16", "fp8-e4m3", "fp8-e5m2", "int8", "int4")
 FEEDBACK = "+feedback"  # a codec name ending in it: with compress.feedback (gradient routes only)
 # route: (method, config key of its messages, extra config)
 ROUTES = {"ppll-activations": ("ppll", "activations", {}),
           "ring-gradients": ("cdp-v2", "gradients", {"cdp_impl": "ring", "workers": DEVICES})}
+# task: its test metric besides the loss
+METRICS = {"digits": "accuracy", "charlm": "token_accuracy"}
+# A grid: tasks, routes, seeds, steps per task, the codecs of each (task, route) ("task/route" keys: JSON)
+# and, where fewer than `seeds`, its seeds.
 GRIDS = {
-    "tiny": dict(routes=tuple(ROUTES), codecs=("none", "int8"), seeds=(0,), steps=10),
-    "small": dict(routes=tuple(ROUTES), codecs=(*CODECS, "int8" + FEEDBACK), seeds=(0, 1, 2), steps=200),
+    "tiny": dict(tasks=("digits", "charlm"), routes=tuple(ROUTES), seeds=(0,), steps={"digits": 10, "charlm": 3},
+                 codecs={f"{t}/{r}": ("none", "int4") for t in METRICS for r in ROUTES}),
+    # the 8-bit codecs (int4 came after this grid ran)
+    "digits": dict(tasks=("digits",), routes=tuple(ROUTES), seeds=(0, 1, 2), steps={"digits": 200},
+                   codecs={"digits/ppll-activations": CODECS[:-1],
+                           "digits/ring-gradients": (*CODECS[:-1], "int8" + FEEDBACK)}),
+    # what two shared, overloaded cores ran in about an hour: the target's route (charlm's ppll) with the
+    # uncompressed, int8 and int4 codecs over 3 seeds, the ring with none and int4 over one
+    "charlm": dict(tasks=("charlm",), routes=tuple(ROUTES), seeds=(0, 1, 2), steps={"charlm": 50},
+                   codecs={"charlm/ppll-activations": ("none", "int8", "int4"),
+                           "charlm/ring-gradients": ("none", "int4")},
+                   route_seeds={"charlm/ring-gradients": (0,)}),
 }
+# The issue's target for (task, route): at least `ratio` x fewer bytes than float32, final test loss at most
+# `loss` x float32's (means over seeds).
+TARGET = {("charlm", "ppll-activations"): dict(ratio=4.0, loss=1.02)}
 
 
 class Run(typing.NamedTuple):
     """One trained run: its row, the bytes each device sends per step (mean over devices) and the
-    final test loss and accuracy."""
+    final test loss and accuracy (`METRICS[task]`)."""
 
+    task: str
     route: str
     codec: str
     seed: int
@@ -54,11 +88,11 @@ class Run(typing.NamedTuple):
     test_accuracy: float
 
 
-def config_of(route: str, codec: str, seed: int, steps: int):
+def config_of(task: str, route: str, codec: str, seed: int, steps: int):
     from cdpjax import config as config_lib
 
     method, key, extra = ROUTES[route]
-    c = config_lib.load_file(f"digits:method={method},steps={steps}")
+    c = config_lib.load_file(f"{task}:method={method},steps={steps}")
     c.seed, c.eval_every, c.checkpoint_every = seed, 0, 0
     c.update(extra)
     c.compress[key] = codec.removesuffix(FEEDBACK)
@@ -66,16 +100,15 @@ def config_of(route: str, codec: str, seed: int, steps: int):
     return c
 
 
-def train_one(route: str, codec: str, seed: int, steps: int) -> Run:
+def train_one(task: str, route: str, codec: str, seed: int, steps: int) -> Run:
     """Trains one row in this process and evaluates it on the whole test split."""
     import jax
-    import numpy as np
 
-    from cdpjax import bench, setup, tasks
+    from cdpjax import bench, loop, setup, tasks
 
-    c = config_of(route, codec, seed, steps)
+    c = config_of(task, route, codec, seed, steps)
     ds, mesh, m = setup.setup(c, jax.devices()[:DEVICES])
-    task = tasks.resolve(c, ds)
+    task_ = tasks.resolve(c, ds)
     state = m.init(jax.random.key(seed))
     for k in range(steps):
         batch = setup.put_batch(ds.train_batch(k, c.global_batch_size, seed, False), mesh, m.input_sharding)
@@ -83,20 +116,56 @@ def train_one(route: str, codec: str, seed: int, steps: int) -> Run:
     if m.flush is not None:
         state = m.flush(state)
     params, model_state = m.export(state)
-    net = m.net
-
-    @jax.jit
-    def sums(images, labels, mask):
-        outputs, _ = net.apply(params, model_state, images, False)
-        return task.metric_sums(outputs, labels, mask)
-
-    totals = np.zeros(len(task.sum_names), np.float64)
-    for b in ds.test_batches(256):
-        totals += np.asarray(jax.device_get(sums(b["image"], b["label"], b["mask"])), np.float64)
-    metrics = task.finish(totals)
-    priced = bench.program_sizes(m, bench.micro_batch(m, c, mesh), task)
+    metrics = loop.evaluate(loop.make_eval_fn(m.net, task_), params, model_state, ds, 256, task_)
+    priced = bench.program_sizes(m, bench.micro_batch(m, c, mesh), task_)
     sent = float(m.program.sent_bytes(priced).mean())
-    return Run(route, codec, seed, sent, float(metrics["loss"]), float(metrics["accuracy"]))
+    return Run(task, route, codec, seed, sent, float(metrics["loss"]), float(metrics[METRICS[task]]))
+
+
+class StepTime(typing.NamedTuple):
+    """The lockstep model's step time of a (task, route) through `codec` at each of `bandwidths`
+    (bytes/s), as a ratio to the same step with no codec, and the bandwidth below which the codec
+    shortens the step (`speedup.break_even_bandwidth`)."""
+
+    task: str
+    route: str
+    codec: str
+    bandwidths: tuple[float, ...]
+    step_ratio: tuple[float, ...]
+    break_even: float
+
+
+def step_times(task: str, route: str, codecs, bandwidths, repeats: int = 5) -> list[StepTime]:
+    """Each codec's `StepTime` on the route's table (`cdpjax.speedup`'s lockstep replay): stage
+    costs measured here, each op alone on one device; each message's encode + decode of its size
+    measured here (`speedup.measure_coding`; error feedback's one subtraction not counted)."""
+    from cdpjax import speedup
+
+    c = config_of(task, route, "none", 0, 1)
+    table, costs = speedup.measured_costs(c, DEVICES, repeats=repeats)
+    sizes = speedup.message_sizes(table, costs)
+    out = []
+    for codec in codecs:
+        coding = speedup.measure_coding(codec.removesuffix(FEEDBACK), sizes, repeats)
+        ratio = tuple(speedup.lockstep_step_seconds(table, costs, speedup.Link(b, codec.removesuffix(FEEDBACK), coding))
+                      / speedup.lockstep_step_seconds(table, costs, speedup.Link(b)) for b in bandwidths)
+        even = speedup.break_even_bandwidth(table, costs, codec.removesuffix(FEEDBACK), coding)
+        out.append(StepTime(task, route, codec, tuple(bandwidths), ratio, even))
+    return out
+
+
+def step_table_markdown(times: list[StepTime]) -> str:
+    """One line per (task, route, codec): the step time through the codec over the step without
+    one at each bandwidth, and the bandwidth below which the codec pays for its coding."""
+    bandwidths = times[0].bandwidths
+    lines = ["| task | route | codec | " + " | ".join(f"step / float32's at {b:.0e} B/s" for b in bandwidths)
+             + " | pays below (B/s) |", "|---|---|---|" + "---|" * len(bandwidths) + "---|"]
+    for t in times:
+        even = ("-" if t.codec == "none" else "never" if t.break_even <= 1.0 else
+                "always" if t.break_even >= 1e15 else f"{t.break_even:.1e}")
+        lines.append(f"| {t.task} | {t.route} | {t.codec} | " + " | ".join(f"{r:.3f}" for r in t.step_ratio)
+                     + f" | {even} |")
+    return "\n".join(lines) + "\n"
 
 
 def spread(values) -> tuple[float, float]:
@@ -105,41 +174,69 @@ def spread(values) -> tuple[float, float]:
 
 
 def table_markdown(runs: list[Run]) -> str:
-    """One line per (route, codec): bytes per device and step, their ratio to the route's
-    uncompressed bytes, mean and spread of the final test loss and accuracy over seeds."""
+    """One line per (task, route, codec): bytes per device and step, their ratio to the task and
+    route's uncompressed bytes, mean and spread of the final test loss and accuracy over seeds;
+    where the issue sets a target (`TARGET`), whether the row meets it."""
     groups: dict = {}
     for r in runs:
-        groups.setdefault((r.route, r.codec), []).append(r)
-    plain = {route: statistics.fmean(r.sent_bytes for r in rs) for (route, codec), rs in groups.items()
-             if codec == "none"}
-    lines = ["| route | codec | seeds | bytes / device / step | x fewer than float32 | test loss | test accuracy |",
-             "|---|---|---|---|---|---|---|"]
-    for (route, codec), rs in groups.items():
+        groups.setdefault((r.task, r.route, r.codec), []).append(r)
+    plain = {(task, route): (statistics.fmean(r.sent_bytes for r in rs), statistics.fmean(r.test_loss for r in rs))
+             for (task, route, codec), rs in groups.items() if codec == "none"}
+    lines = ["| task | route | codec | seeds | bytes / device / step | x fewer than float32 | test loss | "
+             "test accuracy | target: >= 4x fewer, loss <= +2% |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (task, route, codec), rs in groups.items():
         sent = statistics.fmean(r.sent_bytes for r in rs)
         (loss, dl), (acc, da) = spread(r.test_loss for r in rs), spread(r.test_accuracy for r in rs)
-        ratio = f"{plain[route] / sent:.2f}" if route in plain and sent else "-"
-        lines.append(f"| {route} | {codec} | {len(rs)} | {sent:,.0f} | {ratio} | {loss:.4f} ± {dl:.4f} | "
-                     f"{acc:.4f} ± {da:.4f} |")
+        base = plain.get((task, route))
+        ratio = base[0] / sent if base and sent else None
+        target = TARGET.get((task, route))
+        meets = "-"
+        if target and ratio is not None and codec != "none":
+            met = ratio >= target["ratio"] and loss <= target["loss"] * base[1]
+            meets = f"{'yes' if met else 'no'} ({ratio:.2f}x, {100 * (loss / base[1] - 1):+.1f}%)"
+        lines.append(f"| {task} | {route} | {codec} | {len(rs)} | {sent:,.0f} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {loss:.4f} ± {dl:.4f} | {acc:.4f} ± {da:.4f} | "
+                     f"{meets} |")
     return "\n".join(lines) + "\n"
 
 
 def finished(path: str, grid: dict) -> dict:
-    """The runs an earlier call of the same grid wrote to `path`, by (route, codec, seed)."""
+    """The runs an earlier call wrote to `path` with the same steps for their task, by (task, route,
+    codec, seed)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         record = json.load(f)
-    if record.get("grid", {}).get("steps") != grid["steps"]:
+    steps = record.get("grid", {}).get("steps", {})
+    if not isinstance(steps, dict):  # a record from before the tasks: its runs are not these
         return {}
-    return {(r["route"], r["codec"], r["seed"]): Run(**r) for r in record["runs"]}
+    return {(r["task"], r["route"], r["codec"], r["seed"]): Run(**r) for r in record["runs"]
+            if "task" in r and steps.get(r["task"]) == grid["steps"].get(r["task"])}
+
+
+def rows(grid: dict):
+    """(task, route, codec, seed) of the grid."""
+    for task in grid["tasks"]:
+        for route in grid["routes"]:
+            key = f"{task}/{route}"
+            for codec in grid["codecs"][key]:
+                for seed in grid.get("route_seeds", {}).get(key, grid["seeds"]):
+                    yield task, route, codec, seed
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="the CI grid (same as --grid tiny)")
-    p.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="charlm")
     p.add_argument("--out", required=True, help="folder for compression.json and compression.md")
+    p.add_argument("--bandwidth", type=float, nargs="+", default=(1e8, 1e9, 1e10), metavar="B",
+                   help="link bandwidths in bytes/s for the lockstep model's step time per codec (steps.md)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per op for the step times (median)")
     args = p.parse_args(argv)
+    bad = [b for b in args.bandwidth if not b > 0]
+    if bad:
+        p.error(f"--bandwidth {bad[0]!r} must be a positive number of bytes/s")
     grid = GRIDS["tiny" if args.tiny else args.grid]
     from cdpjax import mesh as mesh_lib
 
@@ -148,20 +245,22 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "compression.json")
     done = finished(path, grid)
     runs = []
-    for route in grid["routes"]:
-        for codec in grid["codecs"]:
-            if codec.endswith(FEEDBACK) and ROUTES[route][1] != "gradients":
-                continue
-            for seed in grid["seeds"]:
-                r = done.get((route, codec, seed)) or train_one(route, codec, seed, grid["steps"])
-                runs.append(r)
-                print(f"{route} {codec} seed {seed}: {r.sent_bytes:,.0f} bytes/device/step, test loss "
-                      f"{r.test_loss:.4f}, accuracy {r.test_accuracy:.4f}", flush=True)
-                with open(path, "w") as f:  # after each run: a call stopped part-way goes on from there
-                    json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
-                with open(os.path.join(args.out, "compression.md"), "w") as f:
-                    f.write(table_markdown(runs))
-    print(f"wrote {args.out}/compression.md")
+    for task, route, codec, seed in rows(grid):
+        r = done.get((task, route, codec, seed)) or train_one(task, route, codec, seed, grid["steps"][task])
+        runs.append(r)
+        print(f"{task} {route} {codec} seed {seed}: {r.sent_bytes:,.0f} bytes/device/step, test loss "
+              f"{r.test_loss:.4f}, {METRICS[task]} {r.test_accuracy:.4f}", flush=True)
+        with open(path, "w") as f:  # after each run: a call stopped part-way goes on from there
+            json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
+        with open(os.path.join(args.out, "compression.md"), "w") as f:
+            f.write(table_markdown(runs))
+    times = [t for task in grid["tasks"] for route in grid["routes"]
+             for t in step_times(task, route, grid["codecs"][f"{task}/{route}"], args.bandwidth, args.repeats)]
+    with open(os.path.join(args.out, "steps.json"), "w") as f:
+        json.dump([t._asdict() for t in times], f, indent=1)
+    with open(os.path.join(args.out, "steps.md"), "w") as f:
+        f.write(step_table_markdown(times))
+    print(f"wrote {args.out}/compression.md and {args.out}/steps.md")
     return 0
 
 

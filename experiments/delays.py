@@ -92,9 +92,8 @@ def config_of(task: str, model: str, tau: int, correction: str, seed: int, steps
 def train_one(task: str, model: str, tau: int, correction: str, seed: int, steps: int) -> Run:
     """Trains one row in this process and evaluates it on the whole test split."""
     import jax
-    import numpy as np
 
-    from cdpjax import data, methods, staleness, tasks
+    from cdpjax import data, loop, methods, staleness, tasks
     from cdpjax.mesh import make_mesh
 
     c = config_of(task, model, tau, correction, seed, steps)
@@ -107,17 +106,7 @@ def train_one(task: str, model: str, tau: int, correction: str, seed: int, steps
     for k in range(steps):
         state, _ = m.train_step(state, ds.train_batch(k, c.global_batch_size, seed, augment=False))
     params, model_state = m.export(state)
-    net = m.net
-
-    @jax.jit
-    def sums(images, labels, mask):
-        outputs, _ = net.apply(params, model_state, images, False)
-        return task_.metric_sums(outputs, labels, mask)
-
-    totals = np.zeros(len(task_.sum_names), np.float64)
-    for b in ds.test_batches(256):
-        totals += np.asarray(jax.device_get(sums(b["image"], b["label"], b["mask"])), np.float64)
-    metrics = task_.finish(totals)
+    metrics = loop.evaluate(loop.make_eval_fn(m.net, task_), params, model_state, ds, 256, task_)
     loss = float(metrics["loss"])
     metric = float(metrics.get("accuracy", metrics.get("token_accuracy", float("nan"))))
     bound = max(int(staleness.per_read(m.table).max()), 0)

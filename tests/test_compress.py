@@ -2,7 +2,8 @@
 
 Claims: `none` gives the message back bit for bit; bf16 keeps 8 significant bits (relative error
 <= 2^-8, round to nearest); int8 with a per-block scale max|x|/127 is off by at most half a step,
-max|x|/254, per block; fp8 e4m3 / e5m2 keep 4 / 3 significant bits of the scaled value (relative
+max|x|/254, per block, int4 (scale max|x|/7, two values a byte) by max|x|/14; fp8 e4m3 / e5m2 keep
+4 / 3 significant bits of the scaled value (relative
 error <= 2^-4 / 2^-3) except below the smallest normal, where the error is at most half the
 smallest subnormal times the scale. The bytes on the wire are the payload's plus one float32
 scale per block. Error feedback resends what the codec dropped (a hand-computed three-step case).
@@ -68,6 +69,31 @@ def test_int8_half_a_step_per_block(shape):
     assert np.all(err <= peak / 254 * (1 + 1e-5) + 1e-30)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int4_half_a_step_per_block(shape):
+    x = _message(shape)
+    y = compress.lookup("int4").round_trip(x)
+    assert y.dtype == jnp.float32 and y.shape == x.shape
+    err = _blocks(np.asarray(y) - np.asarray(x))
+    peak = np.abs(_blocks(x)).max(axis=1, keepdims=True)
+    # scale = peak / 7; 15 levels -7..7, rounding to the nearest: half a step, peak / 14 (float32 slack)
+    assert np.all(np.abs(err) <= peak / 14 * (1 + 1e-5) + 1e-30)
+    assert x.size == 1 or np.any(np.abs(err) > peak / 254)  # coarser than int8: it does round to 4 bits
+
+
+def test_int4_packs_two_nibbles_a_byte():
+    """One block whose peak is 7 has scale 1: the payload is the integers themselves, q + 8 as a
+    nibble, element 2i in byte i's low 4 bits, 2i + 1 in its high 4 (written out by hand)."""
+    x = np.zeros(128, np.float32)
+    x[:6] = [7, -7, 0, 1, -2.4, 3.6]
+    enc = compress.lookup("int4").encode(jnp.asarray(x))
+    assert enc.payload.dtype == jnp.uint8 and enc.payload.shape == (1, 64)
+    assert float(enc.scale[0]) == 1.0
+    # bytes: (7+8) | (-7+8) << 4 = 15 + 16; (0+8) | (1+8) << 4 = 8 + 144; (-2+8) | (4+8) << 4 = 6 + 192; then 8 | 8 << 4
+    assert np.asarray(enc.payload[0, :4]).tolist() == [31, 152, 198, 136]
+    assert np.asarray(compress.lookup("int4").decode(enc, x))[:6].tolist() == [7, -7, 0, 1, -2, 4]
+
+
 @pytest.mark.parametrize("name,largest,mantissa,min_subnormal_exp", [
     ("fp8-e4m3", 448.0, 3, -9),   # e4m3fn: bias 7, 3 mantissa bits, smallest subnormal 2^-6 * 2^-3
     ("fp8-e5m2", 57344.0, 2, -16),  # e5m2: bias 15, 2 mantissa bits, smallest subnormal 2^-14 * 2^-2
@@ -84,7 +110,7 @@ def test_fp8_error(shape, name, largest, mantissa, min_subnormal_exp):
 
 
 @pytest.mark.parametrize("name,itemsize,scaled", [("none", 4, False), ("bf16", 2, False), ("fp8-e4m3", 1, True),
-                                                   ("fp8-e5m2", 1, True), ("int8", 1, True)])
+                                                   ("fp8-e5m2", 1, True), ("int8", 1, True), ("int4", 0.5, True)])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_wire_bytes_are_the_payload_and_scales(shape, name, itemsize, scaled):
     codec = compress.lookup(name)
@@ -92,7 +118,7 @@ def test_wire_bytes_are_the_payload_and_scales(shape, name, itemsize, scaled):
     enc = codec.encode(x)
     n = int(np.prod(shape))
     blocks = -(-n // 128)
-    expected = blocks * (128 * itemsize + 4) if scaled else n * itemsize
+    expected = blocks * (int(128 * itemsize) + 4) if scaled else n * itemsize
     got = sum(np.asarray(a).nbytes for a in enc if a is not None)
     assert got == expected == codec.wire_bytes(n)
 
@@ -104,9 +130,9 @@ def test_zero_block_decodes_to_zeros():
 
 
 def test_unknown_codec_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^compress.gradients='int4' is not a codec; codecs: none, bf16, "
-                                          r"fp8-e4m3, fp8-e5m2, int8$"):
-        compress.Codecs.from_config({"compress": {"gradients": "int4"}})
+    with pytest.raises(ConfigError, match=r"^compress.gradients='int2' is not a codec; codecs: none, bf16, "
+                                          r"fp8-e4m3, fp8-e5m2, int8, int4$"):
+        compress.Codecs.from_config({"compress": {"gradients": "int2"}})
     with pytest.raises(ConfigError, match="unknown config key 'compress.weights'"):
         compress.Codecs.from_config({"compress": {"weights": "bf16"}})
     with pytest.raises(ConfigError, match=r"^compress.feedback=True .* compress.gradients='none' drops nothing"):
@@ -159,14 +185,16 @@ def _permutes(hlo_text: str) -> list[tuple[str, int]]:
 
 def _wire(codec: str, n: int) -> list[tuple[str, int]]:
     """What a message of n float32 elements should cross as, written out per codec: bf16 its 2-byte
-    bits, fp8 and int8 one byte an element padded to blocks of 128 beside one float32 scale a block."""
+    bits, fp8 and int8 one byte an element padded to blocks of 128 beside one float32 scale a block,
+    int4 half a byte an element (64 bytes a block) beside the same scales."""
     blocks = -(-n // 128)
     return {"none": [("f32", 4 * n)], "bf16": [("u16", 2 * n)], "int8": [("s8", 128 * blocks), ("f32", 4 * blocks)],
+            "int4": [("u8", 64 * blocks), ("f32", 4 * blocks)],
             "fp8-e4m3": [("u8", 128 * blocks), ("f32", 4 * blocks)],
             "fp8-e5m2": [("u8", 128 * blocks), ("f32", 4 * blocks)]}[codec]
 
 
-@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3"])
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3", "int4"])
 def test_ppll_activation_permutes_carry_the_codec(codec):
     """ppll on 2 devices, an MLP 16 wide, 12 examples a step: one message, stage 0's output
     [12, 16] = 192 float32 elements, crosses per step, in the codec's dtype and bytes."""
@@ -197,7 +225,7 @@ def _ring(codec: str, workers: int = 2, stages: int = 2, batch: int = 8):
     return build(config, {"data": workers})
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
 def test_ring_gradient_permutes_carry_the_codec(codec):
     """Each gradient message of the ring (a stage's gradient raveled, n float32 elements with no
     codec) crosses as the codec's wire arrays for n elements."""
@@ -244,13 +272,13 @@ def test_ring_with_bf16_sums_within_the_rounding_bound():
             np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[1])
 
 
-@pytest.mark.parametrize("codec,wire_bytes", [("bf16", 2 * 64 * 16), ("int8", 8 * (128 + 4))])
+@pytest.mark.parametrize("codec,wire_bytes", [("bf16", 2 * 64 * 16), ("int8", 8 * (128 + 4)), ("int4", 8 * (64 + 4))])
 def test_bench_counts_the_wire_bytes(tmp_path, codec, wire_bytes):
     """ppll on two devices, a 16-wide MLP cut after two blocks, 64 examples a step: one message a
     step, the [64, 16] hidden layer, crosses as `wire_bytes` (written out: bf16 2 bytes an element;
-    int8 1024 elements = 8 blocks of 128 bytes and a 4-byte scale), i.e. half that per device. What
-    the program says (its Send events through their codec) and what the compiled program's
-    permutes carry (bench's HLO count) agree within 1%."""
+    int8 1024 elements = 8 blocks of 128 bytes and a 4-byte scale; int4 8 blocks of 64 bytes and a
+    scale), i.e. half that per device. What the program says (its Send events through their codec)
+    and what the compiled program's permutes carry (bench's HLO count) agree within 1%."""
     path = tmp_path / "b.json"
     assert main(["bench", "--methods", "ppll", "--cpu-devices", "2", "--repeats", "1",
                  "--config.stages=[2]", "--config.model_kwargs.width=16", "--config.global_batch_size=64",
@@ -352,3 +380,35 @@ def test_ring_error_feedback_resends_what_the_codec_dropped():
                 assert not feedback[w, 0].any()  # it sends no partial of stage j: nothing kept
         completing = [w for w in range(2) if feedback[w, 1].any()]
         assert len(completing) == 1  # one worker completes stage j's sum and keeps its remainder
+
+
+# ---------------------------------------------------------------- the lockstep model's step time through a codec
+
+def test_lockstep_step_time_through_a_codec_two_ticks():
+    """ppll, 2 stages, 1 step: tick 0 runs stage 0's FB on device 0 (F 1 + B 2 = 3 s), whose
+    1000-byte activation (250 float32) crosses at the tick's end; tick 1 runs stage 1's FB (3 s).
+    The steady window is both ticks, one tick a period: a step is half the total. By hand:
+    - none at 100 bytes/s: (3 + 1000/100 + 3) / 2 = 8;
+    - int8, 2 blocks of 128 + 4 bytes = 264 bytes, coding 0.5 s: (3 + 2.64 + 0.5 + 3) / 2 = 4.57;
+    - int4, 2 blocks of 64 + 4 = 136 bytes, coding 0.5 s: (3 + 1.36 + 0.5 + 3) / 2 = 3.93;
+    - int8 pays for its coding below 1000/B = 264/B + 0.5, B = 1472 bytes/s: at 2000 bytes/s
+      (3 + 0.132 + 0.5 + 3) / 2 = 3.316 > none's (3 + 0.5 + 3) / 2 = 3.25."""
+    from cdpjax import speedup
+    from cdpjax.layouts.ppll import ppll_table
+
+    table = ppll_table(2, 1)
+    costs = speedup.uniform_costs({"F": 1, "B": 2}, 2, activation_bytes=1000.0)
+    coding = ((1000.0, 0.5),)
+    step = {codec: speedup.lockstep_step_seconds(table, costs, speedup.Link(100.0, codec, coding))
+            for codec in ("none", "int8", "int4")}
+    assert step == pytest.approx({"none": 8.0, "int8": 4.57, "int4": 3.93})
+    assert step["none"] == speedup.simulate(table, costs, 100.0)["step_seconds"]  # the same replay without a codec
+    at_2000 = {codec: speedup.lockstep_step_seconds(table, costs, speedup.Link(2000.0, codec, coding))
+               for codec in ("none", "int8")}
+    assert at_2000 == pytest.approx({"none": 3.25, "int8": 3.316})
+    assert speedup.message_sizes(table, costs) == (1000.0,)
+    assert speedup.break_even_bandwidth(table, costs, "int8", coding) == pytest.approx(1472.0, rel=1e-6)
+    assert speedup.break_even_bandwidth(table, costs, "int8", coding, high=1000.0) == 1000.0  # pays everywhere
+    with pytest.raises(ConfigError, match=r"^Link\(codec='int8'\) has no coding time for a message of 1000 bytes; "
+                                          r"measured for: 500$"):
+        speedup.lockstep_step_seconds(table, costs, speedup.Link(100.0, "int8", ((500.0, 0.1),)))
