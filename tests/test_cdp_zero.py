@@ -251,6 +251,78 @@ def test_pieces_of_a_route_and_tick_travel_as_one_message(workers, stages):
     print(f"N={N} L={stages}: {expected} permutes a period, {per_piece} one piece each")
 
 
+def wire_bytes(codec: str, n: int) -> int:
+    """Bytes a piece of n float32 elements crosses as, written out per codec: float32 4 an element,
+    bf16 2; fp8 and int8 one byte an element padded to blocks of 128, and a float32 scale a block."""
+    blocks = -(-n // 128)
+    return {"none": 4 * n, "bf16": 2 * n}.get(codec, blocks * (128 + 4))
+
+
+WIRE_DTYPES = {"none": {"f32"}, "bf16": {"u16"}, "int8": {"s8", "f32"}, "fp8-e4m3": {"u8", "f32"},
+               "fp8-e5m2": {"u8", "f32"}}
+
+
+@functools.lru_cache(maxsize=None)
+def build_coded(workers, parameters, gradients, stages=4):
+    ctx = context(workers, method="cdp-zero", cdp_rule="cdp-v2", stages=stages)
+    ctx.config.compress.parameters, ctx.config.compress.gradients = parameters, gradients
+    return methods.build(ctx)
+
+
+@pytest.mark.parametrize("parameters,gradients", [("int8", "bf16"), ("bf16", "fp8-e4m3"), ("fp8-e5m2", "int8")])
+def test_pieces_cross_in_their_codecs_bytes(parameters, gradients):
+    """compress.parameters on the parameter pieces, compress.gradients on the gradient pieces: the
+    compiled step's collective-permutes carry, per step and by rule (N = L = 4, whole backwards, as
+    in `test_messages_are_pieces_and_zero3_share`), N (N - 1) (2 (w(p0) + w(p1) + w(p2)) + w(p3))
+    bytes of parameter pieces and N (N - 1) (w(p0) + ... + w(p3)) of gradient pieces, w the codec's
+    bytes of a piece of p_j = ceil(size_j / N) float32 elements (each piece encoded on its own); in
+    the codecs' wire dtypes only. The program's Send events (its codecs set) say the same within 1%."""
+    N = 4
+    zero = build_coded(N, parameters, gradients)
+    state = zero.init(jax.random.key(0))
+    hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
+    stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
+    piece = [-(-s // N) for s in stage]
+    params_sent = N * (N - 1) * (2 * sum(wire_bytes(parameters, p) for p in piece[:3]) + wire_bytes(parameters,
+                                                                                                   piece[3]))
+    sums_sent = N * (N - 1) * sum(wire_bytes(gradients, p) for p in piece)
+    permuted = bench.traffic(hlo, N)["by_kind"]["collective-permute"]
+    assert permuted == params_sent + sums_sent
+    sent = [m.group(1) for m in map(re.compile(r"=\s*(\(.*?\)|\S+)\s+collective-permute(?:-start)?\(").search,
+                                    hlo.splitlines()) if m]
+    dtypes = {dtype for shapes in sent for dtype in re.findall(r"\b([a-z]+\d+)\[", shapes)}
+    assert dtypes == WIRE_DTYPES[parameters] | WIRE_DTYPES[gradients]
+    declared = zero.program.sent_bytes({"param": [4 * s for s in stage]}).sum()
+    assert declared == pytest.approx(permuted, rel=0.01)
+    assert {s.codec for s in zero.program.sends if s.what == "parameters"} == {parameters}
+    assert {s.codec for s in zero.program.sends if s.what == "partial"} == {gradients}
+
+
+def test_bench_counts_the_pieces_wire_bytes(tmp_path):
+    """`cdpjax bench` on cdp-zero with codecs: the bytes the program says it sends (its Send events
+    through their codecs) and what the compiled permutes carry agree within 1%."""
+    from cdpjax.cli import main
+
+    path = tmp_path / "b.json"
+    assert main(["bench", "--methods", "cdp-zero", "--cpu-devices", "2", "--repeats", "1", "--config.stages=[2]",
+                 "--config.mesh.data=2", "--config.model_kwargs.width=16", "--config.global_batch_size=64",
+                 "--config.compress.parameters=int8", "--config.compress.gradients=bf16", "--json", str(path)]) == 0
+    (r,) = json.loads(path.read_text())
+    permuted = r["sent_bytes_by_kind"]["collective-permute"] / 2
+    assert permuted == pytest.approx(r["sent_bytes_per_device_per_step"], rel=0.01)
+
+
+def test_lossy_pieces_train_near_float32():
+    """bf16 pieces both ways, 3 steps from one start: the parameters differ from float32's (the codec
+    is felt) by less than 1% of how far training moved them."""
+    plain, coded = build_coded(4, "none", "none"), build_coded(4, "bf16", "bf16")
+    start = params(plain, plain.init(jax.random.key(0)))
+    want = params(plain, plain.flush(train(plain)))
+    got = params(coded, coded.flush(train(coded)))
+    moved, off = max_diff(want, start), max_diff(got, want)
+    assert 0 < off < 0.01 * moved, (off, moved)
+
+
 def test_each_worker_stores_a_quarter_of_the_model():
     """Persistent parameter, optimizer and gradient-sum storage per device: 1/N of every stage
     (per stored version, momentum, the running sum), plus one relay row as long as the largest
@@ -373,6 +445,11 @@ def test_config_errors():
     for kw, devices, match in bad:
         with pytest.raises(ConfigError, match=match):
             methods.build(context(devices, method="cdp-zero", **kw))
+    ctx = context(4, method="cdp-zero")
+    ctx.config.compress.gradients, ctx.config.compress.feedback = "int8", True
+    with pytest.raises(ConfigError, match=r"^compress.feedback=True: cdp-zero's gradient pieces keep no error "
+                                          r"feedback .*set compress.feedback=False$"):
+        methods.build(ctx)
     ds = data.build(config())
     mesh = make_mesh({"stage": 2, "data": 2}, jax.devices()[:4])
     with pytest.raises(ConfigError, match="mesh"):

@@ -33,6 +33,10 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   route (destination - source mod N) whose payloads have one length in one `ppermute`
   (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no
   all-gather, reduce-scatter or all-reduce of model-sized buffers.
+- Codecs (`cdpjax.compress`): `compress.parameters` on the parameter pieces, `compress.gradients`
+  on the gradient pieces, each piece encoded on its own before its message's `ppermute` (its
+  `Send` event's bytes) and decoded where it lands; a worker's own piece is used exact. Error
+  feedback is refused (each sender would keep a whole stage's remainder).
 
 Per worker and step the messages carry (N-1)/N x (2 - the last stage's share) of the model
 in parameters (two visits a stage, one of the last) and (N-1)/N of it in gradients (ZeRO-3's
@@ -47,6 +51,7 @@ does: the previous versions are set to the current ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -59,6 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
 from cdpjax.carrier import FlatLayout
+from cdpjax.compress import BLOCK, CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
@@ -132,9 +138,10 @@ class ZeroPeriod:
     """One worker's period (`ring.Period`'s shape, `cdp-zero`'s storage): per tick the gathers,
     the ops (a gradient op's pieces sent to their keepers), the updates; then the tick is fenced."""
 
-    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards):
+    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards, codecs: Codecs = Codecs()):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry, self.shards = stages, program, tx, carry, shards
+        self.codecs = codecs
         self.z: ZeroTicks = program.ticks
         L = self.z.stages
         split = program.split_backward
@@ -170,7 +177,7 @@ class ZeroPeriod:
         mine = [b[("master", j, row)] + b.after_previous_tick() for j, _, row, _ in tk.gathers]
         sent = [Piece(u, g.worker, (i,), piece[g.stage]) for i, g in enumerate(tk.gathers) for u in range(N)
                 if u != g.worker]
-        got = exchange(sent, lambda p: mine[p.what[0]], me, N)
+        got = exchange(sent, lambda p: mine[p.what[0]], me, N, self.codecs.parameters)
         for i, (j, worker, _, r) in enumerate(tk.gathers):
             pieces = [mine[i] if u == worker else got[(u, worker, (i,))] for u in range(N)]
             _land(b, me == worker, ("relay", r), pieces)
@@ -240,7 +247,7 @@ class ZeroPeriod:
         pieces = {i: self.shards.pieces(ops[i].stage, g) for i, g in flat.items()}
         sent = [Piece(ops[i].worker, u, (i,), self.shards.piece[ops[i].stage]) for i in flat for u in range(N)
                 if u != ops[i].worker]
-        got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N)
+        got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N, self.codecs.gradients)
         for i in flat:
             op = ops[i]
             terms = [pieces[i][u] if u == op.worker
@@ -275,27 +282,36 @@ class Piece(NamedTuple):
     size: int
 
 
-def messages(pieces, workers: int) -> list[list[tuple[int, int, tuple[Piece, ...]]]]:
+def messages(pieces, workers: int, length=lambda p: p.size) -> list[list[tuple[int, int, tuple[Piece, ...]]]]:
     """The tick's pieces as messages: a pair's pieces one after the other, and the pairs of one
     route (offset dst - src mod N) whose payloads have one length in one `ppermute` (a permute's
     pairs send buffers of one shape: pieces of other lengths go in messages of their own, so that
-    nothing is padded and the bytes are the pieces'). Sorted by (route, length)."""
+    nothing is padded and the bytes are the pieces'). `length(piece)`: its rows on the wire (its
+    elements; a block codec's blocks). Sorted by (route, length)."""
     by_pair: dict = defaultdict(list)
     for p in pieces:
         by_pair[(p.src, p.dst)].append(p)
     routes: dict = defaultdict(list)
     for (src, dst), ps in sorted(by_pair.items()):
-        routes[((dst - src) % workers, sum(p.size for p in ps))].append((src, dst, tuple(ps)))
+        routes[((dst - src) % workers, sum(length(p) for p in ps))].append((src, dst, tuple(ps)))
     return [routes[k] for k in sorted(routes)]
 
 
-def exchange(pieces, value, me, workers: int) -> dict:
-    """Sends `pieces` (`Piece`s; `value(piece)` its array on the sender) batched by `messages`, one
-    `ppermute` each; returns {(src, dst, what): the piece as its receiver holds it} (on other devices
-    whatever their own message brought: a receiver reads only its own)."""
+def _wire_rows(codec: Codec, size: int) -> int:
+    """Rows of a piece of `size` float32 elements on the wire: its blocks (a block codec), else its elements."""
+    return -(-size // BLOCK) if codec.blocked else size
+
+
+def exchange(pieces, value, me, workers: int, codec: Codec = CODECS["none"]) -> dict:
+    """Sends `pieces` (`Piece`s; `value(piece)` its float32 array on the sender) batched by `messages`,
+    one `ppermute` each, every piece encoded by `codec` on its own (the bytes of its `Send` event:
+    a block codec's blocks never span two pieces) and decoded where it lands; returns {(src, dst,
+    what): the piece as its receiver holds it} (on other devices whatever their own message brought:
+    a receiver reads only its own)."""
+    rows = functools.partial(_wire_rows, codec)
     got = {}
-    for message in messages(pieces, workers):
-        payloads = [jnp.concatenate([value(p) for p in ps]) if len(ps) > 1 else value(ps[0]) for _, _, ps in message]
+    for message in messages(pieces, workers, lambda p: rows(p.size)):
+        payloads = [_joined([codec.encode(value(p)) for p in ps]) for _, _, ps in message]
         if len(message) == 1:
             payload = payloads[0]
         else:  # each sender builds its own payload only
@@ -304,13 +320,23 @@ def exchange(pieces, value, me, workers: int) -> dict:
                 which[src] = k
             payload = lax.switch(jnp.asarray(which)[me], [lambda *xs, k=k: varying(xs[k], AXIS)
                                                           for k in range(len(payloads))], *payloads)
-        received = lax.ppermute(payload, ring.WORKERS, [(src, dst) for src, dst, _ in message])
+        received = jax.tree.map(lambda x: lax.ppermute(x, ring.WORKERS, [(src, dst) for src, dst, _ in message]),
+                                payload)
         for src, dst, ps in message:
             at = 0
             for p in ps:
-                got[(src, dst, p.what)] = received[at:at + p.size]
-                at += p.size
+                n = rows(p.size)
+                part = jax.tree.map(lambda x: x[at:at + n], received)
+                got[(src, dst, p.what)] = codec.decode(part, jax.ShapeDtypeStruct((p.size,), jnp.float32))
+                at += n
     return got
+
+
+def _joined(encoded: list):
+    """Encoded pieces as one payload (and one scale row), in order; one piece as it is."""
+    if len(encoded) == 1:
+        return encoded[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *encoded)
 
 
 def _land(b: ring.Buffers, pred, name, pieces):
@@ -363,7 +389,12 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     shards = Shards(FlatLayout.from_trees(shapes), N)
-    period = ZeroPeriod(stages, program, tx, shards)
+    codecs = Codecs.from_config(ctx.config)
+    if codecs.feedback:
+        raise ConfigError("compress.feedback=True: cdp-zero's gradient pieces keep no error feedback (each sender "
+                          "would hold a whole stage's remainder, against its 1/N share); set compress.feedback=False")
+    program = with_codecs(program, codecs)
+    period = ZeroPeriod(stages, program, tx, shards, codecs)
     per_worker = NamedSharding(mesh, P(AXIS))
 
     one_period, step, run = ring.spmd_period(period, stages, mesh)
