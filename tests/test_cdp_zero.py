@@ -162,7 +162,7 @@ def test_equals_ring(rule, workers, ticks, residuals, period):
     stages = 4
     zero = build("zero", rule, workers, stages, ticks, residuals, period)
     ring = build("ring", rule, workers, stages, ticks, residuals)
-    assert zero.report["shards"] == workers
+    assert zero.report["shards"] == workers and zero.report["period"] == period
     state = train(zero)
     unflushed = params(zero, state)
     state = zero.flush(state)

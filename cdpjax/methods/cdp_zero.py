@@ -653,7 +653,8 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     return Method("cdp-zero", net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
                   periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
                   padding={"params": shards.padding()},
-                  report={"impl": "zero", "rule": table.meta["rule"], "shards": N})
+                  report={"impl": "zero", "rule": table.meta["rule"], "shards": N,
+                          "period": "scan" if scanned else "unrolled"})
 
 
 __all__ = ["Shards", "Work", "ZeroPeriod", "ZeroScan", "ZeroState", "build"]
