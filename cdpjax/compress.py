@@ -254,13 +254,14 @@ def with_codecs(program, codecs: Codecs):
 def check_method(name: str, program, codecs: Codecs) -> None:
     """A ConfigError where a kind's codec is set but method `name` encodes no message of that
     kind (its program, `with_codecs` applied by the engines that encode, has no such send in that
-    codec: dp and e2e send none point to point, ppll no cotangents, cdp-zero's pieces not yet)."""
+    codec: dp and e2e send none point to point, ppll no cotangents)."""
     for kind, messages in KINDS.items():
         codec = getattr(codecs, kind)
         sends = () if program is None else program.sends
         if not codec.lossless and not any(s.what in messages and s.codec == codec.name for s in sends):
             raise ConfigError(f"compress.{kind}={codec.name!r}: method {name!r} encodes no {kind} messages (codecs "
-                              f"run on the pipelines' activations and cotangents and the CDP ring's gradient sums); "
+                              f"run on the pipelines' activations and cotangents, the CDP ring's gradient sums and "
+                              f"cdp-zero's parameter and gradient pieces); "
                               f"set compress.{kind}='none'")
 
 

@@ -3,6 +3,9 @@ step at N simulated devices, each point in its own process (`--xla_force_host_pl
 
     python experiments/compile_scaling.py --devices 2,4,8,16,32,64 --stages 4,N
     python experiments/compile_scaling.py --lowering 32,64,128  # cdp-v2's table and ring program at N = L
+    python experiments/compile_scaling.py --methods dp,cdp-zero,cdp-zero@zero_period=scan --devices 2,4,8
+
+A method may be a variant, METHOD@KEY=VALUE (as `cdpjax bench --methods` takes).
 
 Digits and its MLP (a stage per block: depth L - 1 where L > 4), 8 N examples a step. Per
 point: `lowering`, the seconds from the config to the traced program (the method built: its
@@ -35,12 +38,13 @@ def point(method: str, devices: int, stages: int) -> dict:
     import jax
 
     from cdpjax import layouts, methods, setup, tasks
+    from cdpjax.bench import variant_config
     from cdpjax.config import default_config
     from cdpjax.mesh import make_mesh
     from cdpjax.methods.common import Context
 
-    c = default_config()
-    c.method, c.stages, c.global_batch_size = method, stages, 8 * devices
+    c = variant_config(default_config(), method)  # METHOD or METHOD@KEY=VALUE (cdp-zero@zero_period=scan)
+    c.stages, c.global_batch_size = stages, 8 * devices
     c.eval_every = c.checkpoint_every = 0
     if stages > 4:
         c.model_kwargs.depth = stages - 1

@@ -5,9 +5,13 @@ CDP's messages).
 
 Timing and update rule: those of `cdp-v2` (or `cdp-v1`, `config.cdp_rule`; whole, split or
 paired ticks, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.cdp`: N
-workers on the N devices of `data`, the period unrolled, one `lax.cond` per op on
-`axis_index == its worker`, every stage's maths `cdpjax.methods.stage_ops`'s through the
-ring's op pieces (`cdpjax.methods.ring`). After S steps and a flush the parameters equal
+workers on the N devices of `data`, every stage's maths `cdpjax.methods.stage_ops`'s. The period
+(`config.zero_period`) is 'unrolled' (`ZeroPeriod`, the default: one `lax.cond` per op on
+`axis_index == its worker` through the ring's op pieces, `cdpjax.methods.ring`; the least
+memory) or 'scan' (`ZeroScan`: one `lax.scan` over its ticks, each worker's ops chosen by
+data, `cdpjax.program.zero.ZeroRouting`, in a `lax.switch` over the (kind, stage) pairs, the
+messages static `ppermute`s in a switch over ticks: the program holds each op's maths once
+whatever N, and more memory; docs/measured.md). After S steps and a flush the parameters equal
 the ring's (and so `simulate`'s):
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)),
@@ -33,6 +37,10 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   route (destination - source mod N) whose payloads have one length in one `ppermute`
   (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no
   all-gather, reduce-scatter or all-reduce of model-sized buffers.
+- Codecs (`cdpjax.compress`): `compress.parameters` on the parameter pieces, `compress.gradients`
+  on the gradient pieces, each piece encoded on its own before its message's `ppermute` (its
+  `Send` event's bytes) and decoded where it lands; a worker's own piece is used exact. Error
+  feedback is refused (each sender would keep a whole stage's remainder).
 
 Per worker and step the messages carry (N-1)/N x (2 - the last stage's share) of the model
 in parameters (two visits a stage, one of the last) and (N-1)/N of it in gradients (ZeRO-3's
@@ -47,6 +55,7 @@ does: the previous versions are set to the current ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -59,12 +68,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
 from cdpjax.carrier import FlatLayout
+from cdpjax.compress import BLOCK, CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program, piece_size
-from cdpjax.program.zero import ZeroTicks, lower_zero
+from cdpjax.program.ring import SENDS_BY_TICK
+from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, worker_ops, zero_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = ring.AXIS  # every value of the period varies over the ring mesh's axes (one ring here)
@@ -132,9 +143,10 @@ class ZeroPeriod:
     """One worker's period (`ring.Period`'s shape, `cdp-zero`'s storage): per tick the gathers,
     the ops (a gradient op's pieces sent to their keepers), the updates; then the tick is fenced."""
 
-    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards):
+    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards, codecs: Codecs = Codecs()):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry, self.shards = stages, program, tx, carry, shards
+        self.codecs = codecs
         self.z: ZeroTicks = program.ticks
         L = self.z.stages
         split = program.split_backward
@@ -170,7 +182,7 @@ class ZeroPeriod:
         mine = [b[("master", j, row)] + b.after_previous_tick() for j, _, row, _ in tk.gathers]
         sent = [Piece(u, g.worker, (i,), piece[g.stage]) for i, g in enumerate(tk.gathers) for u in range(N)
                 if u != g.worker]
-        got = exchange(sent, lambda p: mine[p.what[0]], me, N)
+        got = exchange(sent, lambda p: mine[p.what[0]], me, N, self.codecs.parameters)
         for i, (j, worker, _, r) in enumerate(tk.gathers):
             pieces = [mine[i] if u == worker else got[(u, worker, (i,))] for u in range(N)]
             _land(b, me == worker, ("relay", r), pieces)
@@ -240,7 +252,7 @@ class ZeroPeriod:
         pieces = {i: self.shards.pieces(ops[i].stage, g) for i, g in flat.items()}
         sent = [Piece(ops[i].worker, u, (i,), self.shards.piece[ops[i].stage]) for i in flat for u in range(N)
                 if u != ops[i].worker]
-        got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N)
+        got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N, self.codecs.gradients)
         for i in flat:
             op = ops[i]
             terms = [pieces[i][u] if u == op.worker
@@ -265,6 +277,216 @@ class ZeroPeriod:
             b[("master", j, 0)], b[("opt", j)] = p, o
 
 
+class Work(NamedTuple):
+    """What a worker's ops read and write (the operands of their `lax.switch`: nothing else goes
+    through it): per stage the model state, input (`acts`), output cotangent (`cots`), kept
+    residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per op position of a
+    tick, the flat gradient its gradient op made in this tick ([K, width], zeros where it idled);
+    the metric sums of the period."""
+
+    ms: tuple
+    acts: tuple
+    cots: tuple
+    kept: tuple
+    labels: jax.Array
+    grads: jax.Array
+    metrics: jax.Array
+
+
+class ZeroState(NamedTuple):
+    """One worker's buffers while a period runs (the scan's carry): per stage its pieces' version
+    rows (`master[j][r]`), their optimizer state and running gradient sum; the relay rows stacked
+    [R, width]; what its ops work on (`Work`)."""
+
+    master: tuple
+    opt: tuple
+    sums: tuple
+    relay: jax.Array
+    work: Work
+
+
+class ZeroScan:
+    """One worker's period as one `lax.scan` over its T ticks (`ZeroState` the carry): per tick the
+    tick's gathers (a `lax.switch` over ticks indexed by the scan's counter, the same branch on
+    every device: each branch that tick's static `ppermute`s of real piece sizes, landed in the
+    visitors' relay rows), each worker's ops (per position a `lax.switch` over the (kind, stage)
+    pairs, chosen by `ZeroRouting`'s arrays indexed by tick and `axis_index`; an op of a step not
+    fed idles), then the tick's gradient pieces to their keepers (a switch over ticks again), then
+    per stage a cond that applies its update at its update tick. Each switch and cond takes only
+    the buffers it touches (a buffer passed through a branch unchanged may be copied). The program
+    holds each op's maths once per position, whatever N; its sends and landings grow with the
+    messages of a period."""
+
+    def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards, codecs: Codecs = Codecs()):
+        self.stages, self.program, self.tx, self.shards, self.codecs = stages, program, tx, shards, codecs
+        self.carry, self.split = program.carries, program.split_backward
+        self.z: ZeroTicks = program.ticks
+        self.routing: ZeroRouting = zero_routing(self.z)
+        self.positions = self.routing.op_branch.shape[-1]
+        self.op_branches = [[self._op(kind, j, k) for kind, j in kinds] + [self._idle(k)]
+                            for k, kinds in enumerate(self.routing.op_kinds)]
+        self.gather_branches = [self._gather(tk) for tk in self.z.ticks]
+        self.scatter_branches = [self._scatter(tk) for tk in self.z.ticks]
+        self.apply_at = {a.stage: (t, a.lag) for t, tk in enumerate(self.z.ticks) for a in tk.applies}  # one a stage
+
+    def _apply(self, j: int, master: tuple, opt, sums, pred):
+        """Every worker's update of its pieces of stage j where pred (the previous version kept): a
+        cond on stage j's buffers alone."""
+        tx, two = self.tx, self.z.versions == 2
+
+        def run(rows, o, g):
+            p, o = optim.apply(tx, rows[0], o, g)
+            return varying(((p, rows[0]) if two else (p,), o), AXIS)
+
+        return lax.cond(pred, run, lambda rows, o, g: varying((rows, o), AXIS), master, opt, sums)
+
+    # -- one op of the device, its stage joined from the relay row it reads
+    def _op(self, kind: str, j: int, k: int):
+        if kind == "F":
+            return self._forward(j)
+        return self._gradient_op(kind, j, k)
+
+    def _forward(self, j: int):
+        stages, carry, L, shards = self.stages, self.carry, self.z.stages, self.shards
+        ops = stages.ops
+
+        def run(c: Work, rows, images, new_labels, relay):
+            p = shards.join(j, rows[relay])
+            x = images if j == 0 else c.acts[j]
+            labels = new_labels if j == 0 else c.labels
+            kept = c.kept
+            if carry:
+                out, k, (ms, metrics) = ops.forward_kept(j, p, c.ms[j], x, labels)
+                kept = ring._set(kept, j, k)
+            else:
+                out, (ms, metrics) = ops.run(j, p, c.ms[j], x, labels)
+            acts = ring._set(c.acts, j + 1, out) if j < L - 1 else c.acts
+            if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
+                acts = ring._set(acts, 0, images)
+            return varying(c._replace(acts=acts, kept=kept, ms=ring._set(c.ms, j, ms), metrics=c.metrics + metrics,
+                                      labels=new_labels if j == 0 else c.labels), AXIS)
+        return run
+
+    def _gradient_op(self, kind: str, j: int, k: int):
+        """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
+        gradient only): the stage's gradient raveled into row k of `grads`, for this tick's pieces."""
+        L, carry, shards = self.z.stages, self.carry, self.shards
+        cotangent = kind == "B"
+        gradient = kind == "W" or not self.split
+        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+
+        def run(c: Work, rows, images, new_labels, relay):
+            p = shards.join(j, rows[relay])
+            seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
+            keep = c.kept[j] if carry else None
+            d_params, d_input, _ = self.stages.ops.backward(j, p, c.ms[j], c.acts[j], c.labels, seed, keep, want)
+            if cotangent and j > 0:
+                c = c._replace(cots=ring._set(c.cots, j - 1, d_input))
+            if gradient:
+                flat = shards.flat(j, d_params)
+                c = c._replace(grads=c.grads.at[k].set(jnp.pad(flat, (0, shards.width - flat.size))))
+            return varying(c, AXIS)
+        return run
+
+    def _idle(self, k: int):
+        def run(c: Work, rows, images, new_labels, relay):  # a gradient op that idles sends zeros
+            return varying(c._replace(grads=c.grads.at[k].set(0.0)), AXIS)
+        return run
+
+    # -- the tick's static messages and applies
+    def _gather(self, tk):
+        """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay
+        row; the tick's pieces travel batched (`exchange`: one message per route and length)."""
+        N, piece = self.z.workers, self.shards.piece
+
+        def run(master: tuple, relay, me):
+            mine = [master[j][row] for j, _, row, _ in tk.gathers]
+            sent = [Piece(u, g.worker, (i,), piece[g.stage]) for i, g in enumerate(tk.gathers) for u in range(N)
+                    if u != g.worker]
+            got = exchange(sent, lambda p: mine[p.what[0]], me, N, self.codecs.parameters)
+            for i, (j, worker, _, r) in enumerate(tk.gathers):
+                pieces = [mine[i] if u == worker else got[(u, worker, (i,))] for u in range(N)]
+                relay = relay.at[r].set(lax.cond(me == worker, _landed, lambda row, *_: varying(row, AXIS),
+                                                 relay[r], *pieces))
+            return varying(relay, AXIS)
+        return run
+
+    def _scatter(self, tk):
+        """Piece u of each gradient op's gradient to worker u, added to its running sum (the worker's own
+        piece too), or the sum's start for the step's first gradient op (the tick's pieces batched,
+        `exchange`; a device adds only what was sent to it: zeros elsewhere, exact)."""
+        N, shards = self.z.workers, self.shards
+        position = {}
+        for w in range(N):
+            for k, op in enumerate(worker_ops(tk, w)):
+                position[op] = k
+
+        def run(grads, sums, me):  # only what it touches: the switch copies nothing else
+            ops = [op for op in tk.ops if op.gradient]
+            pieces = {i: shards.pieces(op.stage, grads[position[op]]) for i, op in enumerate(ops)}
+            sent = [Piece(op.worker, u, (i,), shards.piece[op.stage]) for i, op in enumerate(ops) for u in range(N)
+                    if u != op.worker]
+            got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N, self.codecs.gradients)
+            for i, op in enumerate(ops):
+                terms = [jnp.where(me == u, pieces[i][u] if u == op.worker else got[(op.worker, u, (i,))], 0.0)
+                         for u in range(N)]
+                total = None if op.starts else sums[op.stage]
+                for term in terms:
+                    total = term if total is None else total + term
+                sums = ring._set(sums, op.stage, total)
+            return varying(sums, AXIS)
+        return run
+
+    def __call__(self, state, images, new_labels, feeding):
+        z, r = self.z, self.routing
+        me = lax.axis_index(ring.WORKERS)
+        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
+        master = tuple(tuple(rows) for rows in state["master"])
+        if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
+            master = tuple((m[0], jnp.where(state["fed"][0], m[1], m[0])) for m in master)
+        table = {name: jnp.asarray(getattr(r, name)) for name in ("op_branch", "op_lag", "op_relay")}
+        work = Work(tuple(state["model_state"]), tuple(state["acts"]), tuple(state["cots"]),
+                    tuple(state["kept"]) if self.carry else (), state["labels"],
+                    jnp.zeros((self.positions, self.shards.width), jnp.float32), self.stages.ops.no_metrics())
+        c = varying(ZeroState(master, tuple(state["opt_state"]), tuple(state["sums"]), state["relay"],
+                              work), AXIS)
+
+        def tick(c: ZeroState, t):
+            with jax.named_scope(SENDS_BY_TICK):
+                c = c._replace(relay=lax.switch(t, self.gather_branches, c.master, c.relay, me))
+            for k, branches in enumerate(self.op_branches):
+                at = (t, me, k)
+                branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], len(branches) - 1)
+                c = c._replace(work=lax.switch(branch, branches, c.work, c.relay, images, new_labels,
+                                               table["op_relay"][at]))
+            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
+                c = c._replace(sums=lax.switch(t, self.scatter_branches, c.work.grads, c.sums, me))
+            master, opt = c.master, c.opt
+            for j, (at_t, lag) in sorted(self.apply_at.items()):  # at its update tick, its step fed
+                rows, o = self._apply(j, master[j], opt[j], c.sums[j], (t == at_t) & valid[lag])
+                master, opt = ring._set(master, j, rows), ring._set(opt, j, o)
+            c = c._replace(master=master, opt=opt)
+            return c, None
+
+        c, _ = lax.scan(tick, c, jnp.arange(len(z.ticks), dtype=jnp.int32))
+        w = c.work
+        new = {"master": [list(rows) for rows in c.master], "opt_state": list(c.opt), "sums": list(c.sums),
+               "relay": c.relay, "model_state": list(w.ms), "acts": list(w.acts), "cots": list(w.cots),
+               "labels": w.labels, "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
+        if self.carry:
+            new["kept"] = list(w.kept)
+        return new, w.metrics
+
+
+def _landed(row, *pieces):
+    """A stage's pieces written into the head of `row`, its tail zeroed."""
+    at = 0
+    for p in pieces:
+        row = row.at[at:at + p.shape[0]].set(p)
+        at += p.shape[0]
+    return varying(row.at[at:].set(0.0), AXIS)
+
+
 class Piece(NamedTuple):
     """One piece a tick sends from worker `src` to worker `dst`, `size` elements; `what` names it
     for the code that makes it (the sender) and takes it (the receiver)."""
@@ -275,27 +497,36 @@ class Piece(NamedTuple):
     size: int
 
 
-def messages(pieces, workers: int) -> list[list[tuple[int, int, tuple[Piece, ...]]]]:
+def messages(pieces, workers: int, length=lambda p: p.size) -> list[list[tuple[int, int, tuple[Piece, ...]]]]:
     """The tick's pieces as messages: a pair's pieces one after the other, and the pairs of one
     route (offset dst - src mod N) whose payloads have one length in one `ppermute` (a permute's
     pairs send buffers of one shape: pieces of other lengths go in messages of their own, so that
-    nothing is padded and the bytes are the pieces'). Sorted by (route, length)."""
+    nothing is padded and the bytes are the pieces'). `length(piece)`: its rows on the wire (its
+    elements; a block codec's blocks). Sorted by (route, length)."""
     by_pair: dict = defaultdict(list)
     for p in pieces:
         by_pair[(p.src, p.dst)].append(p)
     routes: dict = defaultdict(list)
     for (src, dst), ps in sorted(by_pair.items()):
-        routes[((dst - src) % workers, sum(p.size for p in ps))].append((src, dst, tuple(ps)))
+        routes[((dst - src) % workers, sum(length(p) for p in ps))].append((src, dst, tuple(ps)))
     return [routes[k] for k in sorted(routes)]
 
 
-def exchange(pieces, value, me, workers: int) -> dict:
-    """Sends `pieces` (`Piece`s; `value(piece)` its array on the sender) batched by `messages`, one
-    `ppermute` each; returns {(src, dst, what): the piece as its receiver holds it} (on other devices
-    whatever their own message brought: a receiver reads only its own)."""
+def _wire_rows(codec: Codec, size: int) -> int:
+    """Rows of a piece of `size` float32 elements on the wire: its blocks (a block codec), else its elements."""
+    return -(-size // BLOCK) if codec.blocked else size
+
+
+def exchange(pieces, value, me, workers: int, codec: Codec = CODECS["none"]) -> dict:
+    """Sends `pieces` (`Piece`s; `value(piece)` its float32 array on the sender) batched by `messages`,
+    one `ppermute` each, every piece encoded by `codec` on its own (the bytes of its `Send` event:
+    a block codec's blocks never span two pieces) and decoded where it lands; returns {(src, dst,
+    what): the piece as its receiver holds it} (on other devices whatever their own message brought:
+    a receiver reads only its own)."""
+    rows = functools.partial(_wire_rows, codec)
     got = {}
-    for message in messages(pieces, workers):
-        payloads = [jnp.concatenate([value(p) for p in ps]) if len(ps) > 1 else value(ps[0]) for _, _, ps in message]
+    for message in messages(pieces, workers, lambda p: rows(p.size)):
+        payloads = [_joined([codec.encode(value(p)) for p in ps]) for _, _, ps in message]
         if len(message) == 1:
             payload = payloads[0]
         else:  # each sender builds its own payload only
@@ -304,13 +535,23 @@ def exchange(pieces, value, me, workers: int) -> dict:
                 which[src] = k
             payload = lax.switch(jnp.asarray(which)[me], [lambda *xs, k=k: varying(xs[k], AXIS)
                                                           for k in range(len(payloads))], *payloads)
-        received = lax.ppermute(payload, ring.WORKERS, [(src, dst) for src, dst, _ in message])
+        received = jax.tree.map(lambda x: lax.ppermute(x, ring.WORKERS, [(src, dst) for src, dst, _ in message]),
+                                payload)
         for src, dst, ps in message:
             at = 0
             for p in ps:
-                got[(src, dst, p.what)] = received[at:at + p.size]
-                at += p.size
+                n = rows(p.size)
+                part = jax.tree.map(lambda x: x[at:at + n], received)
+                got[(src, dst, p.what)] = codec.decode(part, jax.ShapeDtypeStruct((p.size,), jnp.float32))
+                at += n
     return got
+
+
+def _joined(encoded: list):
+    """Encoded pieces as one payload (and one scale row), in order; one piece as it is."""
+    if len(encoded) == 1:
+        return encoded[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *encoded)
 
 
 def _land(b: ring.Buffers, pred, name, pieces):
@@ -363,7 +604,13 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     stages = ring.make_stages(net, N, micro, mesh, residuals, ctx.task)
     shapes, _ = jax.eval_shape(lambda: net.init(jax.random.key(0)))
     shards = Shards(FlatLayout.from_trees(shapes), N)
-    period = ZeroPeriod(stages, program, tx, shards)
+    codecs = Codecs.from_config(ctx.config)
+    if codecs.feedback:
+        raise ConfigError("compress.feedback=True: cdp-zero's gradient pieces keep no error feedback (each sender "
+                          "would hold a whole stage's remainder, against its 1/N share); set compress.feedback=False")
+    program = with_codecs(program, codecs)
+    scanned = ctx.config.get("zero_period", "unrolled") == "scan"  # a listed choice (config._CHOICES)
+    period = (ZeroScan if scanned else ZeroPeriod)(stages, program, tx, shards, codecs)
     per_worker = NamedSharding(mesh, P(AXIS))
 
     one_period, step, run = ring.spmd_period(period, stages, mesh)
@@ -376,7 +623,9 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
             "master": [[p] * z.versions for p in pieces],  # current (, previous)
             "opt_state": [jax.vmap(tx.init)(p) for p in pieces],
             "sums": [jnp.zeros_like(p) for p in pieces],
-            "relay": [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)],
+            # the scan carries one array in place; the unrolled period names each row
+            "relay": (jnp.zeros((N, z.relay_rows, shards.width), jnp.float32) if scanned else
+                      [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)]),
             "fed": jnp.zeros((N, max(z.max_lag, 1)), bool),
             **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash),
         }
@@ -404,7 +653,8 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
     return Method("cdp-zero", net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
                   periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,
                   padding={"params": shards.padding()},
-                  report={"impl": "zero", "rule": table.meta["rule"], "shards": N})
+                  report={"impl": "zero", "rule": table.meta["rule"], "shards": N,
+                          "period": "scan" if scanned else "unrolled"})
 
 
-__all__ = ["Shards", "ZeroPeriod", "build"]
+__all__ = ["Shards", "Work", "ZeroPeriod", "ZeroScan", "ZeroState", "build"]

@@ -19,7 +19,7 @@ and the tests.
   `lax.scan` reads (`cdpjax.program.stage_axis`); `RingTicks`
   (`cdpjax.program.ring`; `ring_routing` makes them the arrays its scan reads) or
   `ZeroTicks` (`cdpjax.program.zero`), the static events of each tick of
-  cdp-zero's unrolled period.
+  cdp-zero's period (`zero_routing` makes its ops the arrays its scanned form reads).
 - `buffers`: every buffer a device allocates, what it holds, its size in
   per-stage units (`Size`), whether it lives between calls (part of the train
   state, checkpointed) and, for a call's temporaries, the ticks it is live.

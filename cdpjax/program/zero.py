@@ -2,9 +2,9 @@
 with every buffer a worker holds named (the table alone: any table the engine can serve).
 
 cdp-zero runs on the ring engine's machinery (`cdpjax.methods.cdp_zero`, built on
-`cdpjax.methods.ring`): one worker per device of `data`, the period unrolled. What
-differs from the ring is where the parameters live: every worker keeps its piece (1/N)
-of every stage, so its program names
+`cdpjax.methods.ring`): one worker per device of `data`, the period unrolled or one scan
+over its ticks (`zero_period`). What differs from the ring is where the parameters live:
+every worker keeps its piece (1/N) of every stage, so its program names
 
 - `master[j][r]`: the worker's piece of stage j, version row r (0 current, 1 previous),
   `opt[j]` the optimizer state of that piece, `sums[j]` its running sum of that piece
@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from typing import NamedTuple
+
+import numpy as np
 
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
@@ -228,6 +230,43 @@ def zero_ticks(table) -> ZeroTicks:
     return ZeroTicks(N, L, ticks, versions, relay_rows, max(lags))
 
 
+def worker_ops(tk: ZeroTick, worker: int) -> list[ZeroOp]:
+    """The worker's ops of the tick in the order it runs them (`tk.ops`' order: by kind, then stage)."""
+    return [op for op in tk.ops if op.worker == worker]
+
+
+class ZeroRouting(NamedTuple):
+    """cdp-zero's ops as data, for a scanned period: per tick t, worker w and position k (a
+    worker's ops of one tick in `worker_ops` order, k < positions), `op_branch[t, w, k]`: index into
+    `op_kinds[k]` ((kind, stage) pairs; len(op_kinds[k]) where the worker has no k-th op), `op_lag`
+    its step's lag (it runs iff that step was fed), `op_relay` the relay row it reads. The
+    gathers, the pieces sent and the applies stay static per tick (a branch per tick)."""
+
+    op_kinds: tuple[tuple[tuple[str, int], ...], ...]
+    op_branch: np.ndarray
+    op_lag: np.ndarray
+    op_relay: np.ndarray
+
+
+def zero_routing(z: ZeroTicks) -> ZeroRouting:
+    """`z`'s ops as the integer arrays a scanned period indexes by (tick, worker, position)."""
+    T, N = len(z.ticks), z.workers
+    per_worker = [[worker_ops(tk, w) for w in range(N)] for tk in z.ticks]
+    K = max((len(ops) for row in per_worker for ops in row), default=0)
+    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
+                  for k in range(K))
+    shape = (T, N, max(K, 1))
+    branch = np.zeros(shape, np.int32)
+    for k in range(K):
+        branch[:, :, k] = len(kinds[k])
+    lag, relay = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    for t in range(T):
+        for w in range(N):
+            for k, o in enumerate(per_worker[t][w]):
+                branch[t, w, k], lag[t, w, k], relay[t, w, k] = kinds[k].index((o.kind, o.stage)), o.lag, o.relay
+    return ZeroRouting(kinds, branch, lag, relay)
+
+
 def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
     ticks = [t for t, tk in enumerate(z.ticks) if any(op.gradient for op in tk.ops)]
     return (ticks[0], ticks[-1]) if ticks else (0, 0)
@@ -294,5 +333,5 @@ def zero_events(z: ZeroTicks) -> tuple[ev.Event, ...]:
     return ev.sorted_events(events + ev.messages(sends))
 
 
-__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroTick", "ZeroTicks", "lower_zero", "visits", "zero_events",
-           "zero_ticks"]
+__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroRouting", "ZeroTick", "ZeroTicks", "lower_zero", "visits",
+           "worker_ops", "zero_events", "zero_routing", "zero_ticks"]
