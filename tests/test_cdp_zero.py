@@ -254,13 +254,14 @@ def test_pieces_of_a_route_and_tick_travel_as_one_message(workers, stages):
 
 def wire_bytes(codec: str, n: int) -> int:
     """Bytes a piece of n float32 elements crosses as, written out per codec: float32 4 an element,
-    bf16 2; fp8 and int8 one byte an element padded to blocks of 128, and a float32 scale a block."""
+    bf16 2; fp8 and int8 one byte an element padded to blocks of 128, int4 half a byte an element (two
+    packed in a byte), and a float32 scale a block."""
     blocks = -(-n // 128)
-    return {"none": 4 * n, "bf16": 2 * n}.get(codec, blocks * (128 + 4))
+    return {"none": 4 * n, "bf16": 2 * n, "int4": blocks * (64 + 4)}.get(codec, blocks * (128 + 4))
 
 
 WIRE_DTYPES = {"none": {"f32"}, "bf16": {"u16"}, "int8": {"s8", "f32"}, "fp8-e4m3": {"u8", "f32"},
-               "fp8-e5m2": {"u8", "f32"}}
+               "fp8-e5m2": {"u8", "f32"}, "int4": {"u8", "f32"}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +272,8 @@ def build_coded(workers, parameters, gradients, stages=4, period="unrolled"):
 
 
 @pytest.mark.parametrize("parameters,gradients,period", [("int8", "bf16", "unrolled"), ("bf16", "fp8-e4m3", "unrolled"),
-                                                         ("fp8-e5m2", "int8", "unrolled"), ("int8", "bf16", "scan")])
+                                                         ("fp8-e5m2", "int8", "unrolled"), ("int4", "int4", "unrolled"),
+                                                         ("int8", "bf16", "scan")])
 def test_pieces_cross_in_their_codecs_bytes(parameters, gradients, period):
     """compress.parameters on the parameter pieces, compress.gradients on the gradient pieces: the
     compiled step's collective-permutes carry, per step and by rule (N = L = 4, whole backwards, as
