@@ -59,6 +59,27 @@ CATEGORIES = ("parameters", "previous_parameters", "optimizer_state", "model_sta
               "cotangents", "residuals", "relayed_parameters", "labels", "images", "flags", "reduced_gradients")
 
 
+def op_branches(per_worker) -> tuple[tuple, np.ndarray]:
+    """A scanned period's op switch as data: `per_worker[t][w]`, a worker's ops of tick t in the
+    order it runs them (each with `kind` and `stage`). Returns (kinds, branch): kinds[k], the
+    sorted (kind, stage) pairs any worker runs at position k; branch[t, w, k], the index of that
+    worker's k-th op in kinds[k], or len(kinds[k]) (the no-op branch) where it has none. Shape
+    (ticks, workers, max(positions, 1))."""
+    T, N = len(per_worker), len(per_worker[0]) if per_worker else 0
+    K = max((len(ops) for row in per_worker for ops in row), default=0)
+    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
+                  for k in range(K))
+    branch = np.zeros((T, N, max(K, 1)), np.int32)
+    for k in range(K):
+        branch[:, :, k] = len(kinds[k])
+    branch_of = [{kind: b for b, kind in enumerate(at_k)} for at_k in kinds]
+    for t, row in enumerate(per_worker):
+        for w, ops in enumerate(row):
+            for k, o in enumerate(ops):
+                branch[t, w, k] = branch_of[k][(o.kind, o.stage)]
+    return kinds, branch
+
+
 def carries(residuals: str) -> bool:
     """Whether `residuals` keeps the forward's residuals ('carry'); a ConfigError for anything
     but `RESIDUALS`."""

@@ -37,7 +37,7 @@ import numpy as np
 from cdpjax.errors import ConfigError
 from cdpjax.gc_paused import gc_paused
 from cdpjax.kinds import gradient_kind
-from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
 from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
@@ -208,21 +208,14 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
     for t, tk in enumerate(ticks.ticks):
         for op in op_order(tk):
             per_worker[t][op.worker].append(op)
-    K = max((len(ops) for row in per_worker for ops in row), default=0)
-    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
-                  for k in range(K))
-    shape = (T, N, max(K, 1))
-    branch = np.zeros(shape, np.int32)
-    for k in range(K):
-        branch[:, :, k] = len(kinds[k])
+    kinds, branch = op_branches(per_worker)
+    shape = branch.shape
     lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
     start = np.zeros(shape, bool)
-    branch_of = [{kind: b for b, kind in enumerate(at_k)} for at_k in kinds]  # kinds[k].index, by look-up
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
-                branch[t, w, k] = branch_of[k][(o.kind, o.stage)]
                 lag[t, w, k] = o.lag
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start

@@ -32,7 +32,7 @@ import numpy as np
 from cdpjax import kinds as op_kinds
 from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
-from cdpjax.program import Buffer, Placement, Program, Size, carries
+from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
 from cdpjax.program import events as ev
 
 
@@ -252,18 +252,12 @@ def zero_routing(z: ZeroTicks) -> ZeroRouting:
     """`z`'s ops as the integer arrays a scanned period indexes by (tick, worker, position)."""
     T, N = len(z.ticks), z.workers
     per_worker = [[worker_ops(tk, w) for w in range(N)] for tk in z.ticks]
-    K = max((len(ops) for row in per_worker for ops in row), default=0)
-    kinds = tuple(tuple(sorted({(o.kind, o.stage) for row in per_worker for ops in row for o in ops[k:k + 1]}))
-                  for k in range(K))
-    shape = (T, N, max(K, 1))
-    branch = np.zeros(shape, np.int32)
-    for k in range(K):
-        branch[:, :, k] = len(kinds[k])
-    lag, relay = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    kinds, branch = op_branches(per_worker)
+    lag, relay = np.zeros(branch.shape, np.int32), np.zeros(branch.shape, np.int32)
     for t in range(T):
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
-                branch[t, w, k], lag[t, w, k], relay[t, w, k] = kinds[k].index((o.kind, o.stage)), o.lag, o.relay
+                lag[t, w, k], relay[t, w, k] = o.lag, o.relay
     return ZeroRouting(kinds, branch, lag, relay)
 
 
