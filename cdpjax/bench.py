@@ -569,7 +569,7 @@ def op_workspace(program, priced) -> float:
     for stages in place.units:
         kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
         per_unit.append(kept + sum(priced["param"][j] for j in stages))
-    if program.engine != "stage":
+    if place.every_worker_holds_every_unit:
         return float(max(per_unit, default=0.0))
     per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
     return float(max(per_device, default=0.0))

@@ -176,6 +176,12 @@ class Placement:
     def of_device(self, d: int) -> list[int]:
         return [u for u in range(len(self.units)) if self.device[u] == d]
 
+    @property
+    def every_worker_holds_every_unit(self) -> bool:
+        """The units are placed once for all `devices` workers (a ring's: `device` names worker 0's
+        placement, the same on every worker), not spread over the devices."""
+        return self.devices > max(self.device, default=0) + 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Program:
