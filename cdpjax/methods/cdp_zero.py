@@ -557,16 +557,7 @@ def _joined(encoded: list):
 def _land(b: ring.Buffers, pred, name, pieces):
     """A stage's pieces written into the head of row `name` where pred, its tail zeroed, in place
     (a joined copy of the pieces would be a row-sized temporary per gather)."""
-    size = sum(p.shape[0] for p in pieces)
-
-    def write(row, *pieces):
-        at = 0
-        for p in pieces:
-            row = row.at[at:at + p.shape[0]].set(p)
-            at += p.shape[0]
-        return varying(row.at[size:].set(0.0), AXIS)
-
-    b[name] = b.cond(pred, write, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
+    b[name] = b.cond(pred, _landed, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
 
 
 def _named(state, z: ZeroTicks, carry: bool) -> dict:
