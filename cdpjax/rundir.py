@@ -40,12 +40,9 @@ from cdpjax.runlog import say
 KILL_ENV = "CDPJAX_TEST_KILL_AT_STEP"
 WAIT_ENV, WAIT_FILE_ENV = "CDPJAX_TEST_WAIT_AT_STEP", "CDPJAX_TEST_WAIT_FILE"
 WAIT_IN_CHECKPOINT_ENV, DELAY_ENV = "CDPJAX_TEST_WAIT_IN_CHECKPOINT", "CDPJAX_TEST_STEP_DELAY_S"
-# Methods whose train states are the same pytree with the same meaning, so that a checkpoint
-# of one resumes as the other (dp on N devices -> e2e on one: the same update rule).
-INTERCHANGEABLE = (frozenset({"e2e", "dp"}),)
 # Config keys that a resumed run must share with the run that wrote the checkpoint: they fix
 # the data stream or the layout of the train state. (num_steps, the mesh and the learning
-# rate may change; the method only within INTERCHANGEABLE.)
+# rate may change; the method only to one whose train state is the same: `Layout.state_as`.)
 RESUME_KEYS = ("model", "model_kwargs", "norm", "stages", "partition", "dataset", "dataset_kwargs",
                "augment", "global_batch_size", "seed", "optimizer", "workers", "cdp_impl", "cdp_rule",
                "aux_head", "aux_kwargs", "microbatches", "residuals", "dtype", "chunks", "module_groups", "task",
@@ -317,7 +314,14 @@ def read_saved_config(path: str) -> dict | None:
 
 
 def _interchangeable(a: str, b: str) -> bool:
-    return a == b or any({a, b} <= group for group in INTERCHANGEABLE)
+    """Whether a checkpoint of method `a` resumes as method `b`: the same method, or two whose
+    registrations say their train states are one (`Layout.state_as`)."""
+    from cdpjax.layouts import LAYOUTS  # pure Python; late: the layouts import the registry
+
+    def state_of(name: str) -> str:
+        return (LAYOUTS[name].state_as or name) if name in LAYOUTS else name
+
+    return a == b or state_of(a) == state_of(b)
 
 
 def _config_values(config, keys) -> dict:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from cdpjax import kinds
+
 
 def per_read(table) -> np.ndarray:
-    """[steps, workers, stages] int: k - version of each forward (-1 where the table has none)."""
-    workers = max([table.workers] + [op.micro + 1 for op in table.ops if op.kind == "F"])
+    """[steps, workers, stages] int: k - version of each op that runs a forward (the read: the
+    backward reads what its forward read; -1 where the table has none)."""
+    forwards = [op for op in table.ops if kinds.lookup(op.kind).forward]
+    workers = max([table.workers] + [op.micro + 1 for op in forwards])
     out = np.full((table.steps, workers, table.stages), -1, np.int64)
-    for op in table.ops:
-        if op.kind == "F":
-            out[op.step, op.micro, op.stage] = op.step - op.version
+    for op in forwards:
+        out[op.step, op.micro, op.stage] = op.step - op.version
     return out
 
 

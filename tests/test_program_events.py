@@ -173,7 +173,6 @@ NAMES_ELSEWHERE = {
     "cdpjax/config.py": {"cdp-v2", "cdp-v1"},  # the default method, and the values of cdp_rule
     "cdpjax/models/partition.py": {"cdp-v2", "dp"},  # the staleness rules whose tables it compares
     "cdpjax/kinds.py": {"local"},  # FB's shade and cost field
-    "cdpjax/rundir.py": {"e2e", "dp"},  # follow-up: interchangeable methods' checkpoints (INTERCHANGEABLE)
 }
 READERS = ["cdpjax/cost.py", "cdpjax/bench.py", "cdpjax/speedup.py", "cdpjax/plotting.py", "cdpjax/commands",
            "cdpjax/program/__init__.py", "cdpjax/program/events.py"]

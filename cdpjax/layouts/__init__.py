@@ -104,6 +104,9 @@ class Layout:
       messages_per_op: the table's size its messages per op grow with, where they outnumber its
         ops (`cdpjax schedule` counts them with the ops before laying a table out); None: about
         one message per op or fewer.
+      state_as: the method whose train state this one's is (the same pytree with the same meaning,
+        as dp's is e2e's: one update rule), so that a checkpoint of either resumes as the other;
+        None: its own.
     """
 
     name: str
@@ -121,6 +124,7 @@ class Layout:
     summary: str = ""
     reference: Reference | None = None
     messages_per_op: str | None = None
+    state_as: str | None = None
 
     def __post_init__(self):
         if self.colour not in COLOURS:

@@ -294,7 +294,7 @@ def cdp_v2_table(workers: int = 4, stages: int = 4, steps: int = 3, rule: str = 
 
 register(Layout("dp", "cdpjax.methods.dp:build", table=dp_table,
                 summary="data parallel: every device a worker, gradients averaged once per step", **_CDP_LOOK,
-                reference=Reference("e2e")))
+                reference=Reference("e2e"), state_as="e2e"))
 register(Layout("cdp-v1", "cdpjax.methods.cdp:build_v1", table=cdp_v1_table,
                 summary="cyclic data parallel, every step reads the previous version", **_CDP_LOOK,
                 reference=Reference("cdp-v1", (("cdp_impl", "simulate"),))))

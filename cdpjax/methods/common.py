@@ -93,8 +93,8 @@ class Method:
       gradients: `(state, batch) -> per-stage gradients` of one step with no update (flushed
         pipelines; the equality tests).
       worker_losses: `(state, batch) -> [N]` each CDP worker's loss (simulate).
-      carrier: the layouts its state is stored in (a `StageCarrier`, or the ring's), for
-        padding and memory reports.
+      carrier: the flat layouts its state is stored in (`cdpjax.carrier`), for padding and
+        memory reports.
       padding: the carrier's stored / real ratios (`carrier.format_report`), None without one.
       heads, export_heads, export_head_state: local learning's auxiliary heads, `state -> head
         parameters` and `state -> head state` (BatchNorm averages, EMA copies), per module.
