@@ -22,6 +22,11 @@ per second, XLA's compiled memory analysis):
   speedup model's prediction (`cdpjax.speedup.simulate`) of the CDP ring (cdp-v2, N = L = 4)
   and of ppll (K = 4) on 4 such devices, with `--bandwidth` bytes/s between devices.
 
+- `cdpjax plan` on the one device (`plan`): ResNet-18's candidates ranked by the lockstep
+  model's step time from block times measured here (no memory budget: every candidate), and
+  the top 3 benched: each one's predicted step beside its measured one, its predicted memory
+  beside XLA's (--tiny: three methods, to keep the smoke test short).
+
 - every device of the machine (`host`): `gpipe` trained for a few steps, in its own
   process, on a (stage, data) mesh filling them (pipeline replicas over `data`, ViT-B's 4
   stages; --tiny: vit_tiny's 2 stages on 4 simulated CPU devices), with its images per
@@ -66,6 +71,8 @@ DEVICES = {"full": 4, "tiny": 2}
 PREDICTED = ("cdp-v2", "ppll")
 # The `host` task: a stage-axis method on every device, and how many simulated CPU devices --tiny gives it.
 HOST_METHOD, HOST_WORKLOAD, HOST_STEPS, TINY_HOST_DEVICES = "gpipe", "vit_b", {"full": 30, "tiny": 6}, 4
+# The `plan` task: its workload, how many of its ranking are benched, and --tiny's methods.
+PLAN_WORKLOAD, PLAN_TOP, TINY_PLAN_METHODS = "resnet18", 3, ("e2e", "dp", "interleaved-1f1b")
 # H200 SXM: NVLink 4, 18 links of 25 GB/s per direction = 450 GB/s each way.
 NVLINK_BANDWIDTH = 450e9
 
@@ -75,12 +82,13 @@ def plan(tiny: bool = False) -> list[tuple[str, str, str, str]]:
     predictions, cdp-v2 against dp, then the rest. `tiny`: each kind of task once, each
     workload and dtype at least once (what a CPU smoke test can afford)."""
     host = ("host", HOST_WORKLOAD, "float32", HOST_METHOD)
+    ranked = ("plan", PLAN_WORKLOAD, "float32", "plan")
     if tiny:
         return [("step", "resnet18", "bfloat16", "e2e"), ("step", "vit_b", "float32", "e2e"),
                 ("prediction", "resnet18", "bfloat16", "cdp-v2"), ("prediction", "vit_b", "float32", "ppll"),
-                ("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2"), host]
+                ("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2"), host, ranked]
     tasks = [("step", w, d, "e2e") for w in WORKLOADS for d in DTYPES]
-    tasks += [("prediction", w, "float32", m) for w in WORKLOADS for m in PREDICTED]
+    tasks += [("prediction", w, "float32", m) for w in WORKLOADS for m in PREDICTED] + [ranked]
     tasks += [("step", "resnet18", "float32", "dp"), ("step", "resnet18", "float32", "cdp-v2"), host]
     rest = [("step", w, d, m) for w in WORKLOADS for d in DTYPES for m in ("dp", "cdp-v2")]
     tasks += [t for t in rest if t not in tasks]
@@ -125,6 +133,36 @@ def prediction_record(config, devices: int, bandwidth: float) -> dict:
     p = speedup.predict_for_config(config, devices, bandwidth)
     p.pop("assumptions", None)  # once, in the file's settings
     return {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}
+
+
+def plan_record(workload: dict, device, repeats: int, bandwidth: float, tiny: bool) -> dict:
+    """`cdpjax plan` for the one device with no budget (`cdpjax.plan.make_plan`: block times
+    measured here, in a fresh cache), its top `PLAN_TOP` benched on `device`: predicted and
+    measured step seconds, predicted and XLA's held bytes, each candidate's label."""
+    import math
+    import tempfile
+
+    from cdpjax import bench
+    from cdpjax import plan as plan_lib
+
+    base = config_for(workload, "e2e", "float32", 1)
+    with tempfile.TemporaryDirectory(prefix="gpu-figures-plan-") as cache:
+        before = os.environ.get("CDPJAX_PLAN_CACHE")
+        os.environ["CDPJAX_PLAN_CACHE"] = cache  # measured on this device, not read from another run
+        try:
+            ranked = plan_lib.make_plan(base, 1, math.inf, bandwidth, TINY_PLAN_METHODS if tiny else None)
+        finally:
+            if before is None:
+                os.environ.pop("CDPJAX_PLAN_CACHE")
+            else:
+                os.environ["CDPJAX_PLAN_CACHE"] = before
+    top = []
+    for p in ranked.ranked[:PLAN_TOP]:
+        r = bench.bench_method(p.candidate.config(base), devices=[device], warmup=2, repeats=repeats)
+        top.append({"label": p.candidate.label(), "predicted_step_seconds": p.step_seconds,
+                    "measured_step_seconds": r["step_seconds"], "predicted_bytes": p.memory,
+                    "held_bytes": r["memory"]["held_bytes"]})
+    return {"candidates": len(ranked.predictions), "top": top}
 
 
 def host_config(workload: dict, steps: int):
@@ -182,6 +220,8 @@ def run_task(task, workloads, devices: int, device, repeats: int, bandwidth: flo
             record.update(step_record(config, device, repeats))
         elif kind == "host":
             record.update(host_record(tiny))
+        elif kind == "plan":
+            record.update(plan_record(workloads[name], device, repeats, bandwidth, tiny))
         else:
             record.update(prediction_record(config, devices, bandwidth))
     except Exception as e:  # noqa: BLE001 - one task's failure (out of memory...) must not lose the others
@@ -304,6 +344,19 @@ def host_rows(doc: dict) -> list[str]:
     return rows
 
 
+def plan_rows(doc: dict) -> list[str]:
+    """The `plan` task: the top of `cdpjax plan`'s ranking on the one device, predicted against measured."""
+    rows = ["| candidate | predicted ms | measured ms | measured / predicted | predicted / XLA MiB |",
+            "|---|---|---|---|---|"]
+    for r in doc["records"]:
+        for c in r.get("top", []) if r["kind"] == "plan" else []:
+            rows.append(f"| {c['label']} | {c['predicted_step_seconds'] * 1e3:.2f} | "
+                        f"{c['measured_step_seconds'] * 1e3:.2f} | "
+                        f"{c['measured_step_seconds'] / c['predicted_step_seconds']:.2f} | "
+                        f"{c['predicted_bytes'] / 2**20:.0f} / {c['held_bytes'] / 2**20:.0f} |")
+    return rows
+
+
 def table(doc: dict) -> str:
     """The markdown of docs/measured.md's GPU section: step times on one device, then the
     predictions on `devices` devices."""
@@ -312,7 +365,9 @@ def table(doc: dict) -> str:
              f"{' (--tiny)' if settings['tiny'] else ''}", "", *step_rows(doc), "",
              f"Predicted on {settings['devices']} devices at {settings['bandwidth'] / 1e9:.0f} GB/s "
              f"(`cdpjax.speedup`, from per-stage times measured on the one device):", "", *prediction_rows(doc), "",
-             "Every device of the machine, pipeline replicas over `data` (its own process):", "", *host_rows(doc)]
+             "Every device of the machine, pipeline replicas over `data` (its own process):", "", *host_rows(doc), "",
+             f"`cdpjax plan` on the one device ({PLAN_WORKLOAD}): its top {PLAN_TOP}, predicted and measured:", "",
+             *plan_rows(doc)]
     missing = [r for r in doc["records"] if "skipped" in r or "error" in r]
     if missing:
         lines += ["", "Not measured: " + "; ".join(

@@ -10,7 +10,8 @@
 # one GPU for ResNet-18 (CIFAR shape, batch 512) and ViT-B (32x32, patch 4, batch 128) in float32
 # and bfloat16, cdp-v2 (simulate, 4 workers) against dp, and the per-stage times behind the
 # speedup predictions of the CDP ring and ppll on 4 GPUs, and gpipe on every GPU of the machine (a
-# (stage, data) mesh: 8, 12, 16... GPUs) with its input-wait fraction. It writes $OUT/gpu_figures.json
+# (stage, data) mesh: 8, 12, 16... GPUs) with its input-wait fraction, and `cdpjax plan`'s top 3 on
+# the one GPU, each benched (predicted step and memory beside measured). It writes $OUT/gpu_figures.json
 # (rewritten after every measurement, so a run cut short keeps what it measured),
 # $OUT/gpu_figures.md (docs/measured.md's GPU table, `gpu_figures.py --table`) and $OUT/gpu_figures.log.
 set -uo pipefail

@@ -89,6 +89,22 @@ def test_a_stage_axis_method_fills_every_device_and_says_its_input_wait(run):
             f"{host['images_per_second']:.0f} | {host['input_wait_fraction']:.1%} |") in markdown
 
 
+def test_the_plan_task_benches_its_top_three_in_its_own_order(run):
+    """The plan task: the three candidates ranked first by the lockstep model (fastest predicted
+    first, the plan's order), each benched on the one device; its rows in the table."""
+    doc, markdown, _ = run
+    (ranked,) = [r for r in doc["records"] if r["kind"] == "plan"]
+    top = ranked["top"]
+    assert len(top) == 3 and ranked["candidates"] >= 3
+    assert [c["predicted_step_seconds"] for c in top] == sorted(c["predicted_step_seconds"] for c in top)
+    assert {c["label"].split()[0] for c in top} <= {"e2e", "dp", "interleaved-1f1b"}  # --tiny's methods
+    for c in top:
+        assert c["measured_step_seconds"] > 0 and c["predicted_step_seconds"] > 0
+        assert c["held_bytes"] > 0 and c["predicted_bytes"] > 0
+        assert f"| {c['label']} | {c['predicted_step_seconds'] * 1e3:.2f} | {c['measured_step_seconds'] * 1e3:.2f} |" \
+            in markdown
+
+
 def test_markdown_table_is_made_from_the_json(run):
     doc, markdown, path = run
     text = subprocess.run([sys.executable, SCRIPT, "--table", str(path)], capture_output=True, text=True,
