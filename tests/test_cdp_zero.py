@@ -351,21 +351,23 @@ def hlo_instructions(hlo: str) -> int:
 
 
 def test_program_holds_each_op_once_whatever_the_workers():
-    """With `zero_period='scan'` the period is a scan: each (kind, stage) op's maths is in the compiled
-    program once per op position of a tick, whatever N, so at L = 4 the MLP's matrix products (4 stages: a forward and a
-    backward each) are as many at N = 8 as at N = 2; unrolled, one conditional per op and worker,
-    they were N x 2L conditionals (4x from N = 2 to 8). What grows with N is the messages: a period
-    has N (2L - 1) visits gathering N - 1 pieces each and N L gradient ops sending N - 1 each, every
-    piece sliced and landed at static offsets in its tick's branch (the pieces batched per route and
-    tick), so the whole program still grows, as the messages do: bound 6x from N = 2 to 8 (measured
-    2,045 to 11,018, 5.4x; unrolled 2,576 to 14,681, 5.7x, with 4x the matrix products)."""
+    """With `zero_period='scan'` the period is a scan whose ops and messages are data: each (kind,
+    stage) op's maths is in the compiled program once per op position of a tick, and its messages
+    are two all-to-alls a tick (gather slots, gradient slots) whose content the routing arrays
+    choose, whatever N. So at L = 4 the MLP's matrix products (4 stages: a forward and a backward
+    each) are as many at N = 8 as at N = 2, and nothing in the program is per worker or per message:
+    only array shapes grow (the routing tables [T, N, ...], the slots [N, G, P], the loop over a
+    tick's N senders), which may change XLA's fusions but not what it must emit. Bound: 1.1x from
+    N = 2 to 8 (measured 1,619 to 1,687, 1.04x). With each message its own static `ppermute` in a
+    switch over ticks (the period's ~N^2 pieces), it was 2,045 to 11,018 (5.4x); unrolled, one
+    conditional per op and worker, 2,576 to 14,681 (5.7x, with 4x the matrix products)."""
     counts, dots = {}, {}
     for n in (2, 8):
         m = build("zero", "cdp-v2", n, period="scan")
         hlo = m.train_step.lower(m.init(jax.random.key(0)), batches()[0]).compile().as_text()
         counts[n], dots[n] = hlo_instructions(hlo), len(re.findall(r"\sdot\(", hlo))
     assert dots[8] == dots[2] > 0, dots
-    assert counts[8] <= 6 * counts[2], counts
+    assert counts[8] <= 1.1 * counts[2], counts
 
 
 def test_each_worker_stores_a_quarter_of_the_model():

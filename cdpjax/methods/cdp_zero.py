@@ -225,24 +225,25 @@ class ZeroPeriod:
         j, L = op.stage, self.z.stages
         source = ("relay", op.relay)
         pred = mine & valid
-        if op.kind == "F":
+        kind = op_kinds.lookup(op.kind)
+        if not kind.reads_cotangent:  # a forward (the lowering refuses kinds with no piece here)
             ring.forward_op(b, j, pred, images, new_labels, self._on_row(j, *self.fwd[j]), source, L, self.carry)
             return
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
         (row, *operands), reads = ring.backward_operands(b, j, source, L, self.carry)
-        with_cot = op.kind == "B" and j > 0
+        with_cot = kind.cotangent and j > 0
         cot = b[("cots", j - 1)] if j > 0 else zero
-        if op.kind == "B" and self.split:  # the input's cotangent only: nothing to scatter
+        if not kind.completes_gradient(self.split):  # the input's cotangent only: nothing to scatter
             _, cot = b.cond(pred, *self._on_row(j, *self.bwd[j]), (row, *operands, zero, cot), reads,
                             [("cots", j - 1)] if j > 0 else [])
             if j > 0:
                 b[("cots", j - 1)] = cot
             return
-        if op.kind == "B":
+        if kind.cotangent:
             operands, piece = (*operands, zero, cot), self.bwd[j][0]
         else:
             operands, piece = (*operands, zero), self.wgt[j][0]
-        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, op.kind == "B"), (row, *operands), reads,
+        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, kind.cotangent), (row, *operands), reads,
                                [("cots", j - 1)] if with_cot else [])
         if with_cot:
             b[("cots", j - 1)] = rest[0]
@@ -377,9 +378,9 @@ class ZeroScan:
 
     # -- one op of the device, its stage joined from the relay row it reads
     def _op(self, kind: str, j: int):
-        if op_kinds.lookup(kind).forward:
-            return self._forward(j)
-        return self._gradient_op(kind, j)
+        if op_kinds.lookup(kind).reads_cotangent:  # backward work (the lowering refuses kinds with no piece)
+            return self._gradient_op(kind, j)
+        return self._forward(j)
 
     def _forward(self, j: int):
         stages, carry, L, shards = self.stages, self.carry, self.z.stages, self.shards
