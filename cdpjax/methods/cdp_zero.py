@@ -8,10 +8,11 @@ paired ticks, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.c
 workers on the N devices of `data`, every stage's maths `cdpjax.methods.stage_ops`'s. The period
 (`config.zero_period`) is 'unrolled' (`ZeroPeriod`, the default: one `lax.cond` per op on
 `axis_index == its worker` through the ring's op pieces, `cdpjax.methods.ring`; the least
-memory) or 'scan' (`ZeroScan`: one `lax.scan` over its ticks, each worker's ops chosen by
-data, `cdpjax.program.zero.ZeroRouting`, in a `lax.switch` over the (kind, stage) pairs, the
-messages static `ppermute`s in a switch over ticks: the program holds each op's maths once
-whatever N, and more memory; docs/measured.md). After S steps and a flush the parameters equal
+memory and the fewest bytes) or 'scan' (`ZeroScan`: one `lax.scan` over its ticks, each worker's
+ops and messages chosen by data, `cdpjax.program.zero.ZeroRouting`: its ops in a `lax.switch`
+over the (kind, stage) pairs, its messages two `all_to_all`s a tick whose slots cross every route
+padded to the widest piece: the program does not grow with N, at the price of those padded
+bytes and more memory; docs/measured.md). After S steps and a flush the parameters equal
 the ring's (and so `simulate`'s):
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)),
@@ -32,7 +33,8 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   which adds it to its running sum (the step's first gradient op starts it); at the
   table's update tick (after the last worker's op) every worker applies the update of its
   pieces.
-- Collectives: `ppermute`s of pieces, batched per tick (`messages`): the pieces one pair
+- Collectives (unrolled; the scan's are its two all-to-alls a tick, `ZeroScan`): `ppermute`s of
+  pieces, batched per tick (`messages`): the pieces one pair
   carries in one phase (gathers, then gradients) one after the other, and the pairs of one
   route (destination - source mod N) whose payloads have one length in one `ppermute`
   (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no

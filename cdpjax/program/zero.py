@@ -3,7 +3,8 @@ with every buffer a worker holds named (the table alone: any table the engine ca
 
 cdp-zero runs on the ring engine's machinery (`cdpjax.methods.cdp_zero`, built on
 `cdpjax.methods.ring`): one worker per device of `data`, the period unrolled or one scan
-over its ticks (`zero_period`). What differs from the ring is where the parameters live:
+over its ticks whose ops and messages are data (`zero_period`, `zero_routing`; its sends
+`zero_events(as_data=True)`). What differs from the ring is where the parameters live:
 every worker keeps its piece (1/N) of every stage, so its program names
 
 - `master[j][r]`: the worker's piece of stage j, version row r (0 current, 1 previous),
