@@ -335,6 +335,10 @@ def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") ->
                Buffer("labels", "labels", Size.stage("label", 0), True),
                # which of the last calls fed a batch (an op of an unfed call's step does nothing)
                Buffer("fed", "flags", Size("flag", ((0,),), False, max(z.max_lag, 1)), True)]
+    if period == "scan":  # the all-to-alls' slots, each a stage's N pieces at the widest piece's length: the
+        G, S = slots(z)  # gathers' sent and received, the gradients' received (sent: the ops' `gradient`)
+        buffers += [Buffer("gather_slots", "relayed_parameters", Size("param", every, True, 2 * G), False),
+                    Buffer("gradient_slots", "gradients", Size("param", every, True, S), False)]
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
     if carry:
