@@ -88,8 +88,9 @@ def default_config() -> ml_collections.ConfigDict:
     # 'split' (F, B, W: 3L ticks) or 'paired' (two forwards a tick, whole backwards: every tick costs
     # about one backward, so a lockstep tick does not wait on a backward while others run forwards).
     c.cdp_ticks = "whole"
-    # cdp-zero's period (cdpjax.methods.cdp_zero): 'unrolled' (a cond per op: the least memory) or 'scan'
-    # (one lax.scan over ticks: the program no longer holds an op per worker; docs/measured.md).
+    # cdp-zero's period (cdpjax.methods.cdp_zero): 'unrolled' (a cond per op: the least memory and bytes) or
+    # 'scan' (one lax.scan over ticks, its ops and messages data: a program and compile time flat in N, its
+    # messages padded slots, 2.7x the bytes on ResNet-18; docs/measured.md).
     c.zero_period = "unrolled"
     # cdp-random: the delay model and its parameters (cdpjax.layouts.delays.Delay; docs/delays.md), and the
     # delay correction the update applies (cdpjax.delay_corrections).

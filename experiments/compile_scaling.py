@@ -4,6 +4,7 @@ step at N simulated devices, each point in its own process (`--xla_force_host_pl
     python experiments/compile_scaling.py --devices 2,4,8,16,32,64 --stages 4,N
     python experiments/compile_scaling.py --lowering 32,64,128  # cdp-v2's table and ring program at N = L
     python experiments/compile_scaling.py --methods dp,cdp-zero,cdp-zero@zero_period=scan --devices 2,4,8
+    python experiments/compile_scaling.py --methods dp,cdp-zero@zero_period=scan --devices 8,16,32,64 --stages 32
 
 A method may be a variant, METHOD@KEY=VALUE (as `cdpjax bench --methods` takes).
 
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 
-METHODS = "dp,cdp-v2,cdp-zero,cdp-mp,1f1b,zb-h1,ppll"
+METHODS = "dp,cdp-v2,cdp-zero,cdp-zero@zero_period=scan,cdp-mp,1f1b,zb-h1,ppll"
 
 
 def instructions(hlo: str) -> int:

@@ -8,10 +8,11 @@ paired ticks, `config.cdp_ticks`) in the `ring` realisation of `cdpjax.methods.c
 workers on the N devices of `data`, every stage's maths `cdpjax.methods.stage_ops`'s. The period
 (`config.zero_period`) is 'unrolled' (`ZeroPeriod`, the default: one `lax.cond` per op on
 `axis_index == its worker` through the ring's op pieces, `cdpjax.methods.ring`; the least
-memory) or 'scan' (`ZeroScan`: one `lax.scan` over its ticks, each worker's ops chosen by
-data, `cdpjax.program.zero.ZeroRouting`, in a `lax.switch` over the (kind, stage) pairs, the
-messages static `ppermute`s in a switch over ticks: the program holds each op's maths once
-whatever N, and more memory; docs/measured.md). After S steps and a flush the parameters equal
+memory and the fewest bytes) or 'scan' (`ZeroScan`: one `lax.scan` over its ticks, each worker's
+ops and messages chosen by data, `cdpjax.program.zero.ZeroRouting`: its ops in a `lax.switch`
+over the (kind, stage) pairs, its messages two `all_to_all`s a tick whose slots cross every route
+padded to the widest piece: the program does not grow with N, at the price of those padded
+bytes and more memory; docs/measured.md). After S steps and a flush the parameters equal
 the ring's (and so `simulate`'s):
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)),
@@ -32,7 +33,8 @@ What differs is where the model lives (the plan: `cdpjax.layouts.cdp_zero`; the 
   which adds it to its running sum (the step's first gradient op starts it); at the
   table's update tick (after the last worker's op) every worker applies the update of its
   pieces.
-- Collectives: `ppermute`s of pieces, batched per tick (`messages`): the pieces one pair
+- Collectives (unrolled; the scan's are its two all-to-alls a tick, `ZeroScan`): `ppermute`s of
+  pieces, batched per tick (`messages`): the pieces one pair
   carries in one phase (gathers, then gradients) one after the other, and the pairs of one
   route (destination - source mod N) whose payloads have one length in one `ppermute`
   (nothing padded: the bytes are the pieces'); and the psum of the three metric scalars: no
@@ -66,7 +68,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import optim
+from cdpjax import kinds as op_kinds, optim
 from cdpjax.carrier import FlatLayout
 from cdpjax.compress import BLOCK, CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
@@ -74,8 +76,7 @@ from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program, piece_size
-from cdpjax.program.ring import SENDS_BY_TICK
-from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, worker_ops, zero_routing
+from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, zero_routing
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = ring.AXIS  # every value of the period varies over the ring mesh's axes (one ring here)
@@ -97,7 +98,8 @@ def build(ctx: Context) -> Method:
     net = ctx.net(bn_axis_name=None)
     table = cdp_zero_table(workers, net.num_stages, rule=rule, ticks=ticks)  # refuses N not dividing T
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
-    return _method(ctx, net, table, lower_zero(table, residuals), residuals)
+    period = cfg.get("zero_period", "unrolled")  # a listed choice (config._CHOICES)
+    return _method(ctx, net, table, lower_zero(table, residuals, period), residuals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,38 @@ class Shards:
     def join(self, j: int, pieces):
         """[parts, piece[j]] (or a row starting with them) -> stage j's pytree."""
         return self.layout.unpack_one(j, jnp.reshape(pieces, (-1,)))
+
+    @property
+    def widest(self) -> int:
+        """P: the longest piece, the length every piece crosses at in the scanned period."""
+        return max(self.piece)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each stage's piece starts when a worker's pieces are laid end to end."""
+        return tuple(int(x) for x in np.cumsum((0,) + self.piece[:-1]))
+
+    @property
+    def laid(self) -> int:
+        """Length of a worker's pieces laid end to end, with room for a window of P at every offset."""
+        return max(o + self.widest for o in self.offsets)
+
+    def lay(self, pieces: list) -> jax.Array:
+        """Per stage [..., piece[j]] -> [..., laid]: end to end, zero-padded."""
+        flat = jnp.concatenate(pieces, axis=-1)
+        return jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, self.laid - flat.shape[-1])])
+
+    def unlay(self, j: int, laid: jax.Array) -> jax.Array:
+        """[..., laid] -> stage j's [..., piece[j]]."""
+        return laid[..., self.offsets[j]:self.offsets[j] + self.piece[j]]
+
+    def strided(self, j: int, pieces: jax.Array) -> jax.Array:
+        """[parts, piece[j]] -> [parts, P]: each piece zero-padded to the widest."""
+        return jnp.pad(pieces, ((0, 0), (0, self.widest - self.piece[j])))
+
+    def join_strided(self, j: int, row: jax.Array):
+        """A relay row of the scanned period (N pieces at a stride of P) -> stage j's pytree."""
+        return self.join(j, row.reshape(self.parts, self.widest)[:, :self.piece[j]])
 
     def padding(self) -> float:
         """Stored / real parameter elements."""
@@ -193,24 +227,25 @@ class ZeroPeriod:
         j, L = op.stage, self.z.stages
         source = ("relay", op.relay)
         pred = mine & valid
-        if op.kind == "F":
+        kind = op_kinds.lookup(op.kind)
+        if not kind.reads_cotangent:  # a forward (the lowering refuses kinds with no piece here)
             ring.forward_op(b, j, pred, images, new_labels, self._on_row(j, *self.fwd[j]), source, L, self.carry)
             return
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
         (row, *operands), reads = ring.backward_operands(b, j, source, L, self.carry)
-        with_cot = op.kind == "B" and j > 0
+        with_cot = kind.cotangent and j > 0
         cot = b[("cots", j - 1)] if j > 0 else zero
-        if op.kind == "B" and self.split:  # the input's cotangent only: nothing to scatter
+        if not kind.completes_gradient(self.split):  # the input's cotangent only: nothing to scatter
             _, cot = b.cond(pred, *self._on_row(j, *self.bwd[j]), (row, *operands, zero, cot), reads,
                             [("cots", j - 1)] if j > 0 else [])
             if j > 0:
                 b[("cots", j - 1)] = cot
             return
-        if op.kind == "B":
+        if kind.cotangent:
             operands, piece = (*operands, zero, cot), self.bwd[j][0]
         else:
             operands, piece = (*operands, zero), self.wgt[j][0]
-        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, op.kind == "B"), (row, *operands), reads,
+        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, kind.cotangent), (row, *operands), reads,
                                [("cots", j - 1)] if with_cot else [])
         if with_cot:
             b[("cots", j - 1)] = rest[0]
@@ -280,9 +315,9 @@ class ZeroPeriod:
 class Work(NamedTuple):
     """What a worker's ops read and write (the operands of their `lax.switch`: nothing else goes
     through it): per stage the model state, input (`acts`), output cotangent (`cots`), kept
-    residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per op position of a
-    tick, the flat gradient its gradient op made in this tick ([K, width], zeros where it idled);
-    the metric sums of the period."""
+    residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per gradient slot of a
+    tick, the gradient its gradient op made in this tick as N pieces of the widest piece's length
+    ([S, N, P], zero-padded; `ZeroRouting.op_slot`); the metric sums of the period."""
 
     ms: tuple
     acts: tuple
@@ -294,64 +329,67 @@ class Work(NamedTuple):
 
 
 class ZeroState(NamedTuple):
-    """One worker's buffers while a period runs (the scan's carry): per stage its pieces' version
-    rows (`master[j][r]`), their optimizer state and running gradient sum; the relay rows stacked
-    [R, width]; what its ops work on (`Work`)."""
+    """One worker's buffers while a period runs (the scan's carry): its pieces of every stage laid
+    end to end (`Shards.offsets`) per version row (`master` [V, F]), their optimizer state per stage,
+    its running gradient sums laid out as `master` ([F]); the relay rows [R, N * P] (each stage's N
+    pieces at a stride of the widest piece P); what its ops work on (`Work`)."""
 
-    master: tuple
+    master: jax.Array
     opt: tuple
-    sums: tuple
+    sums: jax.Array
     relay: jax.Array
     work: Work
 
 
 class ZeroScan:
-    """One worker's period as one `lax.scan` over its T ticks (`ZeroState` the carry): per tick the
-    tick's gathers (a `lax.switch` over ticks indexed by the scan's counter, the same branch on
-    every device: each branch that tick's static `ppermute`s of real piece sizes, landed in the
-    visitors' relay rows), each worker's ops (per position a `lax.switch` over the (kind, stage)
-    pairs, chosen by `ZeroRouting`'s arrays indexed by tick and `axis_index`; an op of a step not
-    fed idles), then the tick's gradient pieces to their keepers (a switch over ticks again), then
-    per stage a cond that applies its update at its update tick. Each switch and cond takes only
-    the buffers it touches (a buffer passed through a branch unchanged may be copied). The program
-    holds each op's maths once per position, whatever N; its sends and landings grow with the
-    messages of a period."""
+    """One worker's period as one `lax.scan` over its T ticks (`ZeroState` the carry), its ops and
+    its messages data (`ZeroRouting`, indexed by the scan's counter and `axis_index`). Per tick:
+    the gathers: one `all_to_all` in which every worker sends every other one, per gather slot,
+    its piece of the stage and version row the receiver's gather names (a window of the widest
+    piece's length P read at the stage's offset of its laid-out pieces), landed in the visitor's
+    relay row; each worker's ops (per position a `lax.switch` over the (kind, stage) pairs; an op
+    of a step not fed idles); one `all_to_all` of the gradient slots, piece u of each to worker u,
+    added to its running sum in the tick's op order (or starting it; a step not fed adds zeros);
+    then per stage a cond that applies its update at its update tick. The program holds each op's
+    maths once per position and two collectives per tick, whatever N; the price is padding: every
+    slot crosses every route every tick, as long as the widest piece (`zero_events`)."""
 
     def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards, codecs: Codecs = Codecs()):
         self.stages, self.program, self.tx, self.shards, self.codecs = stages, program, tx, shards, codecs
         self.carry, self.split = program.carries, program.split_backward
         self.z: ZeroTicks = program.ticks
         self.routing: ZeroRouting = zero_routing(self.z)
-        self.positions = self.routing.op_branch.shape[-1]
-        self.op_branches = [[self._op(kind, j, k) for kind, j in kinds] + [self._idle(k)]
-                            for k, kinds in enumerate(self.routing.op_kinds)]
-        self.gather_branches = [self._gather(tk) for tk in self.z.ticks]
-        self.scatter_branches = [self._scatter(tk) for tk in self.z.ticks]
+        self.grad_slots = self.routing.grad_stage.shape[-1]
+        self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle]
+                            for kinds in self.routing.op_kinds]
         self.apply_at = {a.stage: (t, a.lag) for t, tk in enumerate(self.z.ticks) for a in tk.applies}  # one a stage
 
-    def _apply(self, j: int, master: tuple, opt, sums, pred):
-        """Every worker's update of its pieces of stage j where pred (the previous version kept): a
-        cond on stage j's buffers alone."""
-        tx, two = self.tx, self.z.versions == 2
+    def _apply(self, j: int, master, opt, sums, pred):
+        """Every worker's update of its piece of stage j where pred (the previous version kept): a
+        cond on stage j's window of the laid-out pieces."""
+        tx, two, sh = self.tx, self.z.versions == 2, self.shards
+        lo, n = sh.offsets[j], sh.piece[j]
 
         def run(rows, o, g):
             p, o = optim.apply(tx, rows[0], o, g)
-            return varying(((p, rows[0]) if two else (p,), o), AXIS)
+            return varying((jnp.stack([p, rows[0]]) if two else p[None], o), AXIS)
 
-        return lax.cond(pred, run, lambda rows, o, g: varying((rows, o), AXIS), master, opt, sums)
+        rows, o = lax.cond(pred, run, lambda rows, o, g: varying((rows, o), AXIS), master[:, lo:lo + n], opt,
+                           sums[lo:lo + n])
+        return master.at[:, lo:lo + n].set(rows), o
 
     # -- one op of the device, its stage joined from the relay row it reads
-    def _op(self, kind: str, j: int, k: int):
-        if kind == "F":
-            return self._forward(j)
-        return self._gradient_op(kind, j, k)
+    def _op(self, kind: str, j: int):
+        if op_kinds.lookup(kind).reads_cotangent:  # backward work (the lowering refuses kinds with no piece)
+            return self._gradient_op(kind, j)
+        return self._forward(j)
 
     def _forward(self, j: int):
         stages, carry, L, shards = self.stages, self.carry, self.z.stages, self.shards
         ops = stages.ops
 
-        def run(c: Work, rows, images, new_labels, relay):
-            p = shards.join(j, rows[relay])
+        def run(c: Work, rows, images, new_labels, relay, slot):
+            p = shards.join_strided(j, rows[relay])
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
             kept = c.kept
@@ -367,115 +405,118 @@ class ZeroScan:
                                       labels=new_labels if j == 0 else c.labels), AXIS)
         return run
 
-    def _gradient_op(self, kind: str, j: int, k: int):
-        """B (the input's cotangent to cots[j-1]; with whole backwards also the gradient) or W (the
-        gradient only): the stage's gradient raveled into row k of `grads`, for this tick's pieces."""
+    def _gradient_op(self, kind: str, j: int):
+        """Backward work: the input's cotangent to cots[j-1] where the kind computes it; where it
+        completes the gradient, the stage's gradient as its N pieces into gradient slot `slot`."""
         L, carry, shards = self.z.stages, self.carry, self.shards
-        cotangent = kind == "B"
-        gradient = kind == "W" or not self.split
-        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+        flags = op_kinds.lookup(kind)
+        cotangent = flags.cotangent
+        gradient = flags.completes_gradient(self.split)
+        want = tuple(name for name, on in (("params", gradient), ("input", cotangent)) if on)
 
-        def run(c: Work, rows, images, new_labels, relay):
-            p = shards.join(j, rows[relay])
+        def run(c: Work, rows, images, new_labels, relay, slot):
+            p = shards.join_strided(j, rows[relay])
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
             d_params, d_input, _ = self.stages.ops.backward(j, p, c.ms[j], c.acts[j], c.labels, seed, keep, want)
             if cotangent and j > 0:
                 c = c._replace(cots=ring._set(c.cots, j - 1, d_input))
             if gradient:
-                flat = shards.flat(j, d_params)
-                c = c._replace(grads=c.grads.at[k].set(jnp.pad(flat, (0, shards.width - flat.size))))
+                c = c._replace(grads=c.grads.at[slot].set(shards.strided(j, shards.cut(j, d_params))))
             return varying(c, AXIS)
         return run
 
-    def _idle(self, k: int):
-        def run(c: Work, rows, images, new_labels, relay):  # a gradient op that idles sends zeros
-            return varying(c._replace(grads=c.grads.at[k].set(0.0)), AXIS)
-        return run
+    # -- the tick's messages, chosen by the routing arrays
+    def _send(self, chunks, codec: Codec, me):
+        """chunks [N, slots, P] (row u for worker u) through one all-to-all: [N, slots, P], row u what
+        worker u sent this one, encoded piece by piece by `codec` (its own row exact)."""
+        N = self.z.workers
+        if codec.lossless:
+            return lax.all_to_all(chunks, ring.WORKERS, 0, 0)
+        flat = chunks.reshape(-1, chunks.shape[-1])
+        wire = jax.vmap(codec.encode)(flat)
+        wire = jax.tree.map(lambda x: lax.all_to_all(x.reshape(N, -1, *x.shape[1:]), ring.WORKERS, 0, 0), wire)
+        like = jax.ShapeDtypeStruct((chunks.shape[-1],), jnp.float32)
+        got = jax.vmap(lambda e: codec.decode(e, like))(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), wire))
+        got = got.reshape(chunks.shape)
+        return jnp.where((jnp.arange(N) == me)[:, None, None], chunks[me][None], got)
 
-    # -- the tick's static messages and applies
-    def _gather(self, tk):
-        """Each visit's stage from every worker's piece (its own beside them) into the visitor's relay
-        row; the tick's pieces travel batched (`exchange`: one message per route and length)."""
-        N, piece = self.z.workers, self.shards.piece
+    def _gather(self, c: ZeroState, t, me, table) -> jax.Array:
+        """Every worker's piece of each gather's stage (version row the gather names) into the
+        visitor's relay row, one all-to-all for the tick's gather slots."""
+        sh, L = self.shards, self.z.stages
+        stage = table["gather_stage"][t]  # [N, G]: the receiver's gathers
+        start = jnp.asarray(sh.offsets + (0,), jnp.int32)[stage]
+        window = start[..., None] + jnp.arange(sh.widest, dtype=jnp.int32)
+        chunks = c.master[table["gather_row"][t][..., None], window]  # [N, G, P]
+        got = self._send(chunks, self.codecs.parameters, me)
+        relay = c.relay
+        for g in range(stage.shape[-1]):
+            row, lands = table["gather_relay"][t, me, g], stage[me, g] < L
+            relay = relay.at[row].set(jnp.where(lands, got[:, g].reshape(-1), relay[row]))
+        return relay
 
-        def run(master: tuple, relay, me):
-            mine = [master[j][row] for j, _, row, _ in tk.gathers]
-            sent = [Piece(u, g.worker, (i,), piece[g.stage]) for i, g in enumerate(tk.gathers) for u in range(N)
-                    if u != g.worker]
-            got = exchange(sent, lambda p: mine[p.what[0]], me, N, self.codecs.parameters)
-            for i, (j, worker, _, r) in enumerate(tk.gathers):
-                pieces = [mine[i] if u == worker else got[(u, worker, (i,))] for u in range(N)]
-                relay = relay.at[r].set(lax.cond(me == worker, _landed, lambda row, *_: varying(row, AXIS),
-                                                 relay[r], *pieces))
-            return varying(relay, AXIS)
-        return run
+    def _scatter(self, c: ZeroState, t, me, table, valid) -> jax.Array:
+        """Piece u of each gradient slot to worker u (one all-to-all), each added to the receiver's
+        running sum of its stage, in the tick's op order (sender, then slot), or starting it; a step
+        not fed adds zeros. A window of P is read and written at the stage's offset: past the stage's
+        piece the gradient's padding adds zeros, and a start clears the piece only."""
+        sh, L = self.shards, self.z.stages
+        got = self._send(jnp.swapaxes(c.work.grads, 0, 1), self.codecs.gradients, me)  # [N senders, S, P]
+        offsets = jnp.asarray(sh.offsets + (0,), jnp.int32)
+        lengths = jnp.asarray(sh.piece + (0,), jnp.int32)
+        lane = jnp.arange(sh.widest, dtype=jnp.int32)
 
-    def _scatter(self, tk):
-        """Piece u of each gradient op's gradient to worker u, added to its running sum (the worker's own
-        piece too), or the sum's start for the step's first gradient op (the tick's pieces batched,
-        `exchange`; a device adds only what was sent to it: zeros elsewhere, exact)."""
-        N, shards = self.z.workers, self.shards
-        position = {}
-        for w in range(N):
-            for k, op in enumerate(worker_ops(tk, w)):
-                position[op] = k
-
-        def run(grads, sums, me):  # only what it touches: the switch copies nothing else
-            ops = [op for op in tk.ops if op.gradient]
-            pieces = {i: shards.pieces(op.stage, grads[position[op]]) for i, op in enumerate(ops)}
-            sent = [Piece(op.worker, u, (i,), shards.piece[op.stage]) for i, op in enumerate(ops) for u in range(N)
-                    if u != op.worker]
-            got = exchange(sent, lambda p: pieces[p.what[0]][p.dst], me, N, self.codecs.gradients)
-            for i, op in enumerate(ops):
-                terms = [jnp.where(me == u, pieces[i][u] if u == op.worker else got[(op.worker, u, (i,))], 0.0)
-                         for u in range(N)]
-                total = None if op.starts else sums[op.stage]
-                for term in terms:
-                    total = term if total is None else total + term
-                sums = ring._set(sums, op.stage, total)
+        def add(src, sums):
+            for s in range(self.grad_slots):
+                j, lag, starts = (table[name][t, src, s] for name in ("grad_stage", "grad_lag", "grad_starts"))
+                piece = jnp.where((j < L) & valid[lag], got[src, s], 0.0)
+                old = lax.dynamic_slice(sums, (offsets[j],), (sh.widest,))
+                new = jnp.where(starts & (lane < lengths[j]), 0.0, old) + piece
+                sums = lax.dynamic_update_slice(sums, new, (offsets[j],))
             return varying(sums, AXIS)
-        return run
+
+        return lax.fori_loop(0, self.z.workers, add, c.sums)
 
     def __call__(self, state, images, new_labels, feeding):
-        z, r = self.z, self.routing
+        z, r, sh = self.z, self.routing, self.shards
         me = lax.axis_index(ring.WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
-        master = tuple(tuple(rows) for rows in state["master"])
+        master = state["master"]
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
-            master = tuple((m[0], jnp.where(state["fed"][0], m[1], m[0])) for m in master)
-        table = {name: jnp.asarray(getattr(r, name)) for name in ("op_branch", "op_lag", "op_relay")}
+            master = master.at[1].set(jnp.where(state["fed"][0], master[1], master[0]))
+        table = {name: jnp.asarray(getattr(r, name)) for name in r._fields if name != "op_kinds"}
         work = Work(tuple(state["model_state"]), tuple(state["acts"]), tuple(state["cots"]),
                     tuple(state["kept"]) if self.carry else (), state["labels"],
-                    jnp.zeros((self.positions, self.shards.width), jnp.float32), self.stages.ops.no_metrics())
-        c = varying(ZeroState(master, tuple(state["opt_state"]), tuple(state["sums"]), state["relay"],
-                              work), AXIS)
+                    jnp.zeros((self.grad_slots, z.workers, sh.widest), jnp.float32), self.stages.ops.no_metrics())
+        c = varying(ZeroState(master, tuple(state["opt_state"]), state["sums"], state["relay"], work), AXIS)
 
         def tick(c: ZeroState, t):
-            with jax.named_scope(SENDS_BY_TICK):
-                c = c._replace(relay=lax.switch(t, self.gather_branches, c.master, c.relay, me))
+            c = c._replace(relay=self._gather(c, t, me, table))
             for k, branches in enumerate(self.op_branches):
                 at = (t, me, k)
                 branch = jnp.where(valid[table["op_lag"][at]], table["op_branch"][at], len(branches) - 1)
                 c = c._replace(work=lax.switch(branch, branches, c.work, c.relay, images, new_labels,
-                                               table["op_relay"][at]))
-            with jax.named_scope(SENDS_BY_TICK):  # bench counts each branch once a period
-                c = c._replace(sums=lax.switch(t, self.scatter_branches, c.work.grads, c.sums, me))
+                                               table["op_relay"][at], table["op_slot"][at]))
+            c = c._replace(sums=self._scatter(c, t, me, table, valid))
             master, opt = c.master, c.opt
             for j, (at_t, lag) in sorted(self.apply_at.items()):  # at its update tick, its step fed
-                rows, o = self._apply(j, master[j], opt[j], c.sums[j], (t == at_t) & valid[lag])
-                master, opt = ring._set(master, j, rows), ring._set(opt, j, o)
-            c = c._replace(master=master, opt=opt)
-            return c, None
+                master, o = self._apply(j, master, opt[j], c.sums, (t == at_t) & valid[lag])
+                opt = ring._set(opt, j, o)
+            return varying(c._replace(master=master, opt=opt), AXIS), None
 
         c, _ = lax.scan(tick, c, jnp.arange(len(z.ticks), dtype=jnp.int32))
         w = c.work
-        new = {"master": [list(rows) for rows in c.master], "opt_state": list(c.opt), "sums": list(c.sums),
+        new = {"master": c.master, "opt_state": list(c.opt), "sums": c.sums,
                "relay": c.relay, "model_state": list(w.ms), "acts": list(w.acts), "cots": list(w.cots),
                "labels": w.labels, "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
         if self.carry:
             new["kept"] = list(w.kept)
         return new, w.metrics
+
+
+def _idle(c: Work, *_):  # an op not fed, or no op at this position
+    return varying(c, AXIS)
 
 
 def _landed(row, *pieces):
@@ -600,7 +641,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         raise ConfigError("compress.feedback=True: cdp-zero's gradient pieces keep no error feedback (each sender "
                           "would hold a whole stage's remainder, against its 1/N share); set compress.feedback=False")
     program = with_codecs(program, codecs)
-    scanned = ctx.config.get("zero_period", "unrolled") == "scan"  # a listed choice (config._CHOICES)
+    scanned = ctx.config.get("zero_period", "unrolled") == "scan"
     period = (ZeroScan if scanned else ZeroPeriod)(stages, program, tx, shards, codecs)
     per_worker = NamedSharding(mesh, P(AXIS))
 
@@ -610,10 +651,12 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         params, model_state = net.init(rng)
         pieces = [shards.cut(j, p) for j, p in enumerate(params)]  # [N, piece[j]] each: worker i keeps row i
         stash = ring.stash_buffers(stages, model_state, carry)  # the natural per-stage buffers, as the ring's
+        laid = shards.lay(pieces)  # [N, laid]: the scan reads a worker's pieces as one array
         state = {
-            "master": [[p] * z.versions for p in pieces],  # current (, previous)
+            # current (, previous)
+            "master": jnp.stack([laid] * z.versions, 1) if scanned else [[p] * z.versions for p in pieces],
             "opt_state": [jax.vmap(tx.init)(p) for p in pieces],
-            "sums": [jnp.zeros_like(p) for p in pieces],
+            "sums": jnp.zeros_like(laid) if scanned else [jnp.zeros_like(p) for p in pieces],
             # the scan carries one array in place; the unrolled period names each row
             "relay": (jnp.zeros((N, z.relay_rows, shards.width), jnp.float32) if scanned else
                       [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)]),
@@ -638,7 +681,8 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
 
     def export(state):
         # Each stage joined from every worker's current piece; running averages averaged over workers.
-        params = [shards.join(j, state["master"][j][0]) for j in range(L)]
+        current = [shards.unlay(j, state["master"][:, 0]) if scanned else state["master"][j][0] for j in range(L)]
+        params = [shards.join(j, current[j]) for j in range(L)]
         return params, jax.tree.map(lambda a: a.mean(0), state["model_state"])
 
     return Method("cdp-zero", net, init, train_step, export, flush, table, program=program, run_steps=run_steps,

@@ -3,7 +3,8 @@ with every buffer a worker holds named (the table alone: any table the engine ca
 
 cdp-zero runs on the ring engine's machinery (`cdpjax.methods.cdp_zero`, built on
 `cdpjax.methods.ring`): one worker per device of `data`, the period unrolled or one scan
-over its ticks (`zero_period`). What differs from the ring is where the parameters live:
+over its ticks whose ops and messages are data (`zero_period`, `zero_routing`; its sends
+`zero_events(as_data=True)`). What differs from the ring is where the parameters live:
 every worker keeps its piece (1/N) of every stage, so its program names
 
 - `master[j][r]`: the worker's piece of stage j, version row r (0 current, 1 previous),
@@ -34,6 +35,11 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
 from cdpjax.program import events as ev
+
+
+# The kinds the engine has a piece for, by their flags: a forward alone, or backward work that starts from
+# its output's cotangent (the input's cotangent, the weight gradient or both); not local learning's op.
+SERVED = tuple(k.name for k in op_kinds.KINDS.values() if (k.forward and not k.backward) or k.reads_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +167,7 @@ def zero_ticks(table) -> ZeroTicks:
     names the first op the engine cannot serve."""
     # Long on purpose: the checks of what the engine needs, then one pass that folds a step's events.
     N, L, T = table.workers, table.stages, table.period
-    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), ("F", "B", "W"), "the cdp-zero engine")
+    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), SERVED, "the cdp-zero engine")
     grad = gradient_kind(table.split_backward)
     all_visits = visits(table)
     gradients = {}
@@ -236,29 +242,66 @@ def worker_ops(tk: ZeroTick, worker: int) -> list[ZeroOp]:
 
 
 class ZeroRouting(NamedTuple):
-    """cdp-zero's ops as data, for a scanned period: per tick t, worker w and position k (a
-    worker's ops of one tick in `worker_ops` order, k < positions), `op_branch[t, w, k]`: index into
-    `op_kinds[k]` ((kind, stage) pairs; len(op_kinds[k]) where the worker has no k-th op), `op_lag`
-    its step's lag (it runs iff that step was fed), `op_relay` the relay row it reads. The
-    gathers, the pieces sent and the applies stay static per tick (a branch per tick)."""
+    """cdp-zero's period as data, for a scanned period (every array indexed by tick t, then worker w).
+
+    Ops: per position k (a worker's ops of one tick in `worker_ops` order, k < positions),
+    `op_branch[t, w, k]`: index into `op_kinds[k]` ((kind, stage) pairs; len(op_kinds[k]) where the
+    worker has no k-th op), `op_lag` its step's lag (it runs iff that step was fed), `op_relay` the
+    relay row it reads, `op_slot` the gradient slot its gradient op writes (0 for other ops).
+
+    Gathers: per gather slot g (a worker's gathers of one tick, g < gather_slots), the stage
+    `gather_stage[t, w, g]` (stages where none) whose version row `gather_row` every worker's piece
+    of lands in the visitor's relay row `gather_relay`. Gradient pieces: per gradient slot s,
+    `grad_stage[t, w, s]` (stages where none) of worker w's s-th gradient op of the tick, its lag
+    `grad_lag` and whether it starts its step's sums (`grad_starts`). Each slot crosses every route
+    every tick (one all-to-all each, whether used or not): the messages as data."""
 
     op_kinds: tuple[tuple[tuple[str, int], ...], ...]
     op_branch: np.ndarray
     op_lag: np.ndarray
     op_relay: np.ndarray
+    op_slot: np.ndarray
+    gather_stage: np.ndarray
+    gather_row: np.ndarray
+    gather_relay: np.ndarray
+    grad_stage: np.ndarray
+    grad_lag: np.ndarray
+    grad_starts: np.ndarray
+
+
+def slots(z: ZeroTicks) -> tuple[int, int]:
+    """(gather slots, gradient slots): the most gathers, and the most gradient ops, one worker has in
+    one tick of `z` (at least 1 each: an all-to-all of each kind crosses every tick)."""
+    per = [(sum(g.worker == w for g in tk.gathers), sum(op.gradient for op in worker_ops(tk, w)))
+           for tk in z.ticks for w in range(z.workers)]
+    return max([1] + [g for g, _ in per]), max([1] + [s for _, s in per])
 
 
 def zero_routing(z: ZeroTicks) -> ZeroRouting:
-    """`z`'s ops as the integer arrays a scanned period indexes by (tick, worker, position)."""
-    T, N = len(z.ticks), z.workers
+    """`z`'s ops and messages as the integer arrays a scanned period indexes by (tick, worker, slot)."""
+    T, N, L = len(z.ticks), z.workers, z.stages
     per_worker = [[worker_ops(tk, w) for w in range(N)] for tk in z.ticks]
     kinds, branch = op_branches(per_worker)
-    lag, relay = np.zeros(branch.shape, np.int32), np.zeros(branch.shape, np.int32)
-    for t in range(T):
+    lag, relay, slot = (np.zeros(branch.shape, np.int32) for _ in range(3))
+    G, S = slots(z)
+    gather_stage, gather_row, gather_relay = np.full((T, N, G), L, np.int32), *(np.zeros((T, N, G), np.int32)
+                                                                                for _ in range(2))
+    grad_stage, grad_lag, grad_starts = np.full((T, N, S), L, np.int32), np.zeros((T, N, S), np.int32), \
+        np.zeros((T, N, S), bool)
+    for t, tk in enumerate(z.ticks):
         for w in range(N):
+            s = 0
             for k, o in enumerate(per_worker[t][w]):
                 lag[t, w, k], relay[t, w, k] = o.lag, o.relay
-    return ZeroRouting(kinds, branch, lag, relay)
+                if o.gradient:
+                    slot[t, w, k] = s
+                    grad_stage[t, w, s], grad_lag[t, w, s], grad_starts[t, w, s] = o.stage, o.lag, o.starts
+                    s += 1
+            for g, gather in enumerate(x for x in tk.gathers if x.worker == w):
+                gather_stage[t, w, g], gather_row[t, w, g], gather_relay[t, w, g] = gather.stage, gather.row, \
+                    gather.relay
+    return ZeroRouting(kinds, branch, lag, relay, slot, gather_stage, gather_row, gather_relay, grad_stage, grad_lag,
+                       grad_starts)
 
 
 def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
@@ -266,8 +309,14 @@ def _gradient_ticks(z: ZeroTicks) -> tuple[int, int]:
     return (ticks[0], ticks[-1]) if ticks else (0, 0)
 
 
-def lower_zero(table, residuals: str = "recompute") -> Program:
-    """cdp-zero's program of a cyclic table: its period from the table's own events (`zero_ticks`)."""
+PERIODS = ("unrolled", "scan")
+
+
+def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") -> Program:
+    """cdp-zero's program of a cyclic table: its period from the table's own events (`zero_ticks`),
+    its messages as the period form sends them (`zero_events`)."""
+    if period not in PERIODS:
+        raise ConfigError(f"zero_period={period!r} is not one of {', '.join(PERIODS)}")
     carry = carries(residuals)
     z = zero_ticks(table)
     L, N = z.stages, z.workers
@@ -286,22 +335,31 @@ def lower_zero(table, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True),
                # which of the last calls fed a batch (an op of an unfed call's step does nothing)
                Buffer("fed", "flags", Size("flag", ((0,),), False, max(z.max_lag, 1)), True)]
+    if period == "scan":  # the all-to-alls' slots, each a stage's N pieces at the widest piece's length: the
+        G, S = slots(z)  # gathers' sent and received, the gradients' received (sent: the ops' `gradient`)
+        buffers += [Buffer("gather_slots", "relayed_parameters", Size("param", every, True, 2 * G), False),
+                    Buffer("gradient_slots", "gradients", Size("param", every, True, S), False)]
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
     if carry:
         buffers.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
-    kinds = tuple(k for k in ("F", "B", "W") if any(op.kind == k for tk in z.ticks for op in tk.ops))
+    kinds = tuple(k for k in SERVED if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
-                   z.versions, True, placement, tuple(buffers), zero_events(z), z)
+                   z.versions, True, placement, tuple(buffers), zero_events(z, period == "scan"), z)
 
 
-def zero_events(z: ZeroTicks) -> tuple[ev.Event, ...]:
+def zero_events(z: ZeroTicks, as_data: bool = False) -> tuple[ev.Event, ...]:
     """The period's typed events: each visit's `Gather` of its stage's version row at the start of
     its first tick, from the pieces every other worker sent at the end of the tick before (a
-    'parameters' `Send` and `Receive` each, of the piece's size; they carry no step: lag 0); each op
-    as a `Compute` reading the row its visit gathered; each gradient op's pieces sent to their
-    keepers ('partial'); each update as every worker's `Apply` to its piece."""
+    'parameters' `Send` and `Receive` each; they carry no step: lag 0); each op as a `Compute`
+    reading the row its visit gathered; each gradient op's pieces sent to their keepers
+    ('partial'); each update as every worker's `Apply` to its piece.
+
+    Unrolled (`as_data` False), each piece crosses at its own size from its sender to its visitor
+    or keeper only. As data (the scanned period, `zero_routing`), every tick every worker sends
+    every other one each gather slot and each gradient slot (`slots`), each a piece of the largest
+    stage, used or not: what its all-to-alls carry."""
     N, T = z.workers, len(z.ticks)
     parts = max(N, 1)
     events: list[ev.Event] = []
@@ -316,16 +374,43 @@ def zero_events(z: ZeroTicks) -> tuple[ev.Event, ...]:
         for g in tk.gathers:
             lag = next(op.lag for op in tk.ops if (op.worker, op.stage) == (g.worker, g.stage))
             events.append(ev.Gather(t, g.worker, g.stage, parts, g.row, lag))
-            sends += [ev.Send((t - 1) % T, "parameters", Size.stage("param", g.stage, parts=N), u, g.worker, g.stage)
-                      for u in range(N) if u != g.worker]
+            if not as_data:
+                sends += [ev.Send((t - 1) % T, "parameters", Size.stage("param", g.stage, parts=N), u, g.worker,
+                                  g.stage) for u in range(N) if u != g.worker]
         for op in tk.ops:
             events.append(ev.Compute(t, op.worker, op.kind, op.stage, 0, gathered[(op.worker, op.relay)], op.lag))
-            if op.gradient:
+            if op.gradient and not as_data:
                 sends += [ev.Send(t, "partial", Size.stage("param", op.stage, parts=N), op.worker, u, op.stage, op.lag)
                           for u in range(N) if u != op.worker]
         events += [ev.Apply(t, w, j, parts, lag) for j, lag in tk.applies for w in range(N)]
+    if as_data:
+        sends = _slot_sends(z)
     return ev.sorted_events(events + ev.messages(sends))
 
 
-__all__ = ["Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroRouting", "ZeroTick", "ZeroTicks", "lower_zero", "visits",
-           "worker_ops", "zero_events", "zero_routing", "zero_ticks"]
+def _slot_sends(z: ZeroTicks) -> list[ev.Send]:
+    """The scanned period's messages (`zero_events`): per tick and route, each gather slot's piece at
+    the end of the tick before and each gradient slot's after the tick's ops, as long as the largest
+    stage's piece; a used slot names the stage it carries (an unused one stage 0)."""
+    N, T, L = z.workers, len(z.ticks), z.stages
+    widest = Size("param", tuple((j,) for j in range(L)), True, 1, N)
+    r = zero_routing(z)
+    G, S = r.gather_stage.shape[-1], r.grad_stage.shape[-1]
+    sends = []
+    for t in range(T):
+        for u in range(N):
+            for w in range(N):
+                if u == w:
+                    continue
+                for g in range(G):  # u's piece for w's g-th gather
+                    j = int(r.gather_stage[t, w, g])
+                    sends.append(ev.Send((t - 1) % T, "parameters", widest, u, w, j if j < L else 0))
+                for s in range(S):  # u's s-th gradient's piece w
+                    j = int(r.grad_stage[t, u, s])
+                    sends.append(ev.Send(t, "partial", widest, u, w, j if j < L else 0,
+                                         int(r.grad_lag[t, u, s]) if j < L else 0))
+    return sends
+
+
+__all__ = ["PERIODS", "Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroRouting", "ZeroTick", "ZeroTicks", "lower_zero",
+           "slots", "visits", "worker_ops", "zero_events", "zero_routing", "zero_ticks"]
