@@ -6,7 +6,8 @@ table): the engine runs the lowered `Program` of the table it is given
 backwards, 3L with split ones, more where a table's steps end idle) in ONE `shard_map`
 over the `data` axis, the period one `lax.scan` over its ticks (a `train_step` is one
 period, `run_steps` scans over periods). The per-tick routing is data
-(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`), so
+(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`,
+compiled from the program's events alone: `program_period`), so
 the compiled program holds each stage's op once per position of a tick whatever the
 worker count N (its sends grow with the messages of a tick: at most L x lags groups);
 at tick t each device reads its op and runs it by a `lax.switch` over the (kind, stage)
@@ -86,8 +87,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing,
-                                 with_pool)
+from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, program_period, ring_pool,
+                                 ring_routing, with_pool)
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
@@ -444,7 +445,7 @@ class Period:
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
-        self.ticks: RingTicks = program.ticks
+        self.ticks: RingTicks = program_period(program)  # the period its events say, not the lowering's own
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
         params = jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]
@@ -864,15 +865,18 @@ def ring_mesh(mesh, workers: int):
     return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
 
 
-def build(ctx, name: str, net, table, residuals: str) -> Method:
-    """The ring `Method` running `table`'s lowered program: rings of `table.workers` workers (one
-    per device) side by side over the mesh's `data` devices, each ring fed its share of every
-    global batch; each sum a ring completes is summed over the rings before it is applied or
-    passed on (`Period._combine`), so every ring applies the update of the whole batch."""
+def build(ctx, name: str, net, table, residuals: str, program: Program | None = None) -> Method:
+    """The ring `Method` running `table`'s lowered program (or `program`, a ring program of that
+    table, its events as given): rings of `table.workers` workers (one per device) side by side
+    over the mesh's `data` devices, each ring fed its share of every global batch; each sum a ring
+    completes is summed over the rings before it is applied or passed on (`Period._combine`), so
+    every ring applies the update of the whole batch. What runs is the program's events
+    (`program_period`)."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
-    program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
-    ticks: RingTicks = program.ticks
+    if program is None:
+        program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
+    ticks: RingTicks = program_period(program)
     tx, N = ctx.optimizer(), ticks.workers
     mesh = ring_mesh(ctx.mesh, N)
     rings = int(mesh.shape[RINGS])

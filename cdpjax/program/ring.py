@@ -5,8 +5,10 @@ split or paired ticks, or any other table with `axis='data'`: its own ops and th
 version each reads, its updates, 'partial' and 'sum' messages and `Apply` records;
 nothing is rebuilt from a rule) into the `Program` the ring runtime
 (`cdpjax.methods.ring`) runs: one steady-state period of T ticks from worker 0's
-start of a step (`RingTicks`, every tick's typed events; `RingRouting`, the same as
-the integer arrays the runtime's scan reads by tick and worker),
+start of a step (`RingTicks`, every tick's typed events, from which it emits
+`Program.events`; the runtime reads the period back from those events alone,
+`program_period`, and `RingRouting`, the integer arrays its scan reads by tick and
+worker, from that: `ring_program_routing`),
 every buffer in its natural shape (a worker holds every stage: nothing is padded)
 and every message at its stage's size:
 
@@ -38,7 +40,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.gc_paused import gc_paused
 from cdpjax.kinds import gradient_kind
 from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
-from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
+from cdpjax.program.events import Apply, Compute, Event, Receive, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 # The name scope of the scanned ring's switch over ticks that sends each tick's messages (its
@@ -173,6 +175,9 @@ class RingRouting(NamedTuple):
     (reads nothing); op_write: the slot its sum (partial or completed) goes to.
     apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
     sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
+    reads[(t, w, k)] / writes[(t, w, k)]: the names of the buffers a gradient op reads (its
+    partial sum; absent where it starts one) and writes (its partial or completed sum), which
+    `ring_pool` places.
     """
 
     op_kinds: tuple[tuple[tuple[str, int], ...], ...]
@@ -187,6 +192,8 @@ class RingRouting(NamedTuple):
     names: tuple[tuple[tuple[str, int, int], ...], ...]
     slot_index: tuple[tuple[int, ...], ...]
     slot_count: tuple[int, ...]
+    reads: dict[tuple[int, int, int], tuple[str, int, int]]
+    writes: dict[tuple[int, int, int], tuple[str, int, int]]
 
     def slot(self, name: tuple[str, int, int]) -> int:
         """The slot of gradient buffer `name` in its stage's stack."""
@@ -212,6 +219,7 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
     shape = branch.shape
     lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
     start = np.zeros(shape, bool)
+    reads, writes = {}, {}
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
         for w in range(N):
@@ -220,9 +228,10 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start
                     if not start[t, w, k]:
-                        read[t, w, k] = slot_of[("partial", o.stage, o.lag)]
-                    kind = "sum" if (w, o.stage, o.lag) in done else "partial"
-                    write[t, w, k] = slot_of[(kind, o.stage, o.lag)]
+                        reads[(t, w, k)] = ("partial", o.stage, o.lag)
+                        read[t, w, k] = slot_of[reads[(t, w, k)]]
+                    writes[(t, w, k)] = ("sum" if (w, o.stage, o.lag) in done else "partial", o.stage, o.lag)
+                    write[t, w, k] = slot_of[writes[(t, w, k)]]
     applies = [[[[] for _ in range(N)] for _ in range(T)] for _ in range(2)]
     for t, tk in enumerate(ticks.ticks):
         for j, a_lag, workers, after in tk.applies:
@@ -239,7 +248,7 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                     a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
     return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, per_stage,
                        tuple(tuple(slot_of[n] for n in per) for per in per_stage),
-                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage))
+                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage), reads, writes)
 
 
 class RingPool(NamedTuple):
@@ -334,16 +343,9 @@ def ring_pool(ticks: RingTicks, routing: RingRouting, sizes) -> RingPool:
         return where.get((t, name), nowhere)
 
     read, write = np.zeros(routing.op_read.shape, np.int64), np.zeros(routing.op_write.shape, np.int64)
-    for t, tk in enumerate(ticks.ticks):
-        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
-        k_of = [0] * N
-        for o in op_order(tk):
-            k, k_of[o.worker] = k_of[o.worker], k_of[o.worker] + 1
-            if o.kind in tk.gradient_kinds:
-                if (o.worker, o.stage) not in tk.chain_start:
-                    read[t, o.worker, k] = placed(t, ("partial", o.stage, o.lag))[o.worker]
-                kind = "sum" if (o.worker, o.stage, o.lag) in done else "partial"
-                write[t, o.worker, k] = placed(t, (kind, o.stage, o.lag))[o.worker]
+    for offsets, names in ((read, routing.reads), (write, routing.writes)):
+        for (t, w, k), name in names.items():
+            offsets[t, w, k] = placed(t, name)[w]
     apply_at = np.zeros(routing.apply_slot.shape, np.int64)
     for p, t, w, a in zip(*np.nonzero(routing.apply_stage < ticks.stages)):
         name = ("sum", int(routing.apply_stage[p, t, w, a]), int(routing.apply_lag[p, t, w, a]))
@@ -738,13 +740,17 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
 
 def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     """The period's typed events: each worker's op as a `Compute` (one micro-batch, the one copy
-    it stores), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
+    it stores; a gradient op says whether it starts its stage's running sum and whether it
+    completes it), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
     its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
     events: list[Event] = []
     sends: list[Send] = []
     size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
-        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag,
+                           starts_sum=op.kind in tk.gradient_kinds and (op.worker, op.stage) in tk.chain_start,
+                           completes_sum=(op.worker, op.stage, op.lag) in done) for op in tk.ops]
         for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
                            ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
             sends += [Send(t, what, size[j], src, dst, j, lag)
@@ -753,6 +759,83 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     return sorted_events(events + messages(sends))
 
 
+
+@gc_paused()
+def program_period(program: Program) -> RingTicks:
+    """The ring's period as `program`'s events say it, what the runtime runs (`ring_program_routing`,
+    `cdpjax.methods.ring.Period`): read from `program.events` and its typed fields (period, devices,
+    placement, split_backward) alone, never from the lowering's own `RingTicks`. Per tick: each
+    `Compute` an op (its `starts_sum` / `completes_sum` the gradient sum it starts or completes), the
+    'partial' and 'sum' `Send`s the hops of running and completed sums, each `Apply` a worker's update
+    from a completed sum, after the tick's sends where that worker receives the sum in the same tick.
+    A completed sum's send keeps the copies of the workers it does not reach (`SumSend.merge`) where
+    one of them received or completed it before the send and reads it after (an apply or a send of its
+    own), on the timeline of one step (an event at tick t of lag l is at t + l * T of its step)."""
+    T, N, L = program.period, program.devices, len(program.placement.units)
+    grad = (gradient_kind(program.split_backward),)
+    by_tick: list[dict] = [dict(ops=[], starts=set(), completes=[], partials={}, sums={}, applies=[], got=set())
+                           for _ in range(T)]
+    arrive: dict = {}  # (stage, worker) -> when (on the step's timeline) it first holds the completed sum
+    end: dict = {}  # (stage, worker) -> its last read of it
+    completer: dict = {}  # stage -> the worker that completes its sum
+    for e in program.events:
+        at, now = by_tick[e.tick], e.tick + e.lag * T
+        if isinstance(e, Compute):
+            at["ops"].append(RingOp(e.device, e.kind, e.stage, e.lag))
+            if e.starts_sum:
+                at["starts"].add((e.device, e.stage))
+            if e.completes_sum:
+                at["completes"].append(Completes(e.device, e.stage, e.lag))
+                completer[e.stage] = e.device
+                arrive.setdefault((e.stage, e.device), now)
+        elif isinstance(e, Send) and e.what in ("partial", "sum"):
+            at[e.what + "s"].setdefault((e.stage, e.lag), []).append((e.src, e.dst))
+            if e.what == "sum":
+                end[(e.stage, e.src)] = max(end.get((e.stage, e.src), -1), now)
+        elif isinstance(e, Receive) and e.what == "sum":
+            at["got"].add((e.stage, e.lag, e.dst))
+            arrive[(e.stage, e.dst)] = now
+        elif isinstance(e, Apply):
+            at["applies"].append((e.stage, e.lag, e.device))
+            end[(e.stage, e.device)] = max(end.get((e.stage, e.device), -1), e.tick + e.lag * T)
+
+    def merges(j: int, sent: int, pairs) -> bool:
+        reached = {d for _, d in pairs}
+        c = completer.get(j)
+        return any(arrive.get((j, w), sent + 1) < sent < end.get((j, w), -1)
+                   or (w == c and arrive.get((j, w)) == sent < end.get((j, w), -1))
+                   for w in range(N) if w not in reached)
+
+    ticks = []
+    for t, at in enumerate(by_tick):
+        applies: dict = {}
+        for j, lag, w in at["applies"]:
+            applies.setdefault((j, lag, (j, lag, w) in at["got"]), []).append(w)
+        ticks.append(RingTick(
+            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]),
+            completes=tuple(sorted(at["completes"])),
+            partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(at["partials"].items())),
+            sums=tuple(SumSend(j, lag, tuple(sorted(p)), merges(j, t + lag * T, p))
+                       for (j, lag), p in sorted(at["sums"].items())),
+            applies=tuple(RingApply(j, lag, tuple(sorted(ws)), after)
+                          for (j, lag, after), ws in sorted(applies.items())),
+            gradient_kinds=grad))
+    ticks = tuple(ticks)
+    lag_of: list[dict] = [{} for _ in range(L)]
+    for tk in ticks:
+        for j, lag, ws, _ in tk.applies:
+            lag_of[j].update(dict.fromkeys(ws, lag))
+    newest = tuple(min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L))
+    lags = [op.lag for tk in ticks for op in tk.ops] + [a.lag for tk in ticks for a in tk.applies]
+    return RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+
+
+def ring_program_routing(program: Program) -> RingRouting:
+    """The routing the ring's scan reads (`RingRouting`), compiled from the program's events
+    (`program_period`)."""
+    return ring_routing(program_period(program))
+
+
 __all__ = ["SENDS_BY_TICK", "Completes", "Partial", "PoolMove", "RingApply", "RingOp", "RingPool", "RingRouting",
-           "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events",
-           "ring_pool", "ring_routing", "ring_ticks", "with_pool"]
+           "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "program_period",
+           "ring_events", "ring_pool", "ring_program_routing", "ring_routing", "ring_ticks", "with_pool"]
