@@ -84,6 +84,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import optim
 from cdpjax.compress import CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import completes_gradient, lookup
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
@@ -486,7 +487,7 @@ class Period:
         (zeros where this branch computes none) and whether it computed one."""
         op = self._op(kind, j) if kind is not None else (lambda c, *_: (c, None))
         size = self.flat[j].size
-        has_row = any(kd in ("W",) or (kd == "B" and not self.split) for kd, s in self.routing.op_kinds[k] if s == j)
+        has_row = any(completes_gradient(kd, self.split) for kd, s in self.routing.op_kinds[k] if s == j)
 
         def run(c: RingState, images, new_labels, read, start):
             new, row = op(c, images, new_labels, read, start)
@@ -560,7 +561,7 @@ class Period:
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
-        if kind == "F":
+        if lookup(kind).forward:
             return self._forward(j)
         return self._gradient_op(kind, j)
 
@@ -590,9 +591,9 @@ class Period:
         gradient only): (c, the gradient added to the partial sum at pool offset `read` (or a new sum
         where `start`), as a pool row; None without a gradient)."""
         L, carry = self.ticks.stages, self.carry
-        cotangent = kind == "B"
-        gradient = kind == "W" or not self.split
-        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+        cotangent = lookup(kind).cotangent
+        gradient = completes_gradient(kind, self.split)
+        want = (("params",) if gradient else ()) + (("input",) if cotangent else ())
 
         def run(c: RingState, images, new_labels, read, start):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)

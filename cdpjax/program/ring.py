@@ -38,7 +38,7 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.gc_paused import gc_paused
-from cdpjax.kinds import gradient_kind
+from cdpjax.kinds import KINDS, gradient_kind, lookup
 from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
 from cdpjax.program.events import Apply, Compute, Event, Receive, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
@@ -105,7 +105,8 @@ class RingTick:
 
     ops: at most one per (kind, stage). chain_start: (worker, stage) gradient ops that start a
     partial sum (nothing received). completes: the gradient ops that complete a stage's sum.
-    gradient_kinds: the kinds whose ops add to a partial sum (('B',), or ('W',) where split).
+    gradient_kinds: the kinds whose ops add to a partial sum (those that complete a micro-batch's
+    weight gradient, `OpKind.completes_gradient`: B, or W where split).
     partials: running sums sent at the end of the tick. sums: completed sums sent. applies.
     """
 
@@ -115,7 +116,7 @@ class RingTick:
     partials: tuple[Partial, ...] = ()
     sums: tuple[SumSend, ...] = ()
     applies: tuple[RingApply, ...] = ()
-    gradient_kinds: tuple[str, ...] = ("B",)
+    gradient_kinds: tuple[str, ...] = (gradient_kind(False),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,8 @@ def op_order(tk: RingTick) -> list[RingOp]:
     """The tick's ops in the order a worker runs its own: forwards, then backward ops by stage
     (earlier stages first: the larger activations), those that start a new partial sum last
     (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
+    return sorted(tk.ops, key=lambda o: (not lookup(o.kind).forward, (o.worker, o.stage) in tk.chain_start, o.stage,
+                                         lookup(o.kind).splits_backward))
 
 
 class RingRouting(NamedTuple):
@@ -481,6 +483,14 @@ def _applies(table: TimeTable) -> dict:
     return {(w, u.stage, u.step): u.tick for u in table.updates for w in range(table.workers)}
 
 
+def runs(kind: str) -> bool:
+    """Whether the ring has a piece for op kind `kind` (`cdpjax.methods.ring`): a forward, or backward
+    work that runs no forward of its own (the ring's pieces read the input the forward stashed); not
+    an op that does both (local learning's)."""
+    k = lookup(kind)
+    return k.forward != k.backward
+
+
 def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     """A ConfigError naming the first op or update the ring cannot serve: an op kind it has no
     piece for, an op reading a version its worker's one stored copy does not hold at that tick,
@@ -488,9 +498,9 @@ def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     op's, an apply before its worker holds the sum. `applies`: the table's (`_applies`)."""
     what = f"the ring engine cannot run this {table.method} table"
     for o in table.ops:
-        if o.kind not in ("F", "B", "W"):
+        if not runs(o.kind):
             raise ConfigError(f"{what}: worker {o.device}'s op {o.kind}{o.stage} at tick {o.tick} is of kind "
-                              f"{o.kind!r}, which the ring has no piece for (it runs F, B, W)")
+                              f"{o.kind!r}, which the ring has no piece for (it runs {', '.join(filter(runs, KINDS))})")
     applied = {}
     for (w, j, k), t in applies.items():
         applied.setdefault((w, j), []).append(t)
@@ -732,7 +742,7 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
         else:  # written and last read within the call (or handed on to the next call under another lag)
             end = ticks.period_ticks - 1 if name in carried else last[name]
             gradients.append(Buffer(label, "gradients", Size.stage("param", j), False, (first[name], end)))
-    kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
+    kinds = tuple(k for k in KINDS if any(op.kind == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
                    residuals, 1, bool(ticks.live), placement, tuple(between + gradients), ring_events(ticks), ticks)
