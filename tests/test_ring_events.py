@@ -86,7 +86,8 @@ def test_routing_compiled_from_the_events_is_the_lowerings(make):
     period = program_period(program)
     assert period == program.ticks  # every tick's ops, sums, hops, applies; live buffers, lags, newest
     routing, direct = ring_program_routing(program), ring_routing(program.ticks)
-    for name in ("op_branch", "op_lag", "op_read", "op_write", "op_start", "apply_stage", "apply_lag", "apply_slot"):
+    for name in ("op_branch", "op_lag", "op_read", "op_write", "op_start", "op_version", "apply_stage", "apply_lag",
+                 "apply_slot"):
         np.testing.assert_array_equal(getattr(routing, name), getattr(direct, name), err_msg=name)
     assert routing.op_kinds == direct.op_kinds and routing.names == direct.names
     lag, read, write, start = _direct_op_arrays(program.ticks, routing)
@@ -162,3 +163,74 @@ def test_a_program_without_a_workers_computes_trains_otherwise():
     registry = build(small_config("cdp-v2", stages=STAGES, workers=WORKERS, cdp_impl="ring",
                                   global_batch_size=BATCH), {"data": WORKERS})
     assert_trees_close(_trained(registry)["params"], whole["params"])
+
+
+# ------------------------------------------------------- reads of versions before the previous one
+
+
+def two_behind_table(steps: int):
+    """A cyclic table no layout defines, written out here: N = 2 workers, L = 2 stages, whole
+    backwards (a step is F0 F1 B1 B0, T = 4 ticks), worker 1 two ticks after worker 0. Stage 0 is
+    read two versions behind by every worker (step k reads theta_0^(k-2), theta_0^0 before step 2),
+    stage 1 fresh (version k). Stage j's running sum hops from worker 0 to worker 1 (a 'partial'
+    after worker 0's B_j), worker 1 completes it (the update) and sends it to worker 0 in the same
+    tick, and both apply it at once (tick 4k+4 for stage 1, 4k+5 for stage 0): by its step-k reads
+    of theta_0^(k-2) a worker has applied up to two later updates of stage 0, so it keeps three
+    versions of it."""
+    from cdpjax.timetable import Apply as TableApply, Message, Op, TimeTable, Update
+
+    phases = [("F", 0), ("F", 1), ("B", 1), ("B", 0)]
+    ops, updates, messages, applies = [], [], [], []
+    for k in range(steps):
+        for w, offset in ((0, 0), (1, 2)):
+            for p, (kind, j) in enumerate(phases):
+                version = max(k - 2, 0) if j == 0 else k
+                ops.append(Op(4 * k + offset + p, w, j, kind, k, micro=w, version=version, stale=j == 0))
+        updates += [Update(4 * k + 4, 1, k), Update(4 * k + 5, 0, k)]
+        messages += [Message(4 * k + 2, 0, 1, 1, "partial", k), Message(4 * k + 3, 0, 1, 0, "partial", k),
+                     Message(4 * k + 4, 1, 0, 1, "sum", k), Message(4 * k + 5, 1, 0, 0, "sum", k)]
+        applies += [TableApply(4 * k + 4, w, 1, k) for w in (0, 1)] + [TableApply(4 * k + 5, w, 0, k) for w in (0, 1)]
+    num_ticks = max(o.tick for o in ops) + 1
+    keep = lambda rows: tuple(r for r in rows if r.tick < num_ticks)  # noqa: E731
+    ops.sort(key=lambda o: (o.tick, o.device))
+    return TimeTable("two-behind", 2, 2, steps, num_ticks, 2, 4, tuple(ops), tuple(updates), keep(messages), (0, 2),
+                     1, (4, 8), applies=keep(applies), axis="data")
+
+
+def test_a_table_reading_two_versions_back_runs_on_the_ring():
+    """The table above on the ring (no engine change: the program says each worker stores 3 versions
+    of a stage, its events the depth each op reads) equals a plain loop applying the same delayed
+    gradients: step k's gradient, of the batch's mean loss, taken at (theta_0^(k-2), theta_1^k)
+    (theta^0 before), updates both stages (SGD per stage)."""
+    from cdpjax import optim
+    from cdpjax.methods import cdp
+    from cdpjax.models import cross_entropy
+    from cdpjax.optim import apply_per_stage
+
+    steps = 4
+    program = lower_ring(two_behind_table(steps + 3))
+    assert program.versions == 3 and max(e.version for e in program.events if isinstance(e, Compute)) == 2
+    config = small_config("cdp-v2", stages=2, workers=2, cdp_impl="ring", global_batch_size=BATCH)
+    method = cdp.make(context(config, {"data": 2}), "cdp-v2", two_behind_table(steps + 3))
+    batches = random_batches(steps, BATCH)
+    state = method.init(jax.random.key(0))
+    for b in batches:
+        state, _ = method.train_step(state, b)
+    got = method.export(method.flush(state))[0]
+    net, tx = method.net, optim.make(config)
+    theta, _ = net.init(jax.random.key(0))
+    opt = [tx.init(p) for p in theta]
+    grad = jax.jit(jax.grad(lambda p, x, y: cross_entropy(net.apply(p, [{}] * 2, x, True)[0], y)))
+    history = [theta]
+    for k, b in enumerate(batches):
+        read = [history[max(k - 2, 0)][0], history[k][1]]
+        theta, opt = apply_per_stage(tx, theta, opt, grad(read, b["image"], b["label"]))
+        history.append(theta)
+    assert_trees_close(got, history[steps])
+    one_behind, opt = [history[0]], [tx.init(p) for p in history[0]]  # two behind is not one behind
+    for k, b in enumerate(batches):
+        read = [one_behind[max(k - 1, 0)][0], one_behind[k][1]]
+        one_behind.append(apply_per_stage(tx, one_behind[k], opt, grad(read, b["image"], b["label"])))
+        opt = one_behind[-1][1]
+        one_behind[-1] = one_behind[-1][0]
+    assert max_diff(got, one_behind[steps]) > 1e-5

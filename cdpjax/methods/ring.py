@@ -14,9 +14,12 @@ at tick t each device reads its op and runs it by a `lax.switch` over the (kind,
 pairs, each branch the maths of one op in natural shapes (nothing padded); a stage's
 maths is `cdpjax.methods.stage_ops`'s:
 
-- F, forward of stage j: reads the stage's parameters (the worker's one stored
-  version: the plan applies each update between the worker's last read of the old
-  version and its first of the new), its input (the image for stage 0, else the
+- F, forward of stage j: reads the stage's parameters at the version its event
+  names (`Compute.version`, a depth below the newest the worker stores: CDP's plans
+  apply each update between the worker's last read of the old version and its
+  first of the new, so one stored version serves them; a table whose reads reach
+  further back makes each worker keep that many, `RingState.older`, each apply
+  shifting the stack), its input (the image for stage 0, else the
   previous stage's output), writes the next stage's input; with `residuals='carry'`
   it also keeps the stage's `jax.vjp` residuals; the last stage's forward computes
   the loss.
@@ -353,7 +356,9 @@ class RingState(NamedTuple):
     kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; its gradient
     pool (`grads`, `RingPool`: one vector); the metric sums of the period; per
     stage, with error feedback, what the codec dropped from the worker's last partial sum and
-    last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty)."""
+    last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty);
+    per stage, where the program's ops read versions before the newest, the older versions it
+    stores (`older`, [V - 1, ...] each leaf, row 0 the one before `params`; else empty)."""
 
     params: tuple
     opt: tuple
@@ -365,6 +370,7 @@ class RingState(NamedTuple):
     grads: tuple
     metrics: Any
     feedback: tuple = ()
+    older: tuple = ()
 
 
 class Flat:
@@ -449,6 +455,7 @@ class Period:
         self.ticks: RingTicks = program_period(program)  # the period its events say, not the lowering's own
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
+        self.versions = self.ticks.stored_versions
         params = jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]
         self.flat = [Flat(p) for p in params]
         self.pool: RingPool = ring_pool(self.ticks, self.routing, [f.size for f in self.flat])
@@ -489,8 +496,8 @@ class Period:
         size = self.flat[j].size
         has_row = any(completes_gradient(kd, self.split) for kd, s in self.routing.op_kinds[k] if s == j)
 
-        def run(c: RingState, images, new_labels, read, start):
-            new, row = op(c, images, new_labels, read, start)
+        def run(c: RingState, images, new_labels, read, start, version):
+            new, row = op(c, images, new_labels, read, start, version)
             out = self._written(j, new)
             if has_row:
                 out["wrote"] = jnp.asarray(row is not None)
@@ -569,15 +576,15 @@ class Period:
         stages, carry, L = self.stages, self.carry, self.ticks.stages
         ops = stages.ops
 
-        def run(c: RingState, images, new_labels, read, start):
+        def run(c: RingState, images, new_labels, read, start, version):
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
-            kept = c.kept
+            kept, params = c.kept, self._version(c, j, version)
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, c.params[j], c.ms[j], x, labels)
+                out, k, (ms, metrics) = ops.forward_kept(j, params, c.ms[j], x, labels)
                 kept = _set(kept, j, k)
             else:
-                out, (ms, metrics) = ops.run(j, c.params[j], c.ms[j], x, labels)
+                out, (ms, metrics) = ops.run(j, params, c.ms[j], x, labels)
             acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
             if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
                 acts = _set(acts, 0, images)
@@ -595,11 +602,11 @@ class Period:
         gradient = completes_gradient(kind, self.split)
         want = (("params",) if gradient else ()) + (("input",) if cotangent else ())
 
-        def run(c: RingState, images, new_labels, read, start):
+        def run(c: RingState, images, new_labels, read, start, version):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
-            d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
-                                                            want)
+            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, version), c.ms[j], c.acts[j],
+                                                            c.labels, seed, keep, want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if not gradient:
@@ -701,14 +708,15 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_start", "apply_stage", "apply_lag")}
+                 ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
                               state["grads"], self.stages.ops.no_metrics(),
-                              tuple(state["feedback"]) if self.feedback else ()), AXIS)
+                              tuple(state["feedback"]) if self.feedback else (),
+                              tuple(state["older"]) if self.versions > 1 else ()), AXIS)
 
         def tick(c: RingState, t):
             for k, per_stage in enumerate(self.stage_branches):
@@ -719,7 +727,7 @@ class Period:
                         continue
                     branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
                     out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                                     table["op_start"][at])
+                                     table["op_start"][at], table["op_version"][at])
                     c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
@@ -752,6 +760,8 @@ class Period:
             new["kept"] = list(c.kept)
         if self.feedback:
             new["feedback"] = list(c.feedback)
+        if self.versions > 1:
+            new["older"] = list(c.older)
         return new, c.metrics
 
     def _moved(self, pool, me):
@@ -768,19 +778,32 @@ class Period:
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt = list(c.params), list(c.opt)
+            params, opt, older = list(c.params), list(c.opt), list(c.older)
             for j in range(self.ticks.stages):
-                params[j], opt[j] = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at: (p, o),
-                                             params[j], opt[j], c.grads, table["apply_at"][at])
-            c = c._replace(params=tuple(params), opt=tuple(opt))
+                params[j], opt[j], old = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at, v: (p, o, v),
+                                                  params[j], opt[j], c.grads, table["apply_at"][at],
+                                                  older[j] if older else ())
+                if older:
+                    older[j] = old
+            c = c._replace(params=tuple(params), opt=tuple(opt), older=tuple(older))
         return c
 
     def _apply_stage(self, j: int):
         tx, flat = self.tx, self.flat[j]
 
-        def run(p, o, grads, offset):
-            return varying(optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset))), AXIS)
+        def run(p, o, grads, offset, older):
+            new, o = optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset)))
+            if self.versions > 1:  # the stack shifts: the version before the newest is the one just replaced
+                older = jax.tree.map(lambda a, s: jnp.concatenate([a[None], s[:-1]]), p, older)
+            return varying((new, o, older), AXIS)
         return run
+
+    def _version(self, c: RingState, j: int, depth):
+        """Stage j's parameters `depth` versions before the newest the worker stores (0: `params`)."""
+        if self.versions == 1:
+            return c.params[j]
+        return jax.tree.map(lambda p, s: jnp.where(depth == 0, p, s[jnp.maximum(depth - 1, 0)]), c.params[j],
+                            c.older[j])
 
 
 def _rounds(pairs) -> list[list]:
@@ -827,7 +850,11 @@ def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool
     """One worker's state: every worker starts from the same parameters; its gradient pool
     (`RingPool`, `pool` elements) zeros."""
     params, model_state = net.init(rng)
-    return {"params": params, "opt_state": [tx.init(p) for p in params],
+    older = {}
+    if ticks.stored_versions > 1:  # every older version the initial parameters: a read before version 0 is of 0
+        older["older"] = [jax.tree.map(lambda a: jnp.broadcast_to(a, (ticks.stored_versions - 1, *a.shape)), p)
+                          for p in params]
+    return {"params": params, "opt_state": [tx.init(p) for p in params], **older,
             "grads": jnp.zeros((pool,), pool_dtype),
             "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 

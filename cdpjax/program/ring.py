@@ -18,8 +18,11 @@ and every message at its stage's size:
   partial sum it received (or starts one), and the last worker's completes the sum;
   'partial' and 'sum' messages hop them along the table's delivery plan;
 - applies: each worker applies a completed sum to its own copy at the table's
-  `Apply` tick, between its last read of the old version and its first of the new
-  (one stored version).
+  `Apply` tick; an op reads the version its worker stores that many applies back
+  (`RingTick.versions`, the `Compute.version` it emits: 0 the newest), and the
+  program stores as many versions as the oldest read needs (`Program.versions`;
+  one for CDP's plans, which apply each update between a worker's last read of
+  the old version and its first of the new).
 
 A table the ring cannot serve is refused in one line naming the op or update that
 lacks what the ring needs (`_refuse_unservable`, `_fold`).
@@ -108,6 +111,9 @@ class RingTick:
     gradient_kinds: the kinds whose ops add to a partial sum (those that complete a micro-batch's
     weight gradient, `OpKind.completes_gradient`: B, or W where split).
     partials: running sums sent at the end of the tick. sums: completed sums sent. applies.
+    versions: (op, depth) of each op that reads a version older than the newest its worker
+    stores: depth d >= 1, the version d applies before the newest (the worker keeps the newest
+    `RingTicks.stored_versions` of each stage); every other op reads the newest.
     """
 
     ops: tuple[RingOp, ...] = ()
@@ -117,6 +123,7 @@ class RingTick:
     sums: tuple[SumSend, ...] = ()
     applies: tuple[RingApply, ...] = ()
     gradient_kinds: tuple[str, ...] = (gradient_kind(False),)
+    versions: tuple[tuple[RingOp, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +144,12 @@ class RingTicks:
     @property
     def period_ticks(self) -> int:
         return len(self.ticks)
+
+    @property
+    def stored_versions(self) -> int:
+        """Versions of each stage a worker keeps: the newest and as many before it as its oldest
+        read reaches."""
+        return 1 + max((d for tk in self.ticks for _, d in tk.versions), default=0)
 
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
@@ -174,7 +187,9 @@ class RingRouting(NamedTuple):
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
     op_read: the slot of the partial sum a gradient op adds to; op_start: it starts one instead
-    (reads nothing); op_write: the slot its sum (partial or completed) goes to.
+    (reads nothing); op_write: the slot its sum (partial or completed) goes to. op_version: the
+    parameter version the op reads, as a depth below the newest its worker stores (0: the newest;
+    `RingTick.versions`).
     apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
     sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
     reads[(t, w, k)] / writes[(t, w, k)]: the names of the buffers a gradient op reads (its
@@ -188,6 +203,7 @@ class RingRouting(NamedTuple):
     op_read: np.ndarray
     op_write: np.ndarray
     op_start: np.ndarray
+    op_version: np.ndarray
     apply_stage: np.ndarray
     apply_lag: np.ndarray
     apply_slot: np.ndarray
@@ -219,14 +235,16 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
             per_worker[t][op.worker].append(op)
     kinds, branch = op_branches(per_worker)
     shape = branch.shape
-    lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
+    lag, read, write, version = (np.zeros(shape, np.int32) for _ in range(4))
     start = np.zeros(shape, bool)
     reads, writes = {}, {}
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        depth = dict(tk.versions)
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
                 lag[t, w, k] = o.lag
+                version[t, w, k] = depth.get(o, 0)
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start
                     if not start[t, w, k]:
@@ -248,7 +266,7 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                 for a, (j, lg) in enumerate(applies[p][t][w]):
                     a_stage[p, t, w, a], a_lag[p, t, w, a] = j, lg
                     a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
-    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, per_stage,
+    return RingRouting(kinds, branch, lag, read, write, start, version, a_stage, a_lag, a_slot, per_stage,
                        tuple(tuple(slot_of[n] for n in per) for per in per_stage),
                        tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage), reads, writes)
 
@@ -457,14 +475,18 @@ def ring_ticks(table: TimeTable) -> RingTicks:
         raise ConfigError(f"the ring engine needs one step of this {table.method} table laid out whole (every "
                           f"worker's apply of every stage's update): lay out more steps than {table.steps}")
     steps = _by_step(table, applies, set(whole))
-    folds = {k: _fold(table, k, *steps[k]) for k in whole}
+    held = _held(applies)
+    folds = {k: _fold(table, k, *steps[k], held) for k in whole}
     ticks = folds[whole[-1]]
+    unversioned = [dataclasses.replace(tk, versions=()) for tk in ticks]
     for k, other in folds.items():
-        if other != ticks:
-            t = next(t for t, (a, b) in enumerate(zip(ticks, other)) if a != b)
+        other = [dataclasses.replace(tk, versions=()) for tk in other]  # early steps' reads clamp at version 0
+        if other != unversioned:
+            t = next(t for t, (a, b) in enumerate(zip(unversioned, other)) if a != b)
             raise ConfigError(f"the ring engine runs a table that repeats every {T} ticks, and this {table.method} "
                               f"table's step {k} differs from step {whole[-1]} at tick {t} of the "
-                              f"period: {other[t]} != {ticks[t]}")
+                              f"period: {other[t]} != {unversioned[t]}")
+    _refuse_other_reads(table, ticks, held, set(whole))
     lags = [op[3] for tk in ticks for op in tk.ops] + [a[1] for tk in ticks for a in tk.applies]
     lag_of = [{} for _ in range(L)]
     for tk in ticks:
@@ -473,6 +495,25 @@ def ring_ticks(table: TimeTable) -> RingTicks:
     # the worker whose apply of stage j is fewest calls late: it holds the newest version
     newest = [min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L)]
     return RingTicks(N, L, ticks, max(lags), _live(ticks, N), tuple(newest))
+
+
+def _refuse_other_reads(table: TimeTable, ticks: tuple[RingTick, ...], held, whole: set) -> None:
+    """A ConfigError naming the first op of a whole step whose read the period does not serve: the
+    period reads at depth d below the newest version its worker stores (the last whole step's
+    depth), which is version max(newest - d, 0) (a worker starts with every stored version the
+    initial parameters: a read before version 0 is of version 0)."""
+    T = table.period
+    depth = [{op[:4]: d for op, d in tk.versions} for tk in ticks]
+    for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
+        if o.step not in whole:
+            continue
+        lag = o.tick // T - o.step
+        d = depth[o.tick % T].get((o.device, o.kind, o.stage, lag), 0)
+        if max(held(o) - d, 0) != o.version:
+            raise ConfigError(f"the ring engine cannot run this {table.method} table: worker {o.device}'s "
+                              f"{o.kind}{o.stage} of step {o.step} at tick {o.tick} reads version {o.version}, and "
+                              f"the period's op there reads {d} version(s) before the newest the worker stores "
+                              f"({held(o)}): the steps read differently")
 
 
 def _applies(table: TimeTable) -> dict:
@@ -491,9 +532,20 @@ def runs(kind: str) -> bool:
     return k.forward != k.backward
 
 
+def _held(applies: dict):
+    """op -> the newest version of its stage its worker stores at its tick: how many of that
+    stage's updates the worker applied at the end of an earlier tick (`applies`: `_applies`)."""
+    applied: dict = {}
+    for (w, j, k), t in applies.items():
+        applied.setdefault((w, j), []).append(t)
+    for ts in applied.values():
+        ts.sort()
+    return lambda o: bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
+
+
 def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     """A ConfigError naming the first op or update the ring cannot serve: an op kind it has no
-    piece for, an op reading a version its worker's one stored copy does not hold at that tick,
+    piece for, an op reading a version its worker has not applied by that tick,
     a gradient op with no partial sum to add to, an update whose tick is not its last gradient
     op's, an apply before its worker holds the sum. `applies`: the table's (`_applies`)."""
     what = f"the ring engine cannot run this {table.method} table"
@@ -507,15 +559,13 @@ def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     for ts in applied.values():
         ts.sort()
 
-    def held(o) -> int:  # the version the op's worker's one stored copy holds at the op's tick
-        return bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
-
-    misread = [o for o in table.ops if held(o) != o.version]
-    if misread:
-        o = min(misread, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
+    held = _held(applies)
+    ahead = [o for o in table.ops if held(o) < o.version]
+    if ahead:
+        o = min(ahead, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
         raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
-                          f"reads version {o.version}, and the worker's one stored copy holds version {held(o)} "
-                          f"then (its applies of stage {o.stage} end ticks "
+                          f"reads version {o.version}, and the newest version the worker stores then is {held(o)} "
+                          f"(its applies of stage {o.stage} end ticks "
                           f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
     grad = gradient_kind(table.split_backward)
     received = {(m.dst, m.stage, m.step): m.tick for m in table.messages if m.kind == "partial"}
@@ -571,9 +621,10 @@ def _by_step(table: TimeTable, applies: dict, steps: set) -> dict:
     return out
 
 
-def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict) -> tuple[RingTick, ...]:
+def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict, held) -> tuple[RingTick, ...]:
     """The period's events from those of `step` (each at tick t mod T, lag t // T - step): its
-    `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s."""
+    `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s; each op's read
+    as a depth below the newest version its worker stores then (`held`: `_held`)."""
     # Long on purpose: one pass over the step's ops and messages fills every event list of its ticks.
     T, N = table.period, table.workers
     grad = gradient_kind(table.split_backward)
@@ -588,7 +639,8 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
             early(t, what())
         return t % T, lag
 
-    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}) for _ in range(T)]
+    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}, versions=[])
+             for _ in range(T)]
     u_tick = {u.stage: u.tick for u in table.updates if u.step == step}
     received = {(m.dst, m.stage) for m in messages if m.kind == "partial"}
     completer = {}
@@ -598,6 +650,8 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
             early(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[o.tick % T]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
+        if held(o) > o.version:
+            tk["versions"].append((tk["ops"][-1], held(o) - o.version))
         if o.kind == grad:
             if (o.device, o.stage) not in received:
                 tk["chain_start"].add((o.device, o.stage))
@@ -653,6 +707,7 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
         out.append(RingTick(
             gradient_kinds=(grad,),
             ops=tuple(sorted(tk["ops"])),
+            versions=tuple(sorted(tk["versions"])),
             chain_start=frozenset(tk["chain_start"]),
             completes=tuple(sorted(tk["completes"])),
             partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(tk["partials"].items())),
@@ -725,6 +780,9 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if carry:
         between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+    if ticks.stored_versions > 1:
+        between.append(Buffer("older", "previous_parameters",
+                              Size.stages("param", stages, count=ticks.stored_versions - 1), True))
     # which of the last calls fed a batch (an op of an unfed call's step does nothing)
     between.append(Buffer("fed", "flags", Size("flag", ((0,),), False, max(ticks.max_lag, 1)), True))
     carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
@@ -745,7 +803,8 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
     kinds = tuple(k for k in KINDS if any(op.kind == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
-                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), ring_events(ticks), ticks)
+                   residuals, ticks.stored_versions, bool(ticks.live), placement, tuple(between + gradients),
+                   ring_events(ticks), ticks)
 
 
 def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
@@ -758,7 +817,8 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
-        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag,
+        depth = dict(tk.versions)
+        events += [Compute(t, op.worker, op.kind, op.stage, 0, depth.get(op, 0), op.lag,
                            starts_sum=op.kind in tk.gradient_kinds and (op.worker, op.stage) in tk.chain_start,
                            completes_sum=(op.worker, op.stage, op.lag) in done) for op in tk.ops]
         for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
@@ -783,8 +843,8 @@ def program_period(program: Program) -> RingTicks:
     own), on the timeline of one step (an event at tick t of lag l is at t + l * T of its step)."""
     T, N, L = program.period, program.devices, len(program.placement.units)
     grad = (gradient_kind(program.split_backward),)
-    by_tick: list[dict] = [dict(ops=[], starts=set(), completes=[], partials={}, sums={}, applies=[], got=set())
-                           for _ in range(T)]
+    by_tick: list[dict] = [dict(ops=[], starts=set(), completes=[], partials={}, sums={}, applies=[], got=set(),
+                                versions=[]) for _ in range(T)]
     arrive: dict = {}  # (stage, worker) -> when (on the step's timeline) it first holds the completed sum
     end: dict = {}  # (stage, worker) -> its last read of it
     completer: dict = {}  # stage -> the worker that completes its sum
@@ -792,6 +852,8 @@ def program_period(program: Program) -> RingTicks:
         at, now = by_tick[e.tick], e.tick + e.lag * T
         if isinstance(e, Compute):
             at["ops"].append(RingOp(e.device, e.kind, e.stage, e.lag))
+            if e.version:
+                at["versions"].append((at["ops"][-1], e.version))
             if e.starts_sum:
                 at["starts"].add((e.device, e.stage))
             if e.completes_sum:
@@ -822,7 +884,7 @@ def program_period(program: Program) -> RingTicks:
         for j, lag, w in at["applies"]:
             applies.setdefault((j, lag, (j, lag, w) in at["got"]), []).append(w)
         ticks.append(RingTick(
-            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]),
+            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]), versions=tuple(sorted(at["versions"])),
             completes=tuple(sorted(at["completes"])),
             partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(at["partials"].items())),
             sums=tuple(SumSend(j, lag, tuple(sorted(p)), merges(j, t + lag * T, p))
