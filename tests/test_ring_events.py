@@ -234,3 +234,37 @@ def test_a_table_reading_two_versions_back_runs_on_the_ring():
         opt = one_behind[-1][1]
         one_behind[-1] = one_behind[-1][0]
     assert max_diff(got, one_behind[steps]) > 1e-5
+
+
+# ------------------------------------------------------------- op kinds by their flags
+
+
+def test_the_ring_runs_op_kinds_by_their_flags_not_their_letters():
+    """cdp-v2's table with every forward renamed to a kind registered here under another name (the
+    forward's flags): the ring lowers it to the same period but for the kind's name, and trains to
+    the same parameters as the table with 'F' (the lowering and the engine read `OpKind`'s flags)."""
+    from cdpjax import kinds as op_kinds
+    from cdpjax.methods import cdp
+
+    config = small_config("cdp-v2", stages=2, workers=2, cdp_impl="ring", global_batch_size=BATCH)
+    own = table("cdp-v2", workers=2, stages=2)
+    renamed = dataclasses.replace(own, ops=tuple(dataclasses.replace(o, kind="Fwd") if o.kind == "F" else o
+                                                 for o in own.ops))
+    fwd = dataclasses.replace(op_kinds.FORWARD, name="Fwd", after=lambda j, L: ("Fwd", j - 1) if j > 0 else None)
+    batches = random_batches(3, BATCH)
+
+    def trained(tbl):
+        method = cdp.make(context(config, {"data": 2}), "cdp-v2", tbl)
+        state = method.init(jax.random.key(0))
+        for b in batches:
+            state, _ = method.train_step(state, b)
+        return method.export(method.flush(state))[0]
+
+    with op_kinds.KINDS.temporarily("Fwd", fwd):
+        period = lower_ring(renamed).ticks
+        got = trained(renamed)
+    want = lower_ring(own).ticks
+    assert period == dataclasses.replace(want, ticks=tuple(
+        dataclasses.replace(tk, ops=tuple(sorted(o._replace(kind="Fwd") if o.kind == "F" else o for o in tk.ops)))
+        for tk in want.ticks))
+    assert_trees_equal(got, trained(own))
