@@ -48,7 +48,8 @@ def _check(event, **fields: int) -> None:
 class Compute:
     """Device `device` runs an op of kind `kind` (a registered `OpKind` name) on `stage` for
     micro-batch `microbatch` of the step `lag` calls back, reading parameter version `version`
-    (0: the newest the device stores, 1: the previous), in tick `tick`.
+    (0: the newest the device stores, 1: the previous, d: d versions before the newest; the
+    program stores `Program.versions` of them), in tick `tick`.
 
     A gradient op of a ring (where a stage's gradient sum hops from worker to worker) names the
     sum it writes: `starts_sum`, it starts the stage's running sum of its step (nothing received
