@@ -305,8 +305,8 @@ def test_paper_code_rule():
     u = next(u.tick for u in eight.updates if u.stage == 0 and u.step == 1)
     assert u - f.tick == 2 and f.slot == "future" and f.version == 2
     with pytest.raises(ConfigError, match=r"^the ring engine cannot run this cdp-v2 table: worker \d+'s F\d of "
-                                          r"step \d+ at tick \d+ reads version \d+, and the worker's one stored "
-                                          r"copy holds version \d+ then"):
+                                          r"step \d+ at tick \d+ reads version \d+, and the newest version the "
+                                          r"worker stores then is \d+"):
         ring_ticks(eight)
     t = cdp_table("paper-code", 8, 4, steps=4)
     assert t.period == 16 and t.offsets == tuple(2 * i for i in range(8))
@@ -529,7 +529,7 @@ def test_the_ring_engines_refuse_what_they_cannot_serve(lower, engine):
                                                    for o in own.ops))
         with pytest.raises(ConfigError, match=rf"^{engine} cannot run this cdp-v2 table: worker {stale.device}'s "
                                               rf"F{stale.stage} of step 1 at tick {stale.tick} reads version 1, "
-                                              r"and the worker's one stored copy holds version 0 then"):
+                                              r"and the newest version the worker stores then is 0"):
             run(fresh)
         lost = next(m for m in own.messages if m.kind == "partial")
         alone = dataclasses.replace(own, messages=tuple(m for m in own.messages if m != lost))

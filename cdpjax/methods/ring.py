@@ -6,16 +6,20 @@ table): the engine runs the lowered `Program` of the table it is given
 backwards, 3L with split ones, more where a table's steps end idle) in ONE `shard_map`
 over the `data` axis, the period one `lax.scan` over its ticks (a `train_step` is one
 period, `run_steps` scans over periods). The per-tick routing is data
-(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`), so
+(`cdpjax.program.ring.RingRouting`, integer arrays indexed by tick and `axis_index`,
+compiled from the program's events alone: `program_period`), so
 the compiled program holds each stage's op once per position of a tick whatever the
 worker count N (its sends grow with the messages of a tick: at most L x lags groups);
 at tick t each device reads its op and runs it by a `lax.switch` over the (kind, stage)
 pairs, each branch the maths of one op in natural shapes (nothing padded); a stage's
 maths is `cdpjax.methods.stage_ops`'s:
 
-- F, forward of stage j: reads the stage's parameters (the worker's one stored
-  version: the plan applies each update between the worker's last read of the old
-  version and its first of the new), its input (the image for stage 0, else the
+- F, forward of stage j: reads the stage's parameters at the version its event
+  names (`Compute.version`, a depth below the newest the worker stores: CDP's plans
+  apply each update between the worker's last read of the old version and its
+  first of the new, so one stored version serves them; a table whose reads reach
+  further back makes each worker keep that many, `RingState.older`, each apply
+  shifting the stack), its input (the image for stage 0, else the
   previous stage's output), writes the next stage's input; with `residuals='carry'`
   it also keeps the stage's `jax.vjp` residuals; the last stage's forward computes
   the loss.
@@ -83,11 +87,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import optim
 from cdpjax.compress import CODECS, Codec, Codecs, with_codecs
 from cdpjax.errors import ConfigError
+from cdpjax.kinds import completes_gradient, lookup
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import Program
-from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, ring_pool, ring_routing,
-                                 with_pool)
+from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, program_period, ring_pool,
+                                 ring_routing, with_pool)
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 WORKERS = "worker"  # a ring's N workers, one per device: every message of the period runs on this axis
@@ -351,7 +356,9 @@ class RingState(NamedTuple):
     kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; its gradient
     pool (`grads`, `RingPool`: one vector); the metric sums of the period; per
     stage, with error feedback, what the codec dropped from the worker's last partial sum and
-    last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty)."""
+    last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty);
+    per stage, where the program's ops read versions before the newest, the older versions it
+    stores (`older`, [V - 1, ...] each leaf, row 0 the one before `params`; else empty)."""
 
     params: tuple
     opt: tuple
@@ -363,6 +370,7 @@ class RingState(NamedTuple):
     grads: tuple
     metrics: Any
     feedback: tuple = ()
+    older: tuple = ()
 
 
 class Flat:
@@ -444,9 +452,10 @@ class Period:
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
-        self.ticks: RingTicks = program.ticks
+        self.ticks: RingTicks = program_period(program)  # the period its events say, not the lowering's own
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
+        self.versions = self.ticks.stored_versions
         params = jax.eval_shape(lambda: stages.ops.net.init(jax.random.key(0)))[0]
         self.flat = [Flat(p) for p in params]
         self.pool: RingPool = ring_pool(self.ticks, self.routing, [f.size for f in self.flat])
@@ -485,10 +494,10 @@ class Period:
         (zeros where this branch computes none) and whether it computed one."""
         op = self._op(kind, j) if kind is not None else (lambda c, *_: (c, None))
         size = self.flat[j].size
-        has_row = any(kd in ("W",) or (kd == "B" and not self.split) for kd, s in self.routing.op_kinds[k] if s == j)
+        has_row = any(completes_gradient(kd, self.split) for kd, s in self.routing.op_kinds[k] if s == j)
 
-        def run(c: RingState, images, new_labels, read, start):
-            new, row = op(c, images, new_labels, read, start)
+        def run(c: RingState, images, new_labels, read, start, version):
+            new, row = op(c, images, new_labels, read, start, version)
             out = self._written(j, new)
             if has_row:
                 out["wrote"] = jnp.asarray(row is not None)
@@ -559,7 +568,7 @@ class Period:
 
     # -- one op of the device, in its natural shapes
     def _op(self, kind: str, j: int):
-        if kind == "F":
+        if lookup(kind).forward:
             return self._forward(j)
         return self._gradient_op(kind, j)
 
@@ -567,15 +576,15 @@ class Period:
         stages, carry, L = self.stages, self.carry, self.ticks.stages
         ops = stages.ops
 
-        def run(c: RingState, images, new_labels, read, start):
+        def run(c: RingState, images, new_labels, read, start, version):
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
-            kept = c.kept
+            kept, params = c.kept, self._version(c, j, version)
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, c.params[j], c.ms[j], x, labels)
+                out, k, (ms, metrics) = ops.forward_kept(j, params, c.ms[j], x, labels)
                 kept = _set(kept, j, k)
             else:
-                out, (ms, metrics) = ops.run(j, c.params[j], c.ms[j], x, labels)
+                out, (ms, metrics) = ops.run(j, params, c.ms[j], x, labels)
             acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
             if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
                 acts = _set(acts, 0, images)
@@ -589,15 +598,15 @@ class Period:
         gradient only): (c, the gradient added to the partial sum at pool offset `read` (or a new sum
         where `start`), as a pool row; None without a gradient)."""
         L, carry = self.ticks.stages, self.carry
-        cotangent = kind == "B"
-        gradient = kind == "W" or not self.split
-        want = ("params",) if not cotangent else ("input",) if self.split else ("params", "input")
+        cotangent = lookup(kind).cotangent
+        gradient = completes_gradient(kind, self.split)
+        want = (("params",) if gradient else ()) + (("input",) if cotangent else ())
 
-        def run(c: RingState, images, new_labels, read, start):
+        def run(c: RingState, images, new_labels, read, start, version):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
-            d_params, d_input, _ = self.stages.ops.backward(j, c.params[j], c.ms[j], c.acts[j], c.labels, seed, keep,
-                                                            want)
+            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, version), c.ms[j], c.acts[j],
+                                                            c.labels, seed, keep, want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if not gradient:
@@ -699,14 +708,15 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_start", "apply_stage", "apply_lag")}
+                 ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
                               state["grads"], self.stages.ops.no_metrics(),
-                              tuple(state["feedback"]) if self.feedback else ()), AXIS)
+                              tuple(state["feedback"]) if self.feedback else (),
+                              tuple(state["older"]) if self.versions > 1 else ()), AXIS)
 
         def tick(c: RingState, t):
             for k, per_stage in enumerate(self.stage_branches):
@@ -717,7 +727,7 @@ class Period:
                         continue
                     branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
                     out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                                     table["op_start"][at])
+                                     table["op_start"][at], table["op_version"][at])
                     c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
@@ -750,13 +760,25 @@ class Period:
             new["kept"] = list(c.kept)
         if self.feedback:
             new["feedback"] = list(c.feedback)
+        if self.versions > 1:
+            new["older"] = list(c.older)
         return new, c.metrics
 
     def _moved(self, pool, me):
-        """`pool` with each buffer held into the next period moved to its place there (`PoolMove`): every
-        source read before any target is written (a target may be another move's source)."""
-        got = [lax.dynamic_slice(pool, (jnp.asarray(m.source)[me],), (m.size,)) for m in self.pool.moves]
-        for m, row in zip(self.pool.moves, got):
+        """`pool` with each buffer held into the next period moved to its place there (`PoolMove`), one
+        move after another in an order where no move overwrites a source a later one reads
+        (`_move_order`); where none exists, every source read before any target is written."""
+        order = _move_order(self.pool.moves)
+        if order is None:
+            got = [lax.dynamic_slice(pool, (jnp.asarray(m.source)[me],), (m.size,)) for m in self.pool.moves]
+        else:
+            # Why one at a time: sources all read first are fused by XLA into the writes after the first,
+            # which then read the pool as it was, and XLA keeps a whole copy of it (measured: cdp-v1's held
+            # memory 2.28x dp's at N = L = 4, its pool held twice; cdp-v2, which moves nothing, 1.19x).
+            got = [None] * len(self.pool.moves)
+        for i in range(len(self.pool.moves)) if order is None else order:
+            m = self.pool.moves[i]
+            row = got[i] if got[i] is not None else lax.dynamic_slice(pool, (jnp.asarray(m.source)[me],), (m.size,))
             target = jnp.asarray(m.target)[me]
             row = jnp.where(jnp.asarray(m.held)[me], row, lax.dynamic_slice(pool, (target,), (m.size,)))
             pool = lax.dynamic_update_slice(pool, row, (target,))
@@ -766,19 +788,50 @@ class Period:
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt = list(c.params), list(c.opt)
+            params, opt, older = list(c.params), list(c.opt), list(c.older)
             for j in range(self.ticks.stages):
-                params[j], opt[j] = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at: (p, o),
-                                             params[j], opt[j], c.grads, table["apply_at"][at])
-            c = c._replace(params=tuple(params), opt=tuple(opt))
+                params[j], opt[j], old = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at, v: (p, o, v),
+                                                  params[j], opt[j], c.grads, table["apply_at"][at],
+                                                  older[j] if older else ())
+                if older:
+                    older[j] = old
+            c = c._replace(params=tuple(params), opt=tuple(opt), older=tuple(older))
         return c
 
     def _apply_stage(self, j: int):
         tx, flat = self.tx, self.flat[j]
 
-        def run(p, o, grads, offset):
-            return varying(optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset))), AXIS)
+        def run(p, o, grads, offset, older):
+            new, o = optim.apply(tx, p, o, flat.unpack(flat.read(grads, offset)))
+            if self.versions > 1:  # the stack shifts: the version before the newest is the one just replaced
+                older = jax.tree.map(lambda a, s: jnp.concatenate([a[None], s[:-1]]), p, older)
+            return varying((new, o, older), AXIS)
         return run
+
+    def _version(self, c: RingState, j: int, depth):
+        """Stage j's parameters `depth` versions before the newest the worker stores (0: `params`)."""
+        if self.versions == 1:
+            return c.params[j]
+        return jax.tree.map(lambda p, s: jnp.where(depth == 0, p, s[jnp.maximum(depth - 1, 0)]), c.params[j],
+                            c.older[j])
+
+
+def _move_order(moves) -> list[int] | None:
+    """An order of the pool's moves in which no move writes over bytes a later move reads (on a worker
+    where both move a buffer), or None where they form a cycle."""
+    def overlap(a, b, w):  # a's target meets b's source on worker w
+        return a.held[w] and b.held[w] and a.target[w] < b.source[w] + b.size and b.source[w] < a.target[w] + a.size
+
+    before = {i: {j for j, b in enumerate(moves) if j != i and any(overlap(a, b, w) for w in range(len(a.held)))}
+              for i, a in enumerate(moves)}  # i writes what each j reads: j goes first
+    order, done = [], set()
+    while len(order) < len(moves):
+        ready = [i for i in range(len(moves)) if i not in done and before[i] <= done]
+        if not ready:
+            return None
+        order.append(ready[0])
+        done.add(ready[0])
+    return order
 
 
 def _rounds(pairs) -> list[list]:
@@ -825,7 +878,11 @@ def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool
     """One worker's state: every worker starts from the same parameters; its gradient pool
     (`RingPool`, `pool` elements) zeros."""
     params, model_state = net.init(rng)
-    return {"params": params, "opt_state": [tx.init(p) for p in params],
+    older = {}
+    if ticks.stored_versions > 1:  # every older version the initial parameters: a read before version 0 is of 0
+        older["older"] = [jax.tree.map(lambda a: jnp.broadcast_to(a, (ticks.stored_versions - 1, *a.shape)), p)
+                          for p in params]
+    return {"params": params, "opt_state": [tx.init(p) for p in params], **older,
             "grads": jnp.zeros((pool,), pool_dtype),
             "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
 
@@ -864,15 +921,18 @@ def ring_mesh(mesh, workers: int):
     return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
 
 
-def build(ctx, name: str, net, table, residuals: str) -> Method:
-    """The ring `Method` running `table`'s lowered program: rings of `table.workers` workers (one
-    per device) side by side over the mesh's `data` devices, each ring fed its share of every
-    global batch; each sum a ring completes is summed over the rings before it is applied or
-    passed on (`Period._combine`), so every ring applies the update of the whole batch."""
+def build(ctx, name: str, net, table, residuals: str, program: Program | None = None) -> Method:
+    """The ring `Method` running `table`'s lowered program (or `program`, a ring program of that
+    table, its events as given): rings of `table.workers` workers (one per device) side by side
+    over the mesh's `data` devices, each ring fed its share of every global batch; each sum a ring
+    completes is summed over the rings before it is applied or passed on (`Period._combine`), so
+    every ring applies the update of the whole batch. What runs is the program's events
+    (`program_period`)."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
-    program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
-    ticks: RingTicks = program.ticks
+    if program is None:
+        program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
+    ticks: RingTicks = program_period(program)
     tx, N = ctx.optimizer(), ticks.workers
     mesh = ring_mesh(ctx.mesh, N)
     rings = int(mesh.shape[RINGS])

@@ -5,7 +5,9 @@ one flat tuple of these frozen records, and every reader of a program (the cost 
 bench's bytes and memory, describe, the tests) reads them and nothing engine-specific:
 
 - `Compute`: a device runs an op of a kind (`cdpjax.kinds.OpKind`) on a stage for a
-  micro-batch, reading a parameter version (0: the newest it stores, 1: the one before).
+  micro-batch, reading a parameter version (0: the newest it stores, 1: the one before); on
+  the ring, a gradient op also says whether it starts its stage's running sum and whether
+  it completes it.
 - `Send` / `Receive`: a point-to-point message at the end of a tick, from `src` to `dst`:
   what it carries (`MESSAGES`), its size in per-stage units (`Size`: one stage's own
   size, never a padded row) and the codec it crosses in (`cdpjax.compress`; set on a
@@ -46,7 +48,14 @@ def _check(event, **fields: int) -> None:
 class Compute:
     """Device `device` runs an op of kind `kind` (a registered `OpKind` name) on `stage` for
     micro-batch `microbatch` of the step `lag` calls back, reading parameter version `version`
-    (0: the newest the device stores, 1: the previous), in tick `tick`."""
+    (0: the newest the device stores, 1: the previous, d: d versions before the newest; the
+    program stores `Program.versions` of them), in tick `tick`.
+
+    A gradient op of a ring (where a stage's gradient sum hops from worker to worker) names the
+    sum it writes: `starts_sum`, it starts the stage's running sum of its step (nothing received
+    to add to; else it adds to the 'partial' it received); `completes_sum`, what it writes is the
+    completed sum (which `Apply` reads and 'sum' messages carry; else a 'partial' sent on). Both
+    False on any other op and engine."""
 
     tick: int
     device: int
@@ -55,6 +64,8 @@ class Compute:
     microbatch: int = 0
     version: int = 0
     lag: int = 0
+    starts_sum: bool = False
+    completes_sum: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

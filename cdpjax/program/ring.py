@@ -5,8 +5,10 @@ split or paired ticks, or any other table with `axis='data'`: its own ops and th
 version each reads, its updates, 'partial' and 'sum' messages and `Apply` records;
 nothing is rebuilt from a rule) into the `Program` the ring runtime
 (`cdpjax.methods.ring`) runs: one steady-state period of T ticks from worker 0's
-start of a step (`RingTicks`, every tick's typed events; `RingRouting`, the same as
-the integer arrays the runtime's scan reads by tick and worker),
+start of a step (`RingTicks`, every tick's typed events, from which it emits
+`Program.events`; the runtime reads the period back from those events alone,
+`program_period`, and `RingRouting`, the integer arrays its scan reads by tick and
+worker, from that: `ring_program_routing`),
 every buffer in its natural shape (a worker holds every stage: nothing is padded)
 and every message at its stage's size:
 
@@ -16,8 +18,11 @@ and every message at its stage's size:
   partial sum it received (or starts one), and the last worker's completes the sum;
   'partial' and 'sum' messages hop them along the table's delivery plan;
 - applies: each worker applies a completed sum to its own copy at the table's
-  `Apply` tick, between its last read of the old version and its first of the new
-  (one stored version).
+  `Apply` tick; an op reads the version its worker stores that many applies back
+  (`RingTick.versions`, the `Compute.version` it emits: 0 the newest), and the
+  program stores as many versions as the oldest read needs (`Program.versions`;
+  one for CDP's plans, which apply each update between a worker's last read of
+  the old version and its first of the new).
 
 A table the ring cannot serve is refused in one line naming the op or update that
 lacks what the ring needs (`_refuse_unservable`, `_fold`).
@@ -36,9 +41,9 @@ import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.gc_paused import gc_paused
-from cdpjax.kinds import gradient_kind
+from cdpjax.kinds import KINDS, gradient_kind, lookup
 from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branches
-from cdpjax.program.events import Apply, Compute, Event, Send, messages, sorted_events
+from cdpjax.program.events import Apply, Compute, Event, Receive, Send, messages, sorted_events
 from cdpjax.timetable import TimeTable
 
 # The name scope of the scanned ring's switch over ticks that sends each tick's messages (its
@@ -103,8 +108,12 @@ class RingTick:
 
     ops: at most one per (kind, stage). chain_start: (worker, stage) gradient ops that start a
     partial sum (nothing received). completes: the gradient ops that complete a stage's sum.
-    gradient_kinds: the kinds whose ops add to a partial sum (('B',), or ('W',) where split).
+    gradient_kinds: the kinds whose ops add to a partial sum (those that complete a micro-batch's
+    weight gradient, `OpKind.completes_gradient`: B, or W where split).
     partials: running sums sent at the end of the tick. sums: completed sums sent. applies.
+    versions: (op, depth) of each op that reads a version older than the newest its worker
+    stores: depth d >= 1, the version d applies before the newest (the worker keeps the newest
+    `RingTicks.stored_versions` of each stage); every other op reads the newest.
     """
 
     ops: tuple[RingOp, ...] = ()
@@ -113,7 +122,8 @@ class RingTick:
     partials: tuple[Partial, ...] = ()
     sums: tuple[SumSend, ...] = ()
     applies: tuple[RingApply, ...] = ()
-    gradient_kinds: tuple[str, ...] = ("B",)
+    gradient_kinds: tuple[str, ...] = (gradient_kind(False),)
+    versions: tuple[tuple[RingOp, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +145,12 @@ class RingTicks:
     def period_ticks(self) -> int:
         return len(self.ticks)
 
+    @property
+    def stored_versions(self) -> int:
+        """Versions of each stage a worker keeps: the newest and as many before it as its oldest
+        read reaches."""
+        return 1 + max((d for tk in self.ticks for _, d in tk.versions), default=0)
+
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
         out = np.zeros((len(self.ticks), self.workers), np.int64)
@@ -152,7 +168,8 @@ def op_order(tk: RingTick) -> list[RingOp]:
     """The tick's ops in the order a worker runs its own: forwards, then backward ops by stage
     (earlier stages first: the larger activations), those that start a new partial sum last
     (their new gradient buffer then never meets another op's workspace)."""
-    return sorted(tk.ops, key=lambda o: (o.kind != "F", (o.worker, o.stage) in tk.chain_start, o.stage, o.kind == "W"))
+    return sorted(tk.ops, key=lambda o: (not lookup(o.kind).forward, (o.worker, o.stage) in tk.chain_start, o.stage,
+                                         lookup(o.kind).splits_backward))
 
 
 class RingRouting(NamedTuple):
@@ -170,9 +187,14 @@ class RingRouting(NamedTuple):
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
     op_read: the slot of the partial sum a gradient op adds to; op_start: it starts one instead
-    (reads nothing); op_write: the slot its sum (partial or completed) goes to.
+    (reads nothing); op_write: the slot its sum (partial or completed) goes to. op_version: the
+    parameter version the op reads, as a depth below the newest its worker stores (0: the newest;
+    `RingTick.versions`).
     apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
     sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
+    reads[(t, w, k)] / writes[(t, w, k)]: the names of the buffers a gradient op reads (its
+    partial sum; absent where it starts one) and writes (its partial or completed sum), which
+    `ring_pool` places.
     """
 
     op_kinds: tuple[tuple[tuple[str, int], ...], ...]
@@ -181,12 +203,15 @@ class RingRouting(NamedTuple):
     op_read: np.ndarray
     op_write: np.ndarray
     op_start: np.ndarray
+    op_version: np.ndarray
     apply_stage: np.ndarray
     apply_lag: np.ndarray
     apply_slot: np.ndarray
     names: tuple[tuple[tuple[str, int, int], ...], ...]
     slot_index: tuple[tuple[int, ...], ...]
     slot_count: tuple[int, ...]
+    reads: dict[tuple[int, int, int], tuple[str, int, int]]
+    writes: dict[tuple[int, int, int], tuple[str, int, int]]
 
     def slot(self, name: tuple[str, int, int]) -> int:
         """The slot of gradient buffer `name` in its stage's stack."""
@@ -210,19 +235,23 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
             per_worker[t][op.worker].append(op)
     kinds, branch = op_branches(per_worker)
     shape = branch.shape
-    lag, read, write = (np.zeros(shape, np.int32) for _ in range(3))
+    lag, read, write, version = (np.zeros(shape, np.int32) for _ in range(4))
     start = np.zeros(shape, bool)
+    reads, writes = {}, {}
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        depth = dict(tk.versions)
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
                 lag[t, w, k] = o.lag
+                version[t, w, k] = depth.get(o, 0)
                 if o.kind in tk.gradient_kinds:
                     start[t, w, k] = (w, o.stage) in tk.chain_start
                     if not start[t, w, k]:
-                        read[t, w, k] = slot_of[("partial", o.stage, o.lag)]
-                    kind = "sum" if (w, o.stage, o.lag) in done else "partial"
-                    write[t, w, k] = slot_of[(kind, o.stage, o.lag)]
+                        reads[(t, w, k)] = ("partial", o.stage, o.lag)
+                        read[t, w, k] = slot_of[reads[(t, w, k)]]
+                    writes[(t, w, k)] = ("sum" if (w, o.stage, o.lag) in done else "partial", o.stage, o.lag)
+                    write[t, w, k] = slot_of[writes[(t, w, k)]]
     applies = [[[[] for _ in range(N)] for _ in range(T)] for _ in range(2)]
     for t, tk in enumerate(ticks.ticks):
         for j, a_lag, workers, after in tk.applies:
@@ -237,9 +266,9 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
                 for a, (j, lg) in enumerate(applies[p][t][w]):
                     a_stage[p, t, w, a], a_lag[p, t, w, a] = j, lg
                     a_slot[p, t, w, a] = slot_of[("sum", j, lg)]
-    return RingRouting(kinds, branch, lag, read, write, start, a_stage, a_lag, a_slot, per_stage,
+    return RingRouting(kinds, branch, lag, read, write, start, version, a_stage, a_lag, a_slot, per_stage,
                        tuple(tuple(slot_of[n] for n in per) for per in per_stage),
-                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage))
+                       tuple(max((slot_of[n] + 1 for n in per), default=0) for per in per_stage), reads, writes)
 
 
 class RingPool(NamedTuple):
@@ -334,16 +363,9 @@ def ring_pool(ticks: RingTicks, routing: RingRouting, sizes) -> RingPool:
         return where.get((t, name), nowhere)
 
     read, write = np.zeros(routing.op_read.shape, np.int64), np.zeros(routing.op_write.shape, np.int64)
-    for t, tk in enumerate(ticks.ticks):
-        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
-        k_of = [0] * N
-        for o in op_order(tk):
-            k, k_of[o.worker] = k_of[o.worker], k_of[o.worker] + 1
-            if o.kind in tk.gradient_kinds:
-                if (o.worker, o.stage) not in tk.chain_start:
-                    read[t, o.worker, k] = placed(t, ("partial", o.stage, o.lag))[o.worker]
-                kind = "sum" if (o.worker, o.stage, o.lag) in done else "partial"
-                write[t, o.worker, k] = placed(t, (kind, o.stage, o.lag))[o.worker]
+    for offsets, names in ((read, routing.reads), (write, routing.writes)):
+        for (t, w, k), name in names.items():
+            offsets[t, w, k] = placed(t, name)[w]
     apply_at = np.zeros(routing.apply_slot.shape, np.int64)
     for p, t, w, a in zip(*np.nonzero(routing.apply_stage < ticks.stages)):
         name = ("sum", int(routing.apply_stage[p, t, w, a]), int(routing.apply_lag[p, t, w, a]))
@@ -453,14 +475,18 @@ def ring_ticks(table: TimeTable) -> RingTicks:
         raise ConfigError(f"the ring engine needs one step of this {table.method} table laid out whole (every "
                           f"worker's apply of every stage's update): lay out more steps than {table.steps}")
     steps = _by_step(table, applies, set(whole))
-    folds = {k: _fold(table, k, *steps[k]) for k in whole}
+    held = _held(applies)
+    folds = {k: _fold(table, k, *steps[k], held) for k in whole}
     ticks = folds[whole[-1]]
+    unversioned = [dataclasses.replace(tk, versions=()) for tk in ticks]
     for k, other in folds.items():
-        if other != ticks:
-            t = next(t for t, (a, b) in enumerate(zip(ticks, other)) if a != b)
+        other = [dataclasses.replace(tk, versions=()) for tk in other]  # early steps' reads clamp at version 0
+        if other != unversioned:
+            t = next(t for t, (a, b) in enumerate(zip(unversioned, other)) if a != b)
             raise ConfigError(f"the ring engine runs a table that repeats every {T} ticks, and this {table.method} "
                               f"table's step {k} differs from step {whole[-1]} at tick {t} of the "
-                              f"period: {other[t]} != {ticks[t]}")
+                              f"period: {other[t]} != {unversioned[t]}")
+    _refuse_other_reads(table, ticks, held, set(whole))
     lags = [op[3] for tk in ticks for op in tk.ops] + [a[1] for tk in ticks for a in tk.applies]
     lag_of = [{} for _ in range(L)]
     for tk in ticks:
@@ -471,6 +497,25 @@ def ring_ticks(table: TimeTable) -> RingTicks:
     return RingTicks(N, L, ticks, max(lags), _live(ticks, N), tuple(newest))
 
 
+def _refuse_other_reads(table: TimeTable, ticks: tuple[RingTick, ...], held, whole: set) -> None:
+    """A ConfigError naming the first op of a whole step whose read the period does not serve: the
+    period reads at depth d below the newest version its worker stores (the last whole step's
+    depth), which is version max(newest - d, 0) (a worker starts with every stored version the
+    initial parameters: a read before version 0 is of version 0)."""
+    T = table.period
+    depth = [{op[:4]: d for op, d in tk.versions} for tk in ticks]
+    for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
+        if o.step not in whole:
+            continue
+        lag = o.tick // T - o.step
+        d = depth[o.tick % T].get((o.device, o.kind, o.stage, lag), 0)
+        if max(held(o) - d, 0) != o.version:
+            raise ConfigError(f"the ring engine cannot run this {table.method} table: worker {o.device}'s "
+                              f"{o.kind}{o.stage} of step {o.step} at tick {o.tick} reads version {o.version}, and "
+                              f"the period's op there reads {d} version(s) before the newest the worker stores "
+                              f"({held(o)}): the steps read differently")
+
+
 def _applies(table: TimeTable) -> dict:
     """(worker, stage, step) -> the tick at whose end the worker applies that update (a table
     without `applies`: every worker at the update's tick)."""
@@ -479,31 +524,48 @@ def _applies(table: TimeTable) -> dict:
     return {(w, u.stage, u.step): u.tick for u in table.updates for w in range(table.workers)}
 
 
+def runs(kind: str) -> bool:
+    """Whether the ring has a piece for op kind `kind` (`cdpjax.methods.ring`): a forward, or backward
+    work that runs no forward of its own (the ring's pieces read the input the forward stashed); not
+    an op that does both (local learning's)."""
+    k = lookup(kind)
+    return k.forward != k.backward
+
+
+def _held(applies: dict):
+    """op -> the newest version of its stage its worker stores at its tick: how many of that
+    stage's updates the worker applied at the end of an earlier tick (`applies`: `_applies`)."""
+    applied: dict = {}
+    for (w, j, k), t in applies.items():
+        applied.setdefault((w, j), []).append(t)
+    for ts in applied.values():
+        ts.sort()
+    return lambda o: bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
+
+
 def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     """A ConfigError naming the first op or update the ring cannot serve: an op kind it has no
-    piece for, an op reading a version its worker's one stored copy does not hold at that tick,
+    piece for, an op reading a version its worker has not applied by that tick,
     a gradient op with no partial sum to add to, an update whose tick is not its last gradient
     op's, an apply before its worker holds the sum. `applies`: the table's (`_applies`)."""
     what = f"the ring engine cannot run this {table.method} table"
     for o in table.ops:
-        if o.kind not in ("F", "B", "W"):
+        if not runs(o.kind):
             raise ConfigError(f"{what}: worker {o.device}'s op {o.kind}{o.stage} at tick {o.tick} is of kind "
-                              f"{o.kind!r}, which the ring has no piece for (it runs F, B, W)")
+                              f"{o.kind!r}, which the ring has no piece for (it runs {', '.join(filter(runs, KINDS))})")
     applied = {}
     for (w, j, k), t in applies.items():
         applied.setdefault((w, j), []).append(t)
     for ts in applied.values():
         ts.sort()
 
-    def held(o) -> int:  # the version the op's worker's one stored copy holds at the op's tick
-        return bisect.bisect_left(applied.get((o.device, o.stage), []), o.tick)
-
-    misread = [o for o in table.ops if held(o) != o.version]
-    if misread:
-        o = min(misread, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
+    held = _held(applies)
+    ahead = [o for o in table.ops if held(o) < o.version]
+    if ahead:
+        o = min(ahead, key=lambda o: (o.tick, o.device, o.stage))  # the first in time
         raise ConfigError(f"{what}: worker {o.device}'s {o.kind}{o.stage} of step {o.step} at tick {o.tick} "
-                          f"reads version {o.version}, and the worker's one stored copy holds version {held(o)} "
-                          f"then (its applies of stage {o.stage} end ticks "
+                          f"reads version {o.version}, and the newest version the worker stores then is {held(o)} "
+                          f"(its applies of stage {o.stage} end ticks "
                           f"{applied.get((o.device, o.stage), [])[:o.version + 1]}); use cdp_impl='simulate'")
     grad = gradient_kind(table.split_backward)
     received = {(m.dst, m.stage, m.step): m.tick for m in table.messages if m.kind == "partial"}
@@ -559,9 +621,10 @@ def _by_step(table: TimeTable, applies: dict, steps: set) -> dict:
     return out
 
 
-def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict) -> tuple[RingTick, ...]:
+def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict, held) -> tuple[RingTick, ...]:
     """The period's events from those of `step` (each at tick t mod T, lag t // T - step): its
-    `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s."""
+    `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s; each op's read
+    as a depth below the newest version its worker stores then (`held`: `_held`)."""
     # Long on purpose: one pass over the step's ops and messages fills every event list of its ticks.
     T, N = table.period, table.workers
     grad = gradient_kind(table.split_backward)
@@ -576,7 +639,8 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
             early(t, what())
         return t % T, lag
 
-    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}) for _ in range(T)]
+    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}, versions=[])
+             for _ in range(T)]
     u_tick = {u.stage: u.tick for u in table.updates if u.step == step}
     received = {(m.dst, m.stage) for m in messages if m.kind == "partial"}
     completer = {}
@@ -586,6 +650,8 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
             early(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[o.tick % T]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
+        if held(o) > o.version:
+            tk["versions"].append((tk["ops"][-1], held(o) - o.version))
         if o.kind == grad:
             if (o.device, o.stage) not in received:
                 tk["chain_start"].add((o.device, o.stage))
@@ -641,6 +707,7 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict)
         out.append(RingTick(
             gradient_kinds=(grad,),
             ops=tuple(sorted(tk["ops"])),
+            versions=tuple(sorted(tk["versions"])),
             chain_start=frozenset(tk["chain_start"]),
             completes=tuple(sorted(tk["completes"])),
             partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(tk["partials"].items())),
@@ -713,6 +780,9 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if carry:
         between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+    if ticks.stored_versions > 1:
+        between.append(Buffer("older", "previous_parameters",
+                              Size.stages("param", stages, count=ticks.stored_versions - 1), True))
     # which of the last calls fed a batch (an op of an unfed call's step does nothing)
     between.append(Buffer("fed", "flags", Size("flag", ((0,),), False, max(ticks.max_lag, 1)), True))
     carried = {(kind, j, lag - 1) for kind, j, lag in ticks.live}
@@ -730,21 +800,27 @@ def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
         else:  # written and last read within the call (or handed on to the next call under another lag)
             end = ticks.period_ticks - 1 if name in carried else last[name]
             gradients.append(Buffer(label, "gradients", Size.stage("param", j), False, (first[name], end)))
-    kinds = tuple(k for k in ("F", "B", "W") if any(op[1] == k for tk in ticks.ticks for op in tk.ops))
+    kinds = tuple(k for k in KINDS if any(op.kind == k for tk in ticks.ticks for op in tk.ops))
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
-                   residuals, 1, bool(ticks.live), placement, tuple(between + gradients), ring_events(ticks), ticks)
+                   residuals, ticks.stored_versions, bool(ticks.live), placement, tuple(between + gradients),
+                   ring_events(ticks), ticks)
 
 
 def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     """The period's typed events: each worker's op as a `Compute` (one micro-batch, the one copy
-    it stores), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
+    it stores; a gradient op says whether it starts its stage's running sum and whether it
+    completes it), each hop of a running or completed gradient sum as a `Send` and its `Receive` at
     its stage's size, each worker's apply of a completed sum to its copy as an `Apply`."""
     events: list[Event] = []
     sends: list[Send] = []
     size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
-        events += [Compute(t, op.worker, op.kind, op.stage, 0, 0, op.lag) for op in tk.ops]
+        done = {(c.worker, c.stage, c.lag) for c in tk.completes}
+        depth = dict(tk.versions)
+        events += [Compute(t, op.worker, op.kind, op.stage, 0, depth.get(op, 0), op.lag,
+                           starts_sum=op.kind in tk.gradient_kinds and (op.worker, op.stage) in tk.chain_start,
+                           completes_sum=(op.worker, op.stage, op.lag) in done) for op in tk.ops]
         for what, hops in (("partial", [(p.stage, p.lag, p.pairs) for p in tk.partials]),
                            ("sum", [(s.stage, s.lag, s.pairs) for s in tk.sums])):
             sends += [Send(t, what, size[j], src, dst, j, lag)
@@ -753,6 +829,85 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     return sorted_events(events + messages(sends))
 
 
+
+@gc_paused()
+def program_period(program: Program) -> RingTicks:
+    """The ring's period as `program`'s events say it, what the runtime runs (`ring_program_routing`,
+    `cdpjax.methods.ring.Period`): read from `program.events` and its typed fields (period, devices,
+    placement, split_backward) alone, never from the lowering's own `RingTicks`. Per tick: each
+    `Compute` an op (its `starts_sum` / `completes_sum` the gradient sum it starts or completes), the
+    'partial' and 'sum' `Send`s the hops of running and completed sums, each `Apply` a worker's update
+    from a completed sum, after the tick's sends where that worker receives the sum in the same tick.
+    A completed sum's send keeps the copies of the workers it does not reach (`SumSend.merge`) where
+    one of them received or completed it before the send and reads it after (an apply or a send of its
+    own), on the timeline of one step (an event at tick t of lag l is at t + l * T of its step)."""
+    T, N, L = program.period, program.devices, len(program.placement.units)
+    grad = (gradient_kind(program.split_backward),)
+    by_tick: list[dict] = [dict(ops=[], starts=set(), completes=[], partials={}, sums={}, applies=[], got=set(),
+                                versions=[]) for _ in range(T)]
+    arrive: dict = {}  # (stage, worker) -> when (on the step's timeline) it first holds the completed sum
+    end: dict = {}  # (stage, worker) -> its last read of it
+    completer: dict = {}  # stage -> the worker that completes its sum
+    for e in program.events:
+        at, now = by_tick[e.tick], e.tick + e.lag * T
+        if isinstance(e, Compute):
+            at["ops"].append(RingOp(e.device, e.kind, e.stage, e.lag))
+            if e.version:
+                at["versions"].append((at["ops"][-1], e.version))
+            if e.starts_sum:
+                at["starts"].add((e.device, e.stage))
+            if e.completes_sum:
+                at["completes"].append(Completes(e.device, e.stage, e.lag))
+                completer[e.stage] = e.device
+                arrive.setdefault((e.stage, e.device), now)
+        elif isinstance(e, Send) and e.what in ("partial", "sum"):
+            at[e.what + "s"].setdefault((e.stage, e.lag), []).append((e.src, e.dst))
+            if e.what == "sum":
+                end[(e.stage, e.src)] = max(end.get((e.stage, e.src), -1), now)
+        elif isinstance(e, Receive) and e.what == "sum":
+            at["got"].add((e.stage, e.lag, e.dst))
+            arrive[(e.stage, e.dst)] = now
+        elif isinstance(e, Apply):
+            at["applies"].append((e.stage, e.lag, e.device))
+            end[(e.stage, e.device)] = max(end.get((e.stage, e.device), -1), e.tick + e.lag * T)
+
+    def merges(j: int, sent: int, pairs) -> bool:
+        reached = {d for _, d in pairs}
+        c = completer.get(j)
+        return any(arrive.get((j, w), sent + 1) < sent < end.get((j, w), -1)
+                   or (w == c and arrive.get((j, w)) == sent < end.get((j, w), -1))
+                   for w in range(N) if w not in reached)
+
+    ticks = []
+    for t, at in enumerate(by_tick):
+        applies: dict = {}
+        for j, lag, w in at["applies"]:
+            applies.setdefault((j, lag, (j, lag, w) in at["got"]), []).append(w)
+        ticks.append(RingTick(
+            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]), versions=tuple(sorted(at["versions"])),
+            completes=tuple(sorted(at["completes"])),
+            partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(at["partials"].items())),
+            sums=tuple(SumSend(j, lag, tuple(sorted(p)), merges(j, t + lag * T, p))
+                       for (j, lag), p in sorted(at["sums"].items())),
+            applies=tuple(RingApply(j, lag, tuple(sorted(ws)), after)
+                          for (j, lag, after), ws in sorted(applies.items())),
+            gradient_kinds=grad))
+    ticks = tuple(ticks)
+    lag_of: list[dict] = [{} for _ in range(L)]
+    for tk in ticks:
+        for j, lag, ws, _ in tk.applies:
+            lag_of[j].update(dict.fromkeys(ws, lag))
+    newest = tuple(min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L))
+    lags = [op.lag for tk in ticks for op in tk.ops] + [a.lag for tk in ticks for a in tk.applies]
+    return RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+
+
+def ring_program_routing(program: Program) -> RingRouting:
+    """The routing the ring's scan reads (`RingRouting`), compiled from the program's events
+    (`program_period`)."""
+    return ring_routing(program_period(program))
+
+
 __all__ = ["SENDS_BY_TICK", "Completes", "Partial", "PoolMove", "RingApply", "RingOp", "RingPool", "RingRouting",
-           "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "ring_events",
-           "ring_pool", "ring_routing", "ring_ticks", "with_pool"]
+           "RingTick", "RingTicks", "SumSend", "accesses", "lower_ring", "name_lives", "op_order", "program_period",
+           "ring_events", "ring_pool", "ring_program_routing", "ring_routing", "ring_ticks", "with_pool"]
