@@ -23,6 +23,14 @@ COSTS = plan.BlockCosts(
 SMALL_SPACE = ("e2e", "dp", "gpipe", "cdp-v2")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _devices_fixed_before_any_plan():
+    """JAX's devices started here, with conftest's 8, before a test runs `cdpjax plan --devices 2`:
+    the command asks JAX for the devices it plans for (`commands.common.config_on_devices`), which succeeds while no
+    backend has started, so this file alone (`-k against_xla`) used to leave 2 for the grid."""
+    assert len(jax.devices()) >= max(plan.CHECK_DEVICES), jax.devices()
+
+
 def test_candidate_overrides_make_its_config():
     c = plan.Candidate("gpipe", (("stage", 2), ("data", 2)), 2, "flops", 8, "carry")
     config = c.config(default_config())
