@@ -69,7 +69,7 @@ def example(setting) -> str:
              f"(jax {jax.__version__}, {jax.devices()[0].platform}).", ""]
     if setting.get("note"):
         lines += [setting["note"], ""]
-    seen = {}
+    seen, firsts = {}, []
     if min(p.memory for p in plan.predictions) >= min(p.memory for p in plan.predictions
                                                           if p.candidate.method == "dp"):
         lines += ["By the model no candidate holds less than dp here, so there is no budget under dp's need "
@@ -93,6 +93,8 @@ def example(setting) -> str:
             lines.append(f"| {i} | {p.candidate.label()} | {p.step_seconds:.4g} | {_mib(p.memory)} | "
                          f"{_mib(compiled.get(p.candidate))} |")
         fits = [v for v in verified if v.compiled_bytes <= budget]
+        if fits:
+            firsts.append((budget, fits[0]))
         lines.append("")
         for v in verified:
             if v.compiled_bytes > budget:
@@ -102,7 +104,28 @@ def example(setting) -> str:
             command = plan_lib.train_command(fits[0].candidate, setting["config"], setting["overrides"])
             lines += [f"Recommended: `{command}`"]
         lines.append("")
-    return "\n".join(lines)
+    least = min(p.memory for p in plan.predictions)
+    return "\n".join(lines + [how_the_choice_changes(firsts, least), ""])
+
+
+def how_the_choice_changes(firsts, least: float) -> str:
+    """A paragraph on how the recommendation moves as the budget falls, from the example's own figures:
+    `firsts` the (budget, verified first that fits) of each budget something fits, from the largest;
+    `least` the smallest prediction of any candidate (under it, the plan refuses)."""
+    if not firsts:
+        return f"Nothing fits any of these budgets: the least any candidate needs is {_mib(least)} MiB."
+    budget, top = firsts[0]
+    words = [f"How the choice changes with the budget: at {budget / 2**20:.1f} MiB the fastest candidate, "
+             f"{top.candidate.label()}, fits ({_mib(top.memory)} MiB predicted, {_mib(top.compiled_bytes)} "
+             f"compiled) at {top.step_seconds:.4g} s a step by the model."]
+    for budget, first in firsts[1:]:
+        words.append(f"At {budget / 2**20:.1f} MiB it no longer does, and the plan trades time for memory: "
+                     f"{first.candidate.label()} holds {_mib(first.memory)} MiB predicted "
+                     f"({_mib(first.compiled_bytes)} compiled), {first.memory / top.memory:.2f}x of the first's, "
+                     f"for a step {first.step_seconds / top.step_seconds:.2f}x as long.")
+    words.append(f"Under {_mib(least)} MiB, the least any candidate is predicted to need, nothing fits and the plan "
+                 f"says so in one line.")
+    return " ".join(words)
 
 
 HEAD = """# `cdpjax plan`: the layouts that fit a memory budget
