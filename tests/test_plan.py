@@ -223,7 +223,8 @@ WHY = {  # what XLA holds that the model does not declare (or the reverse), by m
     "local": "under on resnet_tiny: a conv op's workspace beyond its residuals",
     "dp": "under on resnet_tiny at 8 devices: a conv op's workspace beyond its residuals",
 }
-CI_CASES = {("mlp", 2, "dp"), ("mlp", 4, "gpipe"), ("mlp", 2, "cdp-zero")}  # the rest with -m heavy
+# the rest with -m heavy; a ring (its pool an argument only) and a local pipeline (its heads) among them
+CI_CASES = {("mlp", 2, "dp"), ("mlp", 4, "gpipe"), ("mlp", 2, "cdp-zero"), ("mlp", 2, "cdp-v2"), ("mlp", 4, "ppll")}
 
 
 @pytest.mark.parametrize("case", [
