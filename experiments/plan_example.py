@@ -93,8 +93,7 @@ def example(setting) -> str:
             lines.append(f"| {i} | {p.candidate.label()} | {p.step_seconds:.4g} | {_mib(p.memory)} | "
                          f"{_mib(compiled.get(p.candidate))} |")
         fits = [v for v in verified if v.compiled_bytes <= budget]
-        if fits:
-            firsts.append((budget, fits[0]))
+        firsts.append((budget, verified[0], bool(fits) and fits[0] is verified[0]))
         lines.append("")
         for v in verified:
             if v.compiled_bytes > budget:
@@ -110,22 +109,29 @@ def example(setting) -> str:
 
 def how_the_choice_changes(firsts, least: float) -> str:
     """A paragraph on how the recommendation moves as the budget falls, from the example's own figures:
-    `firsts` the (budget, verified first that fits) of each budget something fits, from the largest;
-    `least` the smallest prediction of any candidate (under it, the plan refuses)."""
-    if not firsts:
-        return f"Nothing fits any of these budgets: the least any candidate needs is {_mib(least)} MiB."
-    budget, top = firsts[0]
-    words = [f"How the choice changes with the budget: at {budget / 2**20:.1f} MiB the fastest candidate, "
-             f"{top.candidate.label()}, fits ({_mib(top.memory)} MiB predicted, {_mib(top.compiled_bytes)} "
-             f"compiled) at {top.step_seconds:.4g} s a step by the model."]
-    for budget, first in firsts[1:]:
-        words.append(f"At {budget / 2**20:.1f} MiB it no longer does, and the plan trades time for memory: "
-                     f"{first.candidate.label()} holds {_mib(first.memory)} MiB predicted "
-                     f"({_mib(first.compiled_bytes)} compiled), {first.memory / top.memory:.2f}x of the first's, "
-                     f"for a step {first.step_seconds / top.step_seconds:.2f}x as long.")
+    `firsts` the (budget, its first candidate compiled, whether that fits) of each budget something is
+    predicted to fit, from the largest; `least` the smallest prediction of any candidate (under it, the
+    plan refuses)."""
+    words = []
+    top = None
+    for budget, first, fits in firsts:
+        at = f"At {budget / 2**20:.1f} MiB"
+        figures = f"{_mib(first.memory)} MiB predicted, {_mib(first.compiled_bytes)} compiled"
+        if not fits:
+            words.append(f"{at} the model's fastest that fits, {first.candidate.label()} ({figures}), is over the "
+                         f"budget once compiled and dropped: nothing is recommended there without a larger `--top`.")
+        elif top is None:
+            top = first
+            words.append(f"{at} the fastest candidate, {first.candidate.label()}, fits ({figures}) at "
+                         f"{first.step_seconds:.4g} s a step by the model.")
+        else:
+            words.append(f"{at} the plan trades time for memory: {first.candidate.label()} ({figures}), "
+                         f"{first.memory / top.memory:.2f}x of the first's memory for a step "
+                         f"{first.step_seconds / top.step_seconds:.2f}x as long.")
     words.append(f"Under {_mib(least)} MiB, the least any candidate is predicted to need, nothing fits and the plan "
                  f"says so in one line.")
-    return " ".join(words)
+    text = " ".join(words)
+    return "How the choice changes with the budget: " + text[0].lower() + text[1:]
 
 
 HEAD = """# `cdpjax plan`: the layouts that fit a memory budget
