@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cdpjax import compilation
+from cdpjax.kinds import KINDS
+from cdpjax.program.events import Compute, Receive
 from cdpjax.program.ring import SENDS_BY_TICK
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
@@ -277,17 +279,43 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     out = {"param": [tree_bytes(p) for p in params], "model_state": [tree_bytes(s) for s in state],
            "input": [tree_bytes(x) for x in inputs], "label": [tree_bytes(labels)] * L,
            "image": [tree_bytes(image)] * L, "head_param": [0] * L, "head_state": [0] * L,
-           "flag": [1] * L}  # a boolean
+           "head_residual": [0] * L, "flag": [1] * L}  # a boolean
+    # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
+    bound = [("stage", 1), ("data", 1)]
     if method.heads is not None:
         head_params, head_state = jax.eval_shape(method.heads.init, jax.random.key(0))
         out["head_param"] = [tree_bytes(p) for p in head_params]
         out["head_state"] = [tree_bytes(s) for s in head_state]
-    # traced where the mesh's axes are bound (a cross-device BatchNorm reduces over `data`)
-    bound = [("stage", 1), ("data", 1)]
+        out["head_residual"] = head_residuals(method.heads, head_params, head_state, micro, labels, image, bound)
     shapes = StageOps(net, task=task).residual_shapes(
         params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0, axis_env=bound)())
     out["residual"] = [tree_bytes(r) for r in shapes]
     return {k: [float(x) for x in v] for k, v in out.items()}
+
+
+def head_residuals(heads, head_params, head_state, micro: int, labels, image, bound) -> list[int]:
+    """Per module, the bytes its auxiliary head's `jax.vjp` keeps for one micro-batch of `micro`
+    examples (what the local step holds between the head's forward and its backward, beside the
+    module's own residuals): the pullback's leaves but the head's parameters. 0 where no head."""
+    found = []
+
+    def probe():
+        for j in range(heads.num_stages):
+            if heads.heads[j] is None:
+                found.append(0)
+                continue
+            zeros = lambda a: jnp.zeros(a.shape, a.dtype)  # noqa: E731
+            p, s = jax.tree.map(zeros, (head_params[j], head_state[j]))
+            features = jnp.zeros((micro, *heads.feature_shapes[j]), jnp.float32)
+            y, images = zeros(labels), zeros(image)
+            _, pullback, _ = jax.vjp(lambda p_, f_: heads.loss(j, p_, s, f_, y, images, True), p, features,
+                                     has_aux=True)
+            own = {id(q) for q in jax.tree.leaves(p)}
+            found.append(tree_bytes([a for a in jax.tree.leaves(pullback) if id(a) not in own]))
+        return 0
+
+    jax.make_jaxpr(probe, axis_env=bound)()
+    return found
 
 
 def _prepare(config, devices=None, built=None) -> dict:
@@ -480,8 +508,10 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     residuals, labels) and the device's slice of the batch (the global batch over the mesh's
     `data` axis: a pipeline's stage devices each hold their replica's whole slice). Within a step
     (XLA: temporaries): for a method with a lowered program, the peak of each category of the
-    call's buffers its program declares (`cdpjax.program.Program`, padding included) plus one
-    backward op's workspace (`op_workspace`); for dp and the one-device methods, the backward's
+    call's buffers its program declares (`cdpjax.program.Program`, padding included; the figure by
+    category counts the carried state too, the total only what a category holds beyond its arguments:
+    `_beyond_arguments`) plus one backward op's workspace (`op_workspace`) and, on a worker that holds
+    every stage, what a tick makes before it lands (`tick_outputs`); for dp and the one-device methods, the backward's
     sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
     all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
     method in `tests/test_plan.py` (within 5%, or the recorded ratio and why). `opt_ratio`:
@@ -493,8 +523,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     if method.program is not None:
         between, within = _program_memory(method.program, priced, opt_ratio)
         within["workspace"] = op_workspace(method.program, priced)
-        within["total"] = (within["gradients_in_flight"] + within["reduced_gradients"] + within["activations"]
-                           + within["workspace"] + within["updated_parameters"])
+        within["tick_outputs"] = tick_outputs(method.program, priced)
+        within["total"] = within["beyond_arguments"] + within["workspace"] + within["tick_outputs"]
     else:
         reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
         between, within = _structural_memory(method, table, sizes, opt_ratio, reduced, priced)
@@ -527,8 +557,18 @@ def _program_memory(program, priced, opt_ratio) -> tuple[dict, dict]:
     held = lambda holds: float(program.held(holds, priced).max())  # noqa: E731 - peak over the call's ticks
     within = {"gradients_in_flight": held("gradients"), "activations": sum(held(k) for k in _IN_FLIGHT),
               "reduced_gradients": held("reduced_gradients"),
-              "updated_parameters": held("parameters") - float(program.held("parameters", priced)[0])}
+              "updated_parameters": held("parameters") - float(program.held("parameters", priced)[0]),
+              "beyond_arguments": sum(_beyond_arguments(program, k, priced)
+                                      for k in ("gradients", "reduced_gradients", "parameters", *_IN_FLIGHT))}
     return between, within
+
+
+def _beyond_arguments(program, holds: str, priced) -> float:
+    """The most bytes of category `holds` a call holds over its ticks beyond the category's arguments:
+    its between-step buffers are the step's donated state, which the call updates in place (XLA's
+    buffer assignment aliases them to the outputs), so they are arguments only, never also temporaries."""
+    held = program.held(holds, priced)
+    return float(held.max() - held[0])
 
 
 def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=None) -> tuple[dict, dict]:
@@ -559,20 +599,54 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
 def op_workspace(program, priced) -> float:
     """The most bytes a device's backward ops hold beyond the program's buffers: per unit, the
     forward residuals its backward recomputes (none where the program carries them: they are its
-    buffers) and the parameter gradient it makes before adding it to the unit's sum. A stage-engine
+    buffers), its auxiliary heads' residuals (`head_residuals`; local learning's op runs the head's
+    forward and backward too), the parameter gradient it makes before adding it to the unit's sum
+    (none where a call runs one micro-batch on a stage device, ppll's: that gradient is the sum, written
+    in place), and a local-learning op's output (the next module's input, made before it is written
+    into the carried activation; a local program declares no message buffers). A stage-engine
     device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
     tick's switch, whose buffers XLA does not share: its workspace is the sum over its units, the
     largest device's returned. A ring worker holds every stage and runs one op a tick: the largest
     unit's (its placement names one device)."""
     place = program.placement
+    local = any(KINDS[k].forward and KINDS[k].backward for k in program.kinds)
+    summed = program.microbatches > 1 or place.every_worker_holds_every_unit
     per_unit = []
     for stages in place.units:
         kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
-        per_unit.append(kept + sum(priced["param"][j] for j in stages))
+        kept += sum(priced["head_residual"][j] for j in stages)
+        made = sum(priced["param"][j] for j in stages) if summed else 0.0
+        after = stages[-1] + 1
+        out = priced["input"][after] if local and after < len(priced["input"]) else 0.0
+        per_unit.append(kept + made + out)
     if place.every_worker_holds_every_unit:
         return float(max(per_unit, default=0.0))
     per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
     return float(max(per_device, default=0.0))
+
+
+def tick_outputs(program, priced) -> float:
+    """What a worker that holds every stage (a ring's, cdp-zero's: `Placement.every_worker_holds_every_unit`)
+    makes in one tick before it lands in its carried state: the op's output (a forward's activation for
+    the next stage, a backward's cotangent for the previous one) and the messages it receives at the
+    tick's end (each a fresh buffer, a collective's result, added to or written into the carried state
+    after). Neither is one of the program's buffers; the most bytes any device's tick makes. A stage
+    engine declares its messages (`messages.act` / `messages.cot`), so 0 for it."""
+    if not program.placement.every_worker_holds_every_unit:
+        return 0.0
+    inputs, last = priced["input"], len(priced["input"]) - 1
+    made: dict[tuple[int, int], float] = {}
+    for e in program.events:
+        if isinstance(e, Compute):
+            kind = KINDS[e.kind]
+            out = max(inputs[e.stage + 1] if kind.forward and e.stage < last else 0.0,
+                      inputs[e.stage] if kind.cotangent and e.stage > 0 else 0.0)
+            made[e.tick, e.device] = max(made.get((e.tick, e.device), 0.0), out)
+    received: dict[tuple[int, int], float] = {}
+    for e in program.events:
+        if isinstance(e, Receive):
+            received[e.tick, e.dst] = received.get((e.tick, e.dst), 0.0) + e.size.bytes(priced)
+    return float(max((made.get(k, 0.0) + received.get(k, 0.0) for k in set(made) | set(received)), default=0.0))
 
 
 def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:

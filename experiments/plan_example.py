@@ -69,7 +69,7 @@ def example(setting) -> str:
              f"(jax {jax.__version__}, {jax.devices()[0].platform}).", ""]
     if setting.get("note"):
         lines += [setting["note"], ""]
-    seen = {}
+    seen, firsts = {}, []
     if min(p.memory for p in plan.predictions) >= min(p.memory for p in plan.predictions
                                                           if p.candidate.method == "dp"):
         lines += ["By the model no candidate holds less than dp here, so there is no budget under dp's need "
@@ -93,6 +93,7 @@ def example(setting) -> str:
             lines.append(f"| {i} | {p.candidate.label()} | {p.step_seconds:.4g} | {_mib(p.memory)} | "
                          f"{_mib(compiled.get(p.candidate))} |")
         fits = [v for v in verified if v.compiled_bytes <= budget]
+        firsts.append((budget, verified[0], bool(fits) and fits[0] is verified[0]))
         lines.append("")
         for v in verified:
             if v.compiled_bytes > budget:
@@ -102,7 +103,35 @@ def example(setting) -> str:
             command = plan_lib.train_command(fits[0].candidate, setting["config"], setting["overrides"])
             lines += [f"Recommended: `{command}`"]
         lines.append("")
-    return "\n".join(lines)
+    least = min(p.memory for p in plan.predictions)
+    return "\n".join(lines + [how_the_choice_changes(firsts, least), ""])
+
+
+def how_the_choice_changes(firsts, least: float) -> str:
+    """A paragraph on how the recommendation moves as the budget falls, from the example's own figures:
+    `firsts` the (budget, its first candidate compiled, whether that fits) of each budget something is
+    predicted to fit, from the largest; `least` the smallest prediction of any candidate (under it, the
+    plan refuses)."""
+    words = []
+    top = None
+    for budget, first, fits in firsts:
+        at = f"At {budget / 2**20:.1f} MiB"
+        figures = f"{_mib(first.memory)} MiB predicted, {_mib(first.compiled_bytes)} compiled"
+        if not fits:
+            words.append(f"{at} the model's fastest that fits, {first.candidate.label()} ({figures}), is over the "
+                         f"budget once compiled and dropped: nothing is recommended there without a larger `--top`.")
+        elif top is None:
+            top = first
+            words.append(f"{at} the fastest candidate, {first.candidate.label()}, fits ({figures}) at "
+                         f"{first.step_seconds:.4g} s a step by the model.")
+        else:
+            words.append(f"{at} the plan trades time for memory: {first.candidate.label()} ({figures}), "
+                         f"{first.memory / top.memory:.2f}x of the first's memory for a step "
+                         f"{first.step_seconds / top.step_seconds:.2f}x as long.")
+    words.append(f"Under {_mib(least)} MiB, the least any candidate is predicted to need, nothing fits and the plan "
+                 f"says so in one line.")
+    text = " ".join(words)
+    return "How the choice changes with the budget: " + text[0].lower() + text[1:]
 
 
 HEAD = """# `cdpjax plan`: the layouts that fit a memory budget
@@ -144,27 +173,31 @@ counts:
 - between steps (XLA's arguments, equal to a few bytes for every method): the state the program
   declares, and the batch split over the mesh's `data` axis (a pipeline's stage devices each hold
   their replica's whole slice);
-- within a step: the program's own temporaries (gradient sums, kept inputs, cotangents; on the
-  stage engine also each crossing boundary's received activation and cotangent, the micro-batch
-  split, the gradient averaged over `data` and the update's new row) and one backward op's
-  workspace (the residuals it recomputes, from `jax.vjp` traced per stage, and its parameter
-  gradient) per unit, summed over the units a device holds (each unit runs in its own branch of
-  the tick's switch, whose buffers XLA keeps apart); dp and the one-device methods sweep the
-  backward over the stages (the residuals of stages 0..j with the gradients of j..L-1), dp's
-  all-reduced copy beside the gradient.
+- within a step: the program's own temporaries beyond the state it carries (a carried buffer, a
+  ring's gradient pool or a pipeline's stashes, is donated and updated in place: an argument only,
+  never again a temporary), that is gradient sums, kept inputs, cotangents of one call; on the stage
+  engine also each crossing boundary's received activation and cotangent, the micro-batch split, the
+  gradient averaged over `data` and the update's new row; one backward op's workspace per unit (the
+  residuals it recomputes, from `jax.vjp` traced per stage, a local op's head's residuals and output
+  too, and its parameter gradient where it is added to a sum), summed over the units a device holds
+  (each unit runs in its own branch of the tick's switch, whose buffers XLA keeps apart); on a
+  worker that holds every stage (the rings, cdp-zero) what its busiest tick makes before it lands
+  (the op's output and the messages it receives); dp and the one-device methods sweep the backward
+  over the stages (the residuals of stages 0..j with the gradients of j..L-1), dp's all-reduced copy
+  beside the gradient.
 
-Within 5% of XLA (27 of the 78 cases): dp (0.95-1.00; resnet_tiny at 8 devices 0.948), e2e,
-local on the MLP, gpipe / 1f1b / zb-h1 on the MLP, zbv on the MLP, interleaved-1f1b and
-looped-bfs on the MLP at 4 and 8 devices, ppll and cdp-zero on the MLP at 4 devices, cdp-mp on
-`resnet_tiny`, cdp-v2 / cdp-random on `resnet_tiny` at 8. The others, recorded in the test with
-their reasons (predicted over XLA's): the CDP rings 0.74-0.95 (XLA keeps each gradient sum in the
-scan's carry and again as the tick switch's result); the pipelines with two units a device on
-`resnet_tiny` (zbv 0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90; 0.95 on the MLP at 2
-devices) and dualpipev 0.58-0.77 (a forward and a backward lane in one cell, each with its own
-branch buffers); gpipe / 1f1b / zb-h1 on `resnet_tiny` 0.74-0.83 (a conv op's workspace beyond
-its residuals); cdp-zero 0.75-1.33 and cdp-mp on the MLP 1.13-1.14 (declared
-temporaries XLA partly reuses); ppll 0.88-1.10; local on `resnet_tiny` 0.89 (its heads'
-residuals are not traced).
+Within 5% of XLA (38 of the 78 cases): dp (0.95-1.00; resnet_tiny at 8 devices 0.948), e2e,
+local on the MLP, gpipe / 1f1b / zb-h1 / zbv on the MLP, interleaved-1f1b and looped-bfs on the MLP
+at 4 and 8 devices, ppll on the MLP, cdp-v2 / cdp-random everywhere but `resnet_tiny` at 2 devices
+(0.948), cdp-v1 on `resnet_tiny` at 4 and 8, cdp-zero on `resnet_tiny`. The others, recorded in the
+test with their reasons (predicted over XLA's): cdp-v1 on the MLP 0.66-0.68 (at the period's end its
+long-lived gradient sums are moved on, and XLA holds a copy of the pool beside them); the pipelines
+with two units a device on `resnet_tiny` (zbv 0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90;
+0.95 on the MLP at 2 devices) and dualpipev 0.58-0.77 (a forward and a backward lane in one cell,
+each with its own branch buffers); gpipe / 1f1b / zb-h1 / ppll / local on `resnet_tiny` 0.74-0.89 (a
+conv op's workspace beyond its residuals); cdp-mp 0.75-0.94 (beyond its carried stashes XLA holds
+more than the program declares); cdp-zero on the MLP 0.77-1.10 (its declared pieces' lifetimes are
+not XLA's).
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
 `--top` where the first ones are), and one the model drops (cdp-zero on small MLPs) could have
