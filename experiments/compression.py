@@ -6,12 +6,13 @@ the CDP ring's gradient sums, on digits and the character language model.
     python experiments/compression.py --grid digits --out out/compression         # its digits table
 
 Tasks: digits (`cdpjax/configs/digits.py`: the 4-stage MLP, batch 128, 200 steps) and charlm
-(`cdpjax/configs/charlm.py`: the 4-block character GPT, 64 wide, windows of 32, batch 64;
-shrunk to 50 steps of its 300, and to fewer codecs and seeds (`GRIDS['charlm']`), so that the
-grid ran within an hour on two shared, overloaded cores). Every run
+(`cdpjax/configs/charlm.py`: the 4-block character GPT, 64 wide, windows of 32, batch 64, its
+300 steps). `--codecs` / `--seeds` train a subset of the grid's rows (the rows earlier calls
+wrote to OUT stay in its tables), `--no-step-times` skips steps.md. Every run
 trains on 4 simulated CPU devices: `ppll` (one module per device, `compress.activations` set
 to the codec; charlm's modules learn through its `token_linear` heads) or `cdp-v2` on the ring
-(4 workers, `compress.gradients` set to the codec; `+feedback`: with `compress.feedback`),
+(4 workers, `compress.gradients` set to the codec; `+feedback`: with `compress.feedback`,
+which `topk-1/8` needs there),
 each with the codecs (and seeds) `GRIDS[grid]` names for its task and route. A
 row is (task, route, codec, seed). Bytes per step are the program's (`Program.sent_bytes`:
 each `Send` event through its codec, per device and step, mean over devices;
@@ -239,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--codecs", nargs="+", metavar="CODEC",
                    help="train only the grid's rows of these codecs (the rows earlier calls wrote stay in the tables)")
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="train only the grid's rows of these seeds")
+    p.add_argument("--no-step-times", action="store_true", help="train only: no steps.md")
     args = p.parse_args(argv)
     bad = [b for b in args.bandwidth if not b > 0]
     if bad:
@@ -266,6 +268,8 @@ def main(argv=None) -> int:
             json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
         with open(os.path.join(args.out, "compression.md"), "w") as f:
             f.write(table_markdown(runs))
+    if args.no_step_times:
+        return 0
     times = [t for task in grid["tasks"] for route in grid["routes"]
              for t in step_times(task, route, [c for c in grid["codecs"][f"{task}/{route}"]
                                                if not args.codecs or c in args.codecs], args.bandwidth, args.repeats)]
