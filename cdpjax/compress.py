@@ -274,8 +274,8 @@ class Codecs:
         if codecs.gradients.sparse and not feedback:
             raise ConfigError(f"compress.gradients={codecs.gradients.name!r} drops {_dropped(codecs.gradients)} of "
                               f"every gradient message and, without compress.feedback=True, never sends it: set "
-                              f"compress.feedback=True (the CDP ring; cdp-zero's pieces keep no feedback, so top-k cannot run "
-                              f"there) or a block codec (bf16, fp8-*, int8, int4)")
+                              f"compress.feedback=True (the CDP ring; cdp-zero's pieces keep no feedback, so top-k "
+                              f"cannot run there) or a block codec (bf16, fp8-*, int8, int4)")
         if codecs.parameters.sparse:
             raise ConfigError(f"compress.parameters={codecs.parameters.name!r} would zero {_dropped(codecs.parameters)}"
                               f" of each parameter piece (parameter messages keep no error feedback): set a block "
