@@ -6,12 +6,13 @@ the CDP ring's gradient sums, on digits and the character language model.
     python experiments/compression.py --grid digits --out out/compression         # its digits table
 
 Tasks: digits (`cdpjax/configs/digits.py`: the 4-stage MLP, batch 128, 200 steps) and charlm
-(`cdpjax/configs/charlm.py`: the 4-block character GPT, 64 wide, windows of 32, batch 64;
-shrunk to 50 steps of its 300, and to fewer codecs and seeds (`GRIDS['charlm']`), so that the
-grid ran within an hour on two shared, overloaded cores). Every run
+(`cdpjax/configs/charlm.py`: the 4-block character GPT, 64 wide, windows of 32, batch 64, its
+300 steps). `--codecs` / `--seeds` train a subset of the grid's rows (the rows earlier calls
+wrote to OUT stay in its tables), `--no-step-times` skips steps.md. Every run
 trains on 4 simulated CPU devices: `ppll` (one module per device, `compress.activations` set
 to the codec; charlm's modules learn through its `token_linear` heads) or `cdp-v2` on the ring
-(4 workers, `compress.gradients` set to the codec; `+feedback`: with `compress.feedback`),
+(4 workers, `compress.gradients` set to the codec; `+feedback`: with `compress.feedback`,
+which `topk-1/8` needs there),
 each with the codecs (and seeds) `GRIDS[grid]` names for its task and route. A
 row is (task, route, codec, seed). Bytes per step are the program's (`Program.sent_bytes`:
 each `Send` event through its codec, per device and step, mean over devices;
@@ -49,6 +50,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 DEVICES = 4
 CODECS = ("none", "bf16", "fp8-e4m3", "fp8-e5m2", "int8", "int4")
 FEEDBACK = "+feedback"  # a codec name ending in it: with compress.feedback (gradient routes only)
+TOPK = "topk-1/8"  # on gradients with FEEDBACK only (compress.Codecs refuses it without)
 # route: (method, config key of its messages, extra config)
 ROUTES = {"ppll-activations": ("ppll", "activations", {}),
           "ring-gradients": ("cdp-v2", "gradients", {"cdp_impl": "ring", "workers": DEVICES})}
@@ -59,16 +61,16 @@ METRICS = {"digits": "accuracy", "charlm": "token_accuracy"}
 GRIDS = {
     "tiny": dict(tasks=("digits", "charlm"), routes=tuple(ROUTES), seeds=(0,), steps={"digits": 10, "charlm": 3},
                  codecs={f"{t}/{r}": ("none", "int4") for t in METRICS for r in ROUTES}),
-    # the 8-bit codecs (int4 came after this grid ran)
     "digits": dict(tasks=("digits",), routes=tuple(ROUTES), seeds=(0, 1, 2), steps={"digits": 200},
-                   codecs={"digits/ppll-activations": CODECS[:-1],
-                           "digits/ring-gradients": (*CODECS[:-1], "int8" + FEEDBACK)}),
-    # what two shared, overloaded cores ran in about an hour: the target's route (charlm's ppll) with the
-    # uncompressed, int8 and int4 codecs over 3 seeds, the ring with none and int4 over one
-    "charlm": dict(tasks=("charlm",), routes=tuple(ROUTES), seeds=(0, 1, 2), steps={"charlm": 50},
-                   codecs={"charlm/ppll-activations": ("none", "int8", "int4"),
-                           "charlm/ring-gradients": ("none", "int4")},
-                   route_seeds={"charlm/ring-gradients": (0,)}),
+                   codecs={"digits/ppll-activations": (*CODECS, TOPK),
+                           "digits/ring-gradients": (*CODECS, "int8" + FEEDBACK, "int4" + FEEDBACK,
+                                                     TOPK + FEEDBACK)}),
+    # the recipe's full 300 steps, 3 seeds each: ppll's activations and the ring's gradient sums through
+    # every codec family (fp8 as e4m3, the variant with more mantissa), the ring also with int4 + feedback
+    "charlm": dict(tasks=("charlm",), routes=tuple(ROUTES), seeds=(0, 1, 2), steps={"charlm": 300},
+                   codecs={"charlm/ppll-activations": ("none", "int4", "int8", "bf16", "fp8-e4m3", TOPK),
+                           "charlm/ring-gradients": ("none", "int4", "int4" + FEEDBACK, "int8", "bf16",
+                                                     "fp8-e4m3", TOPK + FEEDBACK)}),
 }
 # The issue's target for (task, route): at least `ratio` x fewer bytes than float32, final test loss at most
 # `loss` x float32's (means over seeds).
@@ -112,7 +114,9 @@ def train_one(task: str, route: str, codec: str, seed: int, steps: int) -> Run:
     state = m.init(jax.random.key(seed))
     for k in range(steps):
         batch = setup.put_batch(ds.train_batch(k, c.global_batch_size, seed, False), mesh, m.input_sharding)
-        state, _ = m.train_step(state, batch)
+        # one step in flight at a time: with several queued, 4 simulated devices on 2 busy cores
+        # deadlocked (the pool's threads held by a later step's permutes, one device's earlier one unrun)
+        state = jax.block_until_ready(m.train_step(state, batch)[0])
     if m.flush is not None:
         state = m.flush(state)
     params, model_state = m.export(state)
@@ -233,29 +237,44 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, nargs="+", default=(1e8, 1e9, 1e10), metavar="B",
                    help="link bandwidths in bytes/s for the lockstep model's step time per codec (steps.md)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per op for the step times (median)")
+    p.add_argument("--codecs", nargs="+", metavar="CODEC",
+                   help="train only the grid's rows of these codecs (the rows earlier calls wrote stay in the tables)")
+    p.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help="train only the grid's rows of these seeds")
+    p.add_argument("--no-step-times", action="store_true", help="train only: no steps.md")
     args = p.parse_args(argv)
     bad = [b for b in args.bandwidth if not b > 0]
     if bad:
         p.error(f"--bandwidth {bad[0]!r} must be a positive number of bytes/s")
     grid = GRIDS["tiny" if args.tiny else args.grid]
+    named = sorted({codec for _, _, codec, _ in rows(grid)})
+    unknown = [c for c in args.codecs or () if c not in named]
+    if unknown:
+        p.error(f"--codecs {unknown[0]!r} is not a codec of this grid; its codecs: {', '.join(named)}")
     from cdpjax import mesh as mesh_lib
 
     mesh_lib.setup_devices(DEVICES)  # simulated CPU devices, where JAX has not started yet
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "compression.json")
-    done = finished(path, grid)
-    runs = []
-    for task, route, codec, seed in rows(grid):
-        r = done.get((task, route, codec, seed)) or train_one(task, route, codec, seed, grid["steps"][task])
-        runs.append(r)
+    results = finished(path, grid)
+    chosen = [row for row in rows(grid) if (not args.codecs or row[2] in args.codecs)
+              and (args.seeds is None or row[3] in args.seeds)]
+    for task, route, codec, seed in chosen:
+        r = results.get((task, route, codec, seed)) or train_one(task, route, codec, seed, grid["steps"][task])
+        results[task, route, codec, seed] = r
+        runs = [results[row] for row in rows(grid) if row in results]
         print(f"{task} {route} {codec} seed {seed}: {r.sent_bytes:,.0f} bytes/device/step, test loss "
               f"{r.test_loss:.4f}, {METRICS[task]} {r.test_accuracy:.4f}", flush=True)
         with open(path, "w") as f:  # after each run: a call stopped part-way goes on from there
             json.dump({"grid": grid, "runs": [r._asdict() for r in runs]}, f, indent=1)
         with open(os.path.join(args.out, "compression.md"), "w") as f:
             f.write(table_markdown(runs))
+    if args.no_step_times:
+        return 0
     times = [t for task in grid["tasks"] for route in grid["routes"]
-             for t in step_times(task, route, grid["codecs"][f"{task}/{route}"], args.bandwidth, args.repeats)]
+             for t in step_times(task, route, [c for c in grid["codecs"][f"{task}/{route}"]
+                                               if not args.codecs or c in args.codecs], args.bandwidth, args.repeats)]
+    if not times:
+        return 0
     with open(os.path.join(args.out, "steps.json"), "w") as f:
         json.dump([t._asdict() for t in times], f, indent=1)
     with open(os.path.join(args.out, "steps.md"), "w") as f:

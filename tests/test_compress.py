@@ -6,7 +6,10 @@ max|x|/254, per block, int4 (scale max|x|/7, two values a byte) by max|x|/14; fp
 4 / 3 significant bits of the scaled value (relative
 error <= 2^-4 / 2^-3) except below the smallest normal, where the error is at most half the
 smallest subnormal times the scale. The bytes on the wire are the payload's plus one float32
-scale per block. Error feedback resends what the codec dropped (a hand-computed three-step case).
+scale per block. top-k keeps each block's 16 largest magnitudes exact and sends them beside
+their uint8 positions (16 x 5 bytes a block); what it drops is zero, each no larger than the
+smallest kept. Error feedback resends what the codec dropped (hand-computed three-step cases:
+int8, and top-k, whose feedback sends a small entry once it has grown past a kept one).
 """
 import json
 import re
@@ -81,6 +84,44 @@ def test_int4_half_a_step_per_block(shape):
     assert x.size == 1 or np.any(np.abs(err) > peak / 254)  # coarser than int8: it does round to 4 bits
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_topk_keeps_the_largest_exactly(shape):
+    """Per block of 128 (the last zero-padded): every entry arrives exact or as zero, at most 16
+    arrive nonzero, every entry larger in magnitude than the block's 16th largest arrives exact, and
+    every entry dropped is no larger in magnitude than the smallest one kept."""
+    x = _message(shape)
+    y = compress.lookup("topk-1/8").round_trip(x)
+    assert y.dtype == jnp.float32 and y.shape == x.shape
+    xb, yb = _blocks(x), _blocks(y)
+    assert np.all((yb == xb) | (yb == 0))
+    for xs, ys in zip(xb, yb):
+        sixteenth = np.sort(np.abs(xs))[::-1][15]
+        assert np.count_nonzero(ys) <= 16
+        assert np.all(ys[np.abs(xs) > sixteenth] == xs[np.abs(xs) > sixteenth])
+        dropped, kept = np.abs(xs[ys != xs]), np.abs(xs[ys != 0])
+        if dropped.size and kept.size:
+            assert dropped.max() <= kept.min()
+    assert np.any(yb != xb) or x.size == 1  # it does drop
+
+
+def test_topk_sends_values_and_uint8_positions():
+    """A block of 128 whose 16 largest magnitudes sit at positions 3, 10, ..., 108 (7p + 3, values
+    +-(p + 1) * 10), the rest 0.5: the payload is those 16 values, the index their positions (uint8:
+    a block's 128 positions fit a byte), and the message comes back with every 0.5 zeroed."""
+    x = np.full(128, 0.5, np.float32)
+    positions = [7 * p + 3 for p in range(16)]
+    x[positions] = [(-1) ** p * (p + 1) * 10.0 for p in range(16)]
+    codec = compress.lookup("topk-1/8")
+    enc = codec.encode(jnp.asarray(x))
+    assert enc.scale is None and enc.index.dtype == jnp.uint8 and enc.index.shape == (1, 16)
+    assert enc.payload.dtype == jnp.float32 and enc.payload.shape == (1, 16)
+    assert sorted(np.asarray(enc.index[0]).tolist()) == positions
+    np.testing.assert_array_equal(np.asarray(enc.payload[0]), x[np.asarray(enc.index[0])])
+    want = np.zeros(128, np.float32)
+    want[positions] = x[positions]
+    np.testing.assert_array_equal(np.asarray(codec.decode(enc, x)), want)
+
+
 def test_int4_packs_two_nibbles_a_byte():
     """One block whose peak is 7 has scale 1: the payload is the integers themselves, q + 8 as a
     nibble, element 2i in byte i's low 4 bits, 2i + 1 in its high 4 (written out by hand)."""
@@ -123,6 +164,16 @@ def test_wire_bytes_are_the_payload_and_scales(shape, name, itemsize, scaled):
     assert got == expected == codec.wire_bytes(n)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_topk_wire_bytes_are_values_and_positions(shape):
+    """top-k sends 16 float32 values and 16 uint8 positions per block of 128: 80 bytes a block."""
+    codec = compress.lookup("topk-1/8")
+    enc = codec.encode(_message(shape))
+    n = int(np.prod(shape))
+    expected = -(-n // 128) * 16 * (4 + 1)
+    assert sum(np.asarray(a).nbytes for a in enc if a is not None) == expected == codec.wire_bytes(n)
+
+
 def test_zero_block_decodes_to_zeros():
     x = jnp.zeros((2, 200), jnp.float32)
     for name in compress.CODECS:
@@ -131,7 +182,7 @@ def test_zero_block_decodes_to_zeros():
 
 def test_unknown_codec_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^compress.gradients='int2' is not a codec; codecs: none, bf16, "
-                                          r"fp8-e4m3, fp8-e5m2, int8, int4$"):
+                                          r"fp8-e4m3, fp8-e5m2, int8, int4, topk-1/8$"):
         compress.Codecs.from_config({"compress": {"gradients": "int2"}})
     with pytest.raises(ConfigError, match="unknown config key 'compress.weights'"):
         compress.Codecs.from_config({"compress": {"weights": "bf16"}})
@@ -139,6 +190,22 @@ def test_unknown_codec_refused_in_one_line():
         compress.Codecs.from_config({"compress": {"feedback": True}})
     with pytest.raises(ConfigError, match=r"^compress.feedback must be True or False, got 'yes'$"):
         compress.Codecs.from_config({"compress": {"gradients": "int8", "feedback": "yes"}})
+
+
+def test_topk_refused_where_nothing_resends_what_it_drops():
+    """top-k drops 7/8 of a message: on gradients only with error feedback (cdp-zero, which keeps
+    none, refuses that in turn), never on parameters; on activations it runs as it is."""
+    with pytest.raises(ConfigError, match=r"^compress.gradients='topk-1/8' drops 7/8 of every gradient message and, "
+                                          r"without compress.feedback=True, never sends it: .*top-k cannot run there"):
+        compress.Codecs.from_config({"compress": {"gradients": "topk-1/8"}})
+    with pytest.raises(ConfigError, match=r"^compress.parameters='topk-1/8' would zero 7/8 of each parameter piece"):
+        compress.Codecs.from_config({"compress": {"parameters": "topk-1/8"}})
+    assert compress.Codecs.from_config({"compress": {"gradients": "topk-1/8", "feedback": True}}).gradients.sparse
+    assert compress.Codecs.from_config({"compress": {"activations": "topk-1/8"}}).activations.sparse
+    config = small_config("cdp-zero", "mlp", stages=4, workers=4, global_batch_size=16)
+    config.compress.gradients, config.compress.feedback = "topk-1/8", True
+    with pytest.raises(ConfigError, match=r"^compress.feedback=True: cdp-zero's gradient pieces keep no error"):
+        build(config, {"data": 4})
 
 
 def test_codecs_by_message():
@@ -166,6 +233,28 @@ def test_error_feedback_three_steps():
     assert float(state.kept[1]) == 0.0  # 127 is exact every time
 
 
+def test_topk_error_feedback_three_steps():
+    """top-k of one block: 16 entries 2.5 + 0.01 p at positions p = 0..15, 1.0 at position 16, zeros
+    after. Step 1 sends positions 0..15 and keeps 1.0 at 16; step 2 holds 1 + 1 = 2.0 at 16, still
+    below the 16 kept, so it sends the same 16 and keeps 2.0; step 3 holds 3.0 at 16, larger than
+    position 0's 2.5, so it sends position 16's 3.0 and keeps position 0's 2.5 instead."""
+    codec = compress.lookup("topk-1/8")
+    message = np.zeros(128, np.float32)
+    message[:16] = 2.5 + 0.01 * np.arange(16)
+    message[16] = 1.0
+    message = jnp.asarray(message)
+    state = compress.Feedback(jnp.zeros((128,), jnp.float32))
+    received, kept = [], []
+    for _ in range(3):
+        enc, state = compress.feedback_encode(codec, message, state)
+        got = np.asarray(codec.decode(enc, message))
+        received.append((float(got[0]), float(got[16])))
+        kept.append((float(state.kept[0]), float(state.kept[16])))
+    np.testing.assert_allclose(received, [(2.5, 0.0), (2.5, 0.0), (0.0, 3.0)], atol=1e-6)
+    np.testing.assert_allclose(kept, [(0.0, 1.0), (0.0, 2.0), (2.5, 0.0)], atol=1e-6)
+    assert not np.asarray(state.kept)[17:].any() and not np.asarray(state.kept)[1:16].any()
+
+
 # ---------------------------------------------------------------- on the wire: the compiled program's permutes
 
 _PERMUTE = re.compile(r"=\s*(\(.*?\)|\S+)\s+collective-permute(?:-start)?\(")
@@ -186,15 +275,17 @@ def _permutes(hlo_text: str) -> list[tuple[str, int]]:
 def _wire(codec: str, n: int) -> list[tuple[str, int]]:
     """What a message of n float32 elements should cross as, written out per codec: bf16 its 2-byte
     bits, fp8 and int8 one byte an element padded to blocks of 128 beside one float32 scale a block,
-    int4 half a byte an element (64 bytes a block) beside the same scales."""
+    int4 half a byte an element (64 bytes a block) beside the same scales; top-k 1/8 a block's 16
+    float32 values beside their 16 uint8 positions (a block's 128 positions fit a byte)."""
     blocks = -(-n // 128)
     return {"none": [("f32", 4 * n)], "bf16": [("u16", 2 * n)], "int8": [("s8", 128 * blocks), ("f32", 4 * blocks)],
             "int4": [("u8", 64 * blocks), ("f32", 4 * blocks)],
             "fp8-e4m3": [("u8", 128 * blocks), ("f32", 4 * blocks)],
-            "fp8-e5m2": [("u8", 128 * blocks), ("f32", 4 * blocks)]}[codec]
+            "fp8-e5m2": [("u8", 128 * blocks), ("f32", 4 * blocks)],
+            "topk-1/8": [("f32", 4 * 16 * blocks), ("u8", 16 * blocks)]}[codec]
 
 
-@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3", "int4"])
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3", "int4", "topk-1/8"])
 def test_ppll_activation_permutes_carry_the_codec(codec):
     """ppll on 2 devices, an MLP 16 wide, 12 examples a step: one message, stage 0's output
     [12, 16] = 192 float32 elements, crosses per step, in the codec's dtype and bytes."""
@@ -222,10 +313,11 @@ def _ring(codec: str, workers: int = 2, stages: int = 2, batch: int = 8):
     config = small_config("cdp-v2", "mlp", cdp_impl="ring", workers=workers, stages=stages, global_batch_size=batch,
                           momentum=0.0, weight_decay=0.0, schedule="constant", learning_rate=0.5)
     config.compress.gradients = codec
+    config.compress.feedback = compress.lookup(codec).sparse  # top-k runs on gradients with feedback only
     return build(config, {"data": workers})
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "topk-1/8"])
 def test_ring_gradient_permutes_carry_the_codec(codec):
     """Each gradient message of the ring (a stage's gradient raveled, n float32 elements with no
     codec) crosses as the codec's wire arrays for n elements."""
@@ -272,13 +364,15 @@ def test_ring_with_bf16_sums_within_the_rounding_bound():
             np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[1])
 
 
-@pytest.mark.parametrize("codec,wire_bytes", [("bf16", 2 * 64 * 16), ("int8", 8 * (128 + 4)), ("int4", 8 * (64 + 4))])
+@pytest.mark.parametrize("codec,wire_bytes", [("bf16", 2 * 64 * 16), ("int8", 8 * (128 + 4)), ("int4", 8 * (64 + 4)),
+                                              ("topk-1/8", 8 * 16 * (4 + 1))])
 def test_bench_counts_the_wire_bytes(tmp_path, codec, wire_bytes):
     """ppll on two devices, a 16-wide MLP cut after two blocks, 64 examples a step: one message a
     step, the [64, 16] hidden layer, crosses as `wire_bytes` (written out: bf16 2 bytes an element;
     int8 1024 elements = 8 blocks of 128 bytes and a 4-byte scale; int4 8 blocks of 64 bytes and a
-    scale), i.e. half that per device. What the program says (its Send events through their codec)
-    and what the compiled program's permutes carry (bench's HLO count) agree within 1%."""
+    scale; top-k 8 blocks of 16 float32 values and 16 uint8 positions), i.e. half that per
+    device. What the program says (its Send events through their codec) and what the compiled
+    program's permutes carry (bench's HLO count) agree within 1%."""
     path = tmp_path / "b.json"
     assert main(["bench", "--methods", "ppll", "--cpu-devices", "2", "--repeats", "1",
                  "--config.stages=[2]", "--config.model_kwargs.width=16", "--config.global_batch_size=64",

@@ -43,3 +43,9 @@ def test_a_bad_bandwidth_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compression.main(["--tiny", "--out", str(tmp_path), "--bandwidth", "0"])
     assert "--bandwidth 0.0 must be a positive number of bytes/s" in capsys.readouterr().err
+
+
+def test_a_codec_outside_the_grid_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compression.main(["--tiny", "--out", str(tmp_path), "--codecs", "int8"])
+    assert "--codecs 'int8' is not a codec of this grid; its codecs: int4, none" in capsys.readouterr().err
