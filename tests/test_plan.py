@@ -180,16 +180,16 @@ def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
 # The plan's memory prediction (bench.memory_model: arguments + temporaries) over XLA's held bytes per
 # device (arguments + temporaries + outputs not written over the donated state: `bench.memory`) of the
 # compiled step, for every registered method, measured with this file's grid (`pytest -m heavy
-# tests/test_plan.py -k against_xla`; jax 0.10.2, CPU, 2026-12-04; 38 of the 78 within 5%). The arguments
+# tests/test_plan.py -k against_xla`; jax 0.10.2, CPU, 2026-12-04; 41 of the 78 within 5%). The arguments
 # agree to a few bytes.
 # A case not listed here is within 5% of XLA. A listed one is off by more, and must stay within 5% of
 # the ratio recorded (a regression, or a fix that should move it out of the table, fails), for the
 # reason `WHY` gives.
 MEASURED = {
-    ("mlp", 2, "cdp-v1"): 0.675, ("mlp", 2, "cdp-zero"): 1.098, ("mlp", 2, "dualpipev"): 0.756,
+    ("mlp", 2, "cdp-zero"): 1.098, ("mlp", 2, "dualpipev"): 0.756,
     ("mlp", 2, "interleaved-1f1b"): 0.946, ("mlp", 2, "looped-bfs"): 0.95, ("mlp", 4, "cdp-mp"): 0.908,
-    ("mlp", 4, "cdp-v1"): 0.656, ("mlp", 4, "cdp-zero"): 0.948, ("mlp", 4, "dualpipev"): 0.769,
-    ("mlp", 8, "cdp-mp"): 0.939, ("mlp", 8, "cdp-v1"): 0.658, ("mlp", 8, "cdp-zero"): 0.768,
+    ("mlp", 4, "cdp-zero"): 0.948, ("mlp", 4, "dualpipev"): 0.769,
+    ("mlp", 8, "cdp-mp"): 0.939, ("mlp", 8, "cdp-zero"): 0.768,
     ("mlp", 8, "dualpipev"): 0.772, ("resnet_tiny", 2, "cdp-random"): 0.948, ("resnet_tiny", 2, "cdp-v1"): 0.949,
     ("resnet_tiny", 2, "cdp-v2"): 0.948, ("resnet_tiny", 2, "dualpipev"): 0.578,
     ("resnet_tiny", 2, "interleaved-1f1b"): 0.818, ("resnet_tiny", 2, "local"): 0.891,
@@ -202,26 +202,28 @@ MEASURED = {
     ("resnet_tiny", 8, "interleaved-1f1b"): 0.892, ("resnet_tiny", 8, "looped-bfs"): 0.903,
     ("resnet_tiny", 8, "ppll"): 0.886, ("resnet_tiny", 8, "zb-h1"): 0.768, ("resnet_tiny", 8, "zbv"): 0.821,
 }
+# On resnet_tiny XLA holds more around the conv stages than the declared buffers and not as the op's own
+# workspace: a stage's backward compiled alone needs about 49 KB beyond its declared residuals, where
+# gpipe at 4 devices is about 350 KB under. Not identified.
+CONV = "under on resnet_tiny: beyond the declared buffers around the conv stages, not the op's own workspace"
 WHY = {  # what XLA holds that the model does not declare (or the reverse), by method
-    "cdp-v1": "under on the MLP: at the period's end its long-lived sums are moved on (`RingPool.moves`), and XLA "
-              "holds a copy of the pool and the moved sums beside the op's buffers; on resnet_tiny the conv op's "
-              "residuals are the peak instead (within 5% at 4 and 8 devices; at 2 under by a hair, as cdp-v2)",
-    "cdp-v2": "under by a hair on resnet_tiny at 2 devices (0.948): a conv op's workspace beyond its residuals",
+    "cdp-v1": "under by a hair on resnet_tiny at 2 devices (0.949), as cdp-v2 (the same ring)",
+    "cdp-v2": CONV + " (0.948 at 2 devices, by a hair)",
     "cdp-random": "under by a hair on resnet_tiny at 2 devices (0.948), as cdp-v2 (the same ring)",
     "cdp-zero": "over on the MLP at 2 devices, under at 8: its declared pieces' lifetimes are not XLA's",
     "cdp-mp": "under: its carried stashes are arguments only (donated, updated in place); beyond them XLA holds an "
-              "activation-sized buffer per micro-batch not yet read from its assignment, and on resnet_tiny a "
-              "conv op's workspace beyond its residuals",
-    "zbv": "under on resnet_tiny: a conv op's workspace beyond its residuals (its two units a device now summed)",
+              "activation-sized buffer per micro-batch not yet read from its assignment; on resnet_tiny "
+              "also as `CONV`",
+    "zbv": CONV + " (its two units a device summed)",
     "dualpipev": "under: a forward and a backward in one cell, each with its own branch buffers in XLA",
-    "interleaved-1f1b": "under: two units a device; beyond their summed op workspaces, a conv op's on resnet_tiny",
-    "looped-bfs": "under: two units a device; beyond their summed op workspaces, a conv op's on resnet_tiny",
-    "gpipe": "under on resnet_tiny: a conv op's workspace beyond its residuals",
-    "1f1b": "under on resnet_tiny: a conv op's workspace beyond its residuals",
-    "zb-h1": "under on resnet_tiny: a conv op's workspace beyond its residuals",
-    "ppll": "under on resnet_tiny: a conv op's workspace beyond its residuals and its head's",
-    "local": "under on resnet_tiny: a conv op's workspace beyond its residuals",
-    "dp": "under on resnet_tiny at 8 devices: a conv op's workspace beyond its residuals",
+    "interleaved-1f1b": "under: two units a device, beyond their summed op workspaces; on resnet_tiny also as `CONV`",
+    "looped-bfs": "under: two units a device, beyond their summed op workspaces; on resnet_tiny also as `CONV`",
+    "gpipe": CONV,
+    "1f1b": CONV,
+    "zb-h1": CONV,
+    "ppll": CONV + " (its heads' residuals declared)",
+    "local": CONV,
+    "dp": CONV + " (at 8 devices)",
 }
 # the rest with -m heavy; a ring (its pool an argument only) and a local pipeline (its heads) among them
 CI_CASES = {("mlp", 2, "dp"), ("mlp", 4, "gpipe"), ("mlp", 2, "cdp-zero"), ("mlp", 2, "cdp-v2"), ("mlp", 4, "ppll")}
