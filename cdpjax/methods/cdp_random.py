@@ -10,6 +10,9 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
 0, and the optimizer then runs without its own; 'staleness-lr' scales the optimizer's update, not
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
+'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
+theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
+(`delay_corrections.look_ahead`), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
 second half of the rows again and again (`table_row`).
 
@@ -101,7 +104,9 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     if (taus < 0).any():
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
-    depth = int(taus.max()) + 1  # versions kept: theta_k .. theta_{k - max tau}
+    look_ahead = delay.correction in delay_corrections.READ_SIDE
+    # versions kept: theta_k .. theta_{k - max tau}, and one more for the look-ahead's last difference
+    depth = int(taus.max()) + 1 + int(look_ahead)
     correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
     replicated = NamedSharding(mesh, P())
     taus_dev = jax.device_put(jnp.asarray(taus, jnp.int32), replicated)
@@ -119,7 +124,12 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         return (*optim.apply(tx, params, opt_state, grads), corr_state)
 
     def worker_loss(history, tau_row, model_state, images, labels):
-        params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
+        if look_ahead:
+            # the coefficients (1 + s tau, -s tau) sum to 1: summed over versions, the gradient is g(theta_hat)
+            params = [jax.tree.map(lambda h: delay_corrections.look_ahead(h, tau_row[j], delay.strength), history[j])
+                      for j in range(L)]
+        else:
+            params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
         outputs, new_state = net.apply(params, model_state, images, True)
         return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
 
