@@ -129,6 +129,25 @@ def test_fixed_tau_per_stage_runs_on_the_ring(taus):
     assert_close(train(sim), reference_loop(sim))
 
 
+@pytest.mark.parametrize("delay, rule", [
+    (dict(model="uniform", rule="cdp-v2"), "cdp-v2"), (dict(model="per-stage", taus=(1, 1)), "cdp-v1"),
+    pytest.param(dict(model="straggler", slowdown=1, tau_max=2), "cdp-v2", marks=pytest.mark.heavy)])
+def test_zero_runs_the_tables_with_cdps_reads(delay, rule):
+    """cdp-zero (every stage partitioned over the workers) runs a delay table whose reads are all
+    cdp-v1's or cdp-v2's, as that rule, and equals the version-history simulation of the table."""
+    zero = build("cdp-random", impl="zero", delay=delay)
+    assert zero.report["impl"] == "zero" and zero.report["rule"] == rule
+    assert_close(train(zero), train(build("cdp-random", delay=delay)))
+
+
+@pytest.mark.parametrize("delay", [dict(model="geometric"), dict(model="per-stage", taus=(2, 1)),
+                                   dict(model="uniform-tau", tau_max=0)])
+def test_zero_refuses_other_reads_in_one_line(delay):
+    with pytest.raises(ConfigError, match=f"delay.model='{delay['model']}' reads other versions than cdp-v1's or "
+                                          f"cdp-v2's and cdp-zero's plan keeps each piece's current and previous"):
+        build("cdp-random", impl="zero", delay=delay)
+
+
 def test_steps_past_the_table_repeat_its_second_half():
     # 64 rows: steps 0..63 read themselves, 64..95 rows 32..63, 96 row 32 again
     rows = [int(cdp_random.table_row(k, 64)) for k in (0, 63, 64, 95, 96, 130)]
