@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 WORKERS, STAGES = 4, 4
 MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
@@ -214,8 +214,16 @@ def main(argv=None) -> int:
     p.add_argument("--figure", default=None, help="write the curves to this .png")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in OUT/runs.jsonl (a run cut short, or a grid grown) and train the rest")
+    p.add_argument("--corrections", default=None,
+                   help="comma-separated: train only these of the grid's corrections (then --resume for the rest)")
     args = p.parse_args(argv)
     grid = GRIDS["tiny" if args.tiny else args.grid]
+    if args.corrections:
+        only = tuple(args.corrections.split(","))
+        bad = sorted(set(only) - set(grid["corrections"]))
+        if bad:
+            p.error(f"--corrections {','.join(bad)}: the grid's corrections are {', '.join(grid['corrections'])}")
+        grid = {**grid, "corrections": only}
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "runs.jsonl")
     done = {}
