@@ -25,7 +25,9 @@ One correction moves the read instead of the gradient (`READ_SIDE`): `look_ahead
 PipeNAG (Ajanthan et al., ICML 2025, "Nesterov Method for Asynchronous Pipeline Parallel
 Optimization") modifies Nesterov's look-ahead step so that a gradient that arrives tau updates
 late is taken at weights predicted tau updates ahead of the ones the stage holds at its forward,
-along the optimizer's direction of motion. Here worker i's read of stage j at step k, tau = tau(k, i, j)
+along the optimizer's direction of motion (its abstract; its exact coefficients were not at hand
+when this was written: the form below is that prediction, linear in the delay, as PipeMare's
+and SpecTrain's weight predictions are). Worker i's read of stage j at step k, tau = tau(k, i, j)
 updates behind, takes
 
     theta_hat = theta_{k-tau} + lambda tau (theta_{k-tau} - theta_{k-tau-1})
