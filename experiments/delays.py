@@ -1,8 +1,10 @@
 """CDP under random and asynchronous delays: final test loss and accuracy against the mean delay.
 
     python experiments/delays.py --tiny --out out/delays_tiny                  # CI: seconds
-    python experiments/delays.py --grid small --out out/delays_small \\
-        --figure docs/figures/delays_digits.png                                # docs/delays.md's figure
+    python experiments/delays.py --grid digits --out out/delays_digits \\
+        --figure docs/figures/delays_digits.png                                # docs/delays.md's digits grid
+    python experiments/delays.py --grid target --out out/delays_target \\
+        --figure docs/figures/delays_charlm.png                                # the issue's target point
     python experiments/delays.py --grid full --out out/delays_full             # a bigger machine
 
 Every run trains `cdp-random` (`cdpjax.layouts.delays`) with `cdp_impl='simulate'` on one device,
@@ -43,7 +45,7 @@ GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
                  seeds=(0,), steps={"digits": 40}),
-    # docs/delays.md's figure, on a busy 2-core machine: digits, two models, 1 seed
+    # a quick look: digits, two models, 1 seed
     "small": dict(tasks=("digits",), models=("uniform-tau", "straggler"), taus=(0, 2, 8), corrections=CORRECTIONS,
                   seeds=(0,), steps={"digits": 200}),
     # the issue's target: the character language model at tau = L (random delays, uniform on {0..2 tau}),
@@ -216,14 +218,16 @@ def main(argv=None) -> int:
                    help="keep the rows already in OUT/runs.jsonl (a run cut short, or a grid grown) and train the rest")
     p.add_argument("--corrections", default=None,
                    help="comma-separated: train only these of the grid's corrections (then --resume for the rest)")
+    p.add_argument("--models", default=None, help="comma-separated: train only these of the grid's delay models")
     args = p.parse_args(argv)
     grid = GRIDS["tiny" if args.tiny else args.grid]
-    if args.corrections:
-        only = tuple(args.corrections.split(","))
-        bad = sorted(set(only) - set(grid["corrections"]))
-        if bad:
-            p.error(f"--corrections {','.join(bad)}: the grid's corrections are {', '.join(grid['corrections'])}")
-        grid = {**grid, "corrections": only}
+    for key, value in (("corrections", args.corrections), ("models", args.models)):
+        if value:
+            only = tuple(value.split(","))
+            bad = sorted(set(only) - set(grid[key]))
+            if bad:
+                p.error(f"--{key} {','.join(bad)}: the grid's {key} are {', '.join(grid[key])}")
+            grid = {**grid, key: only}
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "runs.jsonl")
     done = {}
