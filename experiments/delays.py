@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -139,7 +140,10 @@ def rows(grid: dict):
 
 
 def spread(values) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds; a diverged seed (nan) makes both nan."""
     values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
