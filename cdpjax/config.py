@@ -79,7 +79,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.partition = "params"
     # Cyclic data parallelism.
     c.workers = 0  # CDP workers; 0 = the size of the data axis
-    c.cdp_impl = "ring"  # 'simulate' | 'ring'
+    c.cdp_impl = "ring"  # 'simulate' | 'ring' | 'zero' (cdp-random)
     # The staleness rule: for cdp-v2, 'cdp-v2' (the version each forward finds, from the ticks) or
     # 'paper-code' (the authors' released rule: current iff stage >= L-1-worker, for any N and L);
     # for cdp-mp and cdp-zero, 'cdp-v2' | 'cdp-v1'. cdp-v1 has one rule, its own.
@@ -164,7 +164,7 @@ _CHOICES = {
     "optimizer": ("sgd", "adam", "adamw"),
     "schedule": ("constant", "cosine", "step"),
     "partition": ("params", "flops", "blocks", "memory", "time"),
-    "cdp_impl": ("simulate", "ring"),
+    "cdp_impl": ("simulate", "ring", "zero"),  # 'zero': cdp-random only (its tables with CDP's reads)
     "cdp_rule": ("cdp-v2", "cdp-v1", "paper-code"),
     "cdp_ticks": ("whole", "split", "paired"),
     "zero_period": ("unrolled", "scan"),

@@ -20,6 +20,24 @@ per-stage models).
   Zheng et al. 2017: a first-order Taylor step of the gradient from the read version to the
   current one, the Hessian approximated by the diagonal lambda g * g). The state holds the last
   `max_staleness` versions of the stage (theta_0 before step 0); tau = 0 or lambda = 0: g.
+
+One correction moves the read instead of the gradient (`READ_SIDE`): `look_ahead`, 'pipenag'.
+PipeNAG (Ajanthan et al., ICML 2025, "Nesterov Method for Asynchronous Pipeline Parallel
+Optimization") modifies Nesterov's look-ahead step so that a gradient that arrives tau updates
+late is taken at weights predicted tau updates ahead of the ones the stage holds at its forward,
+along the optimizer's direction of motion (its abstract; its exact coefficients were not at hand
+when this was written: the form below is that prediction, linear in the delay, as PipeMare's
+and SpecTrain's weight predictions are). Worker i's read of stage j at step k, tau = tau(k, i, j)
+updates behind, takes
+
+    theta_hat = theta_{k-tau} + lambda tau (theta_{k-tau} - theta_{k-tau-1})
+
+(lambda: `delay.strength`, 1 a linear extrapolation over the tau missing updates; theta_v for v < 0
+is theta_0): the last update the read version holds, repeated for each update it misses. Under SGD
+with momentum that difference is -lr times the optimizer's momentum buffer of update k - tau - 1,
+so theta_hat is the momentum's look-ahead over the delay; the gradient is taken at theta_hat and
+applied to theta_k by the unchanged optimizer. tau = 0 (or lambda = 0): the plain read. It needs
+the version before the oldest read one: the simulation keeps max tau + 2 versions.
 """
 from __future__ import annotations
 
@@ -31,9 +49,11 @@ import optax
 
 from cdpjax.errors import ConfigError
 
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
 # Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
 ON_UPDATES = ("staleness-lr",)
+# Corrections that move the read (the weights a stale gradient is taken at), not the update: `look_ahead`.
+READ_SIDE = ("pipenag",)
 
 
 def _mean_inverse(tau) -> jax.Array:
@@ -104,11 +124,21 @@ def delay_compensated(strength: float, max_staleness: int) -> optax.GradientTran
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def look_ahead(versions, tau, strength: float = 1.0):
+    """PipeNAG's predicted weights for a read tau updates late (module docstring):
+    versions[tau] + strength * tau * (versions[tau] - versions[tau + 1]), where `versions[t]` is
+    theta_{k-t} (a stacked pytree leaf or array; it must hold tau + 2 versions)."""
+    read, before = versions[tau], versions[tau + 1]
+    ahead = strength * jnp.asarray(tau, read.dtype)
+    return read + ahead * (read - before)
+
+
 def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float = 1.0):
-    """The correction `name` (one of CORRECTIONS), None for 'none'."""
+    """The correction `name` (one of CORRECTIONS), None for 'none' and for the read-side ones
+    (`READ_SIDE`: the engine moves the read, `look_ahead`)."""
     if name not in CORRECTIONS:
         raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)}")
-    if name == "none":
+    if name == "none" or name in READ_SIDE:
         return None
     if name == "staleness-lr":
         return staleness_scaled()

@@ -129,6 +129,25 @@ def test_fixed_tau_per_stage_runs_on_the_ring(taus):
     assert_close(train(sim), reference_loop(sim))
 
 
+@pytest.mark.parametrize("delay, rule", [
+    (dict(model="uniform", rule="cdp-v2"), "cdp-v2"), (dict(model="per-stage", taus=(1, 1)), "cdp-v1"),
+    pytest.param(dict(model="straggler", slowdown=1, tau_max=2), "cdp-v2", marks=pytest.mark.heavy)])
+def test_zero_runs_the_tables_with_cdps_reads(delay, rule):
+    """cdp-zero (every stage partitioned over the workers) runs a delay table whose reads are all
+    cdp-v1's or cdp-v2's, as that rule, and equals the version-history simulation of the table."""
+    zero = build("cdp-random", impl="zero", delay=delay)
+    assert zero.report["impl"] == "zero" and zero.report["rule"] == rule
+    assert_close(train(zero), train(build("cdp-random", delay=delay)))
+
+
+@pytest.mark.parametrize("delay", [dict(model="geometric"), dict(model="per-stage", taus=(2, 1)),
+                                   dict(model="uniform-tau", tau_max=0)])
+def test_zero_refuses_other_reads_in_one_line(delay):
+    with pytest.raises(ConfigError, match=f"delay.model='{delay['model']}' reads other versions than cdp-v1's or "
+                                          f"cdp-v2's and cdp-zero's plan keeps each piece's current and previous"):
+        build("cdp-random", impl="zero", delay=delay)
+
+
 def test_steps_past_the_table_repeat_its_second_half():
     # 64 rows: steps 0..63 read themselves, 64..95 rows 32..63, 96 row 32 again
     rows = [int(cdp_random.table_row(k, 64)) for k in (0, 63, 64, 95, 96, 130)]
@@ -140,7 +159,7 @@ def test_ring_refuses_a_model_whose_staleness_changes():
         build("cdp-random", impl="ring", delay=dict(model="geometric"))
 
 
-@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd"])
+@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag"])
 def test_corrections_train(name):
     m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction=name, strength=0.5))
     plain = train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2)))
@@ -190,6 +209,59 @@ def test_delay_compensated_by_hand():
     for g, p, tau in ((2.0, 1.0, (1,)), (1.0, 3.0, (1, 2)), (2.0, 7.0, (0, 1))):
         u, s = tx.update(jnp.float32(g), s, jnp.float32(p), staleness=jnp.asarray(tau))
     np.testing.assert_allclose(float(u), 6.0)
+
+
+def test_pipenag_look_ahead_by_hand():
+    """f(theta) = theta^2 / 2 (gradient theta), SGD at lr 0.5, theta_0 = 4, every read tau = 1 behind
+    (version max(k - 1, 0), theta_{-1} = theta_0), read at theta_v + 1 * (theta_v - theta_{v-1}).
+    Step 0 reads v = 0: 4 + (4 - 4) = 4, theta_1 = 4 - 0.5 * 4 = 2. Step 1 reads v = 0 again: 4,
+    theta_2 = 2 - 2 = 0. Step 2 reads v = 1: 2 + (2 - 4) = 0 (the extrapolation lands on theta_2),
+    theta_3 = 0. Without the look-ahead step 2 reads 2 and overshoots: theta_3 = -1."""
+    def run(strength):
+        versions = [4.0, 4.0]  # versions[t] = theta_{k-t}; before step 0 every one is theta_0
+        for _ in range(3):
+            read = float(delay_corrections.look_ahead(jnp.asarray(versions + [versions[-1]]), 1, strength))
+            versions = [versions[0] - 0.5 * read] + versions[:2]
+        return versions[0]
+
+    assert run(1.0) == 0.0 and run(0.0) == -1.0
+    # the engine's read: (1 + s tau) theta_{k-tau} - s tau theta_{k-tau-1}, per leaf of a stacked history
+    h = jnp.asarray([[7.0], [5.0], [2.0], [1.0]])
+    np.testing.assert_allclose(delay_corrections.look_ahead(h, 2, 0.5), [2.0 + 0.5 * 2 * (2.0 - 1.0)])
+    np.testing.assert_allclose(delay_corrections.look_ahead(h, 0, 0.5), [7.0])
+
+
+def look_ahead_loop(m, strength, steps=STEPS):
+    """`reference_loop` with PipeNAG's read: worker i's gradient of stage j at step k is taken at
+    theta_v + strength tau (theta_v - theta_{v-1}), v = max(k - tau, 0), theta_{-1} = theta_0."""
+    net, tx = m.net, optim.make(config())
+    tau = staleness.per_read(m.table)
+    theta, _ = net.init(jax.random.key(0))
+    opt = [tx.init(p) for p in theta]
+    loss = lambda p, x, y: cross_entropy(net.apply(p, [{}] * len(p), x, True)[0], y)  # noqa: E731
+    grad = jax.jit(jax.grad(loss))
+    history = [theta]
+    version = lambda v: history[max(v, 0)]  # noqa: E731
+
+    def read(k, t, j):
+        v = k - t
+        return jax.tree.map(lambda a, b: a + strength * t * (a - b), version(v)[j], version(v - 1)[j])
+
+    N = m.workers
+    for k, b in enumerate(batches()[:steps]):
+        xs, ys = np.split(b["image"], N), np.split(b["label"], N)
+        gs = [grad([read(k, int(tau[k, i, j]), j) for j in range(len(theta))], xs[i], ys[i]) for i in range(N)]
+        mean = jax.tree.map(lambda *g: sum(g) / N, *gs)
+        theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        history.append(theta)
+    return history[steps]
+
+
+def test_pipenag_simulation_reads_the_predicted_weights():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="pipenag", strength=0.5))
+    assert m.stored_versions == staleness.per_read(m.table).max() + 2
+    assert_close(train(m), look_ahead_loop(m, 0.5))
+    assert max_diff(look_ahead_loop(m, 0.5), reference_loop(m)) > 1e-5
 
 
 def test_bad_correction_fails_early():

@@ -106,6 +106,26 @@ def test_async_keeps_its_bound_and_its_time(tau_max):
     assert slow[1].mean() < np.delete(slow, 1, axis=0).mean()
 
 
+@pytest.mark.parametrize("worker, ticks", [(0, 18), (1, 19)])
+def test_straggler_time_by_hand(worker, ticks):
+    """N = 2, L = 1 (ops F, B), 3 steps, the straggler's ops 3 ticks, the other's 1, bound 1 (cdp-v2's
+    offsets 0 and 1). dp: every step waits for the straggler's F + B = 6 ticks: 3 x 6 = 18. CDP, worked
+    out op by op: the straggler runs its six ops back to back, never waiting (the versions it needs
+    are its own last updates), 3 x 6 = 18 ticks from its offset; the fast worker runs ahead to the
+    bound (its step-2 forward waits for update 0, complete at the straggler's first backward's end)
+    and finishes first. So the table ends at the straggler's offset + 18: 18 as worker 0 (dp's
+    ticks exactly, ratio 1: both are paced by the straggler's own work), 19 as worker 1 (CDP's
+    start-up offset). The fast worker's reads are older than the straggler's."""
+    t = table(2, 1, steps=3, model="straggler", worker=worker, slowdown=3, tau_max=1)
+    assert t.meta["time"] == {"ticks": ticks, "dp_ticks": 18}
+    if worker == 0:
+        starts = sorted((o.tick, o.device, o.kind, o.step) for o in t.ops if o.device == 0)
+        assert [s[0] for s in starts] == [0, 3, 6, 9, 12, 15]
+        fast = {(o.step, o.kind): (o.tick, o.version) for o in t.ops if o.device == 1}
+        assert fast[(2, "F")] == (6, 1)  # waited for update 0 (complete at tick 5), reads version 1 of 2
+        assert staleness.per_read(t)[2].tolist() == [[0], [1]]
+
+
 @pytest.mark.parametrize("delay", [dict(model="uniform", rule="cdp-v1"), dict(model="jitter", jitter=2),
                                    dict(model="uniform-tau", tau_max=3), dict(model="geometric", p=0.3),
                                    dict(model="per-stage", taus=(1, 2, 0, 3)), dict(model="async", durations=3),

@@ -89,7 +89,7 @@ class Delay:
     taus: per-stage's tau of each stage. jitter: the most ticks a step's start moves. durations:
     async's longest op, in ticks. worker, slowdown: the straggler and its ticks per op. seed: the
     draws'. correction: the delay correction the trainer applies (`cdpjax.delay_corrections`;
-    no table reads it). strength: the correction's coefficient (dc-asgd's lambda).
+    no table reads it). strength: the correction's coefficient (dc-asgd's lambda, pipenag's look-ahead).
     """
 
     model: str = "uniform"

@@ -10,6 +10,9 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 'none': the identity; 'nesterov' carries the momentum, beta = `config.momentum` or 0.9 where it is
 0, and the optimizer then runs without its own; 'staleness-lr' scales the optimizer's update, not
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
+'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
+theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
+(`delay_corrections.look_ahead`), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
 second half of the rows again and again (`table_row`).
 
@@ -22,8 +25,13 @@ Two realisations, `config.cdp_impl`:
   can serve with one stored version per stage: the 'uniform' model (CDP's own tables) and
   'per-stage' with every tau_j >= 1. A model whose reads change staleness from step to step is
   refused (the ring holds one version).
+- `zero`: cdp-zero (`cdpjax.methods.cdp_zero`: every stage partitioned over the workers) for
+  the tables whose every read is cdp-v1's or cdp-v2's (`cdp_rule_of`), run as that rule; the
+  others are refused: its plan keeps each piece's current and previous version only.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +42,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import delay_corrections, optim, staleness
 from cdpjax.errors import ConfigError
+from cdpjax.layouts.cdp import cdp_table
+from cdpjax.layouts.cdp_zero import ZERO_RULES
 from cdpjax.layouts.delays import Delay, delay_table
-from cdpjax.methods import cdp
+from cdpjax.methods import cdp, cdp_zero
 from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.timetable import TimeTable
 
@@ -61,6 +71,8 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
     elif (table.workers, table.stages) != (workers, net.num_stages):
         raise ConfigError(f"table has N={table.workers}, L={table.stages}; the run has "
                           f"workers={workers}, stages={net.num_stages}")
+    if impl == "zero":
+        return _zero(ctx, table, delay)
     if impl == "ring":
         if not table.applies and workers > 1:
             raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
@@ -70,12 +82,40 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
             raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
         return cdp.make(ctx, "cdp-random", table)
     if impl != "simulate":
-        raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring")
+        raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring, zero")
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
     if workers % devices:
         raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
                           f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
     return _simulate(ctx, net, table, workers, delay)
+
+
+def cdp_rule_of(table: TimeTable, ticks: str = "whole") -> str | None:
+    """The CDP rule (cdp-v1, cdp-v2) whose table reads the same version at every (step, worker,
+    stage) as `table` does, or None: the delay tables cdp-zero can run."""
+    reads = staleness.per_read(table)
+    for rule in ZERO_RULES:
+        cdp_reads = staleness.per_read(cdp_table(rule, table.workers, table.stages, table.steps, ticks))
+        if cdp_reads.shape == reads.shape and (cdp_reads == reads).all():
+            return rule
+    return None
+
+
+def _zero(ctx: Context, table: TimeTable, delay: Delay) -> Method:
+    """cdp-zero (`cdpjax.methods.cdp_zero`) for a table whose reads are CDP's own (`cdp_rule_of`:
+    the 'uniform' model, and the models at the parameters where they reduce to cdp-v1 / cdp-v2),
+    run as that rule: same reads, same update rule, so the same parameters after T steps."""
+    rule = cdp_rule_of(table, ctx.config.get("cdp_ticks", "whole"))
+    if rule is None:
+        raise ConfigError(f"delay.model={delay.model!r} reads other versions than cdp-v1's or cdp-v2's and cdp-zero's "
+                          f"plan keeps each piece's current and previous version only, applying each update at CDP's "
+                          f"update tick: use cdp_impl='simulate' (cdp-zero runs model 'uniform', per-stage with "
+                          f"every tau 1, and the timed models where they reduce to cdp-v2)")
+    if delay.correction != "none":
+        raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
+    config = ctx.config.copy_and_resolve_references()
+    config.cdp_rule = rule
+    return cdp_zero.build(dataclasses.replace(ctx, config=config))
 
 
 def table_row(step, laid_out: int):
@@ -101,7 +141,9 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     if (taus < 0).any():
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
-    depth = int(taus.max()) + 1  # versions kept: theta_k .. theta_{k - max tau}
+    look_ahead = delay.correction in delay_corrections.READ_SIDE
+    # versions kept: theta_k .. theta_{k - max tau}, and one more for the look-ahead's last difference
+    depth = int(taus.max()) + 1 + int(look_ahead)
     correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
     replicated = NamedSharding(mesh, P())
     taus_dev = jax.device_put(jnp.asarray(taus, jnp.int32), replicated)
@@ -119,7 +161,12 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         return (*optim.apply(tx, params, opt_state, grads), corr_state)
 
     def worker_loss(history, tau_row, model_state, images, labels):
-        params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
+        if look_ahead:
+            # the coefficients (1 + s tau, -s tau) sum to 1: summed over versions, the gradient is g(theta_hat)
+            params = [jax.tree.map(lambda h: delay_corrections.look_ahead(h, tau_row[j], delay.strength), history[j])
+                      for j in range(L)]
+        else:
+            params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
         outputs, new_state = net.apply(params, model_state, images, True)
         return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
 
