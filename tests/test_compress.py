@@ -285,7 +285,7 @@ def _wire(codec: str, n: int) -> list[tuple[str, int]]:
             "topk-1/8": [("f32", 4 * 16 * blocks), ("u8", 16 * blocks)]}[codec]
 
 
-@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3", "int4", "topk-1/8"])
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "topk-1/8"])
 def test_ppll_activation_permutes_carry_the_codec(codec):
     """ppll on 2 devices, an MLP 16 wide, 12 examples a step: one message, stage 0's output
     [12, 16] = 192 float32 elements, crosses per step, in the codec's dtype and bytes."""
@@ -317,7 +317,7 @@ def _ring(codec: str, workers: int = 2, stages: int = 2, batch: int = 8):
     return build(config, {"data": workers})
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "topk-1/8"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "fp8-e4m3", "fp8-e5m2", "int4", "topk-1/8"])
 def test_ring_gradient_permutes_carry_the_codec(codec):
     """Each gradient message of the ring (a stage's gradient raveled, n float32 elements with no
     codec) crosses as the codec's wire arrays for n elements."""
