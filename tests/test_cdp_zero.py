@@ -187,6 +187,20 @@ def test_scanned_state_round_trips_bit_for_bit():
     assert_trees_equal(train(zero, STEPS - 1, state, 1), whole)
 
 
+def test_scanned_and_unrolled_periods_agree_under_a_block_codec():
+    """int8 on the parameter pieces (a scale per block of 128 of each piece): the scanned period,
+    whose gather slots are as wide as the widest piece, encodes each piece alone, as the unrolled
+    period does, so the two train alike (a slot that carried the next stage's values in its tail
+    would scale a small piece by them: 9x the rounding error on the digits MLP's pieces)."""
+    runs = {}
+    for period in ("unrolled", "scan"):
+        ctx = context(4, method="cdp-zero", cdp_rule="cdp-v2", stages=4, zero_period=period)
+        ctx.config.compress.parameters = "int8"
+        m = methods.build(ctx)
+        runs[period] = params(m, m.flush(train(m)))
+    assert_close(runs["scan"], runs["unrolled"])
+
+
 # ------------------------------------------------------------------ messages and memory
 
 

@@ -447,8 +447,12 @@ class ZeroScan:
         sh, L = self.shards, self.z.stages
         stage = table["gather_stage"][t]  # [N, G]: the receiver's gathers
         start = jnp.asarray(sh.offsets + (0,), jnp.int32)[stage]
-        window = start[..., None] + jnp.arange(sh.widest, dtype=jnp.int32)
-        chunks = c.master[table["gather_row"][t][..., None], window]  # [N, G, P]
+        lane = jnp.arange(sh.widest, dtype=jnp.int32)
+        chunks = c.master[table["gather_row"][t][..., None], start[..., None] + lane]  # [N, G, P]
+        # past the stage's piece the window reads the next stage's: zeros instead, so that a block
+        # codec's scales see the piece alone, as the unrolled period encodes it
+        length = jnp.asarray(sh.piece + (0,), jnp.int32)[stage]
+        chunks = jnp.where(lane < length[..., None], chunks, 0.0)
         got = self._send(chunks, self.codecs.parameters, me)
         relay = c.relay
         for g in range(stage.shape[-1]):
