@@ -147,15 +147,15 @@ def plan_record(workload: dict, device, repeats: int, bandwidth: float, tiny: bo
 
     base = config_for(workload, "e2e", "float32", 1)
     with tempfile.TemporaryDirectory(prefix="gpu-figures-plan-") as cache:
-        before = os.environ.get("CDPJAX_PLAN_CACHE")
-        os.environ["CDPJAX_PLAN_CACHE"] = cache  # measured on this device, not read from another run
+        before = os.environ.get(plan_lib.CACHE_ENV)
+        os.environ[plan_lib.CACHE_ENV] = cache  # measured on this device, not read from another run
         try:
             ranked = plan_lib.make_plan(base, 1, math.inf, bandwidth, TINY_PLAN_METHODS if tiny else None)
         finally:
             if before is None:
-                os.environ.pop("CDPJAX_PLAN_CACHE")
+                os.environ.pop(plan_lib.CACHE_ENV)
             else:
-                os.environ["CDPJAX_PLAN_CACHE"] = before
+                os.environ[plan_lib.CACHE_ENV] = before
     top = []
     for p in ranked.ranked[:PLAN_TOP]:
         r = bench.bench_method(p.candidate.config(base), devices=[device], warmup=2, repeats=repeats)

@@ -186,16 +186,16 @@ counts:
   over the stages (the residuals of stages 0..j with the gradients of j..L-1), dp's all-reduced copy
   beside the gradient.
 
-Within 5% of XLA (41 of the 78 cases): dp (0.95-1.00; resnet_tiny at 8 devices 0.948), e2e,
-local on the MLP, gpipe / 1f1b / zb-h1 / zbv on the MLP, interleaved-1f1b and looped-bfs on the MLP
-at 4 and 8 devices, ppll on the MLP, cdp-v2 / cdp-random everywhere but `resnet_tiny` at 2 devices
-(0.948), cdp-v1 everywhere but `resnet_tiny` at 2 devices (0.949; on the MLP 0.99-1.02 since its pool's
-end-of-period moves run one at a time and XLA no longer copies the pool), cdp-zero on `resnet_tiny`.
-The others, recorded in the test with their reasons (predicted over XLA's): the pipelines
-with two units a device on `resnet_tiny` (zbv 0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90;
+Within 5% of XLA (41 of the 78 cases measured; the grid's other 18 are left out: a one-device
+method is measured at 2 devices only, a 4-stage pipeline needs 4): e2e; dp but on `resnet_tiny` at
+8 devices (0.948); cdp-v1, cdp-v2 and cdp-random but on `resnet_tiny` at 2 devices (0.948-0.949, by
+a hair); gpipe, 1f1b, zb-h1, zbv, ppll and local on the MLP; interleaved-1f1b and looped-bfs on the
+MLP at 4 and 8 devices; cdp-zero on `resnet_tiny`. The others, recorded in the test with their
+reasons (predicted over XLA's): the pipelines with two units a device on `resnet_tiny` (zbv
+0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90;
 0.95 on the MLP at 2 devices) and dualpipev 0.58-0.77 (a forward and a backward lane in one cell,
-each with its own branch buffers); gpipe / 1f1b / zb-h1 / ppll / local on `resnet_tiny` 0.74-0.89 (XLA holds
-more around the conv stages than the declared buffers, and not as the op's own workspace: a stage's
+each with its own branch buffers); gpipe / 1f1b / zb-h1 / ppll / local on `resnet_tiny` 0.74-0.89
+(XLA holds more around the conv stages than the declared buffers, and not as the op's own workspace: a stage's
 backward compiled alone needs about 49 KB beyond its declared residuals against a gap of about 350 KB
 for gpipe at 4 devices; not identified); cdp-mp 0.75-0.94 (beyond its carried stashes XLA holds
 more than the program declares); cdp-zero on the MLP 0.77-1.10 (its declared pieces' lifetimes are

@@ -34,7 +34,8 @@ An op of d ticks is drawn at its first tick (the grid shows when it starts). `me
 of the timed models: the ticks the table takes, and the ticks dp would take with the same
 durations (dp waits at every all-reduce for its slowest worker: a step lasts the longest of the
 workers' sums of durations). The tables of the models whose staleness changes from step to step
-hold no gradient messages: the ring keeps one stored version per stage and cannot run them;
+hold no gradient messages, and the ring, which runs one period with each read at one depth for
+every step, cannot run them;
 `simulate` does (`cdpjax.methods.cdp_random`). 'per-stage' with every tau_j >= 1 carries CDP's ring
 traffic (each worker applies update k between its reads of versions k and k + 1), and the ring
 runs it.
@@ -336,7 +337,7 @@ def _table(d: Delay, N, L, S, T, ops, update_tick, offsets, time=None) -> TimeTa
     if time is not None:
         meta["time"] = time
     notes = [f"delay model {d.model}: versions as drawn (see `cdpjax schedule --staleness`); simulate only "
-             f"(the ring keeps one version per stage)"]
+             f"(the ring reads each op at one depth every step)"]
     if d.model in TIMED_MODELS:
         notes.append(f"an op of several ticks is drawn at its first; the table takes {time['ticks']} ticks, dp with "
                      f"the same durations {time['dp_ticks']}")

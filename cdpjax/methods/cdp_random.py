@@ -21,10 +21,11 @@ Two realisations, `config.cdp_impl`:
   multiple of the data axis, down to one device), reading from the last H = max tau + 1 versions
   of each stage kept in the state (`history[j][t]` = theta^j_{k-t}); gradients summed over
   workers by shard_map's transpose. Any table of the layout.
-- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables it
-  can serve with one stored version per stage: the 'uniform' model (CDP's own tables) and
-  'per-stage' with every tau_j >= 1. A model whose reads change staleness from step to step is
-  refused (the ring holds one version).
+- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables whose
+  every step reads alike and that carry CDP's delivery plan: the 'uniform' model (CDP's own
+  tables) and 'per-stage' with every tau_j >= 1. A model whose reads change staleness from step
+  to step is refused (the ring runs one period for every step, each op at one depth below the
+  newest version; such tables carry no gradient messages either).
 - `zero`: cdp-zero (`cdpjax.methods.cdp_zero`: every stage partitioned over the workers) for
   the tables whose every read is cdp-v1's or cdp-v2's (`cdp_rule_of`), run as that rule; the
   others are refused: its plan keeps each piece's current and previous version only.
@@ -76,7 +77,8 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
     if impl == "ring":
         if not table.applies and workers > 1:
             raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
-                              f"keeps one version per stage: set cdp_impl='simulate' (the ring runs model 'uniform', "
+                              f"runs one period, each read at one depth, for every step: set cdp_impl='simulate' "
+                              f"(the ring runs model 'uniform', "
                               f"and 'per-stage' with every tau >= 1)")
         if delay.correction != "none":
             raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
