@@ -103,6 +103,12 @@ class OpKind:
         return self.backward and not self.forward
 
     @property
+    def single_direction(self) -> bool:
+        """A forward alone or backward work alone, not both in one op (local learning's op does both):
+        what the ring engines have pieces for, a backward reading what its forward stashed."""
+        return self.forward != self.backward
+
+    @property
     def splits_backward(self) -> bool:
         """The weight half of a split backward (`W`): backward work that reads the output's
         cotangent but sends none; a table with such ops has backwards (`B`) that send only."""

@@ -528,8 +528,7 @@ def runs(kind: str) -> bool:
     """Whether the ring has a piece for op kind `kind` (`cdpjax.methods.ring`): a forward, or backward
     work that runs no forward of its own (the ring's pieces read the input the forward stashed); not
     an op that does both (local learning's)."""
-    k = lookup(kind)
-    return k.forward != k.backward
+    return lookup(kind).single_direction
 
 
 def _held(applies: dict):

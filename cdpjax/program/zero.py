@@ -37,9 +37,10 @@ from cdpjax.program import Buffer, Placement, Program, Size, carries, op_branche
 from cdpjax.program import events as ev
 
 
-# The kinds the engine has a piece for, by their flags: a forward alone, or backward work that starts from
-# its output's cotangent (the input's cotangent, the weight gradient or both); not local learning's op.
-SERVED = tuple(k.name for k in op_kinds.KINDS.values() if (k.forward and not k.backward) or k.reads_cotangent)
+def served() -> tuple[str, ...]:
+    """The kinds the engine has a piece for, by their flags, as registered now: a forward alone, or
+    backward work that starts from its output's cotangent; not local learning's op."""
+    return tuple(k.name for k in op_kinds.KINDS.values() if k.single_direction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def zero_ticks(table) -> ZeroTicks:
     names the first op the engine cannot serve."""
     # Long on purpose: the checks of what the engine needs, then one pass that folds a step's events.
     N, L, T = table.workers, table.stages, table.period
-    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), SERVED, "the cdp-zero engine")
+    op_kinds.refuse_unknown(sorted({o.kind for o in table.ops}), served(), "the cdp-zero engine")
     grad = gradient_kind(table.split_backward)
     all_visits = visits(table)
     gradients = {}
@@ -343,7 +344,7 @@ def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") ->
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
     if carry:
         buffers.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
-    kinds = tuple(k for k in SERVED if any(op.kind == k for tk in z.ticks for op in tk.ops))
+    kinds = tuple(k for k in served() if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
                    z.versions, True, placement, tuple(buffers), zero_events(z, period == "scan"), z)
