@@ -122,6 +122,12 @@ def train_one(task: str, model: str, tau: int, correction: str, seed: int, steps
                int(time.get("ticks", 0)), int(time.get("dp_ticks", 0)))
 
 
+def _resume_key(task, model, tau, correction, seed) -> tuple:
+    """What a finished run is found by on --resume: at tau = 0 every model is dp, so not the model
+    (a call with --models may have filed those rows under another first model)."""
+    return task, None if tau == 0 else model, tau, correction, seed
+
+
 def rows(grid: dict):
     """(task, model, tau, correction, seed) of the grid; tau = 0 once per task, correction and seed
     (every model is dp there), under the first model; only the grid's `fresh_corrections` there if it
@@ -237,11 +243,11 @@ def main(argv=None) -> int:
     done = {}
     if args.resume and os.path.exists(log):
         with open(log) as f:
-            done = {Run(**json.loads(line))[:5]: Run(**json.loads(line)) for line in f if line.strip()}
+            done = {_resume_key(*r[:5]): r for r in (Run(**json.loads(line)) for line in f if line.strip())}
     runs = []
     with open(log, "a" if args.resume else "w") as f:
         for task, model, tau, correction, seed in rows(grid):
-            r = done.get((task, model, tau, correction, seed))
+            r = done.get(_resume_key(task, model, tau, correction, seed))
             if r is None:
                 r = train_one(task, model, tau, correction, seed, grid["steps"][task])
                 f.write(json.dumps(r._asdict()) + "\n")
