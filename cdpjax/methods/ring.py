@@ -448,11 +448,12 @@ class Period:
     """
 
     def __init__(self, stages: Stages, program: Program, tx, rings: int = 1, codec: Codec = CODECS["none"],
-                 feedback: bool = False):
+                 feedback: bool = False, ticks: RingTicks | None = None):
         carry = program.carries
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
-        self.ticks: RingTicks = program_period(program)  # the period its events say, not the lowering's own
+        # the period its events say, not the lowering's own (`ticks`: already compiled from them)
+        self.ticks: RingTicks = program_period(program) if ticks is None else ticks
         self.split = program.split_backward
         self.routing: RingRouting = ring_routing(self.ticks)
         self.versions = self.ticks.stored_versions
@@ -943,7 +944,7 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
     codecs = Codecs.from_config(ctx.config)
     program = with_codecs(program, codecs)
-    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback)
+    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback, ticks)
     program = with_pool(program, period.pool)  # what it holds: each worker's gradient sums in its own pool
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
