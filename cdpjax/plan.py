@@ -387,9 +387,9 @@ def check_budget(predictions: Sequence[Prediction], budget: float) -> None:
 
 def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
               partitions: Sequence[str] = DEFAULT_PARTITIONS, costs: BlockCosts | None = None,
-              say=lambda line: None) -> Plan:
+              say=lambda line: None, cache: str | None = None) -> Plan:
     """Enumerate, build (no compile), predict and rank (module docstring, steps 1-3). `costs`: the
-    block times (default: `block_costs`, measured once and cached)."""
+    block times (default: `block_costs`, measured once and cached in `cache`, else `cache_dir()`)."""
     import jax
 
     from cdpjax import data, models
@@ -399,7 +399,7 @@ def make_plan(base, devices: int, budget: float, bandwidth: float, methods=None,
     candidates = enumerate_candidates(base, devices, num_blocks, methods, partitions)
     pool = jax.devices()[:devices]
     if costs is None:
-        costs = block_costs(base, max(int(base.global_batch_size) // devices, 1))
+        costs = block_costs(base, max(int(base.global_batch_size) // devices, 1), directory=cache)
     predictions, refused, seen, memo = [], 0, set(), {}
     without_program = set()  # methods that lower no program: their 'carry' twin is their 'recompute' run
     for i, c in enumerate(candidates):

@@ -146,16 +146,8 @@ def plan_record(workload: dict, device, repeats: int, bandwidth: float, tiny: bo
     from cdpjax import plan as plan_lib
 
     base = config_for(workload, "e2e", "float32", 1)
-    with tempfile.TemporaryDirectory(prefix="gpu-figures-plan-") as cache:
-        before = os.environ.get(plan_lib.CACHE_ENV)
-        os.environ[plan_lib.CACHE_ENV] = cache  # measured on this device, not read from another run
-        try:
-            ranked = plan_lib.make_plan(base, 1, math.inf, bandwidth, TINY_PLAN_METHODS if tiny else None)
-        finally:
-            if before is None:
-                os.environ.pop(plan_lib.CACHE_ENV)
-            else:
-                os.environ[plan_lib.CACHE_ENV] = before
+    with tempfile.TemporaryDirectory(prefix="gpu-figures-plan-") as cache:  # measured here, not read from another run
+        ranked = plan_lib.make_plan(base, 1, math.inf, bandwidth, TINY_PLAN_METHODS if tiny else None, cache=cache)
     top = []
     for p in ranked.ranked[:PLAN_TOP]:
         r = bench.bench_method(p.candidate.config(base), devices=[device], warmup=2, repeats=repeats)
