@@ -56,6 +56,9 @@ STALE_AFTER_S = 120.0
 UNREADABLE_GRACE_S = 3 * HEARTBEAT_S
 # How long a run that took a live owner's lock (--force) waits for that run to stop.
 FORCE_WAIT_S = 120.0
+# A takeover moves the judged lock file away and then creates its own: a run that finds no
+# file looks again for this long, so that the line saying it lost the lock names the taker.
+TAKEOVER_GAP_S = 2.0
 PID_LIMIT = 2**31  # process ids are positive and below this (Linux: at most 2**22)
 
 
@@ -314,7 +317,7 @@ class Lock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            owner, _, _ = _read(self.path)
+            owner, _, _ = _read_through_takeover(self.path)
             if owner is None or owner.token != self.owner.token:
                 self._lose(owner)
                 return
@@ -331,7 +334,7 @@ class Lock:
         if self.lost is None:
             identity = _stat_identity(self.path)
             if identity is None or identity != self._seen:
-                owner, identity, _ = _read(self.path)
+                owner, identity, _ = _read_through_takeover(self.path)
                 if owner is not None and owner.token == self.owner.token:
                     self._seen = identity
                 else:
@@ -380,6 +383,16 @@ class Lock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _read_through_takeover(path: str) -> tuple[Owner | None, tuple | None, float]:
+    """`_read`, looking again for up to TAKEOVER_GAP_S while the file is absent."""
+    deadline = time.monotonic() + TAKEOVER_GAP_S
+    while True:
+        found = _read(path)
+        if found[1] is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.02)
 
 
 def _tmp_path(path: str) -> str:

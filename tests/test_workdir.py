@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -226,6 +227,39 @@ def test_the_old_run_finds_a_forced_takeover_at_its_next_check(tmp_path, notices
         old.check()
     old.release()
     assert owner_of(tmp_path)["token"] == new.owner.token
+    new.release()
+
+
+def test_a_check_between_the_takeover_moving_the_file_and_creating_its_own_names_the_taker(
+        tmp_path, notices, monkeypatch):
+    """A forced takeover renames the old lock file away, then creates its own: a check that lands
+    in between finds no file. It looks again rather than reporting an anonymous loss, so the
+    line names the taking run (the failure CI once saw, made certain here by pausing in the gap)."""
+    old = acquire(tmp_path, notices)
+    in_gap = threading.Event()
+    checked = {}
+    real_create = workdir_lib._create
+
+    def slow_create(path, owner):
+        if not os.path.exists(path):  # the takeover's own create, after the rename
+            in_gap.set()
+            time.sleep(0.3)
+        return real_create(path, owner)
+
+    def check_in_gap():
+        in_gap.wait(5)
+        try:
+            old.check()
+        except ConfigError as e:
+            checked["error"] = str(e)
+
+    monkeypatch.setattr(workdir_lib, "_create", slow_create)
+    checker = threading.Thread(target=check_in_gap)
+    checker.start()
+    new = acquire(tmp_path, notices, force=True)
+    checker.join()
+    assert f"was taken over by process {os.getpid()} on host {HOST}" in checked["error"]
+    old.release()
     new.release()
 
 
