@@ -1,8 +1,8 @@
 """The step loop: `run(prepared)` trains from the resumed step to num_steps, then finishes.
 
 Each step: the lock checked, the batch (read and placed ahead of it by `cdpjax.data.prefetch`),
-the guarded step (`cdpjax.guard`); at a sync step (log, evaluation, checkpoint, the last, a
-profiled one, a process's first) the metrics and finite flags of every step since come to the
+the guarded step (`cdpjax.guard`), at most `IN_FLIGHT` steps ahead of the newest one waited
+for; at a sync step (log, evaluation, checkpoint, the last, a profiled one, a process's first) the metrics and finite flags of every step since come to the
 host, in order, and the step logs, evaluates, checkpoints (`cdpjax.rundir.save_checkpoint`) and
 answers a preemption, in that order. At the end: a pipeline flushed, the final evaluation, the
 final checkpoint and summary.json (`_finish`). What it says and writes is `cdpjax.runlog`'s; the
@@ -29,6 +29,12 @@ from cdpjax.files import write_atomic
 from cdpjax.rundir import Prepared, checkpoint_meta, finish_saves, save_checkpoint
 from cdpjax.runlog import (MetricsLog, Profile, Progress, Throughput, Timed, first_step_compiles, jsonable,
                            learning_rates, method_report, shortest, window_entry, window_metrics)
+
+# Steps dispatched ahead of the newest one the host has waited for. Two keep an accelerator fed
+# (the next step is queued while one runs); an unbounded queue between sync steps let simulated
+# CPU devices on busy cores hold several steps' collectives at once, and XLA:CPU's rendezvous
+# timed out.
+IN_FLIGHT = 2
 
 
 def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
@@ -82,6 +88,8 @@ def run(p: Prepared, progress: bool = True, stop_after: int | None = None) -> di
                 if first:  # the first step of a process compiles: timed apart, left out of the rates
                     jax.block_until_ready((metrics, flags))
             pending.append((step + 1, metrics, flags))
+            if len(pending) > IN_FLIGHT:
+                jax.block_until_ready(pending[-IN_FLIGHT - 1][1:])
             if not first:
                 timed.steps += 1
             done = step + 1

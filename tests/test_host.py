@@ -206,6 +206,51 @@ def test_metrics_come_to_the_host_only_at_log_evaluation_and_checkpoint_steps(tm
     assert wait == summary["input_wait_fraction"] and 0.0 <= wait <= 1.0
 
 
+def test_the_loop_runs_at_most_two_steps_ahead_of_the_host(tmp_path, monkeypatch):
+    """Between sync steps (here only the first and the last of 12), the host waits for step s - 2
+    once step s is dispatched, so no more than two steps are ever queued past the newest one
+    waited for: the rule written out here against the order of dispatches and waits."""
+    from cdpjax import guard, loop
+
+    events, metrics_step = [], {}
+    real_step, real_wait, real_to_host = guard.guarded_step, jax.block_until_ready, loop._to_host
+
+    def guarded_step(method, skip):
+        step_fn = real_step(method, skip)
+
+        def counted(state, batch):
+            state, metrics, flags = step_fn(state, batch)
+            metrics_step[id(metrics)] = len(metrics_step) + 1
+            events.append(("dispatch", len(metrics_step)))
+            return state, metrics, flags
+        return counted
+
+    def wait(x):
+        if isinstance(x, tuple) and id(x[0]) in metrics_step:
+            events.append(("wait", metrics_step[id(x[0])]))
+        return real_wait(x)
+
+    def to_host(pending):
+        events.extend(("wait", step) for step, _, _ in pending)
+        return real_to_host(pending)
+
+    monkeypatch.setattr(guard, "guarded_step", guarded_step)
+    monkeypatch.setattr(jax, "block_until_ready", wait)
+    monkeypatch.setattr(loop, "_to_host", to_host)
+    c = default_config()
+    c.method, c.model, c.global_batch_size, c.num_steps = "dp", "mlp", 64, 12
+    c.log_every, c.eval_every, c.checkpoint_every = 12, 0, 0
+    train.train(c, str(tmp_path), progress=False, devices=jax.devices()[:2])
+    waited = set()
+    for kind, step in events:
+        if kind == "wait":
+            waited.add(step)
+        else:  # dispatched `step`: every step up to step - 3 already waited for
+            assert set(range(1, step - 2)) <= waited, (step, sorted(waited))
+    assert waited == set(range(1, 13))
+    assert [s for k, s in events if k == "wait"][:3] == [1, 1, 2]  # the first step, then s - 2 once s = 4
+
+
 def test_prefetch_prepares_batches_in_order_off_the_training_thread_and_at_most_depth_ahead():
     import threading
     import time
