@@ -1,12 +1,13 @@
 """The step loop: `run(prepared)` trains from the resumed step to num_steps, then finishes.
 
 Each step: the lock checked, the batch (read and placed ahead of it by `cdpjax.data.prefetch`),
-the guarded step (`cdpjax.guard`), at most `IN_FLIGHT` steps ahead of the newest one waited
-for; at a sync step (log, evaluation, checkpoint, the last, a profiled one, a process's first) the metrics and finite flags of every step since come to the
-host, in order, and the step logs, evaluates, checkpoints (`cdpjax.rundir.save_checkpoint`) and
-answers a preemption, in that order. At the end: a pipeline flushed, the final evaluation, the
-final checkpoint and summary.json (`_finish`). What it says and writes is `cdpjax.runlog`'s; the
-run directory's life is `cdpjax.rundir`'s.
+the guarded step (`cdpjax.guard`), at most `IN_FLIGHT` steps ahead of the newest one waited for;
+at a sync step (log, evaluation, checkpoint, the last, a profiled one, a process's first) the
+metrics and finite flags of every step since come to the host, in order, and the step logs,
+evaluates, checkpoints (`cdpjax.rundir.save_checkpoint`) and answers a preemption, in that
+order. At the end: a pipeline flushed, the final evaluation, the final checkpoint and
+summary.json (`_finish`). What it says and writes is `cdpjax.runlog`'s; the run directory's life
+is `cdpjax.rundir`'s.
 """
 from __future__ import annotations
 
