@@ -13,8 +13,11 @@ point: `lowering`, the seconds from the config to the traced program (the method
 table, the lowered program, its pieces; then `jit(train_step).lower`; the data loaded and
 the state initialised apart); `compile`, XLA's
 compile of it; `hlo`, the compiled program's instructions (every `name = op(...)` line).
-Times are printed as ratios to dp's at the same N (absolute CPU seconds depend on the machine
-and its load); a point that fails, is refused or runs past `--timeout` says so.
+Times are printed as ratios to dp's at the same N and L (absolute CPU seconds depend on the
+machine and its load), dp measured again right after each point, so that a ratio's two times
+share the load of one moment (a shared machine's load drifts over the minutes between a row's
+points; `--dp-once`: the ratios to the dp row's own points instead); a point that fails, is
+refused or runs past `--timeout` says so.
 """
 from __future__ import annotations
 
@@ -132,6 +135,8 @@ def main(argv=None) -> None:
     parser.add_argument("--stages", default="4,N", help="stage counts; N: as many as devices")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per point")
     parser.add_argument("--json", default="", help="also write every record here")
+    parser.add_argument("--dp-once", action="store_true", help="ratios to the dp row's points, not to dp measured "
+                                                               "again right after each point")
     parser.add_argument("--point", default="", help=argparse.SUPPRESS)
     parser.add_argument("--lowering", default="", help="only time cdp-v2's table and program at N = L (sizes, "
                                                        "comma-separated)")
@@ -162,10 +167,12 @@ def main(argv=None) -> None:
             for n in devices:
                 stages = n if spec == "N" else int(spec)
                 rec = run_point(method, n, stages, args.timeout)
-                records.append({"method": method, "devices": n, "stages": stages, **rec})
                 if method == "dp":
                     dp[n] = rec
-                cells.append(cell(rec, dp.get(n) if method != "dp" else None))
+                elif "error" not in rec and not args.dp_once:  # the same moment's load as the point's
+                    rec["dp_beside"] = run_point("dp", n, stages, args.timeout)
+                records.append({"method": method, "devices": n, "stages": stages, **rec})
+                cells.append(cell(rec, None if method == "dp" else rec.get("dp_beside", dp.get(n))))
                 print(f"  {method} N={n} L={stages}: {rec}", file=sys.stderr, flush=True)
             print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
