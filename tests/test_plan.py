@@ -280,3 +280,23 @@ def test_a_rings_carried_pool_is_an_argument_not_also_a_temporary():
     assert model["temporaries"]["workspace"] == kept + layer
     assert model["temporaries"]["total"] == model["temporaries"]["workspace"] + model["temporaries"]["tick_outputs"]
     assert model["arguments"]["gradients_in_flight"] == method.program.arguments(priced)["gradients"] > 0
+
+
+@pytest.mark.parametrize("name,reads,deliveries", [("gpipe", 2, 1), ("zb-h1", 4, 2)])
+def test_a_stage_engines_rows_around_its_switch(name, reads, deliveries):
+    """gpipe and zb-h1 on the digits MLP, 4 devices, 4 stages (built, not compiled). By hand: micro-
+    batch 128 / 4 = 32 examples; a carrier row as wide as the widest stage input, 32 x 128 float32;
+    one op a tick (one lane). Its input row is read out of one of 4 activation slots (a copy, held in
+    the two shapes the branches take: 2 rows); gpipe keeps one cotangent row, read in place, zb-h1
+    keeps 3 (its W reads one after its B): 2 rows more. Its results are an output and a cotangent
+    row. A message's delivery reads the row of each slotted buffer it lands in: gpipe's activations,
+    zb-h1's both. One unit of one version a device: no parameter row made."""
+    c = plan.MemoryCase("mlp", 4, name).config()
+    _, mesh, method = setup.setup(c, jax.devices()[:4])
+    micro = bench.micro_batch(method, c, mesh)
+    priced = bench.program_sizes(method, micro)
+    model = bench.memory_model(method, c, method.table, bench.stage_sizes(method.net, micro), 4, priced)
+    row = 32 * 128 * 4
+    assert micro == 32
+    assert model["temporaries"]["switch_rows"] == (reads + 2) * row
+    assert model["temporaries"]["deliveries"] == deliveries * row and model["temporaries"]["unit_rows"] == 0
