@@ -511,7 +511,9 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     call's buffers its program declares (`cdpjax.program.Program`, padding included; the figure by
     category counts the carried state too, the total only what a category holds beyond its arguments:
     `_beyond_arguments`) plus one backward op's workspace (`op_workspace`) and, on a worker that holds
-    every stage, what a tick makes before it lands (`tick_outputs`); for dp and the one-device methods, the backward's
+    every stage, what a tick makes before it lands (`tick_outputs`); on the stage engine, the larger of
+    its tick's two halves instead, the switch's or the messages' and update's (`stage_tick`); for dp
+    and the one-device methods, the backward's
     sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
     all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
     method in `tests/test_plan.py` (within 5%, or the recorded ratio and why). `opt_ratio`:
@@ -525,6 +527,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
         within["workspace"] = op_workspace(method.program, priced)
         within["tick_outputs"] = tick_outputs(method.program, priced)
         within["total"] = within["beyond_arguments"] + within["workspace"] + within["tick_outputs"]
+        if method.program.engine == "stage":
+            within.update(stage_tick(method.program, priced, within["workspace"], opt_ratio))
     else:
         reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
         between, within = _structural_memory(method, table, sizes, opt_ratio, reduced, priced)
@@ -605,8 +609,9 @@ def op_workspace(program, priced) -> float:
     in place), and a local-learning op's output (the next module's input, made before it is written
     into the carried activation; a local program declares no message buffers). A stage-engine
     device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
-    tick's switch, whose buffers XLA does not share: its workspace is the sum over its units, the
-    largest device's returned. A ring worker holds every stage and runs one op a tick: the largest
+    tick's switch; one branch runs a tick and XLA lays the branches' buffers over one another (the
+    peak's live set in its buffer assignment): its workspace is its largest unit's, the largest
+    device's returned. A ring worker holds every stage and runs one op a tick: the largest
     unit's (its placement names one device)."""
     place = program.placement
     local = any(KINDS[k].forward and KINDS[k].backward for k in program.kinds)
@@ -621,7 +626,7 @@ def op_workspace(program, priced) -> float:
         per_unit.append(kept + made + out)
     if place.every_worker_holds_every_unit:
         return float(max(per_unit, default=0.0))
-    per_device = [sum(per_unit[u] for u in place.of_device(d)) for d in range(place.devices)]
+    per_device = [max((per_unit[u] for u in place.of_device(d)), default=0.0) for d in range(place.devices)]
     return float(max(per_device, default=0.0))
 
 
@@ -647,6 +652,74 @@ def tick_outputs(program, priced) -> float:
         if isinstance(e, Receive):
             received[e.tick, e.dst] = received.get((e.tick, e.dst), 0.0) + e.size.bytes(priced)
     return float(max((made.get(k, 0.0) + received.get(k, 0.0) for k in set(made) | set(received)), default=0.0))
+
+
+def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dict[str, float]:
+    """A stage engine's temporaries as the two halves of its tick, which XLA does not hold at once
+    (read from its buffer assignment's peak live set: gpipe, zb-h1 and interleaved-1f1b on
+    resnet_tiny at 4 devices, peak inside the switch's backward branch; gpipe on the MLP, peak at
+    the messages). Through the whole tick: the call's carried buffers beyond its arguments
+    (`_beyond_arguments`: slots, the gradient sums, the micro-batch split), every boundary's
+    message buffer (`messages.*`: the gated permute's zero start), the zero start of the loop that
+    averages the gradient over `data` (half of `reduced_gradients`), and, per slotted buffer a
+    message lands in, the row its delivery reads (`jnp.where` against the old row), all made before
+    the switch; on a device of several units, the rows read out of its [units, width] arrays
+    (`unit_rows`). Then the larger of:
+    - the switch (`switch_rows`, plus the op's workspace, `op_workspace`);
+    - after it, each boundary's received message (a permute's result, a second message buffer)
+      beside the averaged gradient and the update's new row."""
+    names = {b.name for b in program.buffers}
+    messages = sum(program.buffer(n).size.bytes(priced) for n in names if n.startswith("messages."))
+    reduced = _beyond_arguments(program, "reduced_gradients", priced)
+    updated = _beyond_arguments(program, "parameters", priced)
+    carried = sum(_beyond_arguments(program, k, priced) for k in ("gradients", *_IN_FLIGHT)) - messages
+    row, slotted = _slotted(program, priced)
+    switch = switch_rows(program, priced)
+    out = {"carried": carried, "messages": messages, "deliveries": row * len(slotted),
+           "unit_rows": unit_rows(program, priced, opt_ratio), "switch_rows": switch,
+           "switch": switch + workspace + unit_rows(program, priced, opt_ratio),
+           "after_switch": messages + reduced / 2 + updated}
+    whole = carried + messages + reduced / 2 + out["deliveries"]
+    out["total"] = whole + max(out["switch"], out["after_switch"])
+    return out
+
+
+def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
+    """Parameter rows a stage engine's tick makes as new arrays (one carrier row each): per lane,
+    the row its op reads where that is not the stored row itself, a device of several units
+    (`Placement.chunks` > 1) reading its unit's row of a [units, width] array by index, or a program
+    of two versions (`Program.versions`: cdp-mp) selecting the version the op reads. A device of
+    several units also reads a unit's parameter and optimizer-state rows for the update, and copies
+    the gradient sums, which the tick adds to one unit's row while the averaging loop still reads
+    them all. 0 for one unit's one version (read in place)."""
+    V = program.placement.chunks
+    grads = program.buffer("grads").size
+    row = grads.bytes(priced) / grads.count
+    out = program.ticks.lanes * row if V > 1 or program.versions > 1 else 0.0
+    if V > 1:
+        out += row * (1 + opt_ratio) + row * V
+    return float(out)
+
+
+def _slotted(program, priced) -> tuple[float, list[str]]:
+    """(one carrier row's bytes, the slot buffers of more than one row: 'act', 'cot')."""
+    names = {b.name for b in program.buffers}
+    act = program.buffer("act").size
+    slotted = [n for n in ("act", "cot") if n in names and program.buffer(n).size.count > 1]
+    return act.bytes(priced) / act.count, slotted
+
+
+def switch_rows(program, priced) -> float:
+    """What a stage engine's tick holds around its `lax.switch` beyond the program's buffers: every
+    lane's operands are made before the switch, whichever branch runs (one SPMD program), and its
+    results after it. Per lane (`StageTicks.lanes`): its input row and, where the program keeps
+    cotangents in slots, its cotangent row, each read out of a buffer of more than one slot (a copy;
+    a one-slot buffer is read in place) and held in two shapes (the branches take the row as
+    [1, B, width] and as [B, width]); its results, an output row and, where the program sends
+    cotangents, a cotangent row. A row is a carrier row (`Size.padded`: the widest unit input)."""
+    row, slotted = _slotted(program, priced)
+    results = row * (2 if "cot" in {b.name for b in program.buffers} else 1)
+    return float(program.ticks.lanes * (2 * row * len(slotted) + results))
 
 
 def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:

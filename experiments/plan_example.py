@@ -175,31 +175,40 @@ counts:
   their replica's whole slice);
 - within a step: the program's own temporaries beyond the state it carries (a carried buffer, a
   ring's gradient pool or a pipeline's stashes, is donated and updated in place: an argument only,
-  never again a temporary), that is gradient sums, kept inputs, cotangents of one call; on the stage
-  engine also each crossing boundary's received activation and cotangent, the micro-batch split, the
-  gradient averaged over `data` and the update's new row; one backward op's workspace per unit (the
-  residuals it recomputes, from `jax.vjp` traced per stage, a local op's head's residuals and output
-  too, and its parameter gradient where it is added to a sum), summed over the units a device holds
-  (each unit runs in its own branch of the tick's switch, whose buffers XLA keeps apart); on a
-  worker that holds every stage (the rings, cdp-zero) what its busiest tick makes before it lands
-  (the op's output and the messages it receives); dp and the one-device methods sweep the backward
-  over the stages (the residuals of stages 0..j with the gradients of j..L-1), dp's all-reduced copy
-  beside the gradient.
+  never again a temporary), that is gradient sums, kept inputs, cotangents of one call; one backward
+  op's workspace (the residuals it recomputes, from `jax.vjp` traced per stage, a local op's head's
+  residuals and output too, and its parameter gradient where it is added to a sum), the largest of
+  the units a device holds (each runs in its own branch of the tick's switch, and XLA lays the
+  branches' buffers over one another); on a worker that holds every stage (the rings, cdp-zero)
+  what its busiest tick makes before it lands (the op's output and the messages it receives); dp
+  and the one-device methods sweep the backward over the stages (the residuals of stages 0..j with
+  the gradients of j..L-1), dp's all-reduced copy beside the gradient.
+- the stage engine's tick in two halves, which XLA does not hold at once (`bench.stage_tick`, read
+  from the peak's live set in XLA's buffer assignment, `--xla_dump_to`): through the tick, what it
+  carries, each boundary's message buffer (the gated permute's zero start), the zero start of the
+  gradient's average over `data`, and the row each slotted buffer's delivery reads; then the larger
+  of the switch and what follows it. The switch: every lane's operands, made before it whichever
+  branch runs (one SPMD program), its input and cotangent rows read out of their slots (each held
+  in two shapes, as the branches take it), a parameter row where the op's is not the stored one (a
+  device of several units reads its unit's by index; cdp-mp selects a version), and its results,
+  an output and a cotangent row (`bench.switch_rows`, `bench.unit_rows`), beside the op's
+  workspace. After it: each boundary's received message, the averaged gradient and the update's
+  new row. This is what XLA held beyond the declared buffers around the conv stages of
+  `resnet_tiny`: there a row (a 32 x 512 activation) outweighs a stage's parameters, so the switch
+  half is the peak; on the MLP the messages' half is.
 
-Within 5% of XLA (41 of the 78 cases measured; the grid's other 18 are left out: a one-device
-method is measured at 2 devices only, a 4-stage pipeline needs 4): e2e; dp but on `resnet_tiny` at
-8 devices (0.948); cdp-v1, cdp-v2 and cdp-random but on `resnet_tiny` at 2 devices (0.948-0.949, by
-a hair); gpipe, 1f1b, zb-h1, zbv, ppll and local on the MLP; interleaved-1f1b and looped-bfs on the
-MLP at 4 and 8 devices; cdp-zero on `resnet_tiny`. The others, recorded in the test with their
-reasons (predicted over XLA's): the pipelines with two units a device on `resnet_tiny` (zbv
-0.75-0.82, interleaved-1f1b and looped-bfs 0.82-0.90;
-0.95 on the MLP at 2 devices) and dualpipev 0.58-0.77 (a forward and a backward lane in one cell,
-each with its own branch buffers); gpipe / 1f1b / zb-h1 / ppll / local on `resnet_tiny` 0.74-0.89
-(XLA holds more around the conv stages than the declared buffers, and not as the op's own workspace: a stage's
-backward compiled alone needs about 49 KB beyond its declared residuals against a gap of about 350 KB
-for gpipe at 4 devices; not identified); cdp-mp 0.75-0.94 (beyond its carried stashes XLA holds
-more than the program declares); cdp-zero on the MLP 0.77-1.10 (its declared pieces' lifetimes are
-not XLA's).
+Within 5% of XLA (65 of the 78 cases measured; the grid's other 18 are left out: a one-device
+method is measured at 2 devices only, a 4-stage pipeline needs 4): every pipeline on `resnet_tiny`
+(gpipe, 1f1b, zb-h1, zbv, interleaved-1f1b, looped-bfs, dualpipev, cdp-mp, ppll: 0.95-1.04, where the
+switch's rows were 0.58-0.90 unaccounted for before); e2e; dp but on `resnet_tiny` at 8 devices
+(0.948); cdp-v1, cdp-v2 and cdp-random but on `resnet_tiny` at 2 devices (0.948-0.949, by a hair);
+gpipe, 1f1b, zb-h1, zbv and looped-bfs on the MLP; cdp-zero on `resnet_tiny`. The others, recorded in
+the test with their reasons (predicted over XLA's): on the MLP, whose peak is mostly after the
+switch, interleaved-1f1b at 2 devices 1.051 (by a hair), dualpipev at 8 devices 0.93, cdp-mp at 8
+devices 0.94, ppll 1.10-1.15 (its output row counted both in the local op's workspace and as the
+switch's result, as XLA holds it on `resnet_tiny`, once on the MLP); cdp-zero on the MLP 0.77-1.10
+(its declared pieces' lifetimes are not XLA's); local on `resnet_tiny` at 2 devices 0.89 (the
+backward sweep without a program holds more than its traced residuals; not read).
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
 `--top` where the first ones are), and one the model drops (cdp-zero on small MLPs) could have
