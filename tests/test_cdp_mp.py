@@ -216,7 +216,7 @@ def test_flush_then_train_on():
     s = ref.init(jax.random.key(0))
     for k, b in enumerate(batches()[:4]):
         if k == 2:
-            s = {**s, "previous": s["params"]}
+            s = s._replace(previous=s.params)
         s, _ = ref.train_step(s, b)
     assert_trees_close(jax.device_get(m.export(state)[0]), jax.device_get(ref.export(s)[0]))
 

@@ -35,13 +35,15 @@ def _distinct(tree, seed):
 OLD_KEYS = {
     "e2e": {"params": "params", "model_state": "model_state", "opt_state": "opt_state"},
     "dp": {"params": "params", "model_state": "model_state", "opt_state": "opt_state"},
+    "cdp-v2": {"params": "params", "previous": "previous", "model_state": "model_state", "opt_state": "opt_state"},
 }
-MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}}
+MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}, "cdp-v2": {"data": 2}}
+SETTINGS = {"cdp-v2": {"cdp_impl": "simulate", "workers": 4}}
 
 
 @pytest.mark.parametrize("name", sorted(OLD_KEYS))
 def test_a_checkpoint_of_the_dict_state_restores_into_the_typed_state(name, tmp_path):
-    method = build(small_config(name, global_batch_size=16), MESHES[name])
+    method = build(small_config(name, global_batch_size=16, **SETTINGS.get(name, {})), MESHES[name])
     typed = method.init(jax.random.key(0))
     assert not isinstance(typed, dict)
     fields = {old: getattr(typed, field) for old, field in OLD_KEYS[name].items()
