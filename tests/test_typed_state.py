@@ -31,38 +31,45 @@ def _distinct(tree, seed):
     return jax.tree.map(other, tree)
 
 
-# What each method's train state was as a dict, written out from its fields: {old key: field}.
-OLD_KEYS = {
-    "e2e": {"params": "params", "model_state": "model_state", "opt_state": "opt_state"},
-    "dp": {"params": "params", "model_state": "model_state", "opt_state": "opt_state"},
-    "cdp-v2": {"params": "params", "previous": "previous", "model_state": "model_state", "opt_state": "opt_state"},
+def _fields(*names):
+    """The old dict of a state whose keys were its field names, written out."""
+    return lambda s: {name: getattr(s, name) for name in names if getattr(s, name) is not None}
+
+
+# What each method's train state was as a dict (the keys read as `state['params']` before), written
+# out from the typed state's fields.
+OLD_FORM = {
+    "e2e": _fields("params", "model_state", "opt_state"),
+    "dp": _fields("params", "model_state", "opt_state"),
+    "cdp-v2": _fields("params", "previous", "model_state", "opt_state"),
+    "cdp-random": _fields("history", "model_state", "opt_state", "correction", "step"),
+    "local": lambda s: {"params": {"body": s.params.body, "head": s.params.head}, "model_state": s.model_state,
+                        "head_state": s.head_state, "opt_state": s.opt_state},
 }
-MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}, "cdp-v2": {"data": 2}}
-SETTINGS = {"cdp-v2": {"cdp_impl": "simulate", "workers": 4}}
+MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}, "cdp-v2": {"data": 2}, "cdp-random": {"data": 2}, "local": {"data": 1}}
+SETTINGS = {"cdp-v2": {"cdp_impl": "simulate", "workers": 4}, "cdp-random": {"cdp_impl": "simulate", "workers": 4}}
 
 
-@pytest.mark.parametrize("name", sorted(OLD_KEYS))
+@pytest.mark.parametrize("name", sorted(OLD_FORM))
 def test_a_checkpoint_of_the_dict_state_restores_into_the_typed_state(name, tmp_path):
     method = build(small_config(name, global_batch_size=16, **SETTINGS.get(name, {})), MESHES[name])
     typed = method.init(jax.random.key(0))
     assert not isinstance(typed, dict)
-    fields = {old: getattr(typed, field) for old, field in OLD_KEYS[name].items()
-              if getattr(typed, field) is not None}
-    old = _distinct(jax.device_get(fields), seed=1)
+    old = OLD_FORM[name](_distinct(jax.device_get(typed), seed=1))
+    assert isinstance(old, dict) and all(isinstance(k, str) for k in old)
     ckpt = Checkpointer(str(tmp_path))
     try:
         ckpt.save(3, old, {})
-        assert any(path.startswith("['params']") for path, _, _ in ckpt.read_meta(3)["tree"])
+        assert all(path.startswith("['") for path, _, _ in ckpt.read_meta(3)["tree"])  # dict paths
         restored, _ = ckpt.restore(3, typed)
     finally:
         ckpt.close()
-    assert type(restored) is type(typed)
-    for key, field in OLD_KEYS[name].items():
-        want, got = old.get(key), getattr(restored, field)
-        assert jax.tree.structure(got) == jax.tree.structure(getattr(typed, field))
-        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-            assert np.asarray(b).dtype == np.asarray(a).dtype
+    assert type(restored) is type(typed) and jax.tree.structure(restored) == jax.tree.structure(typed)
+    got = OLD_FORM[name](restored)
+    assert jax.tree.structure(got) == jax.tree.structure(old)
+    for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        assert np.asarray(b).dtype == np.asarray(a).dtype
 
 
 def test_a_typed_checkpoint_restores_as_itself(tmp_path):
