@@ -174,9 +174,9 @@ def test_fill_ticks_are_masked():
     state, _ = ppll.train_step(ppll.init(jax.random.key(0)), random_batches(1, BATCH)[0])
     state = jax.device_get(state)
     for key in ("rows", "opt_state"):
-        for a, b in zip(jax.tree.leaves(state[key]), jax.tree.leaves(init[key])):
+        for a, b in zip(jax.tree.leaves(getattr(state, key)), jax.tree.leaves(getattr(init, key))):
             np.testing.assert_array_equal(a[1:], b[1:])  # devices 1..3 (stages 1..3): untouched
-    assert np.abs(state["rows"]["body"][0] - init["rows"]["body"][0]).max() > 1e-4
+    assert np.abs(state.rows.body[0] - init.rows.body[0]).max() > 1e-4
 
 
 def test_local_with_one_stage_is_e2e():
