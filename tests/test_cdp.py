@@ -269,7 +269,7 @@ def test_each_worker_holds_the_updates_the_table_applies(method):
         for j in range(l):
             v = sum(1 for (w, jj, _), t in applied.items() if w == r and jj == j and t < boundary)
             counts.add(v)
-            mine = jax.tree.map(lambda a: np.asarray(a[r]), ring_state["params"][j])
+            mine = jax.tree.map(lambda a: np.asarray(a[r]), ring_state.params[j])
             assert_close(mine, history[v][j])
     assert len(counts) > 1  # the workers' copies do differ mid-run
 

@@ -36,6 +36,37 @@ def _fields(*names):
     return lambda s: {name: getattr(s, name) for name in names if getattr(s, name) is not None}
 
 
+def _stage_engine_dict(s):
+    """The stage engine's train state as the dict it was: the rows by part, what is in flight by name."""
+    parts = lambda r: {k: v for k, v in (("body", r.body), ("head", r.head)) if v is not None}  # noqa: E731
+    out = {"rows": parts(s.rows), "opt_state": parts(s.opt_state), "model_state": s.model_state}
+    out.update({k: getattr(s, k) for k in ("head_state", "previous", "state_sums", "fed", "labels")
+                if getattr(s, k) is not None})
+    if s.buffers is not None:
+        out["buffers"] = {k: getattr(s.buffers, k) for k in ("act", "input", "image", "cot", "residual")
+                          if getattr(s.buffers, k) is not None}
+    if s.grads is not None:
+        out["grads"] = parts(s.grads)
+    return out
+
+
+def _ring_dict(s):
+    """A ring worker's state as the dict it was: the kept residuals under `kept`."""
+    out = {k: getattr(s, k) for k in ("params", "opt_state", "grads", "fed", "model_state", "acts", "cots", "labels",
+                                      "older", "feedback") if getattr(s, k) is not None}
+    if s.residuals is not None:
+        out["kept"] = s.residuals
+    return out
+
+
+def _zero_dict(s):
+    out = {k: getattr(s, k) for k in ("master", "opt_state", "sums", "relay", "fed", "model_state", "acts", "cots",
+                                      "labels")}
+    if s.residuals is not None:
+        out["kept"] = s.residuals
+    return out
+
+
 # What each method's train state was as a dict (the keys read as `state['params']` before), written
 # out from the typed state's fields.
 OLD_FORM = {
@@ -45,9 +76,20 @@ OLD_FORM = {
     "cdp-random": _fields("history", "model_state", "opt_state", "correction", "step"),
     "local": lambda s: {"params": {"body": s.params.body, "head": s.params.head}, "model_state": s.model_state,
                         "head_state": s.head_state, "opt_state": s.opt_state},
+    "gpipe": _stage_engine_dict,
+    "ppll": _stage_engine_dict,
+    "cdp-mp": _stage_engine_dict,
+    "cdp-v1": _ring_dict,
+    "cdp-zero": _zero_dict,
 }
-MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}, "cdp-v2": {"data": 2}, "cdp-random": {"data": 2}, "local": {"data": 1}}
-SETTINGS = {"cdp-v2": {"cdp_impl": "simulate", "workers": 4}, "cdp-random": {"cdp_impl": "simulate", "workers": 4}}
+MESHES = {"e2e": {"data": 1}, "dp": {"data": 4}, "cdp-v2": {"data": 2}, "cdp-random": {"data": 2}, "local": {"data": 1},
+          "gpipe": {"stage": 2}, "ppll": {"stage": 4}, "cdp-mp": {"stage": 4},
+          "cdp-v1": {"data": 4}, "cdp-zero": {"data": 4}}
+SETTINGS = {"cdp-v2": {"cdp_impl": "simulate", "workers": 4}, "cdp-random": {"cdp_impl": "simulate", "workers": 4},
+            "gpipe": {"stages": 2}, "ppll": {"stages": 4, "norm": "batch"},
+            "cdp-mp": {"stages": 4, "norm": "batch", "residuals": "carry"},
+            "cdp-v1": {"cdp_impl": "ring", "workers": 4, "stages": 4, "residuals": "carry"},
+            "cdp-zero": {"workers": 4, "stages": 4, "residuals": "carry"}}
 
 
 @pytest.mark.parametrize("name", sorted(OLD_FORM))
