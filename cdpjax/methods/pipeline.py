@@ -246,7 +246,9 @@ class StageState(NamedTuple):
     (`loop_state` takes one device's view inside a call, `train_state` puts it back). What a
     program keeps in flight between calls (`buffers`, `grads`, `fed`, `labels`) is None where it
     keeps none: buffers `[D, slots, groups * mb, ...]` (residuals `[D, slots, groups, width]`), grads
-    `[D, groups, V, width]`, labels of the last `lag` batches `[lag, B, ...]`."""
+    `[D, groups, V, width]`, labels of the last `lag` batches `[lag, B, ...]`. `rows` are the
+    parameters packed into the carrier's padded rows `[D, V, width]`, not `params` (per-stage trees,
+    what `export` gives back through `unrows`)."""
 
     rows: Rows
     opt_state: Rows
