@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cdpjax.checkpoint import Checkpointer
-from cdpjax.train_state import as_dicts, from_dicts, typed_state
+from cdpjax.train_state import as_dicts, from_dicts, is_typed_state, typed_state
 
 from helpers import build, small_config
 
@@ -146,3 +146,20 @@ def test_renamed_fields_go_back_to_their_old_keys():
     np.testing.assert_array_equal(back.residuals[0], np.full(3, 7.0))
     with pytest.raises(TypeError, match="'kept', which is not one of its fields"):
         typed_state(renamed={"kept": "x"})(Held)
+
+
+def test_every_registered_methods_state_is_typed():
+    """No method's `init` returns a dict: every registered method's train state is a registered
+    NamedTuple (its shape only: nothing is computed)."""
+    from cdpjax import methods
+    from cdpjax import setup as setup_lib
+
+    from test_reliability import layout, small_config as run_config
+
+    names = sorted(methods.REGISTRY)
+    assert {"e2e", "dp", "cdp-v2", "cdp-zero", "ppll", "gpipe"} <= set(names)
+    for name in names:
+        config = run_config(name)
+        _, _, method = setup_lib.setup(config, layout(name)[1])
+        shape = jax.eval_shape(method.init, jax.random.key(0))
+        assert is_typed_state(shape), (name, type(shape))
