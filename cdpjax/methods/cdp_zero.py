@@ -305,11 +305,11 @@ class ZeroPeriod:
             pred = valid[lag]
             old = b[("master", j, 0)]
             p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt", j)], b[("sums", j)]),
-                          reads=[("sums", j)], writes=[("master", j, 0), ("opt", j)])
+                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt_state", j)], b[("sums", j)]),
+                          reads=[("sums", j)], writes=[("master", j, 0), ("opt_state", j)])
             if z.versions == 2:
                 ring._pick(b, pred, ("master", j, 1), old)
-            b[("master", j, 0)], b[("opt", j)] = p, o
+            b[("master", j, 0)], b[("opt_state", j)] = p, o
 
 
 class Work(NamedTuple):
@@ -633,7 +633,7 @@ def _land(b: ring.Buffers, pred, name, pieces):
 
 def _named(state: PiecesState, z: ZeroTicks, carry: bool) -> dict:
     named = {("master", j, r): state.master[j][r] for j in range(z.stages) for r in range(z.versions)}
-    named.update({("opt", j): state.opt_state[j] for j in range(z.stages)})
+    named.update({("opt_state", j): state.opt_state[j] for j in range(z.stages)})
     named.update({("sums", j): state.sums[j] for j in range(z.stages)})
     named.update({("relay", r): state.relay[r] for r in range(z.relay_rows)})  # a visit may run into the next call
     for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
@@ -648,7 +648,7 @@ def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesSta
                  for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots"))
                  + ((("kept", "residuals"),) if carry else ())}
     return PiecesState(master=[[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
-                       opt_state=[b[("opt", j)] for j in range(z.stages)],
+                       opt_state=[b[("opt_state", j)] for j in range(z.stages)],
                        sums=[b[("sums", j)] for j in range(z.stages)],
                        relay=[b[("relay", r)] for r in range(z.relay_rows)], fed=fed, labels=b[("labels",)],
                        **per_stage)
