@@ -239,13 +239,13 @@ def test_simulate_reads_the_named_version(workers):
     state = m.init(jax.random.key(0))
     for j in range(4):
         for which, reads in (("previous", stale[:, j]), ("params", ~stale[:, j])):
-            s = dict(state, **{which: poisoned(state[which], j)})
+            s = state._replace(**{which: poisoned(getattr(state, which), j)})
             losses = np.asarray(m.worker_losses(s, batches()[0]))
             np.testing.assert_array_equal(np.isnan(losses), reads, err_msg=f"{which}[{j}]")
     # A whole step with the never-read version poisoned is the clean step.
     if workers == 4:
         clean, _ = m.train_step(state, batches()[0])
-        dirty, _ = m.train_step(dict(state, previous=poisoned(state["previous"], 3)), batches()[0])
+        dirty, _ = m.train_step(state._replace(previous=poisoned(state.previous, 3)), batches()[0])
         assert_trees_equal(params(m, dirty), params(m, clean))
 
 
@@ -269,7 +269,7 @@ def test_each_worker_holds_the_updates_the_table_applies(method):
         for j in range(l):
             v = sum(1 for (w, jj, _), t in applied.items() if w == r and jj == j and t < boundary)
             counts.add(v)
-            mine = jax.tree.map(lambda a: np.asarray(a[r]), ring_state["params"][j])
+            mine = jax.tree.map(lambda a: np.asarray(a[r]), ring_state.params[j])
             assert_close(mine, history[v][j])
     assert len(counts) > 1  # the workers' copies do differ mid-run
 

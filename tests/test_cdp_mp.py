@@ -179,7 +179,7 @@ def test_forward_writes_its_residuals_into_the_row_once():
 
     m = build_mp("resnet_tiny", "carry", "cdp-v2", "group")
     state = m.init(jax.random.key(0))
-    _, slots, _, width = state["buffers"]["residual"].shape
+    _, slots, _, width = state.buffers.residual.shape
     text = m.periods.lower(state, np.zeros((1, BATCH, 8, 8, 1), np.float32), np.zeros((1, BATCH), np.int32),
                            np.ones((1,), bool)).as_text()
     updates = re.findall(r"stablehlo.dynamic_update_slice.*?-> tensor<([^>]*)>", text)
@@ -216,7 +216,7 @@ def test_flush_then_train_on():
     s = ref.init(jax.random.key(0))
     for k, b in enumerate(batches()[:4]):
         if k == 2:
-            s = {**s, "previous": s["params"]}
+            s = s._replace(previous=s.params)
         s, _ = ref.train_step(s, b)
     assert_trees_close(jax.device_get(m.export(state)[0]), jax.device_get(ref.export(s)[0]))
 

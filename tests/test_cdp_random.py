@@ -291,5 +291,5 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
         return jax.device_get(s)
 
     a, b = state(whole), state(part)
-    assert int(a["step"]) == 8
+    assert int(a.step) == 8
     jax.tree.map(np.testing.assert_array_equal, a, b)

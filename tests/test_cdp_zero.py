@@ -410,10 +410,10 @@ def test_each_worker_stores_a_quarter_of_the_model():
         return sum(x.nbytes for x in jax.tree.leaves(tree)) / N  # the leading axis is the workers
 
     assert zero.program.ticks.versions == 2  # stale reads after an update read the previous version
-    rows = per_device([state["master"], state["opt_state"], state["sums"]])
+    rows = per_device([state.master, state.opt_state, state.sums])
     assert abs(rows - (2 + 1 + 1) * piece * 4) < 64  # + the optimizer's step counts
-    assert per_device(state["relay"]) == 4 * N * -(-max(stage) // N)
-    assert abs(per_device([ring_state["params"], ring_state["opt_state"]]) - 2 * sum(stage) * 4) < 64
+    assert per_device(state.relay) == 4 * N * -(-max(stage) // N)
+    assert abs(per_device([ring_state.params, ring_state.opt_state]) - 2 * sum(stage) * 4) < 64
 
 
 def test_no_row_sized_copy_per_op_survives_compilation():

@@ -359,7 +359,7 @@ def test_ring_with_bf16_sums_within_the_rounding_bound():
     diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), got, want)
     assert all(jax.tree.leaves(jax.tree.map(lambda d, b: bool(np.all(d <= b)), diff, bound)))
     assert max(float(d.max()) for d in jax.tree.leaves(diff)) > 0  # the codec did round
-    for j, stage in enumerate(runs["bf16"][1]["params"]):  # every worker's copy the same
+    for j, stage in enumerate(runs["bf16"][1].params):  # every worker's copy the same
         for leaf in jax.tree.leaves(stage):
             np.testing.assert_array_equal(np.asarray(leaf)[0], np.asarray(leaf)[1])
 
@@ -464,7 +464,7 @@ def test_ring_error_feedback_resends_what_the_codec_dropped():
     partials = {(s.stage, s.src): s.lag for s in ring.program.sends if s.what == "partial"}
     assert partials  # the ring sends partial sums
     for j in range(2):
-        feedback = np.asarray(state["feedback"][j])  # [workers, 2, n]
+        feedback = np.asarray(state.feedback[j])  # [workers, 2, n]
         for w in range(2):
             if (j, w) in partials:
                 expected = kept_after(g(w, j), steps - partials[j, w])

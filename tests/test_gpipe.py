@@ -63,8 +63,8 @@ def test_gradients_and_updates_equal_e2e(case):
     s_e2e, s_gp = e2e.init(jax.random.key(0)), gpipe.init(jax.random.key(0))
     if check_gradient:
         b = batches[0]
-        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
-                                                        b["label"])[0])(s_e2e["params"])
+        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e.model_state, b["image"],
+                                                        b["label"])[0])(s_e2e.params)
         assert_trees_close(gpipe.gradients(s_gp, b), reference)
     for b in batches:
         s_e2e, m_e2e = e2e.train_step(s_e2e, b)
@@ -157,6 +157,6 @@ def test_an_op_kind_from_outside_is_its_registration_and_its_piece(monkeypatch):
         e2e = build(_config("e2e", "mlp", stages=3, microbatches=2), {"data": 1})
         b = random_batches(1, BATCH)[0]
         s_e2e = e2e.init(jax.random.key(0))
-        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e["model_state"], b["image"],
-                                                        b["label"])[0])(s_e2e["params"])
+        reference = jax.grad(lambda p: loss_and_metrics(e2e.net, p, s_e2e.model_state, b["image"],
+                                                        b["label"])[0])(s_e2e.params)
         assert_trees_close(method.gradients(method.init(jax.random.key(0)), b), reference)

@@ -218,7 +218,7 @@ def test_local_trains_on_digits_with_every_head(model, head, kwargs):
     method, c = _digits_local(model, head, kwargs)
     dataset = data.build(c)
     state = method.init(jax.random.key(0, impl="rbg"))  # compiles faster on CPU; any start will do
-    first_head_state = jax.device_get(state["head_state"])
+    first_head_state = jax.device_get(state.head_state)
     losses = []
     for step in range(40):
         state, metrics = method.train_step(state, dataset.train_batch(step, 64, 0, augment=False))
@@ -228,7 +228,7 @@ def test_local_trains_on_digits_with_every_head(model, head, kwargs):
     start, end = losses[:5].mean(axis=0), losses[-5:].mean(axis=0)
     assert np.all(end < 0.9 * start), (start, end)
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
-                         jax.device_get(state["head_state"]), first_head_state)
+                         jax.device_get(state.head_state), first_head_state)
     assert head in ("greedy", "vit") or max(jax.tree.leaves(moved)) > 1e-3
 
 

@@ -135,13 +135,13 @@ def test_local_momentum_copy_is_the_moving_average_of_the_next_module():
     local = build(_config("local", head="man", stages=K, module_groups=[K], aux_kwargs={"ema_decay": m}),
                   {"data": 1})
     state = local.init(jax.random.key(0))
-    ema = [jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]) for j in range(K - 1)]
+    ema = [jax.device_get(state.head_state[j]["ema"]["momentum_copy"]["blocks_0"]) for j in range(K - 1)]
     for batch in random_batches(3, BATCH):
-        before = jax.device_get(state["params"]["body"])
+        before = jax.device_get(state.params.body)
         state, _ = local.train_step(state, batch)
         ema = [jax.tree.map(lambda e, p: m * e + (1 - m) * p, ema[j], before[j + 1]["blocks_0"]) for j in range(K - 1)]
     for j in range(K - 1):
-        assert_trees_close(jax.device_get(state["head_state"][j]["ema"]["momentum_copy"]["blocks_0"]), ema[j])
+        assert_trees_close(jax.device_get(state.head_state[j]["ema"]["momentum_copy"]["blocks_0"]), ema[j])
 
 
 def test_ppll_losses_are_locals_delayed_by_the_pipeline():
@@ -174,9 +174,9 @@ def test_fill_ticks_are_masked():
     state, _ = ppll.train_step(ppll.init(jax.random.key(0)), random_batches(1, BATCH)[0])
     state = jax.device_get(state)
     for key in ("rows", "opt_state"):
-        for a, b in zip(jax.tree.leaves(state[key]), jax.tree.leaves(init[key])):
+        for a, b in zip(jax.tree.leaves(getattr(state, key)), jax.tree.leaves(getattr(init, key))):
             np.testing.assert_array_equal(a[1:], b[1:])  # devices 1..3 (stages 1..3): untouched
-    assert np.abs(state["rows"]["body"][0] - init["rows"]["body"][0]).max() > 1e-4
+    assert np.abs(state.rows.body[0] - init.rows.body[0]).max() > 1e-4
 
 
 def test_local_with_one_stage_is_e2e():
@@ -194,16 +194,16 @@ def test_gradient_stops_at_stage_input():
 
     def stage0_after_step(change):
         state = local.init(jax.random.key(0))
-        state["params"] = change(state["params"])
+        state = state._replace(params=change(state.params))
         state, _ = local.train_step(state, batch)
-        return jax.device_get((state["params"]["body"][0], state["params"]["head"][0]))
+        return jax.device_get((state.params.body[0], state.params.head[0]))
 
     def shift(tree):  # not a uniform shift of a classifier: softmax would ignore that
         return jax.tree.map(lambda x: 2.0 * x + 0.1, tree)
 
     base = stage0_after_step(lambda p: p)
-    later_changed = stage0_after_step(lambda p: {**p, "body": [p["body"][0], shift(p["body"][1])]})
-    own_head_changed = stage0_after_step(lambda p: {**p, "head": [shift(p["head"][0]), p["head"][1]]})
+    later_changed = stage0_after_step(lambda p: p._replace(body=[p.body[0], shift(p.body[1])]))
+    own_head_changed = stage0_after_step(lambda p: p._replace(head=[shift(p.head[0]), p.head[1]]))
     assert_trees_equal(later_changed, base)
     diff = jax.tree.map(lambda x, y: float(np.abs(x - y).max()), own_head_changed[0], base[0])
     assert max(jax.tree.leaves(diff)) > 1e-6  # the test would see a gradient arriving
@@ -218,11 +218,11 @@ def test_head_learning_rate_scale(head):
     deltas = []
     for scale in (1.0, 0.25):
         local = build(_config("local", aux_kwargs={"head_lr_scale": scale}, **kw), {"data": 1})
-        start = jax.device_get(local.init(jax.random.key(0))["params"])
+        start = jax.device_get(local.init(jax.random.key(0)).params)
         end, _ = local.train_step(local.init(jax.random.key(0)), batch)
-        deltas.append(jax.tree.map(lambda x, y: np.asarray(x) - y, jax.device_get(end["params"]), start))
-    assert_trees_close(deltas[1]["body"], deltas[0]["body"], atol=1e-7)
-    assert_trees_close(deltas[1]["head"], jax.tree.map(lambda d: 0.25 * d, deltas[0]["head"]), atol=1e-7)
+        deltas.append(jax.tree.map(lambda x, y: np.asarray(x) - y, jax.device_get(end.params), start))
+    assert_trees_close(deltas[1].body, deltas[0].body, atol=1e-7)
+    assert_trees_close(deltas[1].head, jax.tree.map(lambda d: 0.25 * d, deltas[0].head), atol=1e-7)
 
 
 def test_compile_time_does_not_grow_with_ticks(no_compilation_cache):

@@ -114,7 +114,7 @@ CATEGORY_OF = {
     "opt": "optimizer_state", "opt_state": "optimizer_state", "model_state": "model_state",
     "state_sums": "model_state", "head_state": "model_state", "grads": "gradients", "sums": "gradients",
     "relay": "relayed_parameters", "fed": "flags", "labels": "labels", "acts": "activations",
-    "cots": "cotangents", "kept": "residuals",
+    "cots": "cotangents", "residuals": "residuals",
     ("buffers", "act"): "activations", ("buffers", "cot"): "cotangents", ("buffers", "residual"): "residuals",
     ("buffers", "input"): "images", ("buffers", "image"): "images",
 }
@@ -124,7 +124,8 @@ def _state_bytes(state) -> dict[str, float]:
     """Bytes per category that device 0 holds of the real train state (its shard of each array)."""
     out: dict[str, float] = collections.defaultdict(float)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        keys = [p.key if isinstance(p, jax.tree_util.DictKey) else p.name for p in path
+                if isinstance(p, (jax.tree_util.DictKey, jax.tree_util.GetAttrKey))]  # typed states' fields too
         holds = CATEGORY_OF.get(tuple(keys[:2]), CATEGORY_OF.get(keys[0]))
         if keys == ["master"] and path[2].idx == 1:  # cdp-zero's master[j] = [current, previous] pieces
             holds = "previous_parameters"

@@ -143,12 +143,12 @@ def test_a_program_without_a_stages_applies_never_updates_it():
     """cdp-v2's program with every `Apply` of stage 2 taken out: after three steps and a flush every
     worker's stage 2 is its initial copy, while the whole program's moved (the control)."""
     whole = _ring()
-    initial = whole.init(jax.random.key(0))["params"]
-    trained = _trained(whole)["params"]
+    initial = whole.init(jax.random.key(0)).params
+    trained = _trained(whole).params
     assert max_diff(trained[2], initial[2]) > 1e-4
     frozen = _ring(lambda p: dataclasses.replace(p, events=tuple(e for e in p.events
                                                                  if not (isinstance(e, Apply) and e.stage == 2))))
-    got = _trained(frozen)["params"]
+    got = _trained(frozen).params
     assert_trees_equal(got[2], initial[2])
     assert max_diff(got[0], initial[0]) > 1e-4  # the other stages trained
 
@@ -159,11 +159,11 @@ def test_a_program_without_a_workers_computes_trains_otherwise():
     whole = _trained(_ring())
     missing = _trained(_ring(lambda p: dataclasses.replace(p, events=tuple(
         e for e in p.events if not (isinstance(e, Compute) and e.device == 1 and e.lag == 0)))))
-    assert max_diff(missing["params"], whole["params"]) > 1e-4
+    assert max_diff(missing.params, whole.params) > 1e-4
     from helpers import build
     registry = build(small_config("cdp-v2", stages=STAGES, workers=WORKERS, cdp_impl="ring",
                                   global_batch_size=BATCH), {"data": WORKERS})
-    assert_trees_close(_trained(registry)["params"], whole["params"])
+    assert_trees_close(_trained(registry).params, whole.params)
 
 
 # ------------------------------------------------------- reads of versions before the previous one

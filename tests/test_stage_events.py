@@ -204,7 +204,7 @@ def _run_program(config, tbl, program):
 
 
 def _mean_loss_grad(e2e, state, images, labels):
-    return jax.grad(lambda p: loss_and_metrics(e2e.net, p, state["model_state"], images, labels)[0])(state["params"])
+    return jax.grad(lambda p: loss_and_metrics(e2e.net, p, state.model_state, images, labels)[0])(state.params)
 
 
 def test_a_program_without_a_microbatchs_events_trains_on_the_others():

@@ -64,6 +64,8 @@ Two realisations, `config.cdp_impl`:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,7 @@ from cdpjax.layouts.cdp import V2_RULES, cdp_table, check_sizes
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, step_metrics, tree_select
 from cdpjax.timetable import TimeTable
+from cdpjax.train_state import typed_state
 
 AXIS = "data"
 
@@ -164,14 +167,25 @@ def _rule(method: str, cfg) -> str:
     return rule
 
 
-def _init_state(net, tx, rng):
+@typed_state
+class TwoVersions(NamedTuple):
+    """CDP's simulated train state: the parameters of this step and of the one before, which the
+    table's stale (worker, stage) pairs read.
+
+    params: theta_k, per stage. previous: theta_{k-1} (theta_0 at step 0: either slot reads it).
+    model_state: BatchNorm's statistics, the workers' mean at each step. opt_state: per-stage
+    optax states, stepped once per step with the sum of every worker's gradient.
+    """
+
+    params: list
+    previous: list
+    model_state: list
+    opt_state: list
+
+
+def _init_state(net, tx, rng) -> TwoVersions:
     params, model_state = net.init(rng)
-    return {
-        "params": params,
-        "previous": jax.tree.map(jnp.copy, params),  # step 0 reads theta_0 from either slot
-        "model_state": model_state,
-        "opt_state": [tx.init(p) for p in params],
-    }
+    return TwoVersions(params, jax.tree.map(jnp.copy, params), model_state, [tx.init(p) for p in params])
 
 
 # =================================================================== simulate
@@ -198,21 +212,21 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
     def local_losses(state, stale_rows, images, labels):
         images, labels = by_worker(images, labels)
         run = jax.vmap(worker_loss, in_axes=(None, None, 0, None, 0, 0))
-        return run(state["params"], state["previous"], stale_rows, state["model_state"], images, labels)
+        return run(state.params, state.previous, stale_rows, state.model_state, images, labels)
 
     def local_step(state, stale_rows, images, labels):
         def total(current, previous):
-            losses, aux = local_losses({**state, "params": current, "previous": previous}, stale_rows, images, labels)
+            losses, aux = local_losses(state._replace(params=current, previous=previous), stale_rows, images, labels)
             # shard_map's transpose sums the replicated parameters' gradients over `data`:
             # dividing by N makes that sum the mean over workers.
             return losses.sum() / workers, (losses, aux)
 
         (_, (losses, (model_state, sums))), (g_cur, g_prev) = jax.value_and_grad(
-            total, argnums=(0, 1), has_aux=True)(state["params"], state["previous"])
+            total, argnums=(0, 1), has_aux=True)(state.params, state.previous)
         grads = jax.tree.map(jnp.add, g_cur, g_prev)
-        params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
+        params, opt_state = optim.apply_per_stage(tx, state.params, state.opt_state, grads)
         model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
-        new = {"params": params, "previous": state["params"], "model_state": model_state, "opt_state": opt_state}
+        new = TwoVersions(params, state.params, model_state, opt_state)
         metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
         return new, metrics
 
@@ -234,7 +248,7 @@ def _simulate(ctx: Context, method: str, net, table: TimeTable, workers: int) ->
         return losses(state, stale, batch["image"], batch["label"])
 
     def export(state):
-        return state["params"], state["model_state"]
+        return state.params, state.model_state
 
     return Method(method, net, init, train_step, export, table=table, stale=table.stale, workers=workers,
                   devices=ctx.axis(AXIS), worker_losses=worker_losses, stored_versions=2,

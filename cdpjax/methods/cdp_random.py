@@ -33,6 +33,7 @@ Two realisations, `config.cdp_impl`:
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +50,28 @@ from cdpjax.layouts.delays import Delay, delay_table
 from cdpjax.methods import cdp, cdp_zero
 from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.timetable import TimeTable
+from cdpjax.train_state import typed_state
 
 AXIS = "data"
 LAID_OUT = 64  # steps of the table a run reads (then they repeat)
+
+
+@typed_state
+class History(NamedTuple):
+    """cdp-random's simulated train state: the last versions of every stage, which each step's
+    delays index.
+
+    history: per stage, the parameters stacked `[depth, ...]`, newest first (row tau: theta_{k-tau};
+      before step 0 every row is theta_0). model_state: BatchNorm's statistics, the workers' mean.
+    opt_state: per-stage optax states, stepped once per step. correction: per-stage states of the
+      delay correction (`()` without one). step: the step number k, which row of the table it reads.
+    """
+
+    history: list
+    model_state: list
+    opt_state: list
+    correction: list
+    step: jax.Array
 
 
 def build(ctx: Context) -> Method:
@@ -178,21 +198,20 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
 
         def total(history):
             run = jax.vmap(worker_loss, in_axes=(None, 0, None, 0, 0))
-            losses, aux = run(history, tau_rows, state["model_state"], images, labels)
+            losses, aux = run(history, tau_rows, state.model_state, images, labels)
             # shard_map's transpose sums the replicated history's gradients over `data`: / N makes it the mean
             return losses.sum() / workers, (losses, aux)
 
-        (_, (losses, (model_state, sums))), g_hist = jax.value_and_grad(total, has_aux=True)(state["history"])
+        (_, (losses, (model_state, sums))), g_hist = jax.value_and_grad(total, has_aux=True)(state.history)
         grads = [jax.tree.map(lambda g: g.sum(0), g) for g in g_hist]
-        params = [jax.tree.map(lambda h: h[0], h) for h in state["history"]]
+        params = [jax.tree.map(lambda h: h[0], h) for h in state.history]
         stepped = [stage_step(g, p, o, c, tau_all[:, j]) for j, (g, p, o, c) in
-                   enumerate(zip(grads, params, state["opt_state"], state["correction"]))]
+                   enumerate(zip(grads, params, state.opt_state, state.correction))]
         new_params, opt_state, corr_state = ([x[i] for x in stepped] for i in range(3))
         history = [jax.tree.map(lambda p, h: jnp.concatenate([p[None], h[:-1]]), p, h)
-                   for p, h in zip(new_params, state["history"])]
+                   for p, h in zip(new_params, state.history)]
         model_state = lax.pmean(jax.tree.map(lambda s: s.mean(0), model_state), AXIS)
-        new = {"history": history, "model_state": model_state, "opt_state": opt_state, "correction": corr_state,
-               "step": state["step"] + 1}
+        new = History(history, model_state, opt_state, corr_state, state.step + 1)
         metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
         return new, metrics
 
@@ -201,21 +220,21 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
 
     def init(rng):
         params, model_state = net.init(rng)
-        return jax.device_put({
-            "history": [jax.tree.map(lambda p: jnp.stack([p] * depth), p) for p in params],  # before 0: theta_0
-            "model_state": model_state,
-            "opt_state": [tx.init(p) for p in params],
-            "correction": [correction.init(p) if correction is not None else () for p in params],
-            "step": jnp.zeros((), jnp.int32),
-        }, replicated)
+        return jax.device_put(History(
+            history=[jax.tree.map(lambda p: jnp.stack([p] * depth), p) for p in params],  # before 0: theta_0
+            model_state=model_state,
+            opt_state=[tx.init(p) for p in params],
+            correction=[correction.init(p) if correction is not None else () for p in params],
+            step=jnp.zeros((), jnp.int32),
+        ), replicated)
 
     @jax.jit
     def train_step(state, batch):
-        tau = taus_dev[table_row(state["step"], taus_dev.shape[0])]  # [N, L]
+        tau = taus_dev[table_row(state.step, taus_dev.shape[0])]  # [N, L]
         return sharded(state, tau, tau, batch["image"], batch["label"])
 
     def export(state):
-        return [jax.tree.map(lambda h: h[0], h) for h in state["history"]], state["model_state"]
+        return [jax.tree.map(lambda h: h[0], h) for h in state.history], state.model_state
 
     return Method("cdp-random", net, init, train_step, export, table=table, stale=table.stale, workers=workers,
                   devices=ctx.axis(AXIS), stored_versions=depth,

@@ -77,6 +77,7 @@ from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program, piece_size
 from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, zero_routing
+from cdpjax.train_state import typed_state
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
 AXIS = ring.AXIS  # every value of the period varies over the ring mesh's axes (one ring here)
@@ -195,8 +196,8 @@ class ZeroPeriod:
         b[("metrics",)] = varying(self.stages.ops.no_metrics(), AXIS)
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
             for j in range(z.stages):
-                b[("master", j, 1)] = jnp.where(state["fed"][0], b[("master", j, 1)], b[("master", j, 0)])
-        valid = [feeding] + [state["fed"][lag - 1] for lag in range(1, z.max_lag + 1)]
+                b[("master", j, 1)] = jnp.where(state.fed[0], b[("master", j, 1)], b[("master", j, 0)])
+        valid = [feeding] + [state.fed[lag - 1] for lag in range(1, z.max_lag + 1)]
         for tk in z.ticks:
             self.gather(b, tk, me)
             # Every op of the tick before any piece is sent, as the ring sends: a collective waits for
@@ -205,8 +206,7 @@ class ZeroPeriod:
             self.scatter(b, tk.ops, gradients, me)
             self.apply(b, tk, valid)
             b.barrier()
-        new = _unnamed(b, state, z, self.carry)
-        new["fed"] = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])
+        new = _unnamed(b, state, z, self.carry, fed=jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed[:-1]]))
         return new, b[("metrics",)]
 
     def gather(self, b, tk, me):
@@ -305,24 +305,24 @@ class ZeroPeriod:
             pred = valid[lag]
             old = b[("master", j, 0)]
             p, o = b.cond(pred, lambda p, o, g: varying(optim.apply(tx, p, o, g), AXIS),
-                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt", j)], b[("sums", j)]),
-                          reads=[("sums", j)], writes=[("master", j, 0), ("opt", j)])
+                          lambda p, o, g: varying((p, o), AXIS), (old, b[("opt_state", j)], b[("sums", j)]),
+                          reads=[("sums", j)], writes=[("master", j, 0), ("opt_state", j)])
             if z.versions == 2:
                 ring._pick(b, pred, ("master", j, 1), old)
-            b[("master", j, 0)], b[("opt", j)] = p, o
+            b[("master", j, 0)], b[("opt_state", j)] = p, o
 
 
 class Work(NamedTuple):
     """What a worker's ops read and write (the operands of their `lax.switch`: nothing else goes
     through it): per stage the model state, input (`acts`), output cotangent (`cots`), kept
-    residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; per gradient slot of a
+    residuals (`residuals`, empty unless 'carry'); the labels of its micro-batch; per gradient slot of a
     tick, the gradient its gradient op made in this tick as N pieces of the widest piece's length
     ([S, N, P], zero-padded; `ZeroRouting.op_slot`); the metric sums of the period."""
 
-    ms: tuple
+    model_state: tuple
     acts: tuple
     cots: tuple
-    kept: tuple
+    residuals: tuple
     labels: jax.Array
     grads: jax.Array
     metrics: jax.Array
@@ -335,10 +335,36 @@ class ZeroState(NamedTuple):
     pieces at a stride of the widest piece P); what its ops work on (`Work`)."""
 
     master: jax.Array
-    opt: tuple
+    opt_state: tuple
     sums: jax.Array
     relay: jax.Array
     work: Work
+
+
+@typed_state(renamed={"residuals": "kept"})
+class PiecesState(NamedTuple):
+    """cdp-zero's train state between calls (what checkpoints hold), a leading worker axis on each
+    array: worker i's piece i of every stage.
+
+    master: the pieces per stage and version (current, and previous where the table reads it; not
+      `params`: a worker holds 1/N of each stage's parameters, flat, never a stage's tree): with
+      `zero_period='scan'` laid end to end `[N, V, F]`, else `[stage][version]` lists. opt_state: per
+      stage, the optax state of the worker's piece, stepped at the stage's update tick. sums: the
+      running gradient sums of its pieces, laid out as `master` (one row, or per stage). relay: the
+      rows a visitor gathers stages into (a visit may run into the next call). fed: whether each of
+      the last calls fed a batch. model_state, acts, cots, labels, residuals: the ring's `Stash`.
+    """
+
+    master: jax.Array | list
+    opt_state: list
+    sums: jax.Array | list
+    relay: jax.Array | list
+    fed: jax.Array
+    model_state: list
+    acts: list
+    cots: list
+    labels: jax.Array
+    residuals: list | None = None
 
 
 class ZeroScan:
@@ -392,17 +418,17 @@ class ZeroScan:
             p = shards.join_strided(j, rows[relay])
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
-            kept = c.kept
+            residuals = c.residuals
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, p, c.ms[j], x, labels)
-                kept = ring._set(kept, j, k)
+                out, k, (ms, metrics) = ops.forward_kept(j, p, c.model_state[j], x, labels)
+                residuals = ring._set(residuals, j, k)
             else:
-                out, (ms, metrics) = ops.run(j, p, c.ms[j], x, labels)
+                out, (ms, metrics) = ops.run(j, p, c.model_state[j], x, labels)
             acts = ring._set(c.acts, j + 1, out) if j < L - 1 else c.acts
             if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
                 acts = ring._set(acts, 0, images)
-            return varying(c._replace(acts=acts, kept=kept, ms=ring._set(c.ms, j, ms), metrics=c.metrics + metrics,
-                                      labels=new_labels if j == 0 else c.labels), AXIS)
+            return varying(c._replace(acts=acts, residuals=residuals, model_state=ring._set(c.model_state, j, ms),
+                                      metrics=c.metrics + metrics, labels=new_labels if j == 0 else c.labels), AXIS)
         return run
 
     def _gradient_op(self, kind: str, j: int):
@@ -417,8 +443,9 @@ class ZeroScan:
         def run(c: Work, rows, images, new_labels, relay, slot):
             p = shards.join_strided(j, rows[relay])
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
-            keep = c.kept[j] if carry else None
-            d_params, d_input, _ = self.stages.ops.backward(j, p, c.ms[j], c.acts[j], c.labels, seed, keep, want)
+            keep = c.residuals[j] if carry else None
+            d_params, d_input, _ = self.stages.ops.backward(j, p, c.model_state[j], c.acts[j], c.labels, seed, keep,
+                                                            want)
             if cotangent and j > 0:
                 c = c._replace(cots=ring._set(c.cots, j - 1, d_input))
             if gradient:
@@ -485,15 +512,15 @@ class ZeroScan:
     def __call__(self, state, images, new_labels, feeding):
         z, r, sh = self.z, self.routing, self.shards
         me = lax.axis_index(ring.WORKERS)
-        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
-        master = state["master"]
+        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed])
+        master = state.master
         if z.versions == 2:  # a call after an unfed one restarts the cycle: both versions the newest
-            master = master.at[1].set(jnp.where(state["fed"][0], master[1], master[0]))
+            master = master.at[1].set(jnp.where(state.fed[0], master[1], master[0]))
         table = {name: jnp.asarray(getattr(r, name)) for name in r._fields if name != "op_kinds"}
-        work = Work(tuple(state["model_state"]), tuple(state["acts"]), tuple(state["cots"]),
-                    tuple(state["kept"]) if self.carry else (), state["labels"],
+        work = Work(tuple(state.model_state), tuple(state.acts), tuple(state.cots),
+                    tuple(state.residuals) if self.carry else (), state.labels,
                     jnp.zeros((self.grad_slots, z.workers, sh.widest), jnp.float32), self.stages.ops.no_metrics())
-        c = varying(ZeroState(master, tuple(state["opt_state"]), state["sums"], state["relay"], work), AXIS)
+        c = varying(ZeroState(master, tuple(state.opt_state), state.sums, state.relay, work), AXIS)
 
         def tick(c: ZeroState, t):
             c = c._replace(relay=self._gather(c, t, me, table))
@@ -503,19 +530,18 @@ class ZeroScan:
                 c = c._replace(work=lax.switch(branch, branches, c.work, c.relay, images, new_labels,
                                                table["op_relay"][at], table["op_slot"][at]))
             c = c._replace(sums=self._scatter(c, t, me, table, valid))
-            master, opt = c.master, c.opt
+            master, opt = c.master, c.opt_state
             for j, (at_t, lag) in sorted(self.apply_at.items()):  # at its update tick, its step fed
                 master, o = self._apply(j, master, opt[j], c.sums, (t == at_t) & valid[lag])
                 opt = ring._set(opt, j, o)
-            return varying(c._replace(master=master, opt=opt), AXIS), None
+            return varying(c._replace(master=master, opt_state=opt), AXIS), None
 
         c, _ = lax.scan(tick, c, jnp.arange(len(z.ticks), dtype=jnp.int32))
         w = c.work
-        new = {"master": c.master, "opt_state": list(c.opt), "sums": c.sums,
-               "relay": c.relay, "model_state": list(w.ms), "acts": list(w.acts), "cots": list(w.cots),
-               "labels": w.labels, "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
-        if self.carry:
-            new["kept"] = list(w.kept)
+        new = PiecesState(master=c.master, opt_state=list(c.opt_state), sums=c.sums, relay=c.relay,
+                          fed=jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed[:-1]]),
+                          model_state=list(w.model_state), acts=list(w.acts), cots=list(w.cots), labels=w.labels,
+                          residuals=list(w.residuals) if self.carry else None)
         return new, w.metrics
 
 
@@ -605,27 +631,27 @@ def _land(b: ring.Buffers, pred, name, pieces):
     b[name] = b.cond(pred, _landed, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
 
 
-def _named(state, z: ZeroTicks, carry: bool) -> dict:
-    named = {("master", j, r): state["master"][j][r] for j in range(z.stages) for r in range(z.versions)}
-    named.update({("opt", j): state["opt_state"][j] for j in range(z.stages)})
-    named.update({("sums", j): state["sums"][j] for j in range(z.stages)})
-    named.update({("relay", r): state["relay"][r] for r in range(z.relay_rows)})  # a visit may run into the next call
-    for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
-            ((("kept", "kept"),) if carry else ()):
-        named.update({(key, j): v for j, v in enumerate(state[plural])})
-    named[("labels",)] = state["labels"]
+def _named(state: PiecesState, z: ZeroTicks, carry: bool) -> dict:
+    named = {("master", j, r): state.master[j][r] for j in range(z.stages) for r in range(z.versions)}
+    named.update({("opt_state", j): state.opt_state[j] for j in range(z.stages)})
+    named.update({("sums", j): state.sums[j] for j in range(z.stages)})
+    named.update({("relay", r): state.relay[r] for r in range(z.relay_rows)})  # a visit may run into the next call
+    for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
+            ((("kept", "residuals"),) if carry else ()):
+        named.update({(key, j): v for j, v in enumerate(getattr(state, field))})
+    named[("labels",)] = state.labels
     return named
 
 
-def _unnamed(b, state, z: ZeroTicks, carry: bool) -> dict:
-    new = {"master": [[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
-           "opt_state": [b[("opt", j)] for j in range(z.stages)],
-           "sums": [b[("sums", j)] for j in range(z.stages)], "labels": b[("labels",)],
-           "relay": [b[("relay", r)] for r in range(z.relay_rows)]}
-    for key, plural in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
-            ((("kept", "kept"),) if carry else ()):
-        new[plural] = [b[(key, j)] for j in range(len(state[plural]))]
-    return new
+def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesState:
+    per_stage = {field: [b[(key, j)] for j in range(len(getattr(state, field)))]
+                 for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots"))
+                 + ((("kept", "residuals"),) if carry else ())}
+    return PiecesState(master=[[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
+                       opt_state=[b[("opt_state", j)] for j in range(z.stages)],
+                       sums=[b[("sums", j)] for j in range(z.stages)],
+                       relay=[b[("relay", r)] for r in range(z.relay_rows)], fed=fed, labels=b[("labels",)],
+                       **per_stage)
 
 
 def _method(ctx: Context, net, table, program: Program, residuals: str) -> Method:
@@ -656,17 +682,17 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         pieces = [shards.cut(j, p) for j, p in enumerate(params)]  # [N, piece[j]] each: worker i keeps row i
         stash = ring.stash_buffers(stages, model_state, carry)  # the natural per-stage buffers, as the ring's
         laid = shards.lay(pieces)  # [N, laid]: the scan reads a worker's pieces as one array
-        state = {
+        state = PiecesState(
             # current (, previous)
-            "master": jnp.stack([laid] * z.versions, 1) if scanned else [[p] * z.versions for p in pieces],
-            "opt_state": [jax.vmap(tx.init)(p) for p in pieces],
-            "sums": jnp.zeros_like(laid) if scanned else [jnp.zeros_like(p) for p in pieces],
+            master=jnp.stack([laid] * z.versions, 1) if scanned else [[p] * z.versions for p in pieces],
+            opt_state=[jax.vmap(tx.init)(p) for p in pieces],
+            sums=jnp.zeros_like(laid) if scanned else [jnp.zeros_like(p) for p in pieces],
             # the scan carries one array in place; the unrolled period names each row
-            "relay": (jnp.zeros((N, z.relay_rows, shards.width), jnp.float32) if scanned else
-                      [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)]),
-            "fed": jnp.zeros((N, max(z.max_lag, 1)), bool),
-            **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash),
-        }
+            relay=(jnp.zeros((N, z.relay_rows, shards.width), jnp.float32) if scanned else
+                   [jnp.zeros((N, shards.width), jnp.float32) for _ in range(z.relay_rows)]),
+            fed=jnp.zeros((N, max(z.max_lag, 1)), bool),
+            **jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), stash)._asdict(),
+        )
         return jax.device_put(state, per_worker)
 
     @jax.jit
@@ -685,9 +711,9 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
 
     def export(state):
         # Each stage joined from every worker's current piece; running averages averaged over workers.
-        current = [shards.unlay(j, state["master"][:, 0]) if scanned else state["master"][j][0] for j in range(L)]
+        current = [shards.unlay(j, state.master[:, 0]) if scanned else state.master[j][0] for j in range(L)]
         params = [shards.join(j, current[j]) for j in range(L)]
-        return params, jax.tree.map(lambda a: a.mean(0), state["model_state"])
+        return params, jax.tree.map(lambda a: a.mean(0), state.model_state)
 
     return Method("cdp-zero", net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
                   periods=run, carrier=stages, stale=table.stale, workers=N, devices=N, state_depends_on_mesh=True,

@@ -2,7 +2,9 @@
 
 A method's builder (named by its `cdpjax.layouts.Layout`) takes a `Context`
 (config, mesh, input shape and dtype, classes, task) and returns a `Method`: pure functions over an explicit train
-state (a pytree of arrays, checkpointed whole, so in-flight state resumes exactly):
+state (a NamedTuple of arrays with fixed fields, a part the method does not keep None,
+registered with `cdpjax.train_state.typed_state`; checkpointed whole, so in-flight state resumes
+exactly):
 
 - `init(rng) -> state`, placed on the mesh;
 - `train_step(state, batch) -> (state, metrics)`, jitted with the state donated;

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import optim
 from cdpjax.methods.common import Context, Method, loss_and_metrics, step_metrics
+from cdpjax.train_state import Dense
 
 
 def build(ctx: Context) -> Method:
@@ -29,22 +30,21 @@ def build(ctx: Context) -> Method:
 
     def init(rng):
         params, model_state = net.init(rng)
-        state = {"params": params, "model_state": model_state, "opt_state": [tx.init(p) for p in params]}
-        return jax.device_put(state, replicated)
+        return jax.device_put(Dense(params, model_state, [tx.init(p) for p in params]), replicated)
 
     def local_step(state, images, labels):
         def local_loss(params):
-            loss, aux = loss_and_metrics(net, params, state["model_state"], images, labels, True, ctx.task)
+            loss, aux = loss_and_metrics(net, params, state.model_state, images, labels, True, ctx.task)
             # The gradient of a replicated parameter is summed over `data` by shard_map's
             # transpose; dividing the local mean by the worker count makes that sum the mean.
             return loss / workers, aux
 
-        (loss, (model_state, sums)), grads = jax.value_and_grad(local_loss, has_aux=True)(state["params"])
+        (loss, (model_state, sums)), grads = jax.value_and_grad(local_loss, has_aux=True)(state.params)
         if not cross:  # per-device statistics: average the running estimates like the paper's code
             model_state = lax.pmean(model_state, "data")
-        params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
+        params, opt_state = optim.apply_per_stage(tx, state.params, state.opt_state, grads)
         metrics = step_metrics(ctx.task, lax.psum(loss, "data"), lax.psum(sums, "data"))
-        return {"params": params, "model_state": model_state, "opt_state": opt_state}, metrics
+        return Dense(params, model_state, opt_state), metrics
 
     sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"), P("data")),
                             out_specs=(P(), P()), check_vma=True)
@@ -54,7 +54,7 @@ def build(ctx: Context) -> Method:
         return sharded(state, batch["image"], batch["label"])
 
     def export(state):
-        return state["params"], state["model_state"]
+        return state.params, state.model_state
 
     return Method("dp", net, init, train_step, export, table=_table(workers, net.num_stages), workers=workers,
                   devices=workers)

@@ -12,6 +12,7 @@ from jax.sharding import SingleDeviceSharding
 
 from cdpjax import optim
 from cdpjax.methods.common import Context, Method, loss_and_metrics, step_metrics
+from cdpjax.train_state import Dense
 
 
 def build(ctx: Context) -> Method:
@@ -21,19 +22,17 @@ def build(ctx: Context) -> Method:
 
     def init(rng):
         params, model_state = net.init(rng)
-        state = {"params": params, "model_state": model_state, "opt_state": [tx.init(p) for p in params]}
-        return jax.device_put(state, device)
+        return jax.device_put(Dense(params, model_state, [tx.init(p) for p in params]), device)
 
     @jax.jit
     def train_step(state, batch):
         grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-        (loss, (model_state, sums)), grads = grad_fn(net, state["params"], state["model_state"],
+        (loss, (model_state, sums)), grads = grad_fn(net, state.params, state.model_state,
                                                       batch["image"], batch["label"], True, ctx.task)
-        params, opt_state = optim.apply_per_stage(tx, state["params"], state["opt_state"], grads)
-        new = {"params": params, "model_state": model_state, "opt_state": opt_state}
-        return new, step_metrics(ctx.task, loss, sums)
+        params, opt_state = optim.apply_per_stage(tx, state.params, state.opt_state, grads)
+        return Dense(params, model_state, opt_state), step_metrics(ctx.task, loss, sums)
 
     def export(state):
-        return state["params"], state["model_state"]
+        return state.params, state.model_state
 
     return Method("e2e", net, init, train_step, export, devices=1, input_sharding=SingleDeviceSharding(device))

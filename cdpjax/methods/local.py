@@ -24,13 +24,15 @@ towards body_{j+1} as it is before stage j+1's update on the same batch
 built for `config.module_groups` (one stage per device when not given), the
 grouping `ppll` runs, so that the two methods stay equal.
 
-Train state: `{'params': {'body': [per stage], 'head': [per stage]},
-'model_state': [per stage], 'head_state': [per stage], 'opt_state': [per
-stage]}`; `export` gives the bodies (the plain network),
+Train state: `LocalState(params=BodiesAndHeads(body=[per stage], head=[per stage]),
+model_state=[per stage], head_state=[per stage], opt_state=[per stage])`;
+`export` gives the bodies (the plain network),
 `Method.export_heads` the heads' parameters, `Method.export_head_state` their
 state (BatchNorm averages and EMA copies).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,32 @@ from cdpjax import optim
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.models import aux_heads
+from cdpjax.train_state import typed_state
 
 HEADS_KEY = 1 << 20  # folded into the run's key for the heads, so the bodies start as in every other method
+
+
+@typed_state
+class BodiesAndHeads(NamedTuple):
+    """Per stage (module), the network's parameters and its auxiliary head's."""
+
+    body: list
+    head: list
+
+
+@typed_state
+class LocalState(NamedTuple):
+    """`local`'s train state: every module's body and head, stepped once per batch, module after module.
+
+    params: the bodies and heads. model_state, head_state: per module, the body's and the head's
+    running statistics (and a head's EMA copies). opt_state: per module, one optax state over its
+    `{'body', 'head'}` parameters (`optax.partition`'s labels).
+    """
+
+    params: BodiesAndHeads
+    model_state: list
+    head_state: list
+    opt_state: list
 
 
 def setup(ctx: Context, stages=None, groups=None):
@@ -116,15 +142,13 @@ def build(ctx: Context) -> Method:
     def init(rng):
         body, model_state = net.init(rng)
         head, head_state = heads.init(jax.random.fold_in(rng, HEADS_KEY))
-        params = {"body": body, "head": head}
         opt_state = [tx.init({"body": b, "head": h}) for b, h in zip(body, head)]
-        return jax.device_put({"params": params, "model_state": model_state, "head_state": head_state,
-                               "opt_state": opt_state}, device)
+        return jax.device_put(LocalState(BodiesAndHeads(body, head), model_state, head_state, opt_state), device)
 
     def train_step(state, batch):
-        body, head = list(state["params"]["body"]), list(state["params"]["head"])
-        model_state, head_state = list(state["model_state"]), list(state["head_state"])
-        opt_state = list(state["opt_state"])
+        body, head = list(state.params.body), list(state.params.head)
+        model_state, head_state = list(state.model_state), list(state.head_state)
+        opt_state = list(state.opt_state)
         x, losses, accs = batch["image"], [], []
         for j in range(num_stages):
             g_body, g_head, y, model_state[j], head_state[j], loss, acc = stage_grads(
@@ -137,8 +161,7 @@ def build(ctx: Context) -> Method:
             x = y
             losses.append(loss)
             accs.append(acc)
-        new = {"params": {"body": body, "head": head}, "model_state": model_state, "head_state": head_state,
-               "opt_state": opt_state}
+        new = LocalState(BodiesAndHeads(body, head), model_state, head_state, opt_state)
         # x: the network's outputs; its metrics are the task's (as ppll's), every module's local loss beside them
         sums = ctx.task.metric_sums(x, batch["label"])
         metrics = {**step_metrics(ctx.task, ctx.task.finish(sums)["loss"], sums),
@@ -147,10 +170,10 @@ def build(ctx: Context) -> Method:
         return new, metrics
 
     def export(state):
-        return state["params"]["body"], state["model_state"]
+        return state.params.body, state.model_state
 
     return Method("local", net, init, jax.jit(train_step, donate_argnums=0), export, devices=1, heads=heads,
-                  export_heads=lambda state: state["params"]["head"],
-                  export_head_state=lambda state: state["head_state"],
+                  export_heads=lambda state: state.params.head,
+                  export_head_state=lambda state: state.head_state,
                   input_sharding=SingleDeviceSharding(device))
 

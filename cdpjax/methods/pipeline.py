@@ -78,6 +78,7 @@ from cdpjax import optim
 from cdpjax.errors import ConfigError
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.methods.local import stage_grads
+from cdpjax.train_state import typed_state
 from cdpjax.methods.stage_ops import StageOps
 from cdpjax.program import RESIDUALS, Program, carries
 from cdpjax.program.stage_axis import LANE_FIELDS, StageTicks, kind_codes, lower_stage_axis, program_ticks
@@ -179,6 +180,7 @@ def build(ctx: Context, method: str, table: TimeTable, rules: Rules = Rules(), s
 # is None (no key comes and goes with the program's flags).
 
 
+@typed_state
 class Rows(NamedTuple):
     """Per-unit rows of one kind of value, by part: the bodies' and (local learning) the
     auxiliary heads'. Used for parameters (`[V, width]` on a device, one unit's `[width]` in
@@ -188,6 +190,7 @@ class Rows(NamedTuple):
     head: Any = None
 
 
+@typed_state
 class Buffers(NamedTuple):
     """A device's slot buffers (`StageTicks`' slots; None where the program declares none): `act`
     [slots, mb, width] each unit's input (and a split backward's recomputation input), `input`
@@ -234,6 +237,29 @@ class LoopState(NamedTuple):
     fed: jax.Array | None = None
     labels: jax.Array | None = None
     sums: Sums | None = None
+
+
+@typed_state
+class StageState(NamedTuple):
+    """The train state of a stage-axis method (what checkpoints hold), over all devices: the
+    fields of `LoopState` but the period's sums, each with a leading device axis `[D, ...]`
+    (`loop_state` takes one device's view inside a call, `train_state` puts it back). What a
+    program keeps in flight between calls (`buffers`, `grads`, `fed`, `labels`) is None where it
+    keeps none: buffers `[D, slots, groups * mb, ...]` (residuals `[D, slots, groups, width]`), grads
+    `[D, groups, V, width]`, labels of the last `lag` batches `[lag, B, ...]`. `rows` are the
+    parameters packed into the carrier's padded rows `[D, V, width]`, not `params` (per-stage trees,
+    what `export` gives back through `unrows`)."""
+
+    rows: Rows
+    opt_state: Rows
+    model_state: jax.Array
+    head_state: jax.Array | None = None
+    previous: jax.Array | None = None
+    state_sums: jax.Array | None = None
+    grads: Rows | None = None
+    buffers: Buffers | None = None
+    fed: jax.Array | None = None
+    labels: jax.Array | None = None
 
 
 class Lane(NamedTuple):
@@ -694,40 +720,41 @@ class _Runtime:
 
     # -------------------------------------------------------------------- state
 
-    def init_state(self, rng) -> dict:
-        """The train state (what checkpoints hold; `LoopState` is its typed view inside a call): rows
-        per device and chunk, optimizer states, and (layouts that keep work in flight between calls)
-        the slot buffers, gradient sums and which calls fed."""
+    def init_state(self, rng) -> StageState:
+        """The train state (what checkpoints hold; `LoopState` is its per-device view inside a call):
+        rows per device and chunk, optimizer states, and (layouts that keep work in flight between
+        calls) the slot buffers, gradient sums and which calls fed."""
         lay, prog = self.layouts, self.program
         params, model_state = self.net.init(rng)
         per_unit = lambda tree: [[tree[j] for j in stages] for stages in self.place.units]  # noqa: E731
-        rows = {"body": self.rows(lay.params, per_unit(params))}
+        rows = Rows(body=self.rows(lay.params, per_unit(params)))
         head_state = None
         if self.heads is not None:
             from cdpjax.methods.local import HEADS_KEY
 
             head_params, head_state = self.heads.init(jax.random.fold_in(rng, HEADS_KEY))
-            rows["head"] = self.rows(lay.head, per_unit(head_params))
-        state = {"rows": rows,
-                 "opt_state": {name: jax.vmap(jax.vmap(getattr(self.optimizers, name).init))(r)
-                               for name, r in rows.items()},
-                 "model_state": self.rows(lay.model_state, per_unit(model_state))}
-        if head_state is not None:
-            state["head_state"] = self.rows(lay.head_state, per_unit(head_state))
-        if prog.versions == 2:
-            state["previous"] = jnp.copy(rows["body"])  # step 0 reads theta_0 from either version
-        if self.rules.model_state == "step_mean":
-            state["state_sums"] = jnp.zeros_like(state["model_state"])
+            rows = rows._replace(head=self.rows(lay.head, per_unit(head_params)))
+            head_state = self.rows(lay.head_state, per_unit(head_state))
+        model_state = self.rows(lay.model_state, per_unit(model_state))
+        state = StageState(
+            rows=rows,
+            opt_state=Rows(*(None if r is None else jax.vmap(jax.vmap(tx.init))(r)
+                             for r, tx in zip(rows, self.optimizers))),
+            model_state=model_state, head_state=head_state,
+            previous=jnp.copy(rows.body) if prog.versions == 2 else None,  # step 0 reads theta_0 from either
+            state_sums=jnp.zeros_like(model_state) if self.rules.model_state == "step_mean" else None)
         if self.lag:
-            state["fed"] = jnp.zeros((self.lag,), bool)
             # the labels of the last `lag` batches: an op of an earlier step reads them here
-            state["labels"] = jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.shapes.label.shape[1:]),
-                                        self.shapes.label.dtype)
-            state["buffers"] = {k: jnp.zeros(self._global(k, a.shape), a.dtype)
-                                for k, a in self.buffer_shapes().items()}
+            state = state._replace(
+                fed=jnp.zeros((self.lag,), bool),
+                labels=jnp.zeros((self.lag, self.ctx.config.global_batch_size, *self.shapes.label.shape[1:]),
+                                 self.shapes.label.dtype),
+                buffers=Buffers(**{k: jnp.zeros(self._global(k, a.shape), a.dtype)
+                                   for k, a in self.buffer_shapes().items()}))
         if prog.grads_in_flight:
-            state["grads"] = {name: jnp.zeros((self.place.D, self.shapes.groups, *r.shape[1:]), jnp.float32)
-                              for name, r in rows.items()}
+            state = state._replace(grads=Rows(*(
+                None if r is None else jnp.zeros((self.place.D, self.shapes.groups, *r.shape[1:]), jnp.float32)
+                for r in rows)))
         return state
 
     def _global(self, name, shape):
@@ -750,50 +777,47 @@ class _Runtime:
                   "residual": ((tk.residual_slots, lay.residual_width), jnp.float32)}
         return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items() if k in declared}
 
-    def specs(self, state) -> dict:
+    def specs(self, state: StageState) -> StageState:
         """`P('stage')` for the rows; what each data group keeps in flight split over `data`."""
         data = "data" if self.axes.data else None
         specs = jax.tree.map(lambda _: P("stage"), state)
-        if "buffers" in state:
-            specs["buffers"] = jax.tree.map(lambda _: P("stage", None, data), state["buffers"])
-        if "grads" in state:
-            specs["grads"] = jax.tree.map(lambda _: P("stage", data), state["grads"])
-        if "fed" in state:
-            specs["fed"] = P()
-            specs["labels"] = P(None, data)
+        if state.buffers is not None:
+            specs = specs._replace(buffers=jax.tree.map(lambda _: P("stage", None, data), state.buffers))
+        if state.grads is not None:
+            specs = specs._replace(grads=jax.tree.map(lambda _: P("stage", data), state.grads))
+        if state.fed is not None:
+            specs = specs._replace(fed=P(), labels=P(None, data))
         return specs
 
-    def loop_state(self, state: dict) -> LoopState:
+    def loop_state(self, state: StageState) -> LoopState:
         """The typed view of one device's train state (inside `shard_map`: leading axes of size 1)."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-        c = LoopState(rows=Rows(**one(state["rows"])), opt_state=Rows(**one(state["opt_state"])),
-                      model_state=one(state["model_state"]), head_state=one(state.get("head_state")),
-                      previous=one(state.get("previous")), state_sums=one(state.get("state_sums")))
+        c = LoopState(rows=one(state.rows), opt_state=one(state.opt_state), model_state=one(state.model_state),
+                      head_state=one(state.head_state), previous=one(state.previous),
+                      state_sums=one(state.state_sums))
         if self.lag:
-            c = c._replace(buffers=Buffers(**{k: a[0][:, 0] if k == "residual" else a[0]
-                                              for k, a in state["buffers"].items()}),
-                           fed=state["fed"],
-                           labels=state["labels"].reshape(self.lag, M, mb, *self.shapes.label.shape[1:]))
+            b = state.buffers
+            c = c._replace(buffers=one(b._replace(residual=None if b.residual is None else b.residual[:, :, 0])),
+                           fed=state.fed,
+                           labels=state.labels.reshape(self.lag, M, mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
-            c = c._replace(grads=Rows(**jax.tree.map(lambda a: a[0, 0], state["grads"])))
+            c = c._replace(grads=jax.tree.map(lambda a: a[0, 0], state.grads))
         return c
 
-    def train_state(self, c: LoopState) -> dict:
-        """`loop_state`'s inverse: the train state's dict of one device."""
+    def train_state(self, c: LoopState) -> StageState:
+        """`loop_state`'s inverse: the train state of one device."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
-        parts = lambda rows: {k: v for k, v in rows._asdict().items() if v is not None}  # noqa: E731
-        state = {"rows": one(parts(c.rows)), "opt_state": one(parts(c.opt_state)), "model_state": one(c.model_state)}
-        for name in ("head_state", "previous", "state_sums"):
-            if getattr(c, name) is not None:
-                state[name] = one(getattr(c, name))
+        state = StageState(rows=one(c.rows), opt_state=one(c.opt_state), model_state=one(c.model_state),
+                           head_state=one(c.head_state), previous=one(c.previous), state_sums=one(c.state_sums))
         if self.lag:
-            state["buffers"] = {k: a[None][:, :, None] if k == "residual" else a[None]
-                                for k, a in parts(c.buffers).items()}
-            state["fed"], state["labels"] = c.fed, c.labels.reshape(self.lag, M * mb, *self.shapes.label.shape[1:])
+            b = one(c.buffers)
+            state = state._replace(
+                buffers=b._replace(residual=None if b.residual is None else b.residual[:, :, None]),
+                fed=c.fed, labels=c.labels.reshape(self.lag, M * mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
-            state["grads"] = jax.tree.map(lambda a: a[None, None], parts(c.grads))
+            state = state._replace(grads=jax.tree.map(lambda a: a[None, None], c.grads))
         return state
 
     # ------------------------------------------------------------------ periods
@@ -825,8 +849,7 @@ class _Runtime:
             stage_loss, stage_valid = lax.pmean((stage_loss, stage_valid), "data")
         out = {**self.ops.finish(sums), "stage_loss": stage_loss, "stage_valid": stage_valid > 0}
         if not apply_updates:
-            grads = {k: v for k, v in c.grads._asdict().items() if v is not None}
-            out["grads"] = lax.pmean(grads, "data") if self.axes.data else grads
+            out["grads"] = lax.pmean(c.grads, "data") if self.axes.data else c.grads
         c = c._replace(sums=None)
         if not self.lag:
             c = c._replace(buffers=None)
@@ -850,7 +873,7 @@ class _Runtime:
         batch = P(None, "data") if self.axes.data else P()
         metric_specs = {name: P() for name in (*self.ctx.task.metric_names, "metric_sums", "stage_loss", "stage_valid")}
         if not apply_updates:
-            metric_specs["grads"] = jax.tree.map(lambda _: P("stage"), state["rows"])
+            metric_specs["grads"] = jax.tree.map(lambda _: P("stage"), state.rows)
         sharded = jax.shard_map(lambda s, x, y, f: self.local_run(s, x, y, f, apply_updates), mesh=self.axes.mesh,
                                 in_specs=(specs, batch, batch, P()), out_specs=(specs, metric_specs), check_vma=True)
         return sharded(state, images, labels, feeding)
@@ -889,8 +912,8 @@ class _Runtime:
                 return run(state, images, labels, np.zeros((self.lag,), bool))[0]
 
         def export(state):
-            params = self.unrows(self.layouts.params, state["rows"]["body"])
-            ms = state["model_state"] + state["state_sums"] if "state_sums" in state else state["model_state"]
+            params = self.unrows(self.layouts.params, state.rows.body)
+            ms = state.model_state if state.state_sums is None else state.model_state + state.state_sums
             return params, self.unrows(self.layouts.model_state, ms)
 
         gradients = None
@@ -900,11 +923,11 @@ class _Runtime:
                 """The step's gradient per stage, no update (the equality tests)."""
                 _, metrics = self.run(state, batch["image"][None], batch["label"][None], np.ones((1,), bool),
                                       apply_updates=False)
-                return self.unrows(self.layouts.params, metrics["grads"]["body"])
+                return self.unrows(self.layouts.params, metrics["grads"].body)
 
         export_heads = None
         if self.heads is not None:
-            export_heads = lambda state: self.unrows(self.layouts.head, state["rows"]["head"])  # noqa: E731
+            export_heads = lambda state: self.unrows(self.layouts.head, state.rows.head)  # noqa: E731
         padding = self.layouts.padding_report()
         print(f"cdpjax: {self.name}: {self.net.num_stages} stages as {self.place.U} units on {self.place.D} devices x "
               f"{self.shapes.groups} data groups, {self.program.microbatches} micro-batch(es) of {self.shapes.micro} "

@@ -78,7 +78,7 @@ def build(ctx: Context) -> Method:
                             optimizers=pipeline.Rows(body=body_tx, head=head_tx))
     return dataclasses.replace(
         method, module_groups=tuple(groups),
-        export_head_state=lambda state: per_module(method, method.carrier.head_state, state["head_state"]))
+        export_head_state=lambda state: per_module(method, method.carrier.head_state, state.head_state))
 
 
 def per_module(method: Method, layout, rows) -> list:

@@ -90,6 +90,7 @@ from cdpjax.errors import ConfigError
 from cdpjax.kinds import completes_gradient, lookup
 from cdpjax.methods.common import Method, varying
 from cdpjax.methods.stage_ops import StageOps
+from cdpjax.train_state import typed_state
 from cdpjax.program import Program
 from cdpjax.program.ring import (SENDS_BY_TICK, RingPool, RingRouting, RingTicks, lower_ring, program_period, ring_pool,
                                  ring_routing, with_pool)
@@ -707,17 +708,17 @@ class Period:
     def __call__(self, state, images, new_labels, feeding):
         ticks, r = self.ticks, self.routing
         me = lax.axis_index(WORKERS)
-        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
+        valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed])
         table = {name: jnp.asarray(getattr(r, name)) for name in
                  ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
-        c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
-                              tuple(state["acts"]), tuple(state["cots"]),
-                              tuple(state["kept"]) if self.carry else (), state["labels"],
-                              state["grads"], self.stages.ops.no_metrics(),
-                              tuple(state["feedback"]) if self.feedback else (),
-                              tuple(state["older"]) if self.versions > 1 else ()), AXIS)
+        c = varying(RingState(tuple(state.params), tuple(state.opt_state), tuple(state.model_state),
+                              tuple(state.acts), tuple(state.cots),
+                              tuple(state.residuals) if self.carry else (), state.labels,
+                              state.grads, self.stages.ops.no_metrics(),
+                              tuple(state.feedback) if self.feedback else (),
+                              tuple(state.older) if self.versions > 1 else ()), AXIS)
 
         def tick(c: RingState, t):
             for k, per_stage in enumerate(self.stage_branches):
@@ -753,16 +754,13 @@ class Period:
 
         c, _ = lax.scan(tick, c, jnp.arange(ticks.period_ticks, dtype=jnp.int32))
         # The in-flight buffers go on, their step one call older.
-        new = {"params": list(c.params), "opt_state": list(c.opt), "model_state": list(c.ms), "acts": list(c.acts),
-               "cots": list(c.cots), "labels": c.labels,
-               "grads": self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
-               "fed": jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"][:-1]])}
-        if self.carry:
-            new["kept"] = list(c.kept)
-        if self.feedback:
-            new["feedback"] = list(c.feedback)
-        if self.versions > 1:
-            new["older"] = list(c.older)
+        new = WorkerState(
+            params=list(c.params), opt_state=list(c.opt), model_state=list(c.ms), acts=list(c.acts),
+            cots=list(c.cots), labels=c.labels,
+            grads=self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
+            fed=jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed[:-1]]),
+            residuals=list(c.kept) if self.carry else None, feedback=list(c.feedback) if self.feedback else None,
+            older=list(c.older) if self.versions > 1 else None)
         return new, c.metrics
 
     def _moved(self, pool, me):
@@ -862,30 +860,68 @@ def _put_row(pool, offset, row, where):
 # ------------------------------------------------------------------ the method
 
 
-def stash_buffers(stages: Stages, model_state, carry: bool) -> dict:
-    """A worker's per-stage buffers in natural shapes: model state, each stage's input, each
-    stage's output cotangent, the labels of its micro-batch, and (carry) kept residuals."""
+class Stash(NamedTuple):
+    """A worker's per-stage buffers in natural shapes (the ring's and cdp-zero's): model state, each
+    stage's input (`acts`), each stage's output cotangent (`cots`, stages 0..L-2), the labels of its
+    micro-batch, and (residuals='carry') the residuals kept from each forward for its backward."""
+
+    model_state: list
+    acts: list
+    cots: list
+    labels: jax.Array
+    residuals: list | None = None
+
+
+def stash_buffers(stages: Stages, model_state, carry: bool) -> Stash:
+    """A worker's `Stash` at the start: `model_state` and zeros."""
     zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
-    out = {"model_state": model_state,
-           "acts": [zeros(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(stages.inputs)],
-           "cots": [zeros(s) for s in stages.outputs[:-1]],
-           "labels": zeros((stages.micro, *stages.label_shape), stages.label_dtype)}
-    if carry:
-        out["kept"] = [[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals]
-    return out
+    return Stash(
+        model_state=model_state,
+        acts=[zeros(s, stages.input_dtype if j == 0 else jnp.float32) for j, s in enumerate(stages.inputs)],
+        cots=[zeros(s) for s in stages.outputs[:-1]],
+        labels=zeros((stages.micro, *stages.label_shape), stages.label_dtype),
+        residuals=[[zeros(a.shape, a.dtype) for a in r] for r in stages.residuals] if carry else None)
 
 
-def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool: int = 0, pool_dtype=jnp.float32):
+@typed_state(renamed={"residuals": "kept"})
+class WorkerState(NamedTuple):
+    """One ring worker's train state between calls (what checkpoints hold, with a leading worker axis).
+
+    params, opt_state: per stage, the newest version the worker holds and its optax state, stepped at
+      the ticks the program applies the stage's update. older: per stage, the versions before it that
+      the program's ops read (`[V - 1, ...]` each leaf, row 0 the one before `params`; None with one
+      version). grads: the worker's gradient pool (`RingPool`, one vector): the sums in flight.
+    fed: whether each of the last calls fed a batch (an op of an earlier step runs only if its step
+      was fed). model_state, acts, cots, labels, residuals: the `Stash` of per-stage buffers (residuals
+      None unless 'carry'). feedback: per stage, what the codec dropped from the worker's last partial
+      and completed sums (`[2, ...]`; None without error feedback).
+    """
+
+    params: list
+    opt_state: list
+    grads: jax.Array
+    fed: jax.Array
+    model_state: list
+    acts: list
+    cots: list
+    labels: jax.Array
+    residuals: list | None = None
+    older: list | None = None
+    feedback: list | None = None
+
+
+def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool: int = 0,
+               pool_dtype=jnp.float32) -> WorkerState:
     """One worker's state: every worker starts from the same parameters; its gradient pool
     (`RingPool`, `pool` elements) zeros."""
     params, model_state = net.init(rng)
-    older = {}
+    older = None
     if ticks.stored_versions > 1:  # every older version the initial parameters: a read before version 0 is of 0
-        older["older"] = [jax.tree.map(lambda a: jnp.broadcast_to(a, (ticks.stored_versions - 1, *a.shape)), p)
-                          for p in params]
-    return {"params": params, "opt_state": [tx.init(p) for p in params], **older,
-            "grads": jnp.zeros((pool,), pool_dtype),
-            "fed": jnp.zeros((max(ticks.max_lag, 1),), bool), **stash_buffers(stages, model_state, carry)}
+        older = [jax.tree.map(lambda a: jnp.broadcast_to(a, (ticks.stored_versions - 1, *a.shape)), p)
+                 for p in params]
+    return WorkerState(params=params, opt_state=[tx.init(p) for p in params], grads=jnp.zeros((pool,), pool_dtype),
+                       fed=jnp.zeros((max(ticks.max_lag, 1),), bool), older=older,
+                       **stash_buffers(stages, model_state, carry)._asdict())
 
 
 def spmd_period(period, stages, mesh):
@@ -952,7 +988,7 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     def init(rng):
         state = init_state(net, stages, ticks, tx, rng, carry, period.pool.size, period.pool_dtype)
         if period.feedback:
-            state["feedback"] = period.feedback_zeros(state["params"])
+            state = state._replace(feedback=period.feedback_zeros(state.params))
         # Every worker holds its own copy of everything: a leading axis over (data, worker).
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 
@@ -977,8 +1013,8 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     def export(state):
         # Stage j from a worker that has applied all its complete updates; running averages
         # (EMA, linear) averaged over workers = averaging them every step.
-        params = [jax.tree.map(lambda a, w=newest[j]: a[w], state["params"][j]) for j in range(net.num_stages)]
-        model_state = jax.tree.map(lambda a: a.mean(0), state["model_state"])
+        params = [jax.tree.map(lambda a, w=newest[j]: a[w], state.params[j]) for j in range(net.num_stages)]
+        model_state = jax.tree.map(lambda a: a.mean(0), state.model_state)
         return params, model_state
 
     return Method(name, net, init, train_step, export, flush, table, program=program, run_steps=run_steps,
