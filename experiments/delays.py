@@ -42,6 +42,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 WORKERS, STAGES = 4, 4
 MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
+# tried at the target only (docs/delays.md): a milder learning-rate cut, PipeNAG's read with the cut,
+# fresher reads weighed more
+TARGET_CORRECTIONS = ("staleness-sqrt", "pipenag-lr", "fresh-weighted")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
@@ -51,7 +54,8 @@ GRIDS = {
                   seeds=(0,), steps={"digits": 200}),
     # the target: the character language model at tau = L (random delays, uniform on {0..2 tau}),
     # every correction, 3 seeds, against dp's plain update (tau = 0: the gap's other end)
-    "target": dict(tasks=("charlm",), models=("uniform-tau",), taus=(0, STAGES), corrections=CORRECTIONS,
+    "target": dict(tasks=("charlm",), models=("uniform-tau",), taus=(0, STAGES),
+                   corrections=CORRECTIONS + TARGET_CORRECTIONS,
                    seeds=(0, 1, 2), steps={"charlm": 300}, fresh_corrections=("none",)),
     # the grid on digits alone (the charlm half does not fit a 2-core machine: docs/delays.md)
     "digits": dict(tasks=("digits",), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
@@ -198,7 +202,7 @@ def plot(runs: list[Run], path: str) -> None:
                              squeeze=False)
     for t, task in enumerate(tasks):
         for c, model in enumerate(models):
-            for corr in CORRECTIONS:
+            for corr in CORRECTIONS + TARGET_CORRECTIONS:
                 rs = [r for r in runs if r.task == task and r.correction == corr and (r.model == model or not r.tau)]
                 taus = sorted({r.tau for r in rs})
                 if not taus:

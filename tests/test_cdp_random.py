@@ -83,11 +83,12 @@ def test_uniform_model_is_cdp(rule):
     assert_close(train(ring), reference)
 
 
-def reference_loop(m, steps=STEPS, strength=0.0):
+def reference_loop(m, steps=STEPS, strength=0.0, weight=None, lr_scale=None):
     """Plain SGD per stage: step k's gradient is the mean over workers of worker i's gradient of its
     micro-batch loss at (theta^j_{max(k - tau(k, i, j), 0)})_j, tau from the table's reads. With
     `strength` (PipeNAG's read) each read is theta_v + strength tau (theta_v - theta_{v-1}) instead,
-    v = max(k - tau, 0), theta_{-1} = theta_0."""
+    v = max(k - tau, 0), theta_{-1} = theta_0. `weight(taus)`: the workers' weights in stage j's mean
+    (given its N reads' taus); `lr_scale(taus)`: the factor on stage j's optimizer update."""
     net, tx = m.net, optim.make(config())
     tau = staleness.per_read(m.table)
     theta, _ = net.init(jax.random.key(0))
@@ -105,8 +106,16 @@ def reference_loop(m, steps=STEPS, strength=0.0):
     for k, b in enumerate(batches()[:steps]):
         xs, ys = np.split(b["image"], N), np.split(b["label"], N)
         gs = [grad([read(k, int(tau[k, i, j]), j) for j in range(len(theta))], xs[i], ys[i]) for i in range(N)]
-        mean = jax.tree.map(lambda *g: sum(g) / N, *gs)
-        theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        w = [weight(tau[k, :N, j]) if weight else [1.0] * N for j in range(len(theta))]
+        mean = [jax.tree.map(lambda *g: sum(w[j][i] * g[i] for i in range(N)) / N, *[g[j] for g in gs])
+                for j in range(len(theta))]
+        if lr_scale is None:
+            theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        else:
+            stepped = [tx.update(g, o, p) for g, o, p in zip(mean, opt, theta)]
+            theta = [jax.tree.map(lambda p, u: p + lr_scale(tau[k, :N, j]) * u, theta[j], stepped[j][0])
+                     for j in range(len(theta))]
+            opt = [o for _, o in stepped]
         history.append(theta)
     return history[steps]
 
@@ -166,7 +175,8 @@ def test_ring_refuses_a_model_whose_staleness_changes():
         build("cdp-random", impl="ring", delay=dict(model="geometric"))
 
 
-@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag"])
+@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "pipenag-lr",
+                                  "fresh-weighted"])
 def test_corrections_train(name):
     m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction=name, strength=0.5))
     plain = train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2)))
@@ -189,6 +199,38 @@ def test_staleness_scaled_by_hand():
     # step 0: taus (0, 1): mean(1/1, 1/2) = 0.75, 2 * 0.75 = 1.5; step 1: taus (3, 3): 1/4, -4 / 4 = -1
     got = two_steps(delay_corrections.staleness_scaled(), [2.0, -4.0], [0.0, 0.0], [(0, 1), (3, 3)])
     np.testing.assert_allclose(got, [1.5, -1.0])
+
+
+def test_staleness_sqrt_by_hand():
+    # step 0: taus (0, 3): mean(1, 1/2) = 0.75, 2 * 0.75 = 1.5; step 1: taus (8, 8): 1/3, -3 / 3 = -1
+    got = two_steps(delay_corrections.staleness_scaled(0.5), [2.0, -3.0], [0.0, 0.0], [(0, 3), (8, 8)])
+    np.testing.assert_allclose(got, [1.5, -1.0], rtol=1e-6)
+
+
+def test_fresh_weights_by_hand():
+    # taus (0, 1): (1, 1/4) / mean 5/8 = (8/5, 2/5); taus (3, 3): equal, 1 each; weights per stage (axis 0)
+    np.testing.assert_allclose(delay_corrections.fresh_weights(jnp.asarray([[0, 3], [1, 3]])),
+                               [[1.6, 1.0], [0.4, 1.0]], rtol=1e-6)
+
+
+def hand_fresh_weights(taus):
+    w = [1.0 / (1 + int(t)) ** 2 for t in taus]
+    return [x * len(w) / sum(w) for x in w]
+
+
+def test_fresh_weighted_simulation_weighs_the_reads():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="fresh-weighted"))
+    tau = staleness.per_read(m.table)[:STEPS]
+    assert (tau.min(1) != tau.max(1)).any()  # some stage's reads differ in staleness: the weights are not all 1
+    assert_close(train(m), reference_loop(m, weight=hand_fresh_weights))
+    assert max_diff(reference_loop(m, weight=hand_fresh_weights), reference_loop(m)) > 1e-6
+
+
+def test_pipenag_lr_simulation_reads_ahead_and_scales_the_update():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="pipenag-lr", strength=0.5))
+    lr_scale = lambda taus: float(np.mean([1.0 / (1 + int(t)) for t in taus]))  # noqa: E731
+    assert_close(train(m), reference_loop(m, strength=0.5, lr_scale=lr_scale))
+    assert max_diff(reference_loop(m, strength=0.5, lr_scale=lr_scale), reference_loop(m, strength=0.5)) > 1e-6
 
 
 def test_delayed_nesterov_by_hand():

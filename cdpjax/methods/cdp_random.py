@@ -12,7 +12,9 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
 'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
 theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
-(`delay_corrections.look_ahead`), and c^j is the identity.
+(`delay_corrections.look_ahead`), and c^j is the identity ('pipenag-lr': c^j is 'staleness-lr''s).
+'fresh-weighted' weighs the reads: mean_i w_i g_i^j, w_i = `delay_corrections.fresh_weights`
+of tau(k, ., j) (mean 1), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
 second half of the rows again and again (`table_row`).
 
@@ -144,6 +146,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
     look_ahead = delay.correction in delay_corrections.READ_SIDE
+    weighted = delay.correction in delay_corrections.WEIGHTED
     # versions kept: theta_k .. theta_{k - max tau}, and one more for the look-ahead's last difference
     depth = int(taus.max()) + 1 + int(look_ahead)
     correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
@@ -162,23 +165,26 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         grads, corr_state = correction.update(grads, corr_state, params, staleness=tau)
         return (*optim.apply(tx, params, opt_state, grads), corr_state)
 
-    def worker_loss(history, tau_row, model_state, images, labels):
+    def worker_loss(history, tau_row, weight_row, model_state, images, labels):
         if look_ahead:
             # the coefficients (1 + s tau, -s tau) sum to 1: summed over versions, the gradient is g(theta_hat)
             params = [jax.tree.map(lambda h: delay_corrections.look_ahead(h, tau_row[j], delay.strength), history[j])
                       for j in range(L)]
         else:
             params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
+        if weighted:  # the read's value unchanged, its gradient times w: p + (w - 1) (p - p) with p - p's gradient 1
+            params = [jax.tree.map(lambda p: p + (weight_row[j] - 1) * (p - lax.stop_gradient(p)), params[j])
+                      for j in range(L)]
         outputs, new_state = net.apply(params, model_state, images, True)
         return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
 
-    def local_step(state, tau_all, tau_rows, images, labels):
+    def local_step(state, tau_all, tau_rows, weight_rows, images, labels):
         images = images.reshape(per_device, -1, *images.shape[1:])
         labels = labels.reshape(per_device, -1, *labels.shape[1:])
 
         def total(history):
-            run = jax.vmap(worker_loss, in_axes=(None, 0, None, 0, 0))
-            losses, aux = run(history, tau_rows, state["model_state"], images, labels)
+            run = jax.vmap(worker_loss, in_axes=(None, 0, 0, None, 0, 0))
+            losses, aux = run(history, tau_rows, weight_rows, state["model_state"], images, labels)
             # shard_map's transpose sums the replicated history's gradients over `data`: / N makes it the mean
             return losses.sum() / workers, (losses, aux)
 
@@ -196,7 +202,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
         return new, metrics
 
-    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS)),
+    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
                             out_specs=(P(), P()), check_vma=True)
 
     def init(rng):
@@ -212,7 +218,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     @jax.jit
     def train_step(state, batch):
         tau = taus_dev[table_row(state["step"], taus_dev.shape[0])]  # [N, L]
-        return sharded(state, tau, tau, batch["image"], batch["label"])
+        weights = delay_corrections.fresh_weights(tau) if weighted else jnp.ones(tau.shape, jnp.float32)
+        return sharded(state, tau, tau, weights, batch["image"], batch["label"])
 
     def export(state):
         return [jax.tree.map(lambda h: h[0], h) for h in state["history"]], state["model_state"]
