@@ -12,7 +12,7 @@ import pytest
 from cdpjax import data, delay_corrections, methods, optim, staleness
 from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
-from cdpjax.methods import cdp, cdp_random
+from cdpjax.methods import cdp, cdp_random, ring
 from cdpjax.methods.common import Context
 from cdpjax.models import cross_entropy
 from helpers import assert_trees_close as assert_close, max_diff, params
@@ -39,7 +39,7 @@ def config(**kw):
 @functools.lru_cache(maxsize=None)
 def batches():
     ds = data.build(config())
-    return [ds.train_batch(k, BATCH, 0, augment=False) for k in range(STEPS)]
+    return [ds.train_batch(k, BATCH, 0, augment=False) for k in range(2 * STEPS)]
 
 
 def context(devices, **kw):
@@ -83,14 +83,15 @@ def test_uniform_model_is_cdp(rule):
     assert_close(train(ring), reference)
 
 
-def reference_loop(m, steps=STEPS, strength=0.0, weight=None, lr_scale=None):
+def reference_loop(m, steps=STEPS, strength=0.0, weight=None, lr_scale=None, tau=None):
     """Plain SGD per stage: step k's gradient is the mean over workers of worker i's gradient of its
     micro-batch loss at (theta^j_{max(k - tau(k, i, j), 0)})_j, tau from the table's reads. With
     `strength` (PipeNAG's read) each read is theta_v + strength tau (theta_v - theta_{v-1}) instead,
     v = max(k - tau, 0), theta_{-1} = theta_0. `weight(taus)`: the workers' weights in stage j's mean
-    (given its N reads' taus); `lr_scale(taus)`: the factor on stage j's optimizer update."""
+    (given its N reads' taus); `lr_scale(taus)`: the factor on stage j's optimizer update; `tau`:
+    [steps, N, L] the staleness of every read (default: the table's, `staleness.per_read`)."""
     net, tx = m.net, optim.make(config())
-    tau = staleness.per_read(m.table)
+    tau = staleness.per_read(m.table) if tau is None else tau
     theta, _ = net.init(jax.random.key(0))
     opt = [tx.init(p) for p in theta]
     loss = lambda p, x, y: cross_entropy(net.apply(p, [{}] * len(p), x, True)[0], y)  # noqa: E731
@@ -170,9 +171,47 @@ def test_steps_past_the_table_repeat_its_second_half():
     assert rows == [0, 63, 32, 63, 32, 34]
 
 
-def test_ring_refuses_a_model_whose_staleness_changes():
-    with pytest.raises(ConfigError, match="delay.model='geometric' changes a read's staleness"):
-        build("cdp-random", impl="ring", delay=dict(model="geometric"))
+@pytest.mark.parametrize("delay,workers,stages", [
+    (dict(model="uniform-tau", tau_max=2), 2, 2), (dict(model="geometric", p=0.4, tau_max=3, seed=1), 4, 2),
+    (dict(model="jitter", jitter=3, seed=1), 2, 2), (dict(model="per-stage", taus=(0, 2)), 2, 2),
+    pytest.param(dict(model="async", durations=3, tau_max=2), 4, 2, marks=pytest.mark.heavy),
+    pytest.param(dict(model="straggler", slowdown=3, tau_max=2), 2, 2, marks=pytest.mark.heavy),
+    pytest.param(dict(model="uniform-tau", tau_max=3), 8, 4, marks=pytest.mark.heavy)])
+def test_a_staleness_that_changes_every_step_runs_on_the_ring(delay, workers, stages, monkeypatch):
+    """The ring reads each step's staleness as a depth below the newest stored version (its carrier:
+    CDP's traffic, every read fresh, `ring_carrier`) and equals the simulation over 7 steps, the
+    table laid out for 4 (steps 4..6 read its rows 2, 3, 2 again: past one draw cycle)."""
+    monkeypatch.setattr(cdp_random, "LAID_OUT", 4)
+    kw = dict(devices=workers, workers=workers, stages=stages, delay=delay)
+    ring = build("cdp-random", impl="ring", **kw)
+    tau = staleness.per_read(ring.table)
+    assert len(tau) == 4 and len({tuple(row.ravel()) for row in tau}) > 1  # the staleness changes from step to step
+    assert ring.program.versions == tau.max() + 1 and ring.report["impl"] == "ring"
+    assert_close(train(ring, 7), train(build("cdp-random", **kw), 7))
+
+
+def test_the_ring_reads_a_hand_written_depth_table():
+    """Per-step depths written out here, 3 rows then rows 1, 2 again: worker 0 reads stage 0 two
+    versions back at step 1, worker 1 stage 1 one back at steps 0 (version 0 anyway), 2, 4 and 6...
+    The ring on the carrier equals the plain loop reading version k - tau (clamped at 0)."""
+    depths = np.asarray([[[0, 0], [0, 1]], [[2, 0], [1, 0]], [[1, 1], [0, 1]]], np.int32)  # [row, worker, stage]
+    rows = [0, 1, 2, 1, 2, 1, 2]
+    ctx = context(2, method="cdp-random", workers=2, stages=2, cdp_impl="ring")
+    carrier = cdp_random.ring_carrier(2, 2)
+    assert staleness.per_read(carrier).max() == 0  # every read fresh: a depth is the read's staleness
+    m = ring.build(ctx, "cdp-random", ctx.net(bn_axis_name=None), carrier, "recompute",
+                   read_depths=ring.ReadDepths(depths, 1))
+    assert m.program.versions == 3
+    want = reference_loop(m, steps=7, tau=depths[rows])
+    assert_close(train(m, 7), want)
+    assert max_diff(want, reference_loop(m, steps=7, tau=np.zeros((7, 2, 2), int))) > 1e-5
+
+
+def test_the_ring_refuses_a_carrier_it_cannot_lay_out():
+    # N = 8 > 2L: cdp-v1's offsets put two workers' starts on one tick, and no spacing chains the sums in time
+    with pytest.raises(ConfigError, match="no spacing of CDP's steps up to .* idle ticks lets the ring serve every "
+                                          "fresh read at N=8, L=2"):
+        build("cdp-random", impl="ring", devices=8, workers=8, delay=dict(model="geometric"))
 
 
 @pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "pipenag-lr",

@@ -23,11 +23,11 @@ Two realisations, `config.cdp_impl`:
   multiple of the data axis, down to one device), reading from the last H = max tau + 1 versions
   of each stage kept in the state (`history[j][t]` = theta^j_{k-t}); gradients summed over
   workers by shard_map's transpose. Any table of the layout.
-- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables whose
-  every step reads alike and that carry CDP's delivery plan: the 'uniform' model (CDP's own
-  tables) and 'per-stage' with every tau_j >= 1. A model whose reads change staleness from step
-  to step is refused (the ring runs one period for every step, each op at one depth below the
-  newest version; such tables carry no gradient messages either).
+- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`). The tables that carry
+  CDP's delivery plan (the 'uniform' model, 'per-stage' with every tau_j >= 1) run as they are,
+  each op at one depth every step. Every other table runs its reads as per-step depths
+  (`_ring_by_depths`): the carrier's program (`ring_carrier`: CDP's traffic, every read fresh),
+  each read tau(k, i, j) versions below the newest its worker stores, max tau + 1 kept.
 - `zero`: cdp-zero (`cdpjax.methods.cdp_zero`: every stage partitioned over the workers) for
   the tables whose every read is cdp-v1's or cdp-v2's (`cdp_rule_of`), run as that rule; the
   others are refused: its plan keeps each piece's current and previous version only.
@@ -47,8 +47,8 @@ from cdpjax import delay_corrections, optim, staleness
 from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.cdp_zero import ZERO_RULES
-from cdpjax.layouts.delays import Delay, delay_table
-from cdpjax.methods import cdp, cdp_zero
+from cdpjax.layouts.delays import Delay, delay_table, ring_carrier
+from cdpjax.methods import cdp, cdp_zero, ring
 from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.timetable import TimeTable
 
@@ -77,14 +77,11 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
     if impl == "zero":
         return _zero(ctx, table, delay)
     if impl == "ring":
-        if not table.applies and workers > 1:
-            raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
-                              f"runs one period, each read at one depth, for every step: set cdp_impl='simulate' "
-                              f"(the ring runs model 'uniform', "
-                              f"and 'per-stage' with every tau >= 1)")
         if delay.correction != "none":
             raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
-        return cdp.make(ctx, "cdp-random", table)
+        if table.applies or workers == 1:  # the table's own ring traffic, each read at one depth every step
+            return cdp.make(ctx, "cdp-random", table)
+        return _ring_by_depths(ctx, net, table, workers)
     if impl != "simulate":
         raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring, zero")
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
@@ -92,6 +89,27 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
         raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
                           f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
     return _simulate(ctx, net, table, workers, delay)
+
+
+def _ring_by_depths(ctx: Context, net, table: TimeTable, workers: int) -> Method:
+    """The ring running `table`'s reads as per-step depths (`ring.ReadDepths`) on the carrier
+    (`delays.ring_carrier`: CDP's ring traffic, every read fresh): worker i's read of stage j at
+    step k is tau(k, i, j) versions below the newest it stores, tau the table's staleness; the
+    ring keeps max tau + 1 versions. What the ring needs of the table: a read of every stage by
+    every worker at every step (its versions, nothing else: its ticks and traffic are the
+    carrier's)."""
+    taus = staleness.per_read(table)[:, :workers]
+    if (taus < 0).any():
+        k, i, j = (int(x[0]) for x in np.nonzero(taus < 0))
+        raise ConfigError(f"table {table.method!r} has no read of stage {j} by worker {i} at step {k}: the ring runs a "
+                          f"delay table's reads as per-step depths and needs every (step, worker, stage) read")
+    ctx.require_divisible("global_batch_size", ctx.config.global_batch_size, workers, "workers")
+    carrier = ring_carrier(workers, net.num_stages, ctx.config.get("cdp_ticks", "whole"))
+    depths = ring.ReadDepths(taus.astype(np.int32), len(taus) // 2)  # the rows `table_row` reads
+    m = ring.build(ctx, "cdp-random", net, carrier, ctx.config.get("residuals", "recompute"), read_depths=depths)
+    return dataclasses.replace(m, table=table, stale=table.stale,
+                               report={**m.report, "delay": Delay.of(ctx.config.get("delay", None)).to_json(),
+                                       "carrier_period": carrier.period})
 
 
 def cdp_rule_of(table: TimeTable, ticks: str = "whole") -> str | None:

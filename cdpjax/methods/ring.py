@@ -432,6 +432,22 @@ def _set(items: tuple, j: int, value) -> tuple:
     return items[:j] + (value,) + items[j + 1:]
 
 
+class ReadDepths(NamedTuple):
+    """Per-step read depths added to the period's own (`Period`): worker w's op of stage j for step
+    k reads `depths[row(k), w, j]` versions deeper than the program says, row(k) = k for k < R
+    (R = len(depths)), then `repeat_from` + (k - repeat_from) mod (R - repeat_from): the rows from
+    `repeat_from` on cycle. A forward and its backward share the step's depth."""
+
+    depths: np.ndarray  # [R, workers, stages] ints >= 0
+    repeat_from: int
+
+
+def depth_row(step, rows: int, repeat_from: int):
+    """`ReadDepths`' row of `step` (a traced int)."""
+    cycle = max(rows - repeat_from, 1)
+    return jnp.where(step < rows, step, repeat_from + (step - repeat_from) % cycle)
+
+
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
@@ -448,8 +464,9 @@ class Period:
     """
 
     def __init__(self, stages: Stages, program: Program, tx, rings: int = 1, codec: Codec = CODECS["none"],
-                 feedback: bool = False, ticks: RingTicks | None = None):
+                 feedback: bool = False, ticks: RingTicks | None = None, read_depths: ReadDepths | None = None):
         carry = program.carries
+        self.read_depths = read_depths
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
         # the period its events say, not the lowering's own (`ticks`: already compiled from them)
@@ -712,6 +729,7 @@ class Period:
                  ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
+        deeper = self._deeper(state, me)
         c = varying(RingState(tuple(state["params"]), tuple(state["opt_state"]), tuple(state["model_state"]),
                               tuple(state["acts"]), tuple(state["cots"]),
                               tuple(state["kept"]) if self.carry else (), state["labels"],
@@ -727,8 +745,9 @@ class Period:
                     if branches is None:
                         continue
                     branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
+                    depth = table["op_version"][at] + (deeper[table["op_lag"][at], j] if deeper is not None else 0)
                     out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                                     table["op_start"][at], table["op_version"][at])
+                                     table["op_start"][at], depth)
                     c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
@@ -763,7 +782,19 @@ class Period:
             new["feedback"] = list(c.feedback)
         if self.versions > 1:
             new["older"] = list(c.older)
+        if self.read_depths is not None:
+            new["step"] = state["step"] + 1
         return new, c.metrics
+
+    def _deeper(self, state, me):
+        """[lag, stage] the per-step depths (`ReadDepths`) of worker `me`'s reads for the step fed
+        `lag` calls ago (state['step'] counts the calls: that step is state['step'] - lag), or None."""
+        if self.read_depths is None:
+            return None
+        d = self.read_depths
+        steps = state["step"] - jnp.arange(self.ticks.max_lag + 1, dtype=jnp.int32)
+        rows = depth_row(jnp.maximum(steps, 0), len(d.depths), d.repeat_from)
+        return jnp.asarray(d.depths, jnp.int32)[rows, me]
 
     def _moved(self, pool, me):
         """`pool` with each buffer held into the next period moved to its place there (`PoolMove`), one
@@ -922,17 +953,21 @@ def ring_mesh(mesh, workers: int):
     return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
 
 
-def build(ctx, name: str, net, table, residuals: str, program: Program | None = None) -> Method:
+def build(ctx, name: str, net, table, residuals: str, program: Program | None = None,
+          read_depths: ReadDepths | None = None) -> Method:
     """The ring `Method` running `table`'s lowered program (or `program`, a ring program of that
     table, its events as given): rings of `table.workers` workers (one per device) side by side
     over the mesh's `data` devices, each ring fed its share of every global batch; each sum a ring
     completes is summed over the rings before it is applied or passed on (`Period._combine`), so
     every ring applies the update of the whole batch. What runs is the program's events
-    (`program_period`)."""
+    (`program_period`). With `read_depths`, each read goes that step's depth deeper than the
+    program's (`ReadDepths`): the program keeps as many more versions, the state counts steps."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     if program is None:
         program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
+        if read_depths is not None:
+            program = lower_ring(table, residuals, program.versions + int(np.max(read_depths.depths)))
     ticks: RingTicks = program_period(program)
     tx, N = ctx.optimizer(), ticks.workers
     mesh = ring_mesh(ctx.mesh, N)
@@ -944,7 +979,7 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
     codecs = Codecs.from_config(ctx.config)
     program = with_codecs(program, codecs)
-    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback, ticks)
+    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback, ticks, read_depths)
     program = with_pool(program, period.pool)  # what it holds: each worker's gradient sums in its own pool
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
@@ -953,6 +988,8 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
         state = init_state(net, stages, ticks, tx, rng, carry, period.pool.size, period.pool_dtype)
         if period.feedback:
             state["feedback"] = period.feedback_zeros(state["params"])
+        if read_depths is not None:
+            state["step"] = jnp.zeros((), jnp.int32)  # the calls made: `ReadDepths`' row
         # Every worker holds its own copy of everything: a leading axis over (data, worker).
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 

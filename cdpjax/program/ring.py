@@ -132,7 +132,9 @@ class RingTicks:
     the ring runs it. `max_lag`: the oldest step a period touches; `live`: the gradient
     buffers (kind, stage, lag) whose values come from the previous period (where they had
     lag - 1); `newest[j]`: a worker that has applied, at a period boundary, every update of
-    stage j complete by then (the others may still be waiting for theirs)."""
+    stage j complete by then (the others may still be waiting for theirs); `min_versions`: the
+    versions of each stage a worker keeps at least, where the runtime adds a per-step depth to
+    each read (`lower_ring`'s `versions`, `cdpjax.methods.ring.Period`'s `read_depths`)."""
 
     workers: int
     stages: int
@@ -140,6 +142,7 @@ class RingTicks:
     max_lag: int
     live: tuple[tuple[str, int, int], ...]
     newest: tuple[int, ...]
+    min_versions: int = 1
 
     @property
     def period_ticks(self) -> int:
@@ -149,7 +152,7 @@ class RingTicks:
     def stored_versions(self) -> int:
         """Versions of each stage a worker keeps: the newest and as many before it as its oldest
         read reaches."""
-        return 1 + max((d for tk in self.ticks for _, d in tk.versions), default=0)
+        return max(1 + max((d for tk in self.ticks for _, d in tk.versions), default=0), self.min_versions)
 
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
@@ -765,10 +768,14 @@ def _live(ticks, N):
 
 
 @gc_paused()
-def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
-    """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`)."""
+def lower_ring(table: TimeTable, residuals: str = "recompute", versions: int = 1) -> Program:
+    """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`),
+    keeping at least `versions` versions of each stage (more than its reads need where the runtime
+    reads deeper at some steps: `cdpjax.methods.ring.Period`'s `read_depths`)."""
     carry = carries(residuals)
     ticks = ring_ticks(table)
+    if versions > ticks.stored_versions:
+        ticks = dataclasses.replace(ticks, min_versions=int(versions))
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
@@ -898,7 +905,10 @@ def program_period(program: Program) -> RingTicks:
             lag_of[j].update(dict.fromkeys(ws, lag))
     newest = tuple(min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L))
     lags = [op.lag for tk in ticks for op in tk.ops] + [a.lag for tk in ticks for a in tk.applies]
-    return RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+    period = RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+    # versions kept beyond the static reads' need: the runtime's per-step depths (`lower_ring`)
+    return dataclasses.replace(period, min_versions=program.versions) if program.versions > period.stored_versions \
+        else period
 
 
 def ring_program_routing(program: Program) -> RingRouting:
