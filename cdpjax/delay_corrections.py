@@ -38,8 +38,7 @@ is theta_0): the last update the read version holds, repeated for each update it
 with momentum that difference is -lr times the optimizer's momentum buffer of update k - tau - 1,
 so theta_hat is the momentum's look-ahead over the delay; the gradient is taken at theta_hat and
 applied to theta_k by the unchanged optimizer. tau = 0 (or lambda = 0): the plain read. It needs
-the version before the oldest read one: the simulation keeps max tau + 2 versions. 'pipenag-lr':
-that read, and the optimizer's update scaled by mean_i 1 / (1 + tau_i) as 'staleness-lr' does.
+the version before the oldest read one: the simulation keeps max tau + 2 versions.
 
 One correction weighs the reads instead (`WEIGHTED`): 'fresh-weighted' replaces the stage's mean
 gradient mean_i g_i by mean_i w_i g_i, w_i = (1 + tau_i)^-2 / mean_l (1 + tau_l)^-2
@@ -47,6 +46,11 @@ gradient mean_i g_i by mean_i w_i g_i, w_i = (1 + tau_i)^-2 / mean_l (1 + tau_l)
 direction leans to the fresher reads), and the square makes the lean strong: over tau uniform on
 {0..8} the weighted mean staleness is sum_t t / (1+t)^2 / sum_t 1 / (1+t)^2 = 0.84 (4 unweighted;
 2.2 with the first power). Every read's tau equal (dp, uniform, per-stage): the plain mean.
+
+Corrections combine with '+' (`parts`): 'pipenag' (the read), 'fresh-weighted' (the mean over
+reads) and at most one of the others (the gradient or update), each acting where it acts alone:
+'pipenag+staleness-lr' takes each gradient at PipeNAG's predicted weights and scales the
+optimizer's update by mean_i 1 / (1 + tau_i).
 """
 from __future__ import annotations
 
@@ -58,12 +62,11 @@ import optax
 
 from cdpjax.errors import ConfigError
 
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "pipenag-lr",
-               "fresh-weighted")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted")
 # Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
-ON_UPDATES = ("staleness-lr", "staleness-sqrt", "pipenag-lr")
+ON_UPDATES = ("staleness-lr", "staleness-sqrt")
 # Corrections that move the read (the weights a stale gradient is taken at): `look_ahead`.
-READ_SIDE = ("pipenag", "pipenag-lr")
+READ_SIDE = ("pipenag",)
 # Corrections that weigh each read's gradient by its staleness before the mean over workers: `fresh_weights`.
 WEIGHTED = ("fresh-weighted",)
 
@@ -152,14 +155,45 @@ def fresh_weights(tau, axis: int = 0) -> jax.Array:
     return w / jnp.mean(w, axis=axis, keepdims=True)
 
 
+def parts(name: str) -> tuple[str, ...]:
+    """The corrections `name` combines ('a+b': module docstring): each one of CORRECTIONS, none
+    twice, at most one that is neither READ_SIDE nor WEIGHTED (the optax transformation)."""
+    ps = tuple(name.split("+"))
+    bad = [p for p in ps if p not in CORRECTIONS or (p == "none" and len(ps) > 1)]
+    if bad:
+        raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)} (or "
+                          f"several joined by '+', 'none' not among them)")
+    transforms = [p for p in ps if p not in READ_SIDE + WEIGHTED]
+    if len(transforms) > 1 or len(set(ps)) < len(ps):
+        raise ConfigError(f"delay.correction={name!r} combines {' and '.join(transforms)}: join at most one "
+                          f"correction besides {', '.join(READ_SIDE + WEIGHTED)}, each once")
+    return ps
+
+
+def moves_read(name: str) -> bool:
+    """Whether correction `name` moves the read (`look_ahead`)."""
+    return any(p in READ_SIDE for p in parts(name))
+
+
+def weighs_reads(name: str) -> bool:
+    """Whether correction `name` weighs each read's gradient (`fresh_weights`)."""
+    return any(p in WEIGHTED for p in parts(name))
+
+
+def on_updates(name: str) -> bool:
+    """Whether correction `name`'s optax part acts on the optimizer's update (`ON_UPDATES`)."""
+    return any(p in ON_UPDATES for p in parts(name))
+
+
 def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float = 1.0):
-    """The optax part of correction `name` (one of CORRECTIONS): None for 'none', 'pipenag' and
-    'fresh-weighted' (the engine moves the read, `look_ahead`, or weighs it, `fresh_weights`)."""
-    if name not in CORRECTIONS:
-        raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)}")
-    if name in ("none", "pipenag", *WEIGHTED):
+    """The optax part of correction `name` (`parts`): None where it has none ('none', 'pipenag',
+    'fresh-weighted' and their combinations: the engine moves the read, `look_ahead`, or weighs
+    it, `fresh_weights`)."""
+    transforms = [p for p in parts(name) if p not in ("none", *READ_SIDE, *WEIGHTED)]
+    if not transforms:
         return None
-    if name in ("staleness-lr", "pipenag-lr"):
+    name = transforms[0]
+    if name == "staleness-lr":
         return staleness_scaled()
     if name == "staleness-sqrt":
         return staleness_scaled(0.5)

@@ -42,9 +42,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 WORKERS, STAGES = 4, 4
 MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
-# tried at the target only (docs/delays.md): a milder learning-rate cut, PipeNAG's read with the cut,
-# fresher reads weighed more
-TARGET_CORRECTIONS = ("staleness-sqrt", "pipenag-lr", "fresh-weighted")
+# tried at the target only (docs/delays.md): a milder learning-rate cut, fresher reads weighed more, and
+# combinations ('+': `delay_corrections.parts`) of PipeNAG's read with the cut and the weights
+TARGET_CORRECTIONS = ("staleness-sqrt", "fresh-weighted", "pipenag+staleness-lr", "fresh-weighted+staleness-lr",
+                      "pipenag+staleness-lr+fresh-weighted")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),

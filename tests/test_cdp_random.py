@@ -214,8 +214,8 @@ def test_the_ring_refuses_a_carrier_it_cannot_lay_out():
         build("cdp-random", impl="ring", devices=8, workers=8, delay=dict(model="geometric"))
 
 
-@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "pipenag-lr",
-                                  "fresh-weighted"])
+@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt",
+                                  "pipenag+staleness-lr", "fresh-weighted", "pipenag+staleness-lr+fresh-weighted"])
 def test_corrections_train(name):
     m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction=name, strength=0.5))
     plain = train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2)))
@@ -265,11 +265,14 @@ def test_fresh_weighted_simulation_weighs_the_reads():
     assert max_diff(reference_loop(m, weight=hand_fresh_weights), reference_loop(m)) > 1e-6
 
 
-def test_pipenag_lr_simulation_reads_ahead_and_scales_the_update():
-    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="pipenag-lr", strength=0.5))
+def test_pipenag_with_staleness_lr_reads_ahead_and_scales_the_update():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="pipenag+staleness-lr", strength=0.5))
     lr_scale = lambda taus: float(np.mean([1.0 / (1 + int(t)) for t in taus]))  # noqa: E731
     assert_close(train(m), reference_loop(m, strength=0.5, lr_scale=lr_scale))
     assert max_diff(reference_loop(m, strength=0.5, lr_scale=lr_scale), reference_loop(m, strength=0.5)) > 1e-6
+    every = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, strength=0.5,
+                                           correction="pipenag+staleness-lr+fresh-weighted"))
+    assert_close(train(every), reference_loop(every, strength=0.5, lr_scale=lr_scale, weight=hand_fresh_weights))
 
 
 def test_delayed_nesterov_by_hand():
@@ -329,6 +332,9 @@ def test_pipenag_simulation_reads_the_predicted_weights():
 def test_bad_correction_fails_early():
     with pytest.raises(ConfigError, match="delay.correction='adam' is not one of none, staleness-lr"):
         build("cdp-random", delay=dict(model="uniform-tau", correction="adam"))
+    with pytest.raises(ConfigError, match="delay.correction='staleness-lr\\+dc-asgd' combines staleness-lr and "
+                                          "dc-asgd: join at most one"):
+        build("cdp-random", delay=dict(model="uniform-tau", correction="staleness-lr+dc-asgd"))
     with pytest.raises(ConfigError, match="runs in cdp_impl='simulate' only"):
         build("cdp-random", impl="ring", delay=dict(model="uniform", correction="nesterov"))
     assert cdp_random.LAID_OUT >= STEPS

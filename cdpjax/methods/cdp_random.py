@@ -12,7 +12,7 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
 'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
 theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
-(`delay_corrections.look_ahead`), and c^j is the identity ('pipenag-lr': c^j is 'staleness-lr''s).
+(`delay_corrections.look_ahead`), and c^j is the identity (or, combined, 'pipenag+staleness-lr', its other part).
 'fresh-weighted' weighs the reads: mean_i w_i g_i^j, w_i = `delay_corrections.fresh_weights`
 of tau(k, ., j) (mean 1), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
@@ -152,7 +152,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     # Long on purpose: the method's closures (init, step, export) share what is built here.
     mesh, L, task = ctx.mesh, net.num_stages, ctx.task
     momentum = float(ctx.config.get("momentum", 0.0)) or 0.9
-    if delay.correction == "nesterov":  # the correction carries the momentum: the optimizer's own is off
+    # the correction carries the momentum: the optimizer's own is off
+    if "nesterov" in delay_corrections.parts(delay.correction):
         plain = ctx.config.copy_and_resolve_references()
         plain.momentum, plain.nesterov = 0.0, False
         tx = optim.make(plain)
@@ -163,8 +164,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     if (taus < 0).any():
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
-    look_ahead = delay.correction in delay_corrections.READ_SIDE
-    weighted = delay.correction in delay_corrections.WEIGHTED
+    look_ahead = delay_corrections.moves_read(delay.correction)
+    weighted = delay_corrections.weighs_reads(delay.correction)
     # versions kept: theta_k .. theta_{k - max tau}, and one more for the look-ahead's last difference
     depth = int(taus.max()) + 1 + int(look_ahead)
     correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
@@ -176,7 +177,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         rate scaled by staleness) on the optimizer's update, as `delay_corrections.ON_UPDATES` says."""
         if correction is None:
             return (*optim.apply(tx, params, opt_state, grads), corr_state)
-        if delay.correction in delay_corrections.ON_UPDATES:
+        if delay_corrections.on_updates(delay.correction):
             updates, opt_state = tx.update(grads, opt_state, params)
             updates, corr_state = correction.update(updates, corr_state, params, staleness=tau)
             return optax.apply_updates(params, updates), opt_state, corr_state
