@@ -726,7 +726,7 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state["fed"]])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
+                 ("op_branch", "op_lag", "op_start", "op_depth", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
         deeper = self._deeper(state, me)
@@ -745,7 +745,7 @@ class Period:
                     if branches is None:
                         continue
                     branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
-                    depth = table["op_version"][at] + (deeper[table["op_lag"][at], j] if deeper is not None else 0)
+                    depth = table["op_depth"][at] + (deeper[table["op_lag"][at], j] if deeper is not None else 0)
                     out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
                                      table["op_start"][at], depth)
                     c = self._take(c, j, out, table["op_write"][at])
