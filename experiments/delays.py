@@ -43,9 +43,10 @@ WORKERS, STAGES = 4, 4
 MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
 # tried at the target only (docs/delays.md): a milder learning-rate cut, fresher reads weighed more, and
-# combinations ('+': `delay_corrections.parts`) of PipeNAG's read with the cut and the weights
+# combinations ('+': `delay_corrections.parts`) of PipeNAG's read with the cut and the weights ('@0.5': at
+# delay.strength 0.5, PipeNAG's look-ahead halved)
 TARGET_CORRECTIONS = ("staleness-sqrt", "fresh-weighted", "pipenag+staleness-lr", "fresh-weighted+staleness-lr",
-                      "pipenag+staleness-lr+fresh-weighted")
+                      "pipenag+staleness-lr+fresh-weighted", "pipenag+staleness-lr+fresh-weighted@0.5")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
@@ -97,7 +98,9 @@ def config_of(task: str, model: str, tau: int, correction: str, seed: int, steps
     c = config_lib.load_file(f"{task}:method=cdp-random,steps={steps}")
     c.cdp_impl, c.workers, c.stages, c.seed = "simulate", WORKERS, STAGES, seed
     c.eval_every = c.checkpoint_every = 0
-    c.delay.update({**delay_for(model, tau), "seed": seed, "correction": correction})
+    name, _, strength = correction.partition("@")  # 'NAME@LAMBDA': the correction at delay.strength LAMBDA
+    c.delay.update({**delay_for(model, tau), "seed": seed, "correction": name,
+                    **({"strength": float(strength)} if strength else {})})
     return c
 
 
