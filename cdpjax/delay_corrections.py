@@ -12,7 +12,8 @@ the mean of its per-read factor (exact where the stage's reads share one tau: th
 per-stage models).
 
 - `staleness_scaled`: g <- g * mean_i 1 / (1 + tau_i) (staleness-aware SGD, Zhang et al. 2016:
-  the learning rate divided by the delay; 1 + tau so that tau = 0 is plain SGD).
+  the learning rate divided by the delay; 1 + tau so that tau = 0 is plain SGD). 'staleness-sqrt':
+  g * mean_i (1 + tau_i)^(-1/2), the learning rate divided by the delay's square root (a milder cut).
 - `delayed_nesterov`: m <- beta m + g; g <- g + beta (1 + mean_i tau_i) m. Nesterov's
   look-ahead (optax's nesterov trace: g + beta m) taken over the 1 + tau steps between the read
   and the update, as PipeNAG looks ahead by the known delay; tau = 0: the nesterov trace.
@@ -38,6 +39,18 @@ with momentum that difference is -lr times the optimizer's momentum buffer of up
 so theta_hat is the momentum's look-ahead over the delay; the gradient is taken at theta_hat and
 applied to theta_k by the unchanged optimizer. tau = 0 (or lambda = 0): the plain read. It needs
 the version before the oldest read one: the simulation keeps max tau + 2 versions.
+
+One correction weighs the reads instead (`WEIGHTED`): 'fresh-weighted' replaces the stage's mean
+gradient mean_i g_i by mean_i w_i g_i, w_i = (1 + tau_i)^-2 / mean_l (1 + tau_l)^-2
+(`fresh_weights`): the reads' weights keep their mean 1 (the step's size is kept, only its
+direction leans to the fresher reads), and the square makes the lean strong: over tau uniform on
+{0..8} the weighted mean staleness is sum_t t / (1+t)^2 / sum_t 1 / (1+t)^2 = 0.84 (4 unweighted;
+2.2 with the first power). Every read's tau equal (dp, uniform, per-stage): the plain mean.
+
+Corrections combine with '+' (`parts`): 'pipenag' (the read), 'fresh-weighted' (the mean over
+reads) and at most one of the others (the gradient or update), each acting where it acts alone:
+'pipenag+staleness-lr' takes each gradient at PipeNAG's predicted weights and scales the
+optimizer's update by mean_i 1 / (1 + tau_i).
 """
 from __future__ import annotations
 
@@ -49,25 +62,27 @@ import optax
 
 from cdpjax.errors import ConfigError
 
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted")
 # Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
-ON_UPDATES = ("staleness-lr",)
-# Corrections that move the read (the weights a stale gradient is taken at), not the update: `look_ahead`.
+ON_UPDATES = ("staleness-lr", "staleness-sqrt")
+# Corrections that move the read (the weights a stale gradient is taken at): `look_ahead`.
 READ_SIDE = ("pipenag",)
+# Corrections that weigh each read's gradient by its staleness before the mean over workers: `fresh_weights`.
+WEIGHTED = ("fresh-weighted",)
 
 
-def _mean_inverse(tau) -> jax.Array:
-    return jnp.mean(1.0 / (1.0 + jnp.asarray(tau, jnp.float32)))
+def _mean_inverse(tau, power: float = 1.0) -> jax.Array:
+    return jnp.mean((1.0 + jnp.asarray(tau, jnp.float32)) ** -power)
 
 
-def staleness_scaled() -> optax.GradientTransformationExtraArgs:
-    """g * mean_i 1 / (1 + tau_i) (module docstring)."""
+def staleness_scaled(power: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """g * mean_i (1 + tau_i)^-power (module docstring: 'staleness-lr' power 1, 'staleness-sqrt' 1/2)."""
 
     def init(params):
         return optax.EmptyState()
 
     def update(updates, state, params=None, *, staleness, **_):
-        scale = _mean_inverse(staleness)
+        scale = _mean_inverse(staleness, power)
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -133,15 +148,55 @@ def look_ahead(versions, tau, strength: float = 1.0):
     return read + ahead * (read - before)
 
 
+def fresh_weights(tau, axis: int = 0) -> jax.Array:
+    """'fresh-weighted''s weight of each read: (1 + tau_i)^-2 / mean_l (1 + tau_l)^-2 over the
+    workers' reads of one stage (`axis`), so the weights' mean is 1 (module docstring)."""
+    w = (1.0 + jnp.asarray(tau, jnp.float32)) ** -2
+    return w / jnp.mean(w, axis=axis, keepdims=True)
+
+
+def parts(name: str) -> tuple[str, ...]:
+    """The corrections `name` combines ('a+b': module docstring): each one of CORRECTIONS, none
+    twice, at most one that is neither READ_SIDE nor WEIGHTED (the optax transformation)."""
+    ps = tuple(name.split("+"))
+    bad = [p for p in ps if p not in CORRECTIONS or (p == "none" and len(ps) > 1)]
+    if bad:
+        raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)} (or "
+                          f"several joined by '+', 'none' not among them)")
+    transforms = [p for p in ps if p not in READ_SIDE + WEIGHTED]
+    if len(transforms) > 1 or len(set(ps)) < len(ps):
+        raise ConfigError(f"delay.correction={name!r} combines {' and '.join(transforms)}: join at most one "
+                          f"correction besides {', '.join(READ_SIDE + WEIGHTED)}, each once")
+    return ps
+
+
+def moves_read(name: str) -> bool:
+    """Whether correction `name` moves the read (`look_ahead`)."""
+    return any(p in READ_SIDE for p in parts(name))
+
+
+def weighs_reads(name: str) -> bool:
+    """Whether correction `name` weighs each read's gradient (`fresh_weights`)."""
+    return any(p in WEIGHTED for p in parts(name))
+
+
+def on_updates(name: str) -> bool:
+    """Whether correction `name`'s optax part acts on the optimizer's update (`ON_UPDATES`)."""
+    return any(p in ON_UPDATES for p in parts(name))
+
+
 def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float = 1.0):
-    """The correction `name` (one of CORRECTIONS), None for 'none' and for the read-side ones
-    (`READ_SIDE`: the engine moves the read, `look_ahead`)."""
-    if name not in CORRECTIONS:
-        raise ConfigError(f"delay.correction={name!r} is not one of {', '.join(CORRECTIONS)}")
-    if name == "none" or name in READ_SIDE:
+    """The optax part of correction `name` (`parts`): None where it has none ('none', 'pipenag',
+    'fresh-weighted' and their combinations: the engine moves the read, `look_ahead`, or weighs
+    it, `fresh_weights`)."""
+    transforms = [p for p in parts(name) if p not in ("none", *READ_SIDE, *WEIGHTED)]
+    if not transforms:
         return None
+    name = transforms[0]
     if name == "staleness-lr":
         return staleness_scaled()
+    if name == "staleness-sqrt":
+        return staleness_scaled(0.5)
     if name == "nesterov":
         return delayed_nesterov(momentum)
     return delay_compensated(strength, max_staleness)

@@ -42,6 +42,11 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 WORKERS, STAGES = 4, 4
 MODELS = ("uniform-tau", "geometric", "per-stage", "async", "straggler")
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
+# tried at the target only (docs/delays.md): a milder learning-rate cut, fresher reads weighed more, and
+# combinations ('+': `delay_corrections.parts`) of PipeNAG's read with the cut and the weights ('@0.5': at
+# delay.strength 0.5, PipeNAG's look-ahead halved)
+TARGET_CORRECTIONS = ("staleness-sqrt", "fresh-weighted", "pipenag+staleness-lr", "fresh-weighted+staleness-lr",
+                      "pipenag+staleness-lr+fresh-weighted", "pipenag+staleness-lr+fresh-weighted@0.5")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),
@@ -51,7 +56,8 @@ GRIDS = {
                   seeds=(0,), steps={"digits": 200}),
     # the target: the character language model at tau = L (random delays, uniform on {0..2 tau}),
     # every correction, 3 seeds, against dp's plain update (tau = 0: the gap's other end)
-    "target": dict(tasks=("charlm",), models=("uniform-tau",), taus=(0, STAGES), corrections=CORRECTIONS,
+    "target": dict(tasks=("charlm",), models=("uniform-tau",), taus=(0, STAGES),
+                   corrections=CORRECTIONS + TARGET_CORRECTIONS,
                    seeds=(0, 1, 2), steps={"charlm": 300}, fresh_corrections=("none",)),
     # the grid on digits alone (the charlm half does not fit a 2-core machine: docs/delays.md)
     "digits": dict(tasks=("digits",), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
@@ -92,7 +98,9 @@ def config_of(task: str, model: str, tau: int, correction: str, seed: int, steps
     c = config_lib.load_file(f"{task}:method=cdp-random,steps={steps}")
     c.cdp_impl, c.workers, c.stages, c.seed = "simulate", WORKERS, STAGES, seed
     c.eval_every = c.checkpoint_every = 0
-    c.delay.update({**delay_for(model, tau), "seed": seed, "correction": correction})
+    name, _, strength = correction.partition("@")  # 'NAME@LAMBDA': the correction at delay.strength LAMBDA
+    c.delay.update({**delay_for(model, tau), "seed": seed, "correction": name,
+                    **({"strength": float(strength)} if strength else {})})
     return c
 
 
@@ -198,7 +206,7 @@ def plot(runs: list[Run], path: str) -> None:
                              squeeze=False)
     for t, task in enumerate(tasks):
         for c, model in enumerate(models):
-            for corr in CORRECTIONS:
+            for corr in CORRECTIONS + TARGET_CORRECTIONS:
                 rs = [r for r in runs if r.task == task and r.correction == corr and (r.model == model or not r.tau)]
                 taus = sorted({r.tau for r in rs})
                 if not taus:

@@ -12,7 +12,7 @@ import pytest
 from cdpjax import data, delay_corrections, methods, optim, staleness
 from cdpjax.config import ConfigError, default_config
 from cdpjax.mesh import make_mesh
-from cdpjax.methods import cdp, cdp_random
+from cdpjax.methods import cdp, cdp_random, ring
 from cdpjax.methods.common import Context
 from cdpjax.models import cross_entropy
 from helpers import assert_trees_close as assert_close, max_diff, params
@@ -39,7 +39,7 @@ def config(**kw):
 @functools.lru_cache(maxsize=None)
 def batches():
     ds = data.build(config())
-    return [ds.train_batch(k, BATCH, 0, augment=False) for k in range(STEPS)]
+    return [ds.train_batch(k, BATCH, 0, augment=False) for k in range(2 * STEPS)]
 
 
 def context(devices, **kw):
@@ -83,13 +83,15 @@ def test_uniform_model_is_cdp(rule):
     assert_close(train(ring), reference)
 
 
-def reference_loop(m, steps=STEPS, strength=0.0):
+def reference_loop(m, steps=STEPS, strength=0.0, weight=None, lr_scale=None, tau=None):
     """Plain SGD per stage: step k's gradient is the mean over workers of worker i's gradient of its
     micro-batch loss at (theta^j_{max(k - tau(k, i, j), 0)})_j, tau from the table's reads. With
     `strength` (PipeNAG's read) each read is theta_v + strength tau (theta_v - theta_{v-1}) instead,
-    v = max(k - tau, 0), theta_{-1} = theta_0."""
+    v = max(k - tau, 0), theta_{-1} = theta_0. `weight(taus)`: the workers' weights in stage j's mean
+    (given its N reads' taus); `lr_scale(taus)`: the factor on stage j's optimizer update; `tau`:
+    [steps, N, L] the staleness of every read (default: the table's, `staleness.per_read`)."""
     net, tx = m.net, optim.make(config())
-    tau = staleness.per_read(m.table)
+    tau = staleness.per_read(m.table) if tau is None else tau
     theta, _ = net.init(jax.random.key(0))
     opt = [tx.init(p) for p in theta]
     loss = lambda p, x, y: cross_entropy(net.apply(p, [{}] * len(p), x, True)[0], y)  # noqa: E731
@@ -105,8 +107,16 @@ def reference_loop(m, steps=STEPS, strength=0.0):
     for k, b in enumerate(batches()[:steps]):
         xs, ys = np.split(b["image"], N), np.split(b["label"], N)
         gs = [grad([read(k, int(tau[k, i, j]), j) for j in range(len(theta))], xs[i], ys[i]) for i in range(N)]
-        mean = jax.tree.map(lambda *g: sum(g) / N, *gs)
-        theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        w = [weight(tau[k, :N, j]) if weight else [1.0] * N for j in range(len(theta))]
+        mean = [jax.tree.map(lambda *g: sum(w[j][i] * g[i] for i in range(N)) / N, *[g[j] for g in gs])
+                for j in range(len(theta))]
+        if lr_scale is None:
+            theta, opt = optim.apply_per_stage(tx, theta, opt, mean)
+        else:
+            stepped = [tx.update(g, o, p) for g, o, p in zip(mean, opt, theta)]
+            theta = [jax.tree.map(lambda p, u: p + lr_scale(tau[k, :N, j]) * u, theta[j], stepped[j][0])
+                     for j in range(len(theta))]
+            opt = [o for _, o in stepped]
         history.append(theta)
     return history[steps]
 
@@ -161,12 +171,51 @@ def test_steps_past_the_table_repeat_its_second_half():
     assert rows == [0, 63, 32, 63, 32, 34]
 
 
-def test_ring_refuses_a_model_whose_staleness_changes():
-    with pytest.raises(ConfigError, match="delay.model='geometric' changes a read's staleness"):
-        build("cdp-random", impl="ring", delay=dict(model="geometric"))
+@pytest.mark.parametrize("delay,workers,stages", [
+    (dict(model="uniform-tau", tau_max=2), 2, 2), (dict(model="geometric", p=0.4, tau_max=3, seed=1), 4, 2),
+    (dict(model="jitter", jitter=3, seed=1), 2, 2), (dict(model="per-stage", taus=(0, 2)), 2, 2),
+    pytest.param(dict(model="async", durations=3, tau_max=2), 4, 2, marks=pytest.mark.heavy),
+    pytest.param(dict(model="straggler", slowdown=3, tau_max=2), 2, 2, marks=pytest.mark.heavy),
+    pytest.param(dict(model="uniform-tau", tau_max=3), 8, 4, marks=pytest.mark.heavy)])
+def test_a_staleness_that_changes_every_step_runs_on_the_ring(delay, workers, stages, monkeypatch):
+    """The ring reads each step's staleness as a depth below the newest stored version (its carrier:
+    CDP's traffic, every read fresh, `ring_carrier`) and equals the simulation over 7 steps, the
+    table laid out for 4 (steps 4..6 read its rows 2, 3, 2 again: past one draw cycle)."""
+    monkeypatch.setattr(cdp_random, "LAID_OUT", 4)
+    kw = dict(devices=workers, workers=workers, stages=stages, delay=delay)
+    ring = build("cdp-random", impl="ring", **kw)
+    tau = staleness.per_read(ring.table)
+    assert len(tau) == 4 and len({tuple(row.ravel()) for row in tau}) > 1  # the staleness changes from step to step
+    assert ring.program.versions == tau.max() + 1 and ring.report["impl"] == "ring"
+    assert_close(train(ring, 7), train(build("cdp-random", **kw), 7))
 
 
-@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag"])
+def test_the_ring_reads_a_hand_written_depth_table():
+    """Per-step depths written out here, 3 rows then rows 1, 2 again: worker 0 reads stage 0 two
+    versions back at step 1, worker 1 stage 1 one back at steps 0 (version 0 anyway), 2, 4 and 6...
+    The ring on the carrier equals the plain loop reading version k - tau (clamped at 0)."""
+    depths = np.asarray([[[0, 0], [0, 1]], [[2, 0], [1, 0]], [[1, 1], [0, 1]]], np.int32)  # [row, worker, stage]
+    rows = [0, 1, 2, 1, 2, 1, 2]
+    ctx = context(2, method="cdp-random", workers=2, stages=2, cdp_impl="ring")
+    carrier = cdp_random.ring_carrier(2, 2)
+    assert staleness.per_read(carrier).max() == 0  # every read fresh: a depth is the read's staleness
+    m = ring.build(ctx, "cdp-random", ctx.net(bn_axis_name=None), carrier, "recompute",
+                   read_depths=ring.ReadDepths(depths, 1))
+    assert m.program.versions == 3
+    want = reference_loop(m, steps=7, tau=depths[rows])
+    assert_close(train(m, 7), want)
+    assert max_diff(want, reference_loop(m, steps=7, tau=np.zeros((7, 2, 2), int))) > 1e-5
+
+
+def test_the_ring_refuses_a_carrier_it_cannot_lay_out():
+    # N = 8 > 2L: cdp-v1's offsets put two workers' starts on one tick, and no spacing chains the sums in time
+    with pytest.raises(ConfigError, match="no spacing of CDP's steps up to .* idle ticks lets the ring serve every "
+                                          "fresh read at N=8, L=2"):
+        build("cdp-random", impl="ring", devices=8, workers=8, delay=dict(model="geometric"))
+
+
+@pytest.mark.parametrize("name", ["staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt",
+                                  "pipenag+staleness-lr", "fresh-weighted", "pipenag+staleness-lr+fresh-weighted"])
 def test_corrections_train(name):
     m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction=name, strength=0.5))
     plain = train(build("cdp-random", delay=dict(model="uniform-tau", tau_max=2)))
@@ -189,6 +238,41 @@ def test_staleness_scaled_by_hand():
     # step 0: taus (0, 1): mean(1/1, 1/2) = 0.75, 2 * 0.75 = 1.5; step 1: taus (3, 3): 1/4, -4 / 4 = -1
     got = two_steps(delay_corrections.staleness_scaled(), [2.0, -4.0], [0.0, 0.0], [(0, 1), (3, 3)])
     np.testing.assert_allclose(got, [1.5, -1.0])
+
+
+def test_staleness_sqrt_by_hand():
+    # step 0: taus (0, 3): mean(1, 1/2) = 0.75, 2 * 0.75 = 1.5; step 1: taus (8, 8): 1/3, -3 / 3 = -1
+    got = two_steps(delay_corrections.staleness_scaled(0.5), [2.0, -3.0], [0.0, 0.0], [(0, 3), (8, 8)])
+    np.testing.assert_allclose(got, [1.5, -1.0], rtol=1e-6)
+
+
+def test_fresh_weights_by_hand():
+    # taus (0, 1): (1, 1/4) / mean 5/8 = (8/5, 2/5); taus (3, 3): equal, 1 each; weights per stage (axis 0)
+    np.testing.assert_allclose(delay_corrections.fresh_weights(jnp.asarray([[0, 3], [1, 3]])),
+                               [[1.6, 1.0], [0.4, 1.0]], rtol=1e-6)
+
+
+def hand_fresh_weights(taus):
+    w = [1.0 / (1 + int(t)) ** 2 for t in taus]
+    return [x * len(w) / sum(w) for x in w]
+
+
+def test_fresh_weighted_simulation_weighs_the_reads():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="fresh-weighted"))
+    tau = staleness.per_read(m.table)[:STEPS]
+    assert (tau.min(1) != tau.max(1)).any()  # some stage's reads differ in staleness: the weights are not all 1
+    assert_close(train(m), reference_loop(m, weight=hand_fresh_weights))
+    assert max_diff(reference_loop(m, weight=hand_fresh_weights), reference_loop(m)) > 1e-6
+
+
+def test_pipenag_with_staleness_lr_reads_ahead_and_scales_the_update():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="pipenag+staleness-lr", strength=0.5))
+    lr_scale = lambda taus: float(np.mean([1.0 / (1 + int(t)) for t in taus]))  # noqa: E731
+    assert_close(train(m), reference_loop(m, strength=0.5, lr_scale=lr_scale))
+    assert max_diff(reference_loop(m, strength=0.5, lr_scale=lr_scale), reference_loop(m, strength=0.5)) > 1e-6
+    every = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, strength=0.5,
+                                           correction="pipenag+staleness-lr+fresh-weighted"))
+    assert_close(train(every), reference_loop(every, strength=0.5, lr_scale=lr_scale, weight=hand_fresh_weights))
 
 
 def test_delayed_nesterov_by_hand():
@@ -248,6 +332,9 @@ def test_pipenag_simulation_reads_the_predicted_weights():
 def test_bad_correction_fails_early():
     with pytest.raises(ConfigError, match="delay.correction='adam' is not one of none, staleness-lr"):
         build("cdp-random", delay=dict(model="uniform-tau", correction="adam"))
+    with pytest.raises(ConfigError, match="delay.correction='staleness-lr\\+dc-asgd' combines staleness-lr and "
+                                          "dc-asgd: join at most one"):
+        build("cdp-random", delay=dict(model="uniform-tau", correction="staleness-lr+dc-asgd"))
     with pytest.raises(ConfigError, match="runs in cdp_impl='simulate' only"):
         build("cdp-random", impl="ring", delay=dict(model="uniform", correction="nesterov"))
     assert cdp_random.LAID_OUT >= STEPS

@@ -46,7 +46,7 @@ def fingerprint(rule: str, workers: int, stages: int, steps: int, ticks: str) ->
     for tk in rt.ticks:
         add(tk.ops, sorted(tk.chain_start), tk.completes, tk.partials, tk.sums, tk.applies, tk.gradient_kinds)
     for name, x in routing._asdict().items():
-        if name in ("reads", "writes", "op_version"):  # added later: the pool's names, the versions read
+        if name in ("reads", "writes", "op_depth"):  # added later: the pool's names, the depths read (op_version then)
             continue
         if isinstance(x, np.ndarray):
             add(x.dtype.str, x.shape)

@@ -87,7 +87,7 @@ def test_routing_compiled_from_the_events_is_the_lowerings(make):
     period = program_period(program)
     assert period == program.ticks  # every tick's ops, sums, hops, applies; live buffers, lags, newest
     routing, direct = ring_program_routing(program), ring_routing(program.ticks)
-    for name in ("op_branch", "op_lag", "op_read", "op_write", "op_start", "op_version", "apply_stage", "apply_lag",
+    for name in ("op_branch", "op_lag", "op_read", "op_write", "op_start", "op_depth", "apply_stage", "apply_lag",
                  "apply_slot"):
         np.testing.assert_array_equal(getattr(routing, name), getattr(direct, name), err_msg=name)
     assert routing.op_kinds == direct.op_kinds and routing.names == direct.names

@@ -34,11 +34,10 @@ An op of d ticks is drawn at its first tick (the grid shows when it starts). `me
 of the timed models: the ticks the table takes, and the ticks dp would take with the same
 durations (dp waits at every all-reduce for its slowest worker: a step lasts the longest of the
 workers' sums of durations). The tables of the models whose staleness changes from step to step
-hold no gradient messages, and the ring, which runs one period with each read at one depth for
-every step, cannot run them;
-`simulate` does (`cdpjax.methods.cdp_random`). 'per-stage' with every tau_j >= 1 carries CDP's ring
+hold no gradient messages: the ring runs their reads as per-step depths on the program of
+`ring_carrier` (`cdpjax.methods.cdp_random`). 'per-stage' with every tau_j >= 1 carries CDP's ring
 traffic (each worker applies update k between its reads of versions k and k + 1), and the ring
-runs it.
+runs it as it is.
 """
 from __future__ import annotations
 
@@ -216,10 +215,11 @@ def delay_table(workers: int = 4, stages: int = 4, steps: int = DEFAULT_STEPS, d
     return _timed_table(d, N, L, S, phases)
 
 
-def _read_table(d: Delay, N, L, S, phases, tau) -> TimeTable:
-    """CDP's whole-step layout (cdp-v1's ticks and updates), each read's version from `tau`."""
-    T = len(phases)
-    offsets = worker_offsets("cdp-v1", N, L, period=T)
+def _read_table(d: Delay, N, L, S, phases, tau, gap: int = 0) -> TimeTable:
+    """CDP's whole-step layout (cdp-v1's ticks and updates), each read's version from `tau`; with
+    `gap`, each step followed by that many idle ticks (the period T + gap: `ring_carrier`)."""
+    T = len(phases) + gap
+    offsets = worker_offsets("cdp-v1", N, L, period=len(phases))
     grad = gradient_kind(any(kind == "W" for tick in phases for kind, _ in tick))
     placed = [(offsets[i] + T * k + p, i, j, kind, k) for k in range(S) for i in range(N)
               for p, tick_ops in enumerate(phases) for kind, j in tick_ops]
@@ -233,6 +233,36 @@ def _read_table(d: Delay, N, L, S, phases, tau) -> TimeTable:
               slot=_slot(max(k - int(tau[k, i, j]), 0), t, j, complete),
               stale=bool(constant and tau[k, i, j] > 0)) for t, i, j, kind, k in placed]
     return _table(d, N, L, S, T, ops, update_tick, offsets)
+
+
+def ring_carrier(workers: int, stages: int, ticks: str = "whole", steps: int = 8) -> TimeTable:
+    """The table whose ring program runs every delay model's reads (`cdpjax.methods.cdp_random`'s
+    ring): CDP's whole-step layout (cdp-v1's offsets and ops) with every read fresh (version k at
+    step k: per-stage with every tau 0, dp's reads) and CDP's ring traffic (running sums hopping
+    worker to worker, the completed sum chained to every worker), its steps spaced `gap` idle
+    ticks apart, the fewest for which every worker applies update k - 1 before its first read of
+    step k. On it, a read tau updates behind is the version tau applies before the newest its
+    worker stores, at every step: the ring reads the model's staleness per step as that depth.
+    Refused in one line where no gap up to 4 (2L + N) ticks serves every read."""
+    from cdpjax.program.ring import lower_ring  # the ring's own check of each candidate
+
+    positive(workers=workers, stages=stages, steps=steps)
+    N, L, S = int(workers), int(stages), int(steps)
+    d = Delay(model="per-stage", taus=(0,) * L)
+    phases = phase_ops(L, ticks)
+    ahead = 2  # steps laid out past the table's own, to find the windows of its last updates
+    for gap in range(4 * (len(phases) + N)):
+        t = _with_ring_traffic(_read_table(d, N, L, S + ahead, phases, np.zeros((S + ahead, N, L), int), gap), S)
+        if not t.applies:
+            continue
+        try:
+            lower_ring(t)
+        except ConfigError:  # a plan in time, but not one the ring's hops serve (two workers on one tick)
+            continue
+        return dataclasses.replace(t, notes=(f"every read fresh, steps {gap} ticks apart: the ring's carrier of "
+                                             f"the delay models' per-step read depths",))
+    raise ConfigError(f"no spacing of CDP's steps up to {4 * (len(phases) + N)} idle ticks lets the ring serve "
+                      f"every fresh read at N={N}, L={L}, ticks={ticks!r}: use cdp_impl='simulate'")
 
 
 def _with_ring_traffic(t: TimeTable, S: int) -> TimeTable:
@@ -336,8 +366,8 @@ def _table(d: Delay, N, L, S, T, ops, update_tick, offsets, time=None) -> TimeTa
     meta = {"delay": d.to_json()}
     if time is not None:
         meta["time"] = time
-    notes = [f"delay model {d.model}: versions as drawn (see `cdpjax schedule --staleness`); simulate only "
-             f"(the ring reads each op at one depth every step)"]
+    notes = [f"delay model {d.model}: versions as drawn (see `cdpjax schedule --staleness`); the ring runs them "
+             f"as per-step read depths on its carrier (`ring_carrier`)"]
     if d.model in TIMED_MODELS:
         notes.append(f"an op of several ticks is drawn at its first; the table takes {time['ticks']} ticks, dp with "
                      f"the same durations {time['dp_ticks']}")

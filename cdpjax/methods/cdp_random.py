@@ -12,7 +12,9 @@ where c^j is the delay correction (`config.delay.correction`, `cdpjax.delay_corr
 the gradient, so that it is a learning rate under Adam too) and a version before 0 is theta_0.
 'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
 theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
-(`delay_corrections.look_ahead`), and c^j is the identity.
+(`delay_corrections.look_ahead`), and c^j is the identity (or, combined, 'pipenag+staleness-lr', its other part).
+'fresh-weighted' weighs the reads: mean_i w_i g_i^j, w_i = `delay_corrections.fresh_weights`
+of tau(k, ., j) (mean 1), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
 second half of the rows again and again (`table_row`).
 
@@ -21,11 +23,11 @@ Two realisations, `config.cdp_impl`:
   multiple of the data axis, down to one device), reading from the last H = max tau + 1 versions
   of each stage kept in the state (`history[j][t]` = theta^j_{k-t}); gradients summed over
   workers by shard_map's transpose. Any table of the layout.
-- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`), for the tables whose
-  every step reads alike and that carry CDP's delivery plan: the 'uniform' model (CDP's own
-  tables) and 'per-stage' with every tau_j >= 1. A model whose reads change staleness from step
-  to step is refused (the ring runs one period for every step, each op at one depth below the
-  newest version; such tables carry no gradient messages either).
+- `ring`: one worker per device, by the ring engine (`cdpjax.methods.ring`). The tables that carry
+  CDP's delivery plan (the 'uniform' model, 'per-stage' with every tau_j >= 1) run as they are,
+  each op at one depth every step. Every other table runs its reads as per-step depths
+  (`_ring_by_depths`): the carrier's program (`ring_carrier`: CDP's traffic, every read fresh),
+  each read tau(k, i, j) versions below the newest its worker stores, max tau + 1 kept.
 - `zero`: cdp-zero (`cdpjax.methods.cdp_zero`: every stage partitioned over the workers) for
   the tables whose every read is cdp-v1's or cdp-v2's (`cdp_rule_of`), run as that rule; the
   others are refused: its plan keeps each piece's current and previous version only.
@@ -46,8 +48,8 @@ from cdpjax import delay_corrections, optim, staleness
 from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.layouts.cdp_zero import ZERO_RULES
-from cdpjax.layouts.delays import Delay, delay_table
-from cdpjax.methods import cdp, cdp_zero
+from cdpjax.layouts.delays import Delay, delay_table, ring_carrier
+from cdpjax.methods import cdp, cdp_zero, ring
 from cdpjax.methods.common import Context, Method, step_metrics
 from cdpjax.timetable import TimeTable
 from cdpjax.train_state import typed_state
@@ -95,14 +97,11 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
     if impl == "zero":
         return _zero(ctx, table, delay)
     if impl == "ring":
-        if not table.applies and workers > 1:
-            raise ConfigError(f"delay.model={delay.model!r} changes a read's staleness from step to step and the ring "
-                              f"runs one period, each read at one depth, for every step: set cdp_impl='simulate' "
-                              f"(the ring runs model 'uniform', "
-                              f"and 'per-stage' with every tau >= 1)")
         if delay.correction != "none":
             raise ConfigError(f"delay.correction={delay.correction!r} runs in cdp_impl='simulate' only")
-        return cdp.make(ctx, "cdp-random", table)
+        if table.applies or workers == 1:  # the table's own ring traffic, each read at one depth every step
+            return cdp.make(ctx, "cdp-random", table)
+        return _ring_by_depths(ctx, net, table, workers)
     if impl != "simulate":
         raise ConfigError(f"cdp_impl={impl!r} is not one of simulate, ring, zero")
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
@@ -110,6 +109,27 @@ def make(ctx: Context, table: TimeTable | None = None) -> Method:
         raise ConfigError(f"workers={workers} is not a multiple of mesh.data={devices}: "
                           f"cdp_impl='simulate' vmaps workers/mesh.data workers on each device")
     return _simulate(ctx, net, table, workers, delay)
+
+
+def _ring_by_depths(ctx: Context, net, table: TimeTable, workers: int) -> Method:
+    """The ring running `table`'s reads as per-step depths (`ring.ReadDepths`) on the carrier
+    (`delays.ring_carrier`: CDP's ring traffic, every read fresh): worker i's read of stage j at
+    step k is tau(k, i, j) versions below the newest it stores, tau the table's staleness; the
+    ring keeps max tau + 1 versions. What the ring needs of the table: a read of every stage by
+    every worker at every step (its versions, nothing else: its ticks and traffic are the
+    carrier's)."""
+    taus = staleness.per_read(table)[:, :workers]
+    if (taus < 0).any():
+        k, i, j = (int(x[0]) for x in np.nonzero(taus < 0))
+        raise ConfigError(f"table {table.method!r} has no read of stage {j} by worker {i} at step {k}: the ring runs a "
+                          f"delay table's reads as per-step depths and needs every (step, worker, stage) read")
+    ctx.require_divisible("global_batch_size", ctx.config.global_batch_size, workers, "workers")
+    carrier = ring_carrier(workers, net.num_stages, ctx.config.get("cdp_ticks", "whole"))
+    depths = ring.ReadDepths(taus.astype(np.int32), len(taus) // 2)  # the rows `table_row` reads
+    m = ring.build(ctx, "cdp-random", net, carrier, ctx.config.get("residuals", "recompute"), read_depths=depths)
+    return dataclasses.replace(m, table=table, stale=table.stale,
+                               report={**m.report, "delay": Delay.of(ctx.config.get("delay", None)).to_json(),
+                                       "carrier_period": carrier.period})
 
 
 def cdp_rule_of(table: TimeTable, ticks: str = "whole") -> str | None:
@@ -152,7 +172,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     # Long on purpose: the method's closures (init, step, export) share what is built here.
     mesh, L, task = ctx.mesh, net.num_stages, ctx.task
     momentum = float(ctx.config.get("momentum", 0.0)) or 0.9
-    if delay.correction == "nesterov":  # the correction carries the momentum: the optimizer's own is off
+    # the correction carries the momentum: the optimizer's own is off
+    if "nesterov" in delay_corrections.parts(delay.correction):
         plain = ctx.config.copy_and_resolve_references()
         plain.momentum, plain.nesterov = 0.0, False
         tx = optim.make(plain)
@@ -163,7 +184,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     if (taus < 0).any():
         raise ConfigError(f"table {table.method!r} lacks a forward of some (step, worker, stage): every worker reads "
                           f"every stage at every step in cdp-random")
-    look_ahead = delay.correction in delay_corrections.READ_SIDE
+    look_ahead = delay_corrections.moves_read(delay.correction)
+    weighted = delay_corrections.weighs_reads(delay.correction)
     # versions kept: theta_k .. theta_{k - max tau}, and one more for the look-ahead's last difference
     depth = int(taus.max()) + 1 + int(look_ahead)
     correction = delay_corrections.make(delay.correction, depth - 1, momentum, delay.strength)
@@ -175,30 +197,33 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         rate scaled by staleness) on the optimizer's update, as `delay_corrections.ON_UPDATES` says."""
         if correction is None:
             return (*optim.apply(tx, params, opt_state, grads), corr_state)
-        if delay.correction in delay_corrections.ON_UPDATES:
+        if delay_corrections.on_updates(delay.correction):
             updates, opt_state = tx.update(grads, opt_state, params)
             updates, corr_state = correction.update(updates, corr_state, params, staleness=tau)
             return optax.apply_updates(params, updates), opt_state, corr_state
         grads, corr_state = correction.update(grads, corr_state, params, staleness=tau)
         return (*optim.apply(tx, params, opt_state, grads), corr_state)
 
-    def worker_loss(history, tau_row, model_state, images, labels):
+    def worker_loss(history, tau_row, weight_row, model_state, images, labels):
         if look_ahead:
             # the coefficients (1 + s tau, -s tau) sum to 1: summed over versions, the gradient is g(theta_hat)
             params = [jax.tree.map(lambda h: delay_corrections.look_ahead(h, tau_row[j], delay.strength), history[j])
                       for j in range(L)]
         else:
             params = [jax.tree.map(lambda h: h[tau_row[j]], history[j]) for j in range(L)]
+        if weighted:  # the read's value unchanged, its gradient times w: p + (w - 1) (p - p) with p - p's gradient 1
+            params = [jax.tree.map(lambda p: p + (weight_row[j] - 1) * (p - lax.stop_gradient(p)), params[j])
+                      for j in range(L)]
         outputs, new_state = net.apply(params, model_state, images, True)
         return task.loss(outputs, labels), (new_state, task.metric_sums(outputs, labels))
 
-    def local_step(state, tau_all, tau_rows, images, labels):
+    def local_step(state, tau_all, tau_rows, weight_rows, images, labels):
         images = images.reshape(per_device, -1, *images.shape[1:])
         labels = labels.reshape(per_device, -1, *labels.shape[1:])
 
         def total(history):
-            run = jax.vmap(worker_loss, in_axes=(None, 0, None, 0, 0))
-            losses, aux = run(history, tau_rows, state.model_state, images, labels)
+            run = jax.vmap(worker_loss, in_axes=(None, 0, 0, None, 0, 0))
+            losses, aux = run(history, tau_rows, weight_rows, state.model_state, images, labels)
             # shard_map's transpose sums the replicated history's gradients over `data`: / N makes it the mean
             return losses.sum() / workers, (losses, aux)
 
@@ -215,7 +240,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
         metrics = step_metrics(task, lax.psum(losses.sum(), AXIS) / workers, lax.psum(sums.sum(0), AXIS))
         return new, metrics
 
-    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS)),
+    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
                             out_specs=(P(), P()), check_vma=True)
 
     def init(rng):
@@ -231,7 +256,8 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     @jax.jit
     def train_step(state, batch):
         tau = taus_dev[table_row(state.step, taus_dev.shape[0])]  # [N, L]
-        return sharded(state, tau, tau, batch["image"], batch["label"])
+        weights = delay_corrections.fresh_weights(tau) if weighted else jnp.ones(tau.shape, jnp.float32)
+        return sharded(state, tau, tau, weights, batch["image"], batch["label"])
 
     def export(state):
         return [jax.tree.map(lambda h: h[0], h) for h in state.history], state.model_state

@@ -232,33 +232,34 @@ class ZeroPeriod:
             ring.forward_op(b, j, pred, images, new_labels, self._on_row(j, *self.fwd[j]), source, L, self.carry)
             return
         zero = varying(jnp.zeros((), jnp.float32), AXIS)
-        (row, *operands), reads = ring.backward_operands(b, j, source, L, self.carry)
+        operands, reads = ring.backward_operands(b, j, source, L, self.carry)  # params: the relay row
         with_cot = kind.cotangent and j > 0
         cot = b[("cots", j - 1)] if j > 0 else zero
         if not kind.completes_gradient(self.split):  # the input's cotangent only: nothing to scatter
-            _, cot = b.cond(pred, *self._on_row(j, *self.bwd[j]), (row, *operands, zero, cot), reads,
-                            [("cots", j - 1)] if j > 0 else [])
+            out = b.cond(pred, *self._on_row(j, *self.bwd[j]), (operands._replace(partial=zero, cot=cot),), reads,
+                         [("cots", j - 1)] if j > 0 else [])
             if j > 0:
-                b[("cots", j - 1)] = cot
+                b[("cots", j - 1)] = out.cot
             return
         if kind.cotangent:
-            operands, piece = (*operands, zero, cot), self.bwd[j][0]
+            operands, piece = operands._replace(partial=zero, cot=cot), self.bwd[j][0]
         else:
-            operands, piece = (*operands, zero), self.wgt[j][0]
-        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, kind.cotangent), (row, *operands), reads,
+            operands, piece = operands._replace(partial=zero), self.wgt[j][0]
+        gradient, *rest = b.cond(pred, *self._gradient_on_row(j, piece, kind.cotangent), (operands,), reads,
                                [("cots", j - 1)] if with_cot else [])
         if with_cot:
             b[("cots", j - 1)] = rest[0]
         return self.shards.flat(j, gradient)
 
     def _on_row(self, j, run, skip):
-        """A piece's branches taking the stage's parameters as a row, unpacked in the branch that
-        computes: no unpacked copy of them outlives the op."""
-        return (lambda row, *operands: run(self.shards.join(j, row), *operands),
-                lambda row, *operands: skip(None, *operands))
+        """A piece's branches taking the stage's parameters as a row (the operand's `params`),
+        unpacked in the branch that computes: no unpacked copy of them outlives the op."""
+        return (lambda i: run(i._replace(params=self.shards.join(j, i.params))),
+                lambda i: skip(i._replace(params=None)))
 
     def _gradient_on_row(self, j, piece, with_cot: bool):
-        """Branches of a gradient op over (row, operands) -> (its gradient[, the input's cotangent]);
+        """Branches of a gradient op over `ring.BackwardIn` (params: the relay row) -> (its gradient[,
+        the input's cotangent]);
         the worker that does not compute gives zeros (and the cotangent as it is), so that what it
         adds to its sums is nothing. The gradient leaves the branch as its leaves and is raveled
         outside (`op`): raveled in the branch, XLA:CPU fused the layout transposes of the
@@ -267,13 +268,13 @@ class ZeroPeriod:
         temporaries at N = 4 also fell, 70.2 -> 62.4 MiB)."""
         shards = self.shards
 
-        def compute(row, *operands):
-            out = piece(shards.join(j, row), *operands)
-            return varying(out if with_cot else (out,), AXIS)
+        def compute(i: ring.BackwardIn):
+            out = piece(i._replace(params=shards.join(j, i.params)))
+            return varying((out.partial, out.cot) if with_cot else (out.partial,), AXIS)
 
-        def idle(row, *operands):
+        def idle(i: ring.BackwardIn):
             zeros = shards.join(j, jnp.zeros((shards.layout.sizes[j],), jnp.float32))
-            return varying((zeros, *operands[-1:]) if with_cot else (zeros,), AXIS)
+            return varying((zeros, i.cot) if with_cot else (zeros,), AXIS)
 
         return compute, idle
 

@@ -151,26 +151,75 @@ def make_stages(net, workers: int, micro: int, mesh, residuals: str, task) -> St
 
 # ------------------------------------------------------------------- the pieces
 # One piece per op kind: `piece(stages, j, carry, ...)` gives the (run, skip) branches of
-# the op's `lax.cond`; `skip` returns the buffers the op writes as they are.
+# the op's `lax.cond`, each over one typed operand (`ForwardIn`, `BackwardIn`); `skip` returns
+# the buffers the op writes as they are.
+
+
+class ForwardWrites(NamedTuple):
+    """The buffers a forward writes besides its model state: the next stage's input (None at the
+    last stage) and the kept residuals (None without 'carry')."""
+
+    next: Any = None
+    kept: Any = None
+
+
+class ForwardIn(NamedTuple):
+    """A forward piece's operand: the stage's parameters (cdp-zero: its relay row, joined in the
+    branch that computes), model state, input, labels, and the buffers it writes as they are."""
+
+    params: Any
+    ms: Any
+    x: Any
+    labels: Any
+    old: ForwardWrites
+
+
+class ForwardOut(NamedTuple):
+    """A forward piece's result: what it wrote, the stage's model state, the metric sums it adds."""
+
+    writes: ForwardWrites
+    ms: Any
+    metrics: Any
+
+
+class BackwardIn(NamedTuple):
+    """A gradient piece's operand (`backward_operands`): the stage's parameters, model state, input,
+    kept residuals (() without 'carry'), the output's cotangent (`seed`; a zero at the last stage),
+    labels; the running sum it adds to (`partial`) and, for B, the input's cotangent buffer as it is
+    (`cot`, passed through at stage 0 and where it does not run)."""
+
+    params: Any
+    ms: Any
+    x: Any
+    kept: Any
+    seed: Any
+    labels: Any
+    partial: Any = None
+    cot: Any = None
+
+
+class BackwardOut(NamedTuple):
+    """A gradient piece's result: the running sum with its gradient added (as it was where it adds
+    none), the input's cotangent (None for W)."""
+
+    partial: Any
+    cot: Any = None
 
 
 def forward_piece(stages: Stages, j: int, carry: bool):
-    """F over (p, ms, x, labels, old) -> (new, ms, metrics); `old` holds the buffers it writes
-    (the next stage's input 'next', the kept residuals 'kept')."""
+    """F: `ForwardIn` -> `ForwardOut` (the next stage's input, kept residuals, model state, metrics)."""
     last, ops = j == stages.L - 1, stages.ops
 
-    def run(p, ms, x, labels, old):
-        new = dict(old)
+    def run(i: ForwardIn) -> ForwardOut:
+        kept = i.old.kept
         if carry:
-            out, new["kept"], (ms, metrics) = ops.forward_kept(j, p, ms, x, labels)
+            out, kept, (ms, metrics) = ops.forward_kept(j, i.params, i.ms, i.x, i.labels)
         else:
-            out, (ms, metrics) = ops.run(j, p, ms, x, labels)
-        if not last:
-            new["next"] = out
-        return varying((new, ms, metrics), AXIS)
+            out, (ms, metrics) = ops.run(j, i.params, i.ms, i.x, i.labels)
+        return varying(ForwardOut(ForwardWrites(i.old.next if last else out, kept), ms, metrics), AXIS)
 
-    def skip(p, ms, x, labels, old):
-        return varying((old, ms, ops.no_metrics()), AXIS)
+    def skip(i: ForwardIn) -> ForwardOut:
+        return varying(ForwardOut(i.old, i.ms, ops.no_metrics()), AXIS)
 
     return run, skip
 
@@ -183,32 +232,35 @@ def _backward(stages: Stages, j: int, carry: bool, want: tuple[str, ...]):
 
 
 def backward_piece(stages: Stages, j: int, carry: bool, split: bool, start: bool):
-    """B over (p, ms, x, kept, seed, labels, partial, cot) -> (partial + its gradient, the input's
-    cotangent); with split backwards only the cotangent (the partial passes through)."""
+    """B: `BackwardIn` -> `BackwardOut` (partial + its gradient (the gradient alone where `start`),
+    the input's cotangent); with split backwards only the cotangent (the partial passes through)."""
     gradients = _backward(stages, j, carry, ("input",) if split else ("params", "input"))
 
-    def run(p, ms, x, keep, seed, labels, partial, cot):
-        d_params, d_input = gradients(p, ms, x, keep, seed, labels)
+    def run(i: BackwardIn) -> BackwardOut:
+        d_params, d_input = gradients(i.params, i.ms, i.x, i.kept, i.seed, i.labels)
+        partial = i.partial
         if not split:
             partial = d_params if start else jax.tree.map(jnp.add, partial, d_params)
-        return varying((partial, d_input if j > 0 else cot), AXIS)
+        return varying(BackwardOut(partial, d_input if j > 0 else i.cot), AXIS)
 
-    def skip(p, ms, x, keep, seed, labels, partial, cot):
-        return varying((jax.tree.map(jnp.zeros_like, p) if start and not split else partial, cot), AXIS)
+    def skip(i: BackwardIn) -> BackwardOut:
+        return varying(BackwardOut(jax.tree.map(jnp.zeros_like, i.params) if start and not split else i.partial,
+                                   i.cot), AXIS)
 
     return run, skip
 
 
 def weight_piece(stages: Stages, j: int, carry: bool, start: bool):
-    """W over (p, ms, x, kept, seed, labels, partial) -> partial + its gradient."""
+    """W: `BackwardIn` -> `BackwardOut` (partial + its gradient (the gradient alone where `start`), no
+    cotangent)."""
     gradients = _backward(stages, j, carry, ("params",))
 
-    def run(p, ms, x, keep, seed, labels, partial):
-        d_params, _ = gradients(p, ms, x, keep, seed, labels)
-        return varying(d_params if start else jax.tree.map(jnp.add, partial, d_params), AXIS)
+    def run(i: BackwardIn) -> BackwardOut:
+        d_params, _ = gradients(i.params, i.ms, i.x, i.kept, i.seed, i.labels)
+        return varying(BackwardOut(d_params if start else jax.tree.map(jnp.add, i.partial, d_params)), AXIS)
 
-    def skip(p, ms, x, keep, seed, labels, partial):
-        return varying(jax.tree.map(jnp.zeros_like, p) if start else partial, AXIS)
+    def skip(i: BackwardIn) -> BackwardOut:
+        return varying(BackwardOut(jax.tree.map(jnp.zeros_like, i.params) if start else i.partial), AXIS)
 
     return run, skip
 
@@ -324,31 +376,29 @@ def forward_op(b: Buffers, j: int, pred, images, new_labels, piece, params, L: i
     x = images if j == 0 else b[("acts", j)]
     labels = new_labels if j == 0 else b[("labels",)]
     writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
-    old = {"next": b[("acts", j + 1)]} if j < L - 1 else {}
-    if carry:
-        old["kept"] = b[("kept", j)]
+    old = ForwardWrites(b[("acts", j + 1)] if j < L - 1 else None, b[("kept", j)] if carry else None)
     reads = [params, ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
-    new, ms, metrics = b.cond(pred, *piece, (b[params], b[("ms", j)], x, labels, old), reads, writes)
+    out: ForwardOut = b.cond(pred, *piece, (ForwardIn(b[params], b[("ms", j)], x, labels, old),), reads, writes)
     if j < L - 1:
-        b[("acts", j + 1)] = new["next"]
+        b[("acts", j + 1)] = out.writes.next
     if carry:
-        b[("kept", j)] = new["kept"]
-    b[("ms", j)] = ms
-    b[("metrics",)] = b[("metrics",)] + metrics
+        b[("kept", j)] = out.writes.kept
+    b[("ms", j)] = out.ms
+    b[("metrics",)] = b[("metrics",)] + out.metrics
     if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
         _pick(b, pred, ("acts", 0), images)
         _pick(b, pred, ("labels",), new_labels)
 
 
-def backward_operands(b: Buffers, j: int, params, L: int, carry: bool):
-    """What a backward op of stage j reads: (parameters from buffer `params`, model state, input,
-    kept residuals, seed, labels) and their buffer names."""
+def backward_operands(b: Buffers, j: int, params, L: int, carry: bool) -> tuple[BackwardIn, list]:
+    """What a backward op of stage j reads (`BackwardIn`, the parameters from buffer `params`; its
+    partial and cot for the caller to set) and their buffer names."""
     zero = varying(jnp.zeros((), jnp.float32), AXIS)
     keep = b[("kept", j)] if carry else ()
     seed = b[("cots", j)] if j < L - 1 else zero
     reads = [params, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
         + ([("cots", j)] if j < L - 1 else [])
-    return (b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+    return BackwardIn(b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
 
 
 class RingState(NamedTuple):
@@ -433,6 +483,53 @@ def _set(items: tuple, j: int, value) -> tuple:
     return items[:j] + (value,) + items[j + 1:]
 
 
+class OpInputs(NamedTuple):
+    """What an op of the period reads besides the worker's buffers: the call's images and labels
+    (a forward of stage 0 takes them), the pool offset of the partial sum a gradient op adds to
+    (`read`) or whether it starts one (`start`), and the depth below the newest stored version of
+    the parameters it reads (`depth`: the program's, plus the step's `ReadDepths`)."""
+
+    images: Any
+    labels: Any
+    read: Any
+    start: Any
+    depth: Any
+
+
+class StageWrites(NamedTuple):
+    """What an op of one stage may write (`Period._written`), None where the stage has no such
+    buffer: its model state, the metric sums; stage 0's input (the images) and labels; the next
+    stage's input (`next`); the previous stage's output cotangent (`cot`); the kept residuals
+    ('carry'); where the stage has a gradient op at that position, the gradient row it computed
+    (zeros where none) and whether it computed one (`wrote`)."""
+
+    ms: Any
+    metrics: Any
+    images: Any = None
+    labels: Any = None
+    next: Any = None
+    cot: Any = None
+    kept: Any = None
+    wrote: Any = None
+    row: Any = None
+
+
+class ReadDepths(NamedTuple):
+    """Per-step read depths added to the period's own (`Period`): worker w's op of stage j for step
+    k reads `depths[row(k), w, j]` versions deeper than the program says, row(k) = k for k < R
+    (R = len(depths)), then `repeat_from` + (k - repeat_from) mod (R - repeat_from): the rows from
+    `repeat_from` on cycle. A forward and its backward share the step's depth."""
+
+    depths: np.ndarray  # [R, workers, stages] ints >= 0
+    repeat_from: int
+
+
+def depth_row(step, rows: int, repeat_from: int):
+    """`ReadDepths`' row of `step` (a traced int)."""
+    cycle = max(rows - repeat_from, 1)
+    return jnp.where(step < rows, step, repeat_from + (step - repeat_from) % cycle)
+
+
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
@@ -449,8 +546,9 @@ class Period:
     """
 
     def __init__(self, stages: Stages, program: Program, tx, rings: int = 1, codec: Codec = CODECS["none"],
-                 feedback: bool = False, ticks: RingTicks | None = None):
+                 feedback: bool = False, ticks: RingTicks | None = None, read_depths: ReadDepths | None = None):
         carry = program.carries
+        self.read_depths = read_depths
         self.stages, self.program, self.tx, self.carry = stages, program, tx, carry
         self.rings, self.codec, self.feedback = rings, codec, feedback and not codec.lossless
         # the period its events say, not the lowering's own (`ticks`: already compiled from them)
@@ -494,51 +592,42 @@ class Period:
         """The branch running op `kind` of stage j (None: idle), returning what it writes of stage j's
         buffers (`_written`) and, where stage j has a gradient op at position k, its gradient row
         (zeros where this branch computes none) and whether it computed one."""
-        op = self._op(kind, j) if kind is not None else (lambda c, *_: (c, None))
+        op = self._op(kind, j) if kind is not None else (lambda c, i: (c, None))
         size = self.flat[j].size
         has_row = any(completes_gradient(kd, self.split) for kd, s in self.routing.op_kinds[k] if s == j)
 
-        def run(c: RingState, images, new_labels, read, start, version):
-            new, row = op(c, images, new_labels, read, start, version)
+        def run(c: RingState, i: OpInputs) -> StageWrites:
+            new, row = op(c, i)
             out = self._written(j, new)
             if has_row:
-                out["wrote"] = jnp.asarray(row is not None)
-                out["row"] = row if row is not None else jnp.zeros((size,), self.pool_dtype)
+                out = out._replace(wrote=jnp.asarray(row is not None),
+                                   row=row if row is not None else jnp.zeros((size,), self.pool_dtype))
             return varying(out, AXIS)
         return run
 
-    def _written(self, j: int, c: RingState) -> dict:
-        """What an op of stage j may write, by name: its input (stage 0: the images) and labels, the
-        next stage's input, its output cotangent's predecessor, its kept residuals, model state, the
-        metrics."""
+    def _written(self, j: int, c: RingState) -> StageWrites:
+        """What an op of stage j may write (`StageWrites`, None where stage j has no such buffer)."""
         L = self.ticks.stages
-        out = {"ms": c.ms[j], "metrics": c.metrics}
-        if j == 0:
-            out["images"], out["labels"] = c.acts[0], c.labels
-        if j < L - 1:
-            out["next"] = c.acts[j + 1]
-        if j > 0:
-            out["cot"] = c.cots[j - 1]
-        if self.carry:
-            out["kept"] = c.kept[j]
-        return out
+        return StageWrites(c.ms[j], c.metrics, images=c.acts[0] if j == 0 else None,
+                           labels=c.labels if j == 0 else None, next=c.acts[j + 1] if j < L - 1 else None,
+                           cot=c.cots[j - 1] if j > 0 else None, kept=c.kept[j] if self.carry else None)
 
-    def _take(self, c: RingState, j: int, out: dict, write) -> RingState:
+    def _take(self, c: RingState, j: int, out: StageWrites, write) -> RingState:
         """`c` with stage j's op's writes (`_stage_op`'s result); its gradient row at pool offset `write`
         where it computed one (the pool updated in place, outside any switch)."""
         acts = c.acts
-        if "images" in out:
-            acts = _set(acts, 0, out["images"])
-        if "next" in out:
-            acts = _set(acts, j + 1, out["next"])
-        c = c._replace(acts=acts, ms=_set(c.ms, j, out["ms"]), metrics=out["metrics"],
-                       labels=out.get("labels", c.labels))
-        if "cot" in out:
-            c = c._replace(cots=_set(c.cots, j - 1, out["cot"]))
-        if "kept" in out:
-            c = c._replace(kept=_set(c.kept, j, out["kept"]))
-        if "row" in out:
-            c = c._replace(grads=_put_row(c.grads, write, out["row"], out["wrote"]))
+        if out.images is not None:
+            acts = _set(acts, 0, out.images)
+        if out.next is not None:
+            acts = _set(acts, j + 1, out.next)
+        c = c._replace(acts=acts, ms=_set(c.ms, j, out.ms), metrics=out.metrics,
+                       labels=out.labels if out.labels is not None else c.labels)
+        if out.cot is not None:
+            c = c._replace(cots=_set(c.cots, j - 1, out.cot))
+        if out.kept is not None:
+            c = c._replace(kept=_set(c.kept, j, out.kept))
+        if out.row is not None:
+            c = c._replace(grads=_put_row(c.grads, write, out.row, out.wrote))
         return c
 
     def _stage_sends(self):
@@ -578,10 +667,11 @@ class Period:
         stages, carry, L = self.stages, self.carry, self.ticks.stages
         ops = stages.ops
 
-        def run(c: RingState, images, new_labels, read, start, version):
+        def run(c: RingState, i: OpInputs):
+            images, new_labels = i.images, i.labels
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
-            kept, params = c.kept, self._version(c, j, version)
+            kept, params = c.kept, self._version(c, j, i.depth)
             if carry:
                 out, k, (ms, metrics) = ops.forward_kept(j, params, c.ms[j], x, labels)
                 kept = _set(kept, j, k)
@@ -604,18 +694,18 @@ class Period:
         gradient = completes_gradient(kind, self.split)
         want = (("params",) if gradient else ()) + (("input",) if cotangent else ())
 
-        def run(c: RingState, images, new_labels, read, start, version):
+        def run(c: RingState, i: OpInputs):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
             keep = c.kept[j] if carry else None
-            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, version), c.ms[j], c.acts[j],
+            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, i.depth), c.ms[j], c.acts[j],
                                                             c.labels, seed, keep, want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if not gradient:
                 return c, None
             flat = self.flat[j]
-            partial = flat.unpack(flat.read(c.grads, read))
-            total = jax.tree.map(lambda s, d: jnp.where(start, d, s + d), partial, d_params)
+            partial = flat.unpack(flat.read(c.grads, i.read))
+            total = jax.tree.map(lambda s, d: jnp.where(i.start, d, s + d), partial, d_params)
             return c, flat.row(flat.pack(total), self.pool_dtype)
         return run
 
@@ -710,9 +800,10 @@ class Period:
         me = lax.axis_index(WORKERS)
         valid = jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed])
         table = {name: jnp.asarray(getattr(r, name)) for name in
-                 ("op_branch", "op_lag", "op_start", "op_version", "apply_stage", "apply_lag")}
+                 ("op_branch", "op_lag", "op_start", "op_depth", "apply_stage", "apply_lag")}
         table.update(op_read=jnp.asarray(self.pool.op_read), op_write=jnp.asarray(self.pool.op_write),
                      apply_at=jnp.asarray(self.pool.apply_at))
+        deeper = self._deeper(state, me)
         c = varying(RingState(tuple(state.params), tuple(state.opt_state), tuple(state.model_state),
                               tuple(state.acts), tuple(state.cots),
                               tuple(state.residuals) if self.carry else (), state.labels,
@@ -728,8 +819,9 @@ class Period:
                     if branches is None:
                         continue
                     branch = jnp.where(fed, jnp.asarray(self.stage_branch[k][j])[t, me], len(branches) - 1)
-                    out = lax.switch(branch, branches, c, images, new_labels, table["op_read"][at],
-                                     table["op_start"][at], table["op_version"][at])
+                    depth = table["op_depth"][at] + (deeper[table["op_lag"][at], j] if deeper is not None else 0)
+                    out = lax.switch(branch, branches, c, OpInputs(images, new_labels, table["op_read"][at],
+                                                                   table["op_start"][at], depth))
                     c = self._take(c, j, out, table["op_write"][at])
             if self.rings > 1:
                 with jax.named_scope(SENDS_BY_TICK):
@@ -760,8 +852,19 @@ class Period:
             grads=self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
             fed=jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed[:-1]]),
             residuals=list(c.kept) if self.carry else None, feedback=list(c.feedback) if self.feedback else None,
-            older=list(c.older) if self.versions > 1 else None)
+            older=list(c.older) if self.versions > 1 else None,
+            step=state.step + 1 if self.read_depths is not None else None)
         return new, c.metrics
+
+    def _deeper(self, state, me):
+        """[lag, stage] the per-step depths (`ReadDepths`) of worker `me`'s reads for the step fed
+        `lag` calls ago (state.step counts the calls: that step is state.step - lag), or None."""
+        if self.read_depths is None:
+            return None
+        d = self.read_depths
+        steps = state.step - jnp.arange(self.ticks.max_lag + 1, dtype=jnp.int32)
+        rows = depth_row(jnp.maximum(steps, 0), len(d.depths), d.repeat_from)
+        return jnp.asarray(d.depths, jnp.int32)[rows, me]
 
     def _moved(self, pool, me):
         """`pool` with each buffer held into the next period moved to its place there (`PoolMove`), one
@@ -894,7 +997,8 @@ class WorkerState(NamedTuple):
     fed: whether each of the last calls fed a batch (an op of an earlier step runs only if its step
       was fed). model_state, acts, cots, labels, residuals: the `Stash` of per-stage buffers (residuals
       None unless 'carry'). feedback: per stage, what the codec dropped from the worker's last partial
-      and completed sums (`[2, ...]`; None without error feedback).
+      and completed sums (`[2, ...]`; None without error feedback). step: the calls made, the row
+      of the per-step read depths (`ReadDepths`; None when the reads' depths are the program's own).
     """
 
     params: list
@@ -908,6 +1012,7 @@ class WorkerState(NamedTuple):
     residuals: list | None = None
     older: list | None = None
     feedback: list | None = None
+    step: jax.Array | None = None
 
 
 def init_state(net, stages: Stages, ticks: RingTicks, tx, rng, carry: bool, pool: int = 0,
@@ -958,17 +1063,21 @@ def ring_mesh(mesh, workers: int):
     return Mesh(devices.reshape(devices.size // workers, workers), (RINGS, WORKERS))
 
 
-def build(ctx, name: str, net, table, residuals: str, program: Program | None = None) -> Method:
+def build(ctx, name: str, net, table, residuals: str, program: Program | None = None,
+          read_depths: ReadDepths | None = None) -> Method:
     """The ring `Method` running `table`'s lowered program (or `program`, a ring program of that
     table, its events as given): rings of `table.workers` workers (one per device) side by side
     over the mesh's `data` devices, each ring fed its share of every global batch; each sum a ring
     completes is summed over the rings before it is applied or passed on (`Period._combine`), so
     every ring applies the update of the whole batch. What runs is the program's events
-    (`program_period`)."""
+    (`program_period`). With `read_depths`, each read goes that step's depth deeper than the
+    program's (`ReadDepths`): the program keeps as many more versions, the state counts steps."""
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     if program is None:
         program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
+        if read_depths is not None:
+            program = lower_ring(table, residuals, program.versions + int(np.max(read_depths.depths)))
     ticks: RingTicks = program_period(program)
     tx, N = ctx.optimizer(), ticks.workers
     mesh = ring_mesh(ctx.mesh, N)
@@ -980,7 +1089,7 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     stages = make_stages(net, N * rings, micro, mesh, residuals, ctx.task)
     codecs = Codecs.from_config(ctx.config)
     program = with_codecs(program, codecs)
-    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback, ticks)
+    period = Period(stages, program, tx, rings, codecs.gradients, codecs.feedback, ticks, read_depths)
     program = with_pool(program, period.pool)  # what it holds: each worker's gradient sums in its own pool
     per_worker = NamedSharding(mesh, P(AXIS))
     one_period, step, run = spmd_period(period, stages, mesh)
@@ -989,6 +1098,8 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
         state = init_state(net, stages, ticks, tx, rng, carry, period.pool.size, period.pool_dtype)
         if period.feedback:
             state = state._replace(feedback=period.feedback_zeros(state.params))
+        if read_depths is not None:
+            state = state._replace(step=jnp.zeros((), jnp.int32))  # the calls made: `ReadDepths`' row
         # Every worker holds its own copy of everything: a leading axis over (data, worker).
         return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N * rings, *a.shape)), state), per_worker)
 

@@ -19,7 +19,7 @@ and every message at its stage's size:
   'partial' and 'sum' messages hop them along the table's delivery plan;
 - applies: each worker applies a completed sum to its own copy at the table's
   `Apply` tick; an op reads the version its worker stores that many applies back
-  (`RingTick.versions`, the `Compute.version` it emits: 0 the newest), and the
+  (`RingTick.depths`, the `Compute.version` it emits: 0 the newest), and the
   program stores as many versions as the oldest read needs (`Program.versions`;
   one for CDP's plans, which apply each update between a worker's last read of
   the old version and its first of the new).
@@ -111,7 +111,7 @@ class RingTick:
     gradient_kinds: the kinds whose ops add to a partial sum (those that complete a micro-batch's
     weight gradient, `OpKind.completes_gradient`: B, or W where split).
     partials: running sums sent at the end of the tick. sums: completed sums sent. applies.
-    versions: (op, depth) of each op that reads a version older than the newest its worker
+    depths: (op, depth) of each op that reads a version older than the newest its worker
     stores: depth d >= 1, the version d applies before the newest (the worker keeps the newest
     `RingTicks.stored_versions` of each stage); every other op reads the newest.
     """
@@ -123,7 +123,7 @@ class RingTick:
     sums: tuple[SumSend, ...] = ()
     applies: tuple[RingApply, ...] = ()
     gradient_kinds: tuple[str, ...] = (gradient_kind(False),)
-    versions: tuple[tuple[RingOp, int], ...] = ()
+    depths: tuple[tuple[RingOp, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,9 @@ class RingTicks:
     the ring runs it. `max_lag`: the oldest step a period touches; `live`: the gradient
     buffers (kind, stage, lag) whose values come from the previous period (where they had
     lag - 1); `newest[j]`: a worker that has applied, at a period boundary, every update of
-    stage j complete by then (the others may still be waiting for theirs)."""
+    stage j complete by then (the others may still be waiting for theirs); `min_versions`: the
+    versions of each stage a worker keeps at least, where the runtime adds a per-step depth to
+    each read (`lower_ring`'s `versions`, `cdpjax.methods.ring.Period`'s `read_depths`)."""
 
     workers: int
     stages: int
@@ -140,6 +142,7 @@ class RingTicks:
     max_lag: int
     live: tuple[tuple[str, int, int], ...]
     newest: tuple[int, ...]
+    min_versions: int = 1
 
     @property
     def period_ticks(self) -> int:
@@ -149,7 +152,7 @@ class RingTicks:
     def stored_versions(self) -> int:
         """Versions of each stage a worker keeps: the newest and as many before it as its oldest
         read reaches."""
-        return 1 + max((d for tk in self.ticks for _, d in tk.versions), default=0)
+        return max(1 + max((d for tk in self.ticks for _, d in tk.depths), default=0), self.min_versions)
 
     def sends_per_tick(self) -> np.ndarray:
         """[ticks, workers] point-to-point sends (partial and sum) each worker makes."""
@@ -187,9 +190,9 @@ class RingRouting(NamedTuple):
     op_branch[t, w, k]: index into `op_kinds[k]` ((kind, stage) pairs), len(op_kinds[k]) where
     the worker has no k-th op. op_lag: the step's lag (the op runs iff that step was fed).
     op_read: the slot of the partial sum a gradient op adds to; op_start: it starts one instead
-    (reads nothing); op_write: the slot its sum (partial or completed) goes to. op_version: the
+    (reads nothing); op_write: the slot its sum (partial or completed) goes to. op_depth: the
     parameter version the op reads, as a depth below the newest its worker stores (0: the newest;
-    `RingTick.versions`).
+    `RingTick.depths`).
     apply_stage[p, t, w, a]: the stage whose completed sum the worker applies before the tick's
     sends (p = 0) or after them (p = 1), `stages` where none; apply_lag, apply_slot likewise.
     reads[(t, w, k)] / writes[(t, w, k)]: the names of the buffers a gradient op reads (its
@@ -203,7 +206,7 @@ class RingRouting(NamedTuple):
     op_read: np.ndarray
     op_write: np.ndarray
     op_start: np.ndarray
-    op_version: np.ndarray
+    op_depth: np.ndarray
     apply_stage: np.ndarray
     apply_lag: np.ndarray
     apply_slot: np.ndarray
@@ -240,7 +243,7 @@ def ring_routing(ticks: RingTicks) -> RingRouting:
     reads, writes = {}, {}
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
-        depth = dict(tk.versions)
+        depth = dict(tk.depths)
         for w in range(N):
             for k, o in enumerate(per_worker[t][w]):
                 lag[t, w, k] = o.lag
@@ -478,9 +481,9 @@ def ring_ticks(table: TimeTable) -> RingTicks:
     held = _held(applies)
     folds = {k: _fold(table, k, *steps[k], held) for k in whole}
     ticks = folds[whole[-1]]
-    unversioned = [dataclasses.replace(tk, versions=()) for tk in ticks]
+    unversioned = [dataclasses.replace(tk, depths=()) for tk in ticks]
     for k, other in folds.items():
-        other = [dataclasses.replace(tk, versions=()) for tk in other]  # early steps' reads clamp at version 0
+        other = [dataclasses.replace(tk, depths=()) for tk in other]  # early steps' reads clamp at version 0
         if other != unversioned:
             t = next(t for t, (a, b) in enumerate(zip(unversioned, other)) if a != b)
             raise ConfigError(f"the ring engine runs a table that repeats every {T} ticks, and this {table.method} "
@@ -503,7 +506,7 @@ def _refuse_other_reads(table: TimeTable, ticks: tuple[RingTick, ...], held, who
     depth), which is version max(newest - d, 0) (a worker starts with every stored version the
     initial parameters: a read before version 0 is of version 0)."""
     T = table.period
-    depth = [{op[:4]: d for op, d in tk.versions} for tk in ticks]
+    depth = [{op[:4]: d for op, d in tk.depths} for tk in ticks]
     for o in sorted(table.ops, key=lambda o: (o.tick, o.device, o.stage)):
         if o.step not in whole:
             continue
@@ -638,7 +641,7 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict,
             early(t, what())
         return t % T, lag
 
-    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}, versions=[])
+    ticks = [dict(ops=[], chain_start=set(), completes=[], partials={}, sums={}, applies={}, depths=[])
              for _ in range(T)]
     u_tick = {u.stage: u.tick for u in table.updates if u.step == step}
     received = {(m.dst, m.stage) for m in messages if m.kind == "partial"}
@@ -650,7 +653,7 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict,
         tk = ticks[o.tick % T]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
         if held(o) > o.version:
-            tk["versions"].append((tk["ops"][-1], held(o) - o.version))
+            tk["depths"].append((tk["ops"][-1], held(o) - o.version))
         if o.kind == grad:
             if (o.device, o.stage) not in received:
                 tk["chain_start"].add((o.device, o.stage))
@@ -706,7 +709,7 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict,
         out.append(RingTick(
             gradient_kinds=(grad,),
             ops=tuple(sorted(tk["ops"])),
-            versions=tuple(sorted(tk["versions"])),
+            depths=tuple(sorted(tk["depths"])),
             chain_start=frozenset(tk["chain_start"]),
             completes=tuple(sorted(tk["completes"])),
             partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(tk["partials"].items())),
@@ -765,10 +768,14 @@ def _live(ticks, N):
 
 
 @gc_paused()
-def lower_ring(table: TimeTable, residuals: str = "recompute") -> Program:
-    """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`)."""
+def lower_ring(table: TimeTable, residuals: str = "recompute", versions: int = 1) -> Program:
+    """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`),
+    keeping at least `versions` versions of each stage (more than its reads need where the runtime
+    reads deeper at some steps: `cdpjax.methods.ring.Period`'s `read_depths`)."""
     carry = carries(residuals)
     ticks = ring_ticks(table)
+    if versions > ticks.stored_versions:
+        ticks = dataclasses.replace(ticks, min_versions=int(versions))
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
@@ -816,7 +823,7 @@ def ring_events(ticks: RingTicks) -> tuple[Event, ...]:
     size = [Size.stage("param", j) for j in range(ticks.stages)]  # one record per stage, shared
     for t, tk in enumerate(ticks.ticks):
         done = {(c.worker, c.stage, c.lag) for c in tk.completes}
-        depth = dict(tk.versions)
+        depth = dict(tk.depths)
         events += [Compute(t, op.worker, op.kind, op.stage, 0, depth.get(op, 0), op.lag,
                            starts_sum=op.kind in tk.gradient_kinds and (op.worker, op.stage) in tk.chain_start,
                            completes_sum=(op.worker, op.stage, op.lag) in done) for op in tk.ops]
@@ -843,7 +850,7 @@ def program_period(program: Program) -> RingTicks:
     T, N, L = program.period, program.devices, len(program.placement.units)
     grad = (gradient_kind(program.split_backward),)
     by_tick: list[dict] = [dict(ops=[], starts=set(), completes=[], partials={}, sums={}, applies=[], got=set(),
-                                versions=[]) for _ in range(T)]
+                                depths=[]) for _ in range(T)]
     arrive: dict = {}  # (stage, worker) -> when (on the step's timeline) it first holds the completed sum
     end: dict = {}  # (stage, worker) -> its last read of it
     completer: dict = {}  # stage -> the worker that completes its sum
@@ -852,7 +859,7 @@ def program_period(program: Program) -> RingTicks:
         if isinstance(e, Compute):
             at["ops"].append(RingOp(e.device, e.kind, e.stage, e.lag))
             if e.version:
-                at["versions"].append((at["ops"][-1], e.version))
+                at["depths"].append((at["ops"][-1], e.version))
             if e.starts_sum:
                 at["starts"].add((e.device, e.stage))
             if e.completes_sum:
@@ -883,7 +890,7 @@ def program_period(program: Program) -> RingTicks:
         for j, lag, w in at["applies"]:
             applies.setdefault((j, lag, (j, lag, w) in at["got"]), []).append(w)
         ticks.append(RingTick(
-            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]), versions=tuple(sorted(at["versions"])),
+            ops=tuple(sorted(at["ops"])), chain_start=frozenset(at["starts"]), depths=tuple(sorted(at["depths"])),
             completes=tuple(sorted(at["completes"])),
             partials=tuple(Partial(j, lag, tuple(sorted(p))) for (j, lag), p in sorted(at["partials"].items())),
             sums=tuple(SumSend(j, lag, tuple(sorted(p)), merges(j, t + lag * T, p))
@@ -898,7 +905,10 @@ def program_period(program: Program) -> RingTicks:
             lag_of[j].update(dict.fromkeys(ws, lag))
     newest = tuple(min(range(N), key=lambda w: (lag_of[j].get(w, 0), w)) for j in range(L))
     lags = [op.lag for tk in ticks for op in tk.ops] + [a.lag for tk in ticks for a in tk.applies]
-    return RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+    period = RingTicks(N, L, ticks, max(lags, default=0), _live(ticks, N), newest)
+    # versions kept beyond the static reads' need: the runtime's per-step depths (`lower_ring`)
+    return dataclasses.replace(period, min_versions=program.versions) if program.versions > period.stored_versions \
+        else period
 
 
 def ring_program_routing(program: Program) -> RingRouting:
