@@ -327,7 +327,7 @@ def fill_doc(text: str, tables: dict[str, str], steps: dict[str, str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="the CI grid (same as --grid tiny)")
-    p.add_argument("--grid", choices=sorted(GRIDS), default="charlm")
+    p.add_argument("--grid", choices=sorted(GRIDS), help="the grid to train (default charlm; not with --doc)")
     p.add_argument("--out", required=True, help="folder for compression.json and compression.md (with --doc: a "
                                                 "folder per grid in it)")
     p.add_argument("--doc", metavar="PATH", help="train (resume) every grid PATH's markers name, then rewrite each "
@@ -344,6 +344,9 @@ def main(argv=None) -> int:
     bad = [b for b in args.bandwidth if not b > 0]
     if bad:
         p.error(f"--bandwidth {bad[0]!r} must be a positive number of bytes/s")
+    if args.doc and (args.tiny or args.grid):
+        p.error(f"--doc with {'--tiny' if args.tiny else '--grid ' + args.grid}: the doc's markers name its grids "
+                "(<!-- compression:GRID -->); drop it")
     text = None
     if args.doc:
         with open(args.doc) as f:
@@ -355,7 +358,7 @@ def main(argv=None) -> int:
                     if unknown else f"--doc {args.doc!r} has no <!-- compression:GRID --> marker")
         grids = {g: os.path.join(args.out, g) for g in names}
     else:
-        grids = {"tiny" if args.tiny else args.grid: args.out}
+        grids = {"tiny" if args.tiny else args.grid or "charlm": args.out}
     named = sorted({codec for g in grids for _, _, codec, _ in rows(GRIDS[g])})
     unknown = [c for c in args.codecs or () if c not in named]
     if unknown:

@@ -99,6 +99,12 @@ def test_a_doc_marker_naming_no_grid_is_refused(tmp_path, capsys):
     assert "marker grid 'nonesuch' is not one of charlm, digits, tiny" in capsys.readouterr().err
 
 
+def test_a_grid_named_beside_a_doc_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compression.main(["--doc", str(tmp_path / "doc.md"), "--grid", "digits", "--out", str(tmp_path)])
+    assert "--doc with --grid digits: the doc's markers name its grids" in capsys.readouterr().err
+
+
 def test_a_bad_bandwidth_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compression.main(["--tiny", "--out", str(tmp_path), "--bandwidth", "0"])
