@@ -632,22 +632,23 @@ def _land(b: ring.Buffers, pred, name, pieces):
     b[name] = b.cond(pred, _landed, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
 
 
+_STASHED = ("model_state", "acts", "cots")  # per-stage buffers named by field, as the ring's pieces read them
+
+
 def _named(state: PiecesState, z: ZeroTicks, carry: bool) -> dict:
     named = {("master", j, r): state.master[j][r] for j in range(z.stages) for r in range(z.versions)}
     named.update({("opt_state", j): state.opt_state[j] for j in range(z.stages)})
     named.update({("sums", j): state.sums[j] for j in range(z.stages)})
     named.update({("relay", r): state.relay[r] for r in range(z.relay_rows)})  # a visit may run into the next call
-    for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
-            ((("kept", "residuals"),) if carry else ()):
-        named.update({(key, j): v for j, v in enumerate(getattr(state, field))})
+    for field in _STASHED + (("residuals",) if carry else ()):
+        named.update({(field, j): v for j, v in enumerate(getattr(state, field))})
     named[("labels",)] = state.labels
     return named
 
 
 def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesState:
-    per_stage = {field: [b[(key, j)] for j in range(len(getattr(state, field)))]
-                 for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots"))
-                 + ((("kept", "residuals"),) if carry else ())}
+    per_stage = {field: [b[(field, j)] for j in range(len(getattr(state, field)))]
+                 for field in _STASHED + (("residuals",) if carry else ())}
     return PiecesState(master=[[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
                        opt_state=[b[("opt_state", j)] for j in range(z.stages)],
                        sums=[b[("sums", j)] for j in range(z.stages)],
