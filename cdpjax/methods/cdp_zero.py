@@ -100,7 +100,7 @@ def build(ctx: Context) -> Method:
     table = cdp_zero_table(workers, net.num_stages, rule=rule, ticks=ticks)  # refuses N not dividing T
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
     period = cfg.get("zero_period", "unrolled")  # a listed choice (config._CHOICES)
-    return _method(ctx, net, table, lower_zero(table, residuals, period), residuals)
+    return _method(ctx, net, table, lower_zero(table, residuals, period), residuals, period)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +656,7 @@ def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesSta
                        **per_stage)
 
 
-def _method(ctx: Context, net, table, program: Program, residuals: str) -> Method:
+def _method(ctx: Context, net, table, program: Program, residuals: str, period: str) -> Method:
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     z: ZeroTicks = program.ticks
@@ -673,7 +673,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         raise ConfigError("compress.feedback=True: cdp-zero's gradient pieces keep no error feedback (each sender "
                           "would hold a whole stage's remainder, against its 1/N share); set compress.feedback=False")
     program = with_codecs(program, codecs)
-    scanned = ctx.config.get("zero_period", "unrolled") == "scan"
+    scanned = period == "scan"  # the form `lower_zero` was given
     period = (ZeroScan if scanned else ZeroPeriod)(stages, program, tx, shards, codecs)
     per_worker = NamedSharding(mesh, P(AXIS))
 
