@@ -100,7 +100,7 @@ def build(ctx: Context) -> Method:
     table = cdp_zero_table(workers, net.num_stages, rule=rule, ticks=ticks)  # refuses N not dividing T
     ctx.require_divisible("global_batch_size", cfg.global_batch_size, workers, "workers")
     period = cfg.get("zero_period", "unrolled")  # a listed choice (config._CHOICES)
-    return _method(ctx, net, table, lower_zero(table, residuals, period), residuals)
+    return _method(ctx, net, table, lower_zero(table, residuals, period), residuals, period)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,22 +632,23 @@ def _land(b: ring.Buffers, pred, name, pieces):
     b[name] = b.cond(pred, _landed, lambda row, *pieces: varying(row, AXIS), (b[name], *pieces), writes=(name,))
 
 
+_STASHED = ("model_state", "acts", "cots")  # per-stage buffers named by field, as the ring's pieces read them
+
+
 def _named(state: PiecesState, z: ZeroTicks, carry: bool) -> dict:
     named = {("master", j, r): state.master[j][r] for j in range(z.stages) for r in range(z.versions)}
     named.update({("opt_state", j): state.opt_state[j] for j in range(z.stages)})
     named.update({("sums", j): state.sums[j] for j in range(z.stages)})
     named.update({("relay", r): state.relay[r] for r in range(z.relay_rows)})  # a visit may run into the next call
-    for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots")) + \
-            ((("kept", "residuals"),) if carry else ()):
-        named.update({(key, j): v for j, v in enumerate(getattr(state, field))})
+    for field in _STASHED + (("residuals",) if carry else ()):
+        named.update({(field, j): v for j, v in enumerate(getattr(state, field))})
     named[("labels",)] = state.labels
     return named
 
 
 def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesState:
-    per_stage = {field: [b[(key, j)] for j in range(len(getattr(state, field)))]
-                 for key, field in (("ms", "model_state"), ("acts", "acts"), ("cots", "cots"))
-                 + ((("kept", "residuals"),) if carry else ())}
+    per_stage = {field: [b[(field, j)] for j in range(len(getattr(state, field)))]
+                 for field in _STASHED + (("residuals",) if carry else ())}
     return PiecesState(master=[[b[("master", j, r)] for r in range(z.versions)] for j in range(z.stages)],
                        opt_state=[b[("opt_state", j)] for j in range(z.stages)],
                        sums=[b[("sums", j)] for j in range(z.stages)],
@@ -655,7 +656,7 @@ def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesSta
                        **per_stage)
 
 
-def _method(ctx: Context, net, table, program: Program, residuals: str) -> Method:
+def _method(ctx: Context, net, table, program: Program, residuals: str, period: str) -> Method:
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     z: ZeroTicks = program.ticks
@@ -672,7 +673,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str) -> Metho
         raise ConfigError("compress.feedback=True: cdp-zero's gradient pieces keep no error feedback (each sender "
                           "would hold a whole stage's remainder, against its 1/N share); set compress.feedback=False")
     program = with_codecs(program, codecs)
-    scanned = ctx.config.get("zero_period", "unrolled") == "scan"
+    scanned = period == "scan"  # the form `lower_zero` was given
     period = (ZeroScan if scanned else ZeroPeriod)(stages, program, tx, shards, codecs)
     per_worker = NamedSharding(mesh, P(AXIS))
 

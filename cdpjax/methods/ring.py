@@ -160,7 +160,7 @@ class ForwardWrites(NamedTuple):
     last stage) and the kept residuals (None without 'carry')."""
 
     next: Any = None
-    kept: Any = None
+    residuals: Any = None
 
 
 class ForwardIn(NamedTuple):
@@ -168,7 +168,7 @@ class ForwardIn(NamedTuple):
     branch that computes), model state, input, labels, and the buffers it writes as they are."""
 
     params: Any
-    ms: Any
+    model_state: Any
     x: Any
     labels: Any
     old: ForwardWrites
@@ -178,7 +178,7 @@ class ForwardOut(NamedTuple):
     """A forward piece's result: what it wrote, the stage's model state, the metric sums it adds."""
 
     writes: ForwardWrites
-    ms: Any
+    model_state: Any
     metrics: Any
 
 
@@ -189,9 +189,9 @@ class BackwardIn(NamedTuple):
     (`cot`, passed through at stage 0 and where it does not run)."""
 
     params: Any
-    ms: Any
+    model_state: Any
     x: Any
-    kept: Any
+    residuals: Any
     seed: Any
     labels: Any
     partial: Any = None
@@ -211,15 +211,15 @@ def forward_piece(stages: Stages, j: int, carry: bool):
     last, ops = j == stages.L - 1, stages.ops
 
     def run(i: ForwardIn) -> ForwardOut:
-        kept = i.old.kept
+        residuals = i.old.residuals
         if carry:
-            out, kept, (ms, metrics) = ops.forward_kept(j, i.params, i.ms, i.x, i.labels)
+            out, residuals, (ms, metrics) = ops.forward_kept(j, i.params, i.model_state, i.x, i.labels)
         else:
-            out, (ms, metrics) = ops.run(j, i.params, i.ms, i.x, i.labels)
-        return varying(ForwardOut(ForwardWrites(i.old.next if last else out, kept), ms, metrics), AXIS)
+            out, (ms, metrics) = ops.run(j, i.params, i.model_state, i.x, i.labels)
+        return varying(ForwardOut(ForwardWrites(i.old.next if last else out, residuals), ms, metrics), AXIS)
 
     def skip(i: ForwardIn) -> ForwardOut:
-        return varying(ForwardOut(i.old, i.ms, ops.no_metrics()), AXIS)
+        return varying(ForwardOut(i.old, i.model_state, ops.no_metrics()), AXIS)
 
     return run, skip
 
@@ -237,7 +237,7 @@ def backward_piece(stages: Stages, j: int, carry: bool, split: bool, start: bool
     gradients = _backward(stages, j, carry, ("input",) if split else ("params", "input"))
 
     def run(i: BackwardIn) -> BackwardOut:
-        d_params, d_input = gradients(i.params, i.ms, i.x, i.kept, i.seed, i.labels)
+        d_params, d_input = gradients(i.params, i.model_state, i.x, i.residuals, i.seed, i.labels)
         partial = i.partial
         if not split:
             partial = d_params if start else jax.tree.map(jnp.add, partial, d_params)
@@ -256,7 +256,7 @@ def weight_piece(stages: Stages, j: int, carry: bool, start: bool):
     gradients = _backward(stages, j, carry, ("params",))
 
     def run(i: BackwardIn) -> BackwardOut:
-        d_params, _ = gradients(i.params, i.ms, i.x, i.kept, i.seed, i.labels)
+        d_params, _ = gradients(i.params, i.model_state, i.x, i.residuals, i.seed, i.labels)
         return varying(BackwardOut(d_params if start else jax.tree.map(jnp.add, i.partial, d_params)), AXIS)
 
     def skip(i: BackwardIn) -> BackwardOut:
@@ -375,15 +375,16 @@ def forward_op(b: Buffers, j: int, pred, images, new_labels, piece, params, L: i
     next stage's input, the kept residuals (carry) and the model state, adds the metrics."""
     x = images if j == 0 else b[("acts", j)]
     labels = new_labels if j == 0 else b[("labels",)]
-    writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("kept", j)] if carry else []) + [("ms", j)]
-    old = ForwardWrites(b[("acts", j + 1)] if j < L - 1 else None, b[("kept", j)] if carry else None)
-    reads = [params, ("ms", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
-    out: ForwardOut = b.cond(pred, *piece, (ForwardIn(b[params], b[("ms", j)], x, labels, old),), reads, writes)
+    writes = ([("acts", j + 1)] if j < L - 1 else []) + ([("residuals", j)] if carry else []) + [("model_state", j)]
+    old = ForwardWrites(b[("acts", j + 1)] if j < L - 1 else None, b[("residuals", j)] if carry else None)
+    reads = [params, ("model_state", j)] + ([("acts", j), ("labels",)] if j > 0 else [])
+    forward_in = ForwardIn(b[params], b[("model_state", j)], x, labels, old)
+    out: ForwardOut = b.cond(pred, *piece, (forward_in,), reads, writes)
     if j < L - 1:
         b[("acts", j + 1)] = out.writes.next
     if carry:
-        b[("kept", j)] = out.writes.kept
-    b[("ms", j)] = out.ms
+        b[("residuals", j)] = out.writes.residuals
+    b[("model_state", j)] = out.model_state
     b[("metrics",)] = b[("metrics",)] + out.metrics
     if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
         _pick(b, pred, ("acts", 0), images)
@@ -394,17 +395,17 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool) -> tuple[
     """What a backward op of stage j reads (`BackwardIn`, the parameters from buffer `params`; its
     partial and cot for the caller to set) and their buffer names."""
     zero = varying(jnp.zeros((), jnp.float32), AXIS)
-    keep = b[("kept", j)] if carry else ()
+    keep = b[("residuals", j)] if carry else ()
     seed = b[("cots", j)] if j < L - 1 else zero
-    reads = [params, ("ms", j), ("acts", j), ("labels",)] + ([("kept", j)] if carry else []) \
+    reads = [params, ("model_state", j), ("acts", j), ("labels",)] + ([("residuals", j)] if carry else []) \
         + ([("cots", j)] if j < L - 1 else [])
-    return BackwardIn(b[params], b[("ms", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+    return BackwardIn(b[params], b[("model_state", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
 
 
 class RingState(NamedTuple):
     """One worker's buffers while a period runs (the scan's carry): per stage its parameters,
     optimizer state, model state, input (`acts`), output cotangent (`cots`, stages 0..L-2),
-    kept residuals (`kept`, empty unless 'carry'); the labels of its micro-batch; its gradient
+    kept residuals (`residuals`, empty unless 'carry'); the labels of its micro-batch; its gradient
     pool (`grads`, `RingPool`: one vector); the metric sums of the period; per
     stage, with error feedback, what the codec dropped from the worker's last partial sum and
     last completed sum of that stage ([2, ...]: row 0 the partial, row 1 the sum; else empty);
@@ -412,11 +413,11 @@ class RingState(NamedTuple):
     stores (`older`, [V - 1, ...] each leaf, row 0 the one before `params`; else empty)."""
 
     params: tuple
-    opt: tuple
-    ms: tuple
+    opt_state: tuple
+    model_state: tuple
     acts: tuple
     cots: tuple
-    kept: tuple
+    residuals: tuple
     labels: Any
     grads: tuple
     metrics: Any
@@ -503,13 +504,13 @@ class StageWrites(NamedTuple):
     ('carry'); where the stage has a gradient op at that position, the gradient row it computed
     (zeros where none) and whether it computed one (`wrote`)."""
 
-    ms: Any
+    model_state: Any
     metrics: Any
     images: Any = None
     labels: Any = None
     next: Any = None
     cot: Any = None
-    kept: Any = None
+    residuals: Any = None
     wrote: Any = None
     row: Any = None
 
@@ -533,7 +534,7 @@ def depth_row(step, rows: int, repeat_from: int):
 class Period:
     """The per-device program of one period: `Period(...)(state, images, labels, feeding) ->
     (state, [3] metric sums)`. `state` is one worker's: params, opt_state, model_state (per
-    stage), acts (each stage's input), cots (each stage's output cotangent), kept (carry),
+    stage), acts (each stage's input), cots (each stage's output cotangent), residuals (carry),
     labels, grads (the worker's gradient pool, `RingPool`), fed (per lag >= 1).
 
     The period is one `lax.scan` over its T ticks (`RingState` the carry), the routing data
@@ -608,9 +609,9 @@ class Period:
     def _written(self, j: int, c: RingState) -> StageWrites:
         """What an op of stage j may write (`StageWrites`, None where stage j has no such buffer)."""
         L = self.ticks.stages
-        return StageWrites(c.ms[j], c.metrics, images=c.acts[0] if j == 0 else None,
+        return StageWrites(c.model_state[j], c.metrics, images=c.acts[0] if j == 0 else None,
                            labels=c.labels if j == 0 else None, next=c.acts[j + 1] if j < L - 1 else None,
-                           cot=c.cots[j - 1] if j > 0 else None, kept=c.kept[j] if self.carry else None)
+                           cot=c.cots[j - 1] if j > 0 else None, residuals=c.residuals[j] if self.carry else None)
 
     def _take(self, c: RingState, j: int, out: StageWrites, write) -> RingState:
         """`c` with stage j's op's writes (`_stage_op`'s result); its gradient row at pool offset `write`
@@ -620,12 +621,12 @@ class Period:
             acts = _set(acts, 0, out.images)
         if out.next is not None:
             acts = _set(acts, j + 1, out.next)
-        c = c._replace(acts=acts, ms=_set(c.ms, j, out.ms), metrics=out.metrics,
+        c = c._replace(acts=acts, model_state=_set(c.model_state, j, out.model_state), metrics=out.metrics,
                        labels=out.labels if out.labels is not None else c.labels)
         if out.cot is not None:
             c = c._replace(cots=_set(c.cots, j - 1, out.cot))
-        if out.kept is not None:
-            c = c._replace(kept=_set(c.kept, j, out.kept))
+        if out.residuals is not None:
+            c = c._replace(residuals=_set(c.residuals, j, out.residuals))
         if out.row is not None:
             c = c._replace(grads=_put_row(c.grads, write, out.row, out.wrote))
         return c
@@ -671,17 +672,17 @@ class Period:
             images, new_labels = i.images, i.labels
             x = images if j == 0 else c.acts[j]
             labels = new_labels if j == 0 else c.labels
-            kept, params = c.kept, self._version(c, j, i.depth)
+            residuals, params = c.residuals, self._version(c, j, i.depth)
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, params, c.ms[j], x, labels)
-                kept = _set(kept, j, k)
+                out, k, (ms, metrics) = ops.forward_kept(j, params, c.model_state[j], x, labels)
+                residuals = _set(residuals, j, k)
             else:
-                out, (ms, metrics) = ops.run(j, params, c.ms[j], x, labels)
+                out, (ms, metrics) = ops.run(j, params, c.model_state[j], x, labels)
             acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
             if j == 0:  # a new micro-batch: its image (stage 0's input) and labels stay until its backward
                 acts = _set(acts, 0, images)
-            c = c._replace(acts=acts, kept=kept, ms=_set(c.ms, j, ms), metrics=c.metrics + metrics,
-                           labels=new_labels if j == 0 else c.labels)
+            c = c._replace(acts=acts, residuals=residuals, model_state=_set(c.model_state, j, ms),
+                           metrics=c.metrics + metrics, labels=new_labels if j == 0 else c.labels)
             return c, None
         return run
 
@@ -696,9 +697,9 @@ class Period:
 
         def run(c: RingState, i: OpInputs):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
-            keep = c.kept[j] if carry else None
-            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, i.depth), c.ms[j], c.acts[j],
-                                                            c.labels, seed, keep, want)
+            keep = c.residuals[j] if carry else None
+            d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, i.depth), c.model_state[j],
+                                                            c.acts[j], c.labels, seed, keep, want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if not gradient:
@@ -847,11 +848,11 @@ class Period:
         c, _ = lax.scan(tick, c, jnp.arange(ticks.period_ticks, dtype=jnp.int32))
         # The in-flight buffers go on, their step one call older.
         new = WorkerState(
-            params=list(c.params), opt_state=list(c.opt), model_state=list(c.ms), acts=list(c.acts),
+            params=list(c.params), opt_state=list(c.opt_state), model_state=list(c.model_state), acts=list(c.acts),
             cots=list(c.cots), labels=c.labels,
             grads=self._moved(c.grads, me),  # offsets repeat every period but those `RingPool.moves` moves
             fed=jnp.concatenate([jnp.reshape(feeding, (1,)), state.fed[:-1]]),
-            residuals=list(c.kept) if self.carry else None, feedback=list(c.feedback) if self.feedback else None,
+            residuals=list(c.residuals) if self.carry else None, feedback=list(c.feedback) if self.feedback else None,
             older=list(c.older) if self.versions > 1 else None,
             step=state.step + 1 if self.read_depths is not None else None)
         return new, c.metrics
@@ -890,14 +891,14 @@ class Period:
         for a in range(table["apply_stage"].shape[-1]):
             at = (phase, t, me, a)
             stage = jnp.where(valid[table["apply_lag"][at]], table["apply_stage"][at], self.ticks.stages)
-            params, opt, older = list(c.params), list(c.opt), list(c.older)
+            params, opt, older = list(c.params), list(c.opt_state), list(c.older)
             for j in range(self.ticks.stages):
                 params[j], opt[j], old = lax.cond(stage == j, self._apply_stage(j), lambda p, o, g, at, v: (p, o, v),
                                                   params[j], opt[j], c.grads, table["apply_at"][at],
                                                   older[j] if older else ())
                 if older:
                     older[j] = old
-            c = c._replace(params=tuple(params), opt=tuple(opt), older=tuple(older))
+            c = c._replace(params=tuple(params), opt_state=tuple(opt), older=tuple(older))
         return c
 
     def _apply_stage(self, j: int):

@@ -779,13 +779,13 @@ def lower_ring(table: TimeTable, residuals: str = "recompute", versions: int = 1
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
-               Buffer("opt", "optimizer_state", Size.stages("param", stages), True),
+               Buffer("opt_state", "optimizer_state", Size.stages("param", stages), True),
                Buffer("model_state", "model_state", Size.stages("model_state", stages), True),
                Buffer("acts", "activations", Size.stages("input", stages), True),
                Buffer("cots", "cotangents", Size.stages("input", range(1, L)), True),
                Buffer("labels", "labels", Size.stage("label", 0), True)]
     if carry:
-        between.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+        between.append(Buffer("residuals", "residuals", Size.stages("residual", stages), True))
     if ticks.stored_versions > 1:
         between.append(Buffer("older", "previous_parameters",
                               Size.stages("param", stages, count=ticks.stored_versions - 1), True))

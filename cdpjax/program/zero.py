@@ -325,7 +325,7 @@ def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") ->
     every = tuple((j,) for j in stages)
     piece = Size.stages("param", stages, parts=N)  # a worker's piece of every stage
     buffers = [Buffer("master", "parameters", piece, True),
-               Buffer("opt", "optimizer_state", piece, True),
+               Buffer("opt_state", "optimizer_state", piece, True),
                Buffer("sums", "gradients", piece, True),
                Buffer("relay", "relayed_parameters", Size("param", every, True, z.relay_rows), True),
                # one op's whole gradient, before its pieces go out
@@ -343,7 +343,7 @@ def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") ->
     if z.versions == 2:
         buffers.append(Buffer("previous", "previous_parameters", piece, True))
     if carry:
-        buffers.append(Buffer("kept", "residuals", Size.stages("residual", stages), True))
+        buffers.append(Buffer("residuals", "residuals", Size.stages("residual", stages), True))
     kinds = tuple(k for k in served() if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
