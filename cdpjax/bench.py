@@ -23,6 +23,7 @@ same work on one device is the framework's own overhead.
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import statistics
@@ -527,7 +528,7 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
         within["workspace"] = op_workspace(method.program, priced)
         within["tick_outputs"] = tick_outputs(method.program, priced)
         within["total"] = within["beyond_arguments"] + within["workspace"] + within["tick_outputs"]
-        if method.program.engine == "stage":
+        if holds_carrier_slots(method.program):
             within.update(stage_tick(method.program, priced, within["workspace"], opt_ratio))
     else:
         reduced = method.input_sharding is None and _batch_shards(method, config, devices) > 1
@@ -695,10 +696,26 @@ def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
     V = program.placement.chunks
     grads = program.buffer("grads").size
     row = grads.bytes(priced) / grads.count
-    out = program.ticks.lanes * row if V > 1 or program.versions > 1 else 0.0
+    out = lanes(program) * row if V > 1 or program.versions > 1 else 0.0
     if V > 1:
         out += row * (1 + opt_ratio) + row * V
     return float(out)
+
+
+def holds_carrier_slots(program) -> bool:
+    """Whether the program keeps its activations in slots of carrier rows (a buffer 'act', the
+    widest unit input wide): a tick that switches over units on such rows, which `stage_tick` models."""
+    return any(b.name == "act" for b in program.buffers)
+
+
+def lanes(program) -> int:
+    """The most ops one device runs in one tick (its cell's lanes, `StageTicks.lanes`), from the
+    `Compute` events: ops of one (kind, micro-batch, step) are one lane (a unit's stages run together)."""
+    cells = collections.defaultdict(set)
+    for e in program.events:
+        if isinstance(e, Compute):
+            cells[(e.tick, e.device)].add((e.kind, e.microbatch, e.lag))
+    return max((len(ops) for ops in cells.values()), default=0)
 
 
 def _slotted(program, priced) -> tuple[float, list[str]]:
@@ -719,7 +736,7 @@ def switch_rows(program, priced) -> float:
     cotangents, a cotangent row. A row is a carrier row (`Size.padded`: the widest unit input)."""
     row, slotted = _slotted(program, priced)
     results = row * (2 if "cot" in {b.name for b in program.buffers} else 1)
-    return float(program.ticks.lanes * (2 * row * len(slotted) + results))
+    return float(lanes(program) * (2 * row * len(slotted) + results))
 
 
 def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:

@@ -252,3 +252,17 @@ def test_cost_reads_the_events():
                 for e in program.device_events(d) if isinstance(e, (Compute, Apply))]
         assert sorted(per[d]) == sorted(want)
     assert np.all([sum(k == "update-piece" for k, _ in ops) == 2 for ops in per])
+
+
+@pytest.mark.parametrize("name,kw", [("gpipe", dict(stages=4, microbatches=4)), ("zbv", dict(stages=8, microbatches=8)),
+                                     ("dualpipev", dict(stages=8, microbatches=8)),
+                                     ("cdp-mp", dict(stages=4, steps=5, ticks="paired")),
+                                     ("interleaved-1f1b", dict(stages=8, microbatches=8, chunks=2))])
+def test_the_memory_models_lanes_are_the_lowerings_from_the_events_alone(name, kw):
+    """bench's `lanes` counts a cell's ops from the `Compute` events only; the stage lowering counts
+    them as it lays the cells out (`StageTicks.lanes`): DualPipeV's cells hold three, CDP's paired
+    forwards two, the rest one."""
+    from cdpjax import bench
+    _, program = _program(name, kw)
+    assert bench.lanes(program) == program.ticks.lanes
+    assert bench.lanes(program) == {"dualpipev": 3, "cdp-mp": 2}.get(name, 1)
