@@ -8,7 +8,7 @@ over its ticks whose ops and messages are data (`zero_period`, `zero_routing`; i
 every worker keeps its piece (1/N) of every stage, so its program names
 
 - `master[j][r]`: the worker's piece of stage j, version row r (0 current, 1 previous),
-  `opt[j]` the optimizer state of that piece, `sums[j]` its running sum of that piece
+  `opt_state[j]` the optimizer state of that piece, `sums[j]` its running sum of that piece
   of the stage's gradient (train state: a step's sum may span a call's end); each in
   the piece's own size, the same on every device;
 - `relay[r]`: a stage a worker is visiting, gathered from every worker's piece at the
