@@ -62,13 +62,16 @@ import optax
 
 from cdpjax.errors import ConfigError
 
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted",
+               "staleness-square", "fresh-sharp", "freshest")
 # Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
-ON_UPDATES = ("staleness-lr", "staleness-sqrt")
+ON_UPDATES = ("staleness-lr", "staleness-sqrt", "staleness-square")
 # Corrections that move the read (the weights a stale gradient is taken at): `look_ahead`.
 READ_SIDE = ("pipenag",)
 # Corrections that weigh each read's gradient by its staleness before the mean over workers: `fresh_weights`.
-WEIGHTED = ("fresh-weighted",)
+WEIGHTED = ("fresh-weighted", "fresh-sharp", "freshest")
+# The power p of each weighting's w_i proportional to (1 + tau_i)^-p ('freshest': the limit p -> infinity).
+WEIGHT_POWERS = {"fresh-weighted": 2.0, "fresh-sharp": 4.0}
 
 
 def _mean_inverse(tau, power: float = 1.0) -> jax.Array:
@@ -148,11 +151,31 @@ def look_ahead(versions, tau, strength: float = 1.0):
     return read + ahead * (read - before)
 
 
-def fresh_weights(tau, axis: int = 0) -> jax.Array:
-    """'fresh-weighted''s weight of each read: (1 + tau_i)^-2 / mean_l (1 + tau_l)^-2 over the
-    workers' reads of one stage (`axis`), so the weights' mean is 1 (module docstring)."""
-    w = (1.0 + jnp.asarray(tau, jnp.float32)) ** -2
+def fresh_weights(tau, axis: int = 0, power: float = 2.0) -> jax.Array:
+    """'fresh-weighted''s weight of each read: (1 + tau_i)^-p / mean_l (1 + tau_l)^-p over the
+    workers' reads of one stage (`axis`), so the weights' mean is 1 (module docstring); p = 2
+    ('fresh-sharp': 4)."""
+    w = (1.0 + jnp.asarray(tau, jnp.float32)) ** -power
     return w / jnp.mean(w, axis=axis, keepdims=True)
+
+
+def freshest_weights(tau, axis: int = 0) -> jax.Array:
+    """'freshest''s weight of each read: 1 where tau_i is the least of the stage's reads (`axis`),
+    0 elsewhere, over the mean of those indicators (weights' mean 1): the stage's mean gradient
+    becomes the mean over its freshest reads, the staler ones dropped (module docstring)."""
+    tau = jnp.asarray(tau)
+    w = (tau == jnp.min(tau, axis=axis, keepdims=True)).astype(jnp.float32)
+    return w / jnp.mean(w, axis=axis, keepdims=True)
+
+
+def read_weights(name: str, tau, axis: int = 0) -> jax.Array:
+    """The weight of each read under correction `name` (its part of WEIGHTED; ones if it has none)."""
+    weighting = [p for p in parts(name) if p in WEIGHTED]
+    if not weighting:
+        return jnp.ones(jnp.shape(tau), jnp.float32)
+    if weighting[0] == "freshest":
+        return freshest_weights(tau, axis)
+    return fresh_weights(tau, axis, WEIGHT_POWERS[weighting[0]])
 
 
 def parts(name: str) -> tuple[str, ...]:
@@ -167,6 +190,10 @@ def parts(name: str) -> tuple[str, ...]:
     if len(transforms) > 1 or len(set(ps)) < len(ps):
         raise ConfigError(f"delay.correction={name!r} combines {' and '.join(transforms)}: join at most one "
                           f"correction besides {', '.join(READ_SIDE + WEIGHTED)}, each once")
+    weightings = [p for p in ps if p in WEIGHTED]
+    if len(weightings) > 1:
+        raise ConfigError(f"delay.correction={name!r} combines {' and '.join(weightings)}: join at most one "
+                          f"of {', '.join(WEIGHTED)}")
     return ps
 
 
@@ -197,6 +224,8 @@ def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float =
         return staleness_scaled()
     if name == "staleness-sqrt":
         return staleness_scaled(0.5)
+    if name == "staleness-square":
+        return staleness_scaled(2.0)
     if name == "nesterov":
         return delayed_nesterov(momentum)
     return delay_compensated(strength, max_staleness)

@@ -46,7 +46,9 @@ CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag")
 # combinations ('+': `delay_corrections.parts`) of PipeNAG's read with the cut and the weights ('@0.5': at
 # delay.strength 0.5, PipeNAG's look-ahead halved)
 TARGET_CORRECTIONS = ("staleness-sqrt", "fresh-weighted", "pipenag+staleness-lr", "fresh-weighted+staleness-lr",
-                      "pipenag+staleness-lr+fresh-weighted", "pipenag+staleness-lr+fresh-weighted@0.5")
+                      "pipenag+staleness-lr+fresh-weighted", "pipenag+staleness-lr+fresh-weighted@0.5",
+                      "pipenag+staleness-lr+fresh-sharp", "pipenag+staleness-lr+freshest",
+                      "pipenag+staleness-square+fresh-weighted", "fresh-sharp+staleness-lr")
 GRIDS = {
     # CI: one model, two delays, two corrections (staleness-lr is the identity at tau = 0)
     "tiny": dict(tasks=("digits",), models=("uniform-tau",), taus=(0, 2), corrections=("none", "staleness-lr"),

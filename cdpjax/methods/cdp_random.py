@@ -256,7 +256,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     @jax.jit
     def train_step(state, batch):
         tau = taus_dev[table_row(state.step, taus_dev.shape[0])]  # [N, L]
-        weights = delay_corrections.fresh_weights(tau) if weighted else jnp.ones(tau.shape, jnp.float32)
+        weights = delay_corrections.read_weights(delay.correction, tau)
         return sharded(state, tau, tau, weights, batch["image"], batch["label"])
 
     def export(state):
