@@ -204,8 +204,11 @@ def plot(runs: list[Run], path: str) -> None:
 
     tasks = sorted({r.task for r in runs})
     models = [m for m in MODELS if any(r.model == m and r.tau for r in runs)]
-    fig, axes = plt.subplots(2 * len(tasks), len(models), figsize=(3.6 * len(models), 5.2 * len(tasks)),
-                             squeeze=False)
+    drawn = [c for c in CORRECTIONS + TARGET_CORRECTIONS if any(r.correction == c for r in runs)]
+    outside = len(drawn) > 10  # so many lines that a legend inside would cover the curves: right of the axes
+    fig, axes = plt.subplots(2 * len(tasks), len(models), squeeze=False,
+                             figsize=(3.6 * len(models) + 3.4 * outside, 5.2 * len(tasks)))
+    colors = dict(zip(drawn, plt.cm.tab20.colors if len(drawn) > 10 else plt.cm.tab10.colors))
     for t, task in enumerate(tasks):
         for c, model in enumerate(models):
             for corr in CORRECTIONS + TARGET_CORRECTIONS:
@@ -217,12 +220,15 @@ def plot(runs: list[Run], path: str) -> None:
                 for row, field in ((2 * t, "test_loss"), (2 * t + 1, "test_metric")):
                     ys = [spread(getattr(r, field) for r in rs if r.tau == tau) for tau in taus]
                     axes[row][c].errorbar(xs, [y for y, _ in ys], yerr=[e for _, e in ys], marker="o",
-                                          capsize=3, label=corr)
+                                          capsize=3, label=corr, color=colors[corr])
             axes[2 * t][c].set_title(f"{task}: {model}")
             axes[2 * t][c].set_ylabel("final test loss")
             axes[2 * t + 1][c].set_ylabel("final test accuracy")
             axes[2 * t + 1][c].set_xlabel("realised mean staleness (updates behind)")
-    axes[0][0].legend(title="correction", fontsize=8)
+    if outside:
+        axes[0][-1].legend(title="correction", fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        axes[0][0].legend(title="correction", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
