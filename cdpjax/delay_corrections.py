@@ -13,7 +13,8 @@ per-stage models).
 
 - `staleness_scaled`: g <- g * mean_i 1 / (1 + tau_i) (staleness-aware SGD, Zhang et al. 2016:
   the learning rate divided by the delay; 1 + tau so that tau = 0 is plain SGD). 'staleness-sqrt':
-  g * mean_i (1 + tau_i)^(-1/2), the learning rate divided by the delay's square root (a milder cut).
+  g * mean_i (1 + tau_i)^(-1/2), the learning rate divided by the delay's square root (a milder cut);
+  'staleness-square': g * mean_i (1 + tau_i)^-2, by its square (a stronger one).
 - `delayed_nesterov`: m <- beta m + g; g <- g + beta (1 + mean_i tau_i) m. Nesterov's
   look-ahead (optax's nesterov trace: g + beta m) taken over the 1 + tau steps between the read
   and the update, as PipeNAG looks ahead by the known delay; tau = 0: the nesterov trace.
@@ -46,8 +47,12 @@ gradient mean_i g_i by mean_i w_i g_i, w_i = (1 + tau_i)^-2 / mean_l (1 + tau_l)
 direction leans to the fresher reads), and the square makes the lean strong: over tau uniform on
 {0..8} the weighted mean staleness is sum_t t / (1+t)^2 / sum_t 1 / (1+t)^2 = 0.84 (4 unweighted;
 2.2 with the first power). Every read's tau equal (dp, uniform, per-stage): the plain mean.
+'fresh-sharp' leans harder, w_i proportional to (1 + tau_i)^-4 (`WEIGHT_POWERS`), and 'freshest' is
+its limit p -> infinity, a "drop the stalest reads" rule with the cut set by each step's reads:
+w_i = [tau_i = min_l tau_l] / mean_l [tau_l = min_l' tau_l'] (`freshest_weights`), the mean over the
+stage's freshest reads alone (the others weigh 0; with one freshest read, its gradient alone).
 
-Corrections combine with '+' (`parts`): 'pipenag' (the read), 'fresh-weighted' (the mean over
+Corrections combine with '+' (`parts`): 'pipenag' (the read), one of WEIGHTED (the mean over
 reads) and at most one of the others (the gradient or update), each acting where it acts alone:
 'pipenag+staleness-lr' takes each gradient at PipeNAG's predicted weights and scales the
 optimizer's update by mean_i 1 / (1 + tau_i).
@@ -62,13 +67,16 @@ import optax
 
 from cdpjax.errors import ConfigError
 
-CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted")
+CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted",
+               "staleness-square", "fresh-sharp", "freshest")
 # Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
-ON_UPDATES = ("staleness-lr", "staleness-sqrt")
+ON_UPDATES = ("staleness-lr", "staleness-sqrt", "staleness-square")
 # Corrections that move the read (the weights a stale gradient is taken at): `look_ahead`.
 READ_SIDE = ("pipenag",)
-# Corrections that weigh each read's gradient by its staleness before the mean over workers: `fresh_weights`.
-WEIGHTED = ("fresh-weighted",)
+# Corrections that weigh each read's gradient by its staleness before the mean over workers: `read_weights`.
+WEIGHTED = ("fresh-weighted", "fresh-sharp", "freshest")
+# The power p of each weighting's w_i proportional to (1 + tau_i)^-p ('freshest': the limit p -> infinity).
+WEIGHT_POWERS = {"fresh-weighted": 2.0, "fresh-sharp": 4.0}
 
 
 def _mean_inverse(tau, power: float = 1.0) -> jax.Array:
@@ -148,16 +156,37 @@ def look_ahead(versions, tau, strength: float = 1.0):
     return read + ahead * (read - before)
 
 
-def fresh_weights(tau, axis: int = 0) -> jax.Array:
-    """'fresh-weighted''s weight of each read: (1 + tau_i)^-2 / mean_l (1 + tau_l)^-2 over the
-    workers' reads of one stage (`axis`), so the weights' mean is 1 (module docstring)."""
-    w = (1.0 + jnp.asarray(tau, jnp.float32)) ** -2
+def fresh_weights(tau, axis: int = 0, power: float = 2.0) -> jax.Array:
+    """'fresh-weighted''s weight of each read: (1 + tau_i)^-p / mean_l (1 + tau_l)^-p over the
+    workers' reads of one stage (`axis`), so the weights' mean is 1 (module docstring); p = 2
+    ('fresh-sharp': 4)."""
+    w = (1.0 + jnp.asarray(tau, jnp.float32)) ** -power
     return w / jnp.mean(w, axis=axis, keepdims=True)
+
+
+def freshest_weights(tau, axis: int = 0) -> jax.Array:
+    """'freshest''s weight of each read: 1 where tau_i is the least of the stage's reads (`axis`),
+    0 elsewhere, over the mean of those indicators (weights' mean 1): the stage's mean gradient
+    becomes the mean over its freshest reads, the staler ones dropped (module docstring)."""
+    tau = jnp.asarray(tau)
+    w = (tau == jnp.min(tau, axis=axis, keepdims=True)).astype(jnp.float32)
+    return w / jnp.mean(w, axis=axis, keepdims=True)
+
+
+def read_weights(name: str, tau, axis: int = 0) -> jax.Array:
+    """The weight of each read under correction `name` (its part of WEIGHTED; ones if it has none)."""
+    weighting = [p for p in parts(name) if p in WEIGHTED]
+    if not weighting:
+        return jnp.ones(jnp.shape(tau), jnp.float32)
+    if weighting[0] == "freshest":
+        return freshest_weights(tau, axis)
+    return fresh_weights(tau, axis, WEIGHT_POWERS[weighting[0]])
 
 
 def parts(name: str) -> tuple[str, ...]:
     """The corrections `name` combines ('a+b': module docstring): each one of CORRECTIONS, none
-    twice, at most one that is neither READ_SIDE nor WEIGHTED (the optax transformation)."""
+    twice, at most one of WEIGHTED and at most one that is neither READ_SIDE nor WEIGHTED (the optax
+    transformation)."""
     ps = tuple(name.split("+"))
     bad = [p for p in ps if p not in CORRECTIONS or (p == "none" and len(ps) > 1)]
     if bad:
@@ -167,6 +196,10 @@ def parts(name: str) -> tuple[str, ...]:
     if len(transforms) > 1 or len(set(ps)) < len(ps):
         raise ConfigError(f"delay.correction={name!r} combines {' and '.join(transforms)}: join at most one "
                           f"correction besides {', '.join(READ_SIDE + WEIGHTED)}, each once")
+    weightings = [p for p in ps if p in WEIGHTED]
+    if len(weightings) > 1:
+        raise ConfigError(f"delay.correction={name!r} combines {' and '.join(weightings)}: join at most one "
+                          f"of {', '.join(WEIGHTED)}")
     return ps
 
 
@@ -197,6 +230,8 @@ def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float =
         return staleness_scaled()
     if name == "staleness-sqrt":
         return staleness_scaled(0.5)
+    if name == "staleness-square":
+        return staleness_scaled(2.0)
     if name == "nesterov":
         return delayed_nesterov(momentum)
     return delay_compensated(strength, max_staleness)

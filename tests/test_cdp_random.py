@@ -252,6 +252,41 @@ def test_fresh_weights_by_hand():
                                [[1.6, 1.0], [0.4, 1.0]], rtol=1e-6)
 
 
+def test_staleness_square_by_hand():
+    # step 0: taus (0, 1): mean(1/1, 1/4) = 5/8, 8 * 5/8 = 5; step 1: taus (2, 2): 1/9, -9 / 9 = -1
+    got = two_steps(delay_corrections.staleness_scaled(2.0), [8.0, -9.0], [0.0, 0.0], [(0, 1), (2, 2)])
+    np.testing.assert_allclose(got, [5.0, -1.0], rtol=1e-6)
+    assert delay_corrections.on_updates("pipenag+staleness-square")
+
+
+def test_fresh_sharp_weights_by_hand():
+    # taus (0, 1): (1, 1/16) / mean 17/32 = (32/17, 2/17); taus (3, 3): equal, 1 each; weights per stage (axis 0)
+    np.testing.assert_allclose(delay_corrections.read_weights("fresh-sharp", jnp.asarray([[0, 3], [1, 3]])),
+                               [[32 / 17, 1.0], [2 / 17, 1.0]], rtol=1e-6)
+
+
+def test_freshest_weights_by_hand():
+    # stage 0 reads taus (0, 1, 0): the two 0s kept, (1, 0, 1) / mean 2/3 = (1.5, 0, 1.5);
+    # stage 1 reads (3, 3, 5): (1.5, 1.5, 0); a stage whose reads share one tau: 1 each
+    np.testing.assert_allclose(delay_corrections.read_weights("pipenag+freshest", jnp.asarray([[0, 3, 2], [1, 3, 2],
+                                                                                               [0, 5, 2]])),
+                               [[1.5, 1.5, 1.0], [0.0, 1.5, 1.0], [1.5, 0.0, 1.0]], rtol=1e-6)
+    np.testing.assert_allclose(delay_corrections.read_weights("staleness-lr", jnp.asarray([[0], [4]])), [[1.0], [1.0]])
+
+
+def hand_freshest_weights(taus):
+    keep = [float(int(t) == min(int(u) for u in taus)) for t in taus]
+    return [x * len(keep) / sum(keep) for x in keep]
+
+
+def test_freshest_with_staleness_square_simulation_drops_the_stale_reads():
+    m = build("cdp-random", delay=dict(model="uniform-tau", tau_max=2, correction="freshest+staleness-square"))
+    lr_scale = lambda taus: float(np.mean([1.0 / (1 + int(t)) ** 2 for t in taus]))  # noqa: E731
+    assert_close(train(m), reference_loop(m, lr_scale=lr_scale, weight=hand_freshest_weights))
+    assert max_diff(reference_loop(m, lr_scale=lr_scale, weight=hand_freshest_weights),
+                    reference_loop(m, lr_scale=lr_scale)) > 1e-6
+
+
 def hand_fresh_weights(taus):
     w = [1.0 / (1 + int(t)) ** 2 for t in taus]
     return [x * len(w) / sum(w) for x in w]
@@ -335,6 +370,9 @@ def test_bad_correction_fails_early():
     with pytest.raises(ConfigError, match="delay.correction='staleness-lr\\+dc-asgd' combines staleness-lr and "
                                           "dc-asgd: join at most one"):
         build("cdp-random", delay=dict(model="uniform-tau", correction="staleness-lr+dc-asgd"))
+    with pytest.raises(ConfigError, match="delay.correction='fresh-weighted\\+freshest' combines fresh-weighted and "
+                                          "freshest: join at most one of fresh-weighted, fresh-sharp, freshest"):
+        build("cdp-random", delay=dict(model="uniform-tau", correction="fresh-weighted+freshest"))
     with pytest.raises(ConfigError, match="runs in cdp_impl='simulate' only"):
         build("cdp-random", impl="ring", delay=dict(model="uniform", correction="nesterov"))
     assert cdp_random.LAID_OUT >= STEPS

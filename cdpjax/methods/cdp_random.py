@@ -13,8 +13,8 @@ the gradient, so that it is a learning rate under Adam too) and a version before
 'pipenag' moves the read instead: worker i's gradient is taken at PipeNAG's predicted weights
 theta_{v} + lambda tau (theta_{v} - theta_{v-1}), v = k - tau(k, i, j)
 (`delay_corrections.look_ahead`), and c^j is the identity (or, combined, 'pipenag+staleness-lr', its other part).
-'fresh-weighted' weighs the reads: mean_i w_i g_i^j, w_i = `delay_corrections.fresh_weights`
-of tau(k, ., j) (mean 1), and c^j is the identity.
+'fresh-weighted' (and 'fresh-sharp', 'freshest') weighs the reads: mean_i w_i g_i^j, w_i =
+`delay_corrections.read_weights` of tau(k, ., j) (mean 1), and c^j is the identity.
 The table lays out `LAID_OUT` steps; step k reads its row k, and past the table the
 second half of the rows again and again (`table_row`).
 
@@ -256,7 +256,7 @@ def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -
     @jax.jit
     def train_step(state, batch):
         tau = taus_dev[table_row(state.step, taus_dev.shape[0])]  # [N, L]
-        weights = delay_corrections.fresh_weights(tau) if weighted else jnp.ones(tau.shape, jnp.float32)
+        weights = delay_corrections.read_weights(delay.correction, tau)
         return sharded(state, tau, tau, weights, batch["image"], batch["label"])
 
     def export(state):
