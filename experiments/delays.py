@@ -6,6 +6,7 @@
     python experiments/delays.py --grid target --out out/delays_target \\
         --figure docs/figures/delays_charlm.png                                # the issue's target point
     python experiments/delays.py --grid full --out out/delays_full             # a bigger machine
+    python experiments/delays.py --docs --out out/delays                       # docs/delays.md's two figures
 
 Every run trains `cdp-random` (`cdpjax.layouts.delays`) with `cdp_impl='simulate'` on one device,
 N = 4 workers vmapped, the model cut into 4 stages: on digits (`cdpjax/configs/digits.py`, the
@@ -32,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import statistics
 import sys
 import typing
@@ -240,8 +242,15 @@ def plot(runs: list[Run], path: str) -> None:
     plt.close(fig)
 
 
+# docs/delays.md's figures: (grid, figure), each grid's runs in OUT/GRID (`--docs`)
+DOC_FIGURES = (("digits", "docs/figures/delays_digits.png"), ("target", "docs/figures/delays_charlm.png"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", action="store_true",
+                   help="every figure of docs/delays.md from its grid's runs in OUT/GRID, training only the "
+                        "missing ones (--resume per grid)")
     p.add_argument("--tiny", action="store_true", help="the CI grid (same as --grid tiny)")
     p.add_argument("--grid", choices=sorted(GRIDS), default="small")
     p.add_argument("--out", required=True, help="folder for delays.json and delays.md")
@@ -252,6 +261,13 @@ def main(argv=None) -> int:
                    help="comma-separated: train only these of the grid's corrections (then --resume for the rest)")
     p.add_argument("--models", default=None, help="comma-separated: train only these of the grid's delay models")
     args = p.parse_args(argv)
+    if args.docs:
+        if args.tiny or args.figure or args.corrections or args.models:
+            p.error("--docs runs the docs' grids whole: give it only --out")
+        root = pathlib.Path(__file__).resolve().parents[1]
+        for name, figure in DOC_FIGURES:
+            main(["--grid", name, "--out", os.path.join(args.out, name), "--figure", str(root / figure), "--resume"])
+        return 0
     grid = GRIDS["tiny" if args.tiny else args.grid]
     for key, value in (("corrections", args.corrections), ("models", args.models)):
         if value:

@@ -28,3 +28,22 @@ def test_tiny_grid_runs(tmp_path):
     assert by[(2, "none")]["test_loss"] != by[(0, "none")]["test_loss"]
     table = (tmp_path / "delays.md").read_text()
     assert table.count("| digits |") == 4 and "dp (tau = 0)" in table
+
+
+def test_docs_writes_each_figure_from_its_grids_runs_and_retrains_nothing_stored(tmp_path, monkeypatch):
+    """`--docs`: each (grid, figure) of DOC_FIGURES from OUT/GRID's runs; called again, every row is
+    stored, so nothing trains (train_one made to fail) and the runs are the same."""
+    figure = tmp_path / "fig.png"
+    monkeypatch.setattr(delays, "DOC_FIGURES", (("tiny", str(figure)),))
+    assert delays.main(["--docs", "--out", str(tmp_path)]) == 0
+    first = json.loads((tmp_path / "tiny" / "delays.json").read_text())["runs"]
+    assert len(first) == 4 and figure.stat().st_size > 1000
+    figure.unlink()
+
+    def no_training(*args):
+        raise AssertionError(f"trained {args} again")
+
+    monkeypatch.setattr(delays, "train_one", no_training)
+    assert delays.main(["--docs", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "tiny" / "delays.json").read_text())["runs"] == first
+    assert figure.stat().st_size > 1000
