@@ -296,7 +296,11 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
 def head_residuals(heads, head_params, head_state, micro: int, labels, image, bound) -> list[int]:
     """Per module, the bytes its auxiliary head's `jax.vjp` keeps for one micro-batch of `micro`
     examples (what the local step holds between the head's forward and its backward, beside the
-    module's own residuals): the pullback's leaves but the head's parameters. 0 where no head."""
+    module's own residuals): the pullback's leaves but the head's parameters and its input. The input
+    is the module's output, which the op makes whatever its head keeps (`op_workspace` counts it:
+    XLA writes it once, into the switch's result, and the head reads it there); a head that keeps it
+    (one that does not pool first: the MLP's greedy head, a `Dense` on the features) adds nothing
+    for it. 0 where no head."""
     found = []
 
     def probe():
@@ -310,7 +314,7 @@ def head_residuals(heads, head_params, head_state, micro: int, labels, image, bo
             y, images = zeros(labels), zeros(image)
             _, pullback, _ = jax.vjp(lambda p_, f_: heads.loss(j, p_, s, f_, y, images, True), p, features,
                                      has_aux=True)
-            own = {id(q) for q in jax.tree.leaves(p)}
+            own = {id(q) for q in jax.tree.leaves(p)} | {id(features)}
             found.append(tree_bytes([a for a in jax.tree.leaves(pullback) if id(a) not in own]))
         return 0
 
