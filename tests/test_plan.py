@@ -194,10 +194,12 @@ MEASURED = {
 }
 # The stage engine's rows around its switch (`bench.stage_tick`) were read from XLA's buffer assignment
 # of resnet_tiny's pipelines, whose peak is inside the switch; on the MLP it is mostly after it.
+TRANSPOSED = "`transpose_copy_fusion`, for the weight gradients' convolutions), not declared by the traced residuals"
 SWEEP = "under on resnet_tiny: the backward sweep without a program holds more than its traced residuals; not read"
 WHY = {  # what XLA holds that the model does not declare (or the reverse), by method
     "cdp-v1": "under by a hair on resnet_tiny at 2 devices (0.949), as cdp-v2 (the same ring)",
-    "cdp-v2": "under by a hair on resnet_tiny at 2 devices (0.948): the ring's tick, not read from its assignment",
+    "cdp-v2": "under by a hair on resnet_tiny at 2 devices (0.948): its assignment's top, the first stage's "
+              "backward, holds XLA:CPU's transposed copies of conv activations (" + TRANSPOSED + ")",
     "cdp-random": "under by a hair on resnet_tiny at 2 devices (0.948), as cdp-v2 (the same ring)",
     "cdp-zero": "over on the MLP at 2 devices, under at 8: its declared pieces' lifetimes are not XLA's",
     "cdp-mp": "under on the MLP at 8 devices (two replicas): not read from its assignment",
@@ -205,7 +207,8 @@ WHY = {  # what XLA holds that the model does not declare (or the reverse), by m
                  "not from the MLP's",
     "interleaved-1f1b": "over by a hair on the MLP at 2 devices (1.051): a device's unit rows (`bench.unit_rows`) "
                         "counted with the switch, read from resnet_tiny's assignment",
-    "local": SWEEP + " (at 2 devices)",
+    "local": "under on resnet_tiny at 2 devices (0.891): its assignment's top, the first stage's backward, "
+             "holds XLA:CPU's transposed copies of conv activations (" + TRANSPOSED + ")",
     "dp": SWEEP + " (at 8 devices, 0.948)",
 }
 # the rest with -m heavy; a ring (its pool an argument only) and a local pipeline (its heads) among them
@@ -298,3 +301,22 @@ def test_a_stage_engines_rows_around_its_switch(name, reads, deliveries):
     assert micro == 32
     assert model["temporaries"]["switch_rows"] == (reads + 2) * row
     assert model["temporaries"]["deliveries"] == deliveries * row and model["temporaries"]["unit_rows"] == 0
+
+
+def test_a_local_heads_input_is_the_ops_output_counted_once():
+    """ppll on the digits MLP, 4 devices (built, not compiled). By hand: micro-batch 128 examples
+    (one data group, one micro-batch a call); module 1's greedy head is a `Dense` 128 -> 10 on its
+    output (`pool` is the identity on [B, 128]), so its pullback keeps that output, 128 x 128 float32,
+    for the kernel's gradient: the op's output row, which XLA writes once (into the switch's result,
+    read there by the head). The head's own residuals are then only its loss's: arrays of the
+    logits' shape (128 x 10 float32, at most two) and per-example vectors (128 x 4 bytes, a few)."""
+    c = plan.MemoryCase("mlp", 4, "ppll").config()
+    _, mesh, method = setup.setup(c, jax.devices()[:4])
+    micro = bench.micro_batch(method, c, mesh)
+    priced = bench.program_sizes(method, micro)
+    output = 128 * 128 * 4
+    assert micro == 128 and priced["input"][2] == output
+    assert 0 < priced["head_residual"][1] <= 2 * 128 * 10 * 4 + 4 * 128 * 4 < output
+    workspace = bench.op_workspace(method.program, priced)
+    assert workspace == max(priced["residual"][j] + priced["head_residual"][j] + priced["input"][j + 1]
+                            for j in range(3))
