@@ -206,7 +206,9 @@ WHY = {  # what XLA holds that the model does not declare (or the reverse), by m
     "dualpipev": "under on the MLP at 8 devices: its three lanes' rows read from resnet_tiny's assignment, "
                  "not from the MLP's",
     "interleaved-1f1b": "over by a hair on the MLP at 2 devices (1.051): a device's unit rows (`bench.unit_rows`) "
-                        "counted with the switch, read from resnet_tiny's assignment",
+                        "counted with the switch, read from resnet_tiny's assignment; the MLP's peak live set "
+                        "(`*-live-range.txt`) is the update's scatter of its [2, row] arrays, 0.79 MB of "
+                        "temporaries that XLA's heap lays out in 0.99 MB, the model's switch half 1.06 MB",
     "local": "under on resnet_tiny at 2 devices (0.891): its assignment's top, the first stage's backward, "
              "holds XLA:CPU's transposed copies of conv activations (" + TRANSPOSED + ")",
     "dp": SWEEP + " (at 8 devices, 0.948)",
