@@ -201,7 +201,9 @@ WHY = {  # what XLA holds that the model does not declare (or the reverse), by m
     "cdp-v2": "under by a hair on resnet_tiny at 2 devices (0.948): its assignment's top, the first stage's "
               "backward, holds XLA:CPU's transposed copies of conv activations (" + TRANSPOSED + ")",
     "cdp-random": "under by a hair on resnet_tiny at 2 devices (0.948), as cdp-v2 (the same ring)",
-    "cdp-zero": "over on the MLP at 2 devices, under at 8: its declared pieces' lifetimes are not XLA's",
+    "cdp-zero": "over on the MLP at 2 devices, under at 8: its declared pieces' lifetimes are not XLA's; the peak's "
+                "live set (`*-live-range.txt`) is at both in a branch's scatter of two whole-stage rows "
+                "(2 x 66048 bytes), beside the pieces (at 8 devices 7 received, 8256 bytes each), not at an op",
     "cdp-mp": "under on the MLP at 8 devices (two replicas): the peak's live set, in the switch, holds two "
               "parameter rows beyond the operand's version select the model counts, the update's select of the "
               "previous version (hoisted to the tick's start) and a copy of the stored row; counting both "
