@@ -203,16 +203,16 @@ method is measured at 2 devices only, a 4-stage pipeline needs 4): every pipelin
 (gpipe, 1f1b, zb-h1, zbv, interleaved-1f1b, looped-bfs, dualpipev, cdp-mp, ppll: 0.95-1.04, where the
 switch's rows were 0.58-0.90 unaccounted for before); e2e; dp but on `resnet_tiny` at 8 devices
 (0.948); cdp-v1, cdp-v2 and cdp-random but on `resnet_tiny` at 2 devices (0.948-0.949, by a hair);
-gpipe, 1f1b, zb-h1, zbv, looped-bfs and ppll on the MLP (ppll 1.10-1.15 before its head, a `Dense` on
-the module's output, stopped counting that output as the head's residual too); cdp-zero on
-`resnet_tiny`. The others, recorded in
-the test with their reasons (predicted over XLA's): on the MLP, whose peak is mostly after the
-switch, interleaved-1f1b at 2 devices 1.051 (by a hair), dualpipev at 8 devices 0.93, cdp-mp at 8
-devices 0.94; cdp-zero on the MLP 0.77-1.10 (its declared pieces' lifetimes are not XLA's); local on
-`resnet_tiny` at 2 devices 0.89, whose assignment's top, in the first stage's backward, holds
-XLA:CPU's transposed copies of the convolutions' activations (`transpose_copy_fusion`, for the
-weight gradients' convolutions), which the traced residuals do not declare (not yet modelled; the
-rings' hair at 2 devices has them at its top too).
+gpipe, 1f1b, zb-h1, zbv, looped-bfs and ppll on the MLP (ppll was 1.10-1.15 while its head, a `Dense`
+on the module's output, also counted that output as its residual); cdp-zero on `resnet_tiny`. The
+others, recorded in the test with their reasons (predicted over XLA's): on the MLP, interleaved-1f1b
+at 2 devices 1.051 (by a hair), dualpipev at 8 devices 0.93, cdp-mp at 8 devices 0.94 (two parameter
+rows of its two-version update at the peak), cdp-zero 0.77-1.10 (its peak in a branch's scatter of
+whole-stage rows, not at an op); on `resnet_tiny`, local at 2 devices 0.89, and dp at 8 and the rings
+at 2 by a hair: their peaks, in a backward, hold XLA:CPU's transposed copies of the convolutions'
+activations (`transpose_copy_fusion`, for the weight gradients' convolutions), which the traced
+residuals do not declare (not yet modelled). XLA's own account of a peak: `--xla_dump_to`'s
+`*-live-range.txt` ("Live ranges at N (peak)").
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
 `--top` where the first ones are), and one the model drops (cdp-zero on small MLPs) could have

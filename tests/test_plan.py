@@ -198,7 +198,6 @@ MEASURED = {
 # The stage engine's rows around its switch (`bench.stage_tick`) were read from XLA's buffer assignment
 # of resnet_tiny's pipelines, whose peak is inside the switch; on the MLP it is mostly after it.
 TRANSPOSED = "`transpose_copy_fusion`, for the weight gradients' convolutions), not declared by the traced residuals"
-SWEEP = "under on resnet_tiny: the backward sweep without a program holds more than its traced residuals; not read"
 WHY = {  # what XLA holds that the model does not declare (or the reverse), by method
     "cdp-v1": "under by a hair on resnet_tiny at 2 devices (0.949), as cdp-v2 (the same ring)",
     "cdp-v2": "under by a hair on resnet_tiny at 2 devices (0.948): its assignment's top, the first stage's "
@@ -219,7 +218,8 @@ WHY = {  # what XLA holds that the model does not declare (or the reverse), by m
                         "temporaries that XLA's heap lays out in 0.99 MB, the model's switch half 1.06 MB",
     "local": "under on resnet_tiny at 2 devices (0.891): its assignment's top, the first stage's backward, "
              "holds XLA:CPU's transposed copies of conv activations (" + TRANSPOSED + ")",
-    "dp": SWEEP + " (at 8 devices, 0.948)",
+    "dp": "under on resnet_tiny at 8 devices (0.948): its peak's live set, in the backward, holds XLA:CPU's "
+          "transposed copies of conv activations (" + TRANSPOSED + ")",
 }
 # the rest with -m heavy; a ring (its pool an argument only) and a local pipeline (its heads) among them
 CI_CASES = {("mlp", 2, "dp"), ("mlp", 4, "gpipe"), ("mlp", 2, "cdp-zero"), ("mlp", 2, "cdp-v2"), ("mlp", 4, "ppll")}
