@@ -297,7 +297,11 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
 def head_residuals(heads, head_params, head_state, micro: int, labels, image, bound) -> list[int]:
     """Per module, the bytes its auxiliary head's `jax.vjp` keeps for one micro-batch of `micro`
     examples (what the local step holds between the head's forward and its backward, beside the
-    module's own residuals): the pullback's leaves but the head's parameters. 0 where no head."""
+    module's own residuals): the pullback's leaves but the head's parameters and its input. The input
+    is the module's output, which the op makes whatever its head keeps (`op_workspace` counts it); a
+    head that keeps it (one that does not pool first: the MLP's greedy head, a `Dense` on the
+    features) adds nothing for it: in XLA's buffer assignment (ppll, the MLP and resnet_tiny) the op
+    writes it once, into the switch's result, and the head reads it there. 0 where no head."""
     found = []
 
     def probe():
@@ -311,7 +315,7 @@ def head_residuals(heads, head_params, head_state, micro: int, labels, image, bo
             y, images = zeros(labels), zeros(image)
             _, pullback, _ = jax.vjp(lambda p_, f_: heads.loss(j, p_, s, f_, y, images, True), p, features,
                                      has_aux=True)
-            own = {id(q) for q in jax.tree.leaves(p)}
+            own = {id(q) for q in jax.tree.leaves(p)} | {id(features)}
             found.append(tree_bytes([a for a in jax.tree.leaves(pullback) if id(a) not in own]))
         return 0
 
@@ -608,7 +612,10 @@ def op_workspace(program, priced) -> float:
     forward and backward too), the parameter gradient it makes before adding it to the unit's sum
     (none where a call runs one micro-batch on a stage device, ppll's: that gradient is the sum, written
     in place), and a local-learning op's output (the next module's input, made before it is written
-    into the carried activation; a local program declares no message buffers). A stage-engine
+    into the carried activation; a local program declares no message buffers). On the stage engine
+    that output is also the switch's result (`switch_rows`), where XLA writes it once: counted twice,
+    which stands in for what resnet_tiny's convolutions hold beyond their traced residuals (XLA:CPU's
+    transposed copies; without it ppll there is 0.88 at 4 devices), not yet modelled. A stage-engine
     device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
     tick's switch; one branch runs a tick and XLA lays the branches' buffers over one another (the
     peak's live set in its buffer assignment): its workspace is its largest unit's, the largest
