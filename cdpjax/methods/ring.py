@@ -1076,9 +1076,8 @@ def build(ctx, name: str, net, table, residuals: str, program: Program | None = 
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
     if program is None:
-        program = lower_ring(table, residuals)  # refuses a table the ring cannot serve, naming the op
-        if read_depths is not None:
-            program = lower_ring(table, residuals, program.versions + int(np.max(read_depths.depths)))
+        # refuses a table the ring cannot serve, naming the op
+        program = lower_ring(table, residuals, int(np.max(read_depths.depths)) if read_depths is not None else 0)
     ticks: RingTicks = program_period(program)
     tx, N = ctx.optimizer(), ticks.workers
     mesh = ring_mesh(ctx.mesh, N)

@@ -768,14 +768,14 @@ def _live(ticks, N):
 
 
 @gc_paused()
-def lower_ring(table: TimeTable, residuals: str = "recompute", versions: int = 1) -> Program:
+def lower_ring(table: TimeTable, residuals: str = "recompute", deeper: int = 0) -> Program:
     """The ring's program of a cyclic table: its period from the table's own events (`ring_ticks`),
-    keeping at least `versions` versions of each stage (more than its reads need where the runtime
-    reads deeper at some steps: `cdpjax.methods.ring.Period`'s `read_depths`)."""
+    keeping `deeper` versions of each stage more than its reads need (where the runtime reads
+    deeper at some steps: `cdpjax.methods.ring.Period`'s `read_depths`)."""
     carry = carries(residuals)
     ticks = ring_ticks(table)
-    if versions > ticks.stored_versions:
-        ticks = dataclasses.replace(ticks, min_versions=int(versions))
+    if deeper > 0:
+        ticks = dataclasses.replace(ticks, min_versions=ticks.stored_versions + int(deeper))
     N, L = ticks.workers, ticks.stages
     stages = range(L)
     between = [Buffer("params", "parameters", Size.stages("param", stages), True),
