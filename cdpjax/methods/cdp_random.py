@@ -163,9 +163,9 @@ def _zero(ctx: Context, table: TimeTable, delay: Delay) -> Method:
 def table_row(step, laid_out: int):
     """The row of the table's staleness that `step` reads: itself within the table, then the
     second half over and over (the first steps' reads are of theta_0, at most k behind, and the
-    timed models start from rest: neither is the model's steady draw)."""
-    half = laid_out // 2
-    return jnp.where(step < laid_out, step, half + (step - half) % max(laid_out - half, 1))
+    timed models start from rest: neither is the model's steady draw): the ring's `ReadDepths` rule
+    with the rows from the second half on cycling."""
+    return ring.depth_row(step, laid_out, laid_out // 2)
 
 
 def _simulate(ctx: Context, net, table: TimeTable, workers: int, delay: Delay) -> Method:
