@@ -69,8 +69,10 @@ from cdpjax.errors import ConfigError
 
 CORRECTIONS = ("none", "staleness-lr", "nesterov", "dc-asgd", "pipenag", "staleness-sqrt", "fresh-weighted",
                "staleness-square", "fresh-sharp", "freshest")
-# Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it.
-ON_UPDATES = ("staleness-lr", "staleness-sqrt", "staleness-square")
+# Corrections applied to the optimizer's update (a learning rate) rather than to the gradient before it:
+# the update times mean_i (1 + tau_i)^-power (`staleness_scaled`), by name.
+LR_POWERS = {"staleness-lr": 1.0, "staleness-sqrt": 0.5, "staleness-square": 2.0}
+ON_UPDATES = tuple(LR_POWERS)
 # Corrections that move the read (the weights a stale gradient is taken at): `look_ahead`.
 READ_SIDE = ("pipenag",)
 # Corrections that weigh each read's gradient by its staleness before the mean over workers: `read_weights`.
@@ -84,7 +86,7 @@ def _mean_inverse(tau, power: float = 1.0) -> jax.Array:
 
 
 def staleness_scaled(power: float = 1.0) -> optax.GradientTransformationExtraArgs:
-    """g * mean_i (1 + tau_i)^-power (module docstring: 'staleness-lr' power 1, 'staleness-sqrt' 1/2)."""
+    """g * mean_i (1 + tau_i)^-power (module docstring; each name's power: `LR_POWERS`)."""
 
     def init(params):
         return optax.EmptyState()
@@ -209,7 +211,7 @@ def moves_read(name: str) -> bool:
 
 
 def weighs_reads(name: str) -> bool:
-    """Whether correction `name` weighs each read's gradient (`fresh_weights`)."""
+    """Whether correction `name` weighs each read's gradient (`read_weights`)."""
     return any(p in WEIGHTED for p in parts(name))
 
 
@@ -226,12 +228,8 @@ def make(name: str, max_staleness: int, momentum: float = 0.9, strength: float =
     if not transforms:
         return None
     name = transforms[0]
-    if name == "staleness-lr":
-        return staleness_scaled()
-    if name == "staleness-sqrt":
-        return staleness_scaled(0.5)
-    if name == "staleness-square":
-        return staleness_scaled(2.0)
+    if name in LR_POWERS:
+        return staleness_scaled(LR_POWERS[name])
     if name == "nesterov":
         return delayed_nesterov(momentum)
     return delay_compensated(strength, max_staleness)
