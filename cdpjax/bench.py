@@ -682,10 +682,9 @@ def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dic
     updated = _beyond_arguments(program, "parameters", priced)
     carried = sum(_beyond_arguments(program, k, priced) for k in ("gradients", *_IN_FLIGHT)) - messages
     row, slotted = _slotted(program, priced)
-    switch = switch_rows(program, priced)
+    switch, units = switch_rows(program, priced), unit_rows(program, priced, opt_ratio)
     out = {"carried": carried, "messages": messages, "deliveries": row * len(slotted),
-           "unit_rows": unit_rows(program, priced, opt_ratio), "switch_rows": switch,
-           "switch": switch + workspace + unit_rows(program, priced, opt_ratio),
+           "unit_rows": units, "switch_rows": switch, "switch": switch + workspace + units,
            "after_switch": messages + reduced / 2 + updated}
     whole = carried + messages + reduced / 2 + out["deliveries"]
     out["total"] = whole + max(out["switch"], out["after_switch"])
