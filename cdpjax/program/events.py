@@ -54,8 +54,10 @@ class Compute:
     A gradient op of a ring (where a stage's gradient sum hops from worker to worker) names the
     sum it writes: `starts_sum`, it starts the stage's running sum of its step (nothing received
     to add to; else it adds to the 'partial' it received); `completes_sum`, what it writes is the
-    completed sum (which `Apply` reads and 'sum' messages carry; else a 'partial' sent on). Both
-    False on any other op and engine."""
+    completed sum (which `Apply` reads and 'sum' messages carry; else a 'partial' sent on). On
+    cdp-zero's ring a gradient op's pieces start their keepers' running sums of its step
+    (`starts_sum`; the sums complete at the keepers, never in one op). Both False on any other op
+    and engine."""
 
     tick: int
     device: int

@@ -237,6 +237,60 @@ def zero_ticks(table) -> ZeroTicks:
     return ZeroTicks(N, L, ticks, versions, relay_rows, max(lags))
 
 
+def zero_program_period(program: Program) -> ZeroTicks:
+    """cdp-zero's period as `program`'s events say it, what both runtimes run
+    (`cdpjax.methods.cdp_zero`): read from `program.events` and its typed fields (period, devices,
+    placement, split_backward, versions, lag) alone, never from the lowering's own `ZeroTicks`.
+
+    On the timeline of one step (an event at tick t of lag l is at t + l * T), each `Gather` starts
+    a visit of its worker to its stage and each of that worker's `Compute`s on the stage belongs to
+    the visit of the latest gather at or before it; a visit's relay row is a pure function of the
+    visits (`_circular_slots`, as the lowering assigns them). A `Compute` is an op reading its
+    visit's row; it is a gradient op (its pieces sent to their keepers) iff its kind is the
+    gradient kind, and starts its step's sums iff it says so (`starts_sum`); the `Apply`s of a
+    stage (one on every worker) are its update."""
+    T, N, L = program.period, program.devices, len(program.placement.units)
+    grad = gradient_kind(program.split_backward)
+    at = lambda e: e.tick + e.lag * T  # noqa: E731
+    computes = [e for e in program.events if isinstance(e, ev.Compute)]
+    gathers = sorted((e for e in program.events if isinstance(e, ev.Gather)), key=lambda g: (at(g), g.device,
+                                                                                              g.stage))
+    starts: dict = defaultdict(list)  # (worker, stage) -> its visits' first ticks on the step's timeline
+    for g in gathers:
+        starts[(g.device, g.stage)].append(at(g))
+
+    def visit_of(c):  # (worker, stage, first tick): the visit of the latest gather at or before it
+        first = max((s for s in starts[(c.device, c.stage)] if s <= at(c)), default=None)
+        if first is None:
+            raise ValueError(f"{program.method}: {c} has no gather of its stage before it")
+        return c.device, c.stage, first
+
+    first_kind, last = {}, {}
+    for c in sorted(computes, key=lambda c: (at(c), c.stage)):
+        v = visit_of(c)
+        first_kind.setdefault(v, c.kind)
+        last[v] = max(last.get(v, at(c)), at(c))
+    relay = {}
+    relay_rows = 1
+    for w in range(N):
+        arcs = {(j, first_kind[(u, j, s)]): (s, last[(u, j, s)]) for u, j, s in first_kind if u == w}
+        rows, n = _circular_slots(arcs, T)
+        relay.update({(w, j, s): rows[(j, first_kind[(w, j, s)])] for u, j, s in first_kind if u == w})
+        relay_rows = max(relay_rows, n if arcs else 1)
+    by_tick = [dict(gathers=[], ops=[], applies=set()) for _ in range(T)]
+    for g in gathers:
+        by_tick[g.tick]["gathers"].append(Gather(g.stage, g.device, g.row, relay[(g.device, g.stage, at(g))]))
+    for c in computes:
+        by_tick[c.tick]["ops"].append(ZeroOp(c.device, c.kind, c.stage, c.lag, relay[visit_of(c)], c.kind == grad,
+                                             c.starts_sum))
+    for e in program.events:
+        if isinstance(e, ev.Apply):
+            by_tick[e.tick]["applies"].add(ZeroApply(e.stage, e.lag))
+    ticks = tuple(ZeroTick(tuple(x["gathers"]), tuple(sorted(x["ops"], key=lambda z: (z.worker, z.kind, z.stage))),
+                           tuple(sorted(x["applies"]))) for x in by_tick)
+    return ZeroTicks(N, L, ticks, program.versions, relay_rows, program.lag)
+
+
 def worker_ops(tk: ZeroTick, worker: int) -> list[ZeroOp]:
     """The worker's ops of the tick in the order it runs them (`tk.ops`' order: by kind, then stage)."""
     return [op for op in tk.ops if op.worker == worker]
@@ -354,8 +408,9 @@ def zero_events(z: ZeroTicks, as_data: bool = False) -> tuple[ev.Event, ...]:
     """The period's typed events: each visit's `Gather` of its stage's version row at the start of
     its first tick, from the pieces every other worker sent at the end of the tick before (a
     'parameters' `Send` and `Receive` each; they carry no step: lag 0); each op as a `Compute`
-    reading the row its visit gathered; each gradient op's pieces sent to their keepers
-    ('partial'); each update as every worker's `Apply` to its piece.
+    reading the row its visit gathered (a step's first gradient op `starts_sum`: its pieces start
+    the keepers' sums); each gradient op's pieces sent to their keepers ('partial'); each update as
+    every worker's `Apply` to its piece (`zero_program_period` reads the period back from these).
 
     Unrolled (`as_data` False), each piece crosses at its own size from its sender to its visitor
     or keeper only. As data (the scanned period, `zero_routing`), every tick every worker sends
@@ -379,7 +434,8 @@ def zero_events(z: ZeroTicks, as_data: bool = False) -> tuple[ev.Event, ...]:
                 sends += [ev.Send((t - 1) % T, "parameters", Size.stage("param", g.stage, parts=N), u, g.worker,
                                   g.stage) for u in range(N) if u != g.worker]
         for op in tk.ops:
-            events.append(ev.Compute(t, op.worker, op.kind, op.stage, 0, gathered[(op.worker, op.relay)], op.lag))
+            events.append(ev.Compute(t, op.worker, op.kind, op.stage, 0, gathered[(op.worker, op.relay)], op.lag,
+                                     starts_sum=op.starts))
             if op.gradient and not as_data:
                 sends += [ev.Send(t, "partial", Size.stage("param", op.stage, parts=N), op.worker, u, op.stage, op.lag)
                           for u in range(N) if u != op.worker]
@@ -414,4 +470,4 @@ def _slot_sends(z: ZeroTicks) -> list[ev.Send]:
 
 
 __all__ = ["PERIODS", "Gather", "Visit", "ZeroApply", "ZeroOp", "ZeroRouting", "ZeroTick", "ZeroTicks", "lower_zero",
-           "slots", "visits", "worker_ops", "zero_events", "zero_routing", "zero_ticks"]
+           "slots", "visits", "worker_ops", "zero_events", "zero_program_period", "zero_routing", "zero_ticks"]
