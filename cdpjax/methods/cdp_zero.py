@@ -12,8 +12,9 @@ memory and the fewest bytes) or 'scan' (`ZeroScan`: one `lax.scan` over its tick
 ops and messages chosen by data, `cdpjax.program.zero.ZeroRouting`: its ops in a `lax.switch`
 over the (kind, stage) pairs, its messages two `all_to_all`s a tick whose slots cross every route
 padded to the widest piece: the program does not grow with N, at the price of those padded
-bytes and more memory; docs/measured.md). After S steps and a flush the parameters equal
-the ring's (and so `simulate`'s):
+bytes and more memory; docs/measured.md). Both run the period the program's events say
+(`cdpjax.program.zero.zero_program_period`: its gathers, computes and applies). After S steps
+and a flush the parameters equal the ring's (and so `simulate`'s):
 
     theta^j_{k+1} = opt^j(theta^j_k, mean_i g_i^j(version the table names)),
 
@@ -76,7 +77,7 @@ from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
 from cdpjax.methods import ring
 from cdpjax.methods.common import Context, Method, varying
 from cdpjax.program import Program, piece_size
-from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, zero_routing
+from cdpjax.program.zero import ZeroRouting, ZeroTicks, lower_zero, zero_program_period, zero_routing
 from cdpjax.train_state import typed_state
 from cdpjax.xla_cpu import use_canonical_cpu_convolutions
 
@@ -182,7 +183,7 @@ class ZeroPeriod:
         carry = program.carries
         self.stages, self.program, self.tx, self.carry, self.shards = stages, program, tx, carry, shards
         self.codecs = codecs
-        self.z: ZeroTicks = program.ticks
+        self.z: ZeroTicks = zero_program_period(program)  # the period the program's events say
         L = self.z.stages
         split = program.split_backward
         self.fwd = [ring.forward_piece(stages, j, carry) for j in range(L)]
@@ -384,7 +385,7 @@ class ZeroScan:
     def __init__(self, stages: ring.Stages, program: Program, tx, shards: Shards, codecs: Codecs = Codecs()):
         self.stages, self.program, self.tx, self.shards, self.codecs = stages, program, tx, shards, codecs
         self.carry, self.split = program.carries, program.split_backward
-        self.z: ZeroTicks = program.ticks
+        self.z: ZeroTicks = zero_program_period(program)  # the period the program's events say
         self.routing: ZeroRouting = zero_routing(self.z)
         self.grad_slots = self.routing.grad_stage.shape[-1]
         self.op_branches = [[self._op(kind, j) for kind, j in kinds] + [_idle]
@@ -659,8 +660,7 @@ def _unnamed(b, state: PiecesState, z: ZeroTicks, carry: bool, fed) -> PiecesSta
 def _method(ctx: Context, net, table, program: Program, residuals: str, period: str) -> Method:
     # Long on purpose: the method's closures (init, steps, flush, export) share what is built here.
     use_canonical_cpu_convolutions()  # stages inside cond branches: XLA:CPU's slow path otherwise
-    z: ZeroTicks = program.ticks
-    tx, N, L = ctx.optimizer(), z.workers, z.stages
+    tx, N, L = ctx.optimizer(), program.devices, len(program.placement.units)
     mesh = ring.ring_mesh(ctx.mesh, N)  # one ring: cdp-zero runs one worker per device
     batch = int(ctx.config.global_batch_size)
     micro = batch // N
@@ -675,6 +675,7 @@ def _method(ctx: Context, net, table, program: Program, residuals: str, period: 
     program = with_codecs(program, codecs)
     scanned = period == "scan"  # the form `lower_zero` was given
     period = (ZeroScan if scanned else ZeroPeriod)(stages, program, tx, shards, codecs)
+    z: ZeroTicks = period.z
     per_worker = NamedSharding(mesh, P(AXIS))
 
     one_period, step, run = ring.spmd_period(period, stages, mesh)
