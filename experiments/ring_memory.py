@@ -28,12 +28,13 @@ def worker_needs(program, stage_bytes: list[float], periods: int = 8) -> float:
     access by that worker to its last (the ring's events over `periods` periods, a buffer's step
     its period minus its lag; the middle periods, steady state). The SPMD program allocates every
     buffer any worker needs at a tick on every device: the union, which grows with the ring."""
-    from cdpjax.program.ring import accesses
+    from cdpjax.program.ring import accesses, program_period
 
     T, N = program.period, program.devices
     spans: dict = {}
+    period = program_period(program).ticks  # the ring's period, as its engine reads it from the events
     for per in range(periods):
-        for t, tk in enumerate(program.ticks.ticks):
+        for t, tk in enumerate(period):
             for (kind, j, lag), w, _ in accesses(tk):
                 key, at = (kind, j, per - lag, w), per * T + t
                 lo, hi = spans.get(key, (at, at))

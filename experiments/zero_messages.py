@@ -26,6 +26,7 @@ def one(devices: int, stages: int) -> dict:
 
     from cdpjax import bench
     from cdpjax.config import default_config
+    from cdpjax.program.zero import zero_program_period
 
     c = default_config()
     c.method, c.stages = "cdp-zero", stages
@@ -36,7 +37,7 @@ def one(devices: int, stages: int) -> dict:
     m, hlo = run["method"], run["compiled"].as_text()
     permutes = sum(bool(re.search(r"\scollective-permute(-start)?\(", line.split("=", 1)[1]))
                    for line in hlo.splitlines() if "=" in line)
-    z, N = m.program.ticks, devices
+    z, N = zero_program_period(m.program), devices
     stage = _stage_sizes(m)
     piece = [-(-s // N) for s in stage]
     per_piece = sum((N - 1) * (len(tk.gathers) + sum(op.gradient for op in tk.ops)) for tk in z.ticks)

@@ -332,13 +332,13 @@ def test_ring_hlo_sends_stage_sized_messages_once_per_step():
     # The period is one loop over its ticks; every permute is in a branch of a switch over ticks (one
     # switch a stage, branch t at tick t: once a period, whatever N), as many branches as the loop's passes.
     loops = [line for line in comps[entry] if " while(" in line]
-    assert len(loops) == 1 and f'"n":"{m.program.ticks.period_ticks}"' in loops[0]
+    assert len(loops) == 1 and f'"n":"{m.program.period}"' in loops[0]
     by_tick = [line for lines in comps.values() for line in lines if SENDS_BY_TICK in line and "conditional(" in line]
     assert 1 <= len(by_tick) <= 4  # at most one a stage
     branches = []
     for line in by_tick:
         names = [b.strip().lstrip("%") for b in re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")]
-        assert len(names) == m.program.ticks.period_ticks
+        assert len(names) == m.program.period
         branches += names
     permuting = {name for name, lines in comps.items() if any("collective-permute" in x for x in lines)}
     assert permuting and permuting <= set(branches)

@@ -263,7 +263,7 @@ def test_pieces_of_a_route_and_tick_travel_as_one_message(workers, stages):
     hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
     piece = [-(-sum(x.size for x in jax.tree.leaves(p)) // N) for p in zero.export(state)[0]]
     expected = per_piece = 0
-    for tk in zero.program.ticks.ticks:
+    for tk in zero_lowering.zero_program_period(zero.program).ticks:
         gathers, scatters = {}, {}
         for g in tk.gathers:
             for u in set(range(N)) - {g.worker}:
@@ -348,7 +348,7 @@ def test_scanned_messages_are_two_all_to_alls_a_tick(parameters, gradients):
     zero = build_coded(N, parameters, gradients, period="scan")
     state = zero.init(jax.random.key(0))
     hlo = zero.train_step.lower(state, batches()[0]).compile().as_text()
-    z = zero.program.ticks
+    z = zero_lowering.zero_program_period(zero.program)
     gathers = max(sum(g.worker == w for g in tk.gathers) for tk in z.ticks for w in range(N))
     gradient_ops = max(sum(op.gradient and op.worker == w for op in tk.ops) for tk in z.ticks for w in range(N))
     stage = [sum(x.size for x in jax.tree.leaves(p)) for p in zero.export(state)[0]]
@@ -409,7 +409,7 @@ def test_each_worker_stores_a_quarter_of_the_model():
     def per_device(tree):
         return sum(x.nbytes for x in jax.tree.leaves(tree)) / N  # the leading axis is the workers
 
-    assert zero.program.ticks.versions == 2  # stale reads after an update read the previous version
+    assert zero.program.versions == 2  # stale reads after an update read the previous version
     rows = per_device([state.master, state.opt_state, state.sums])
     assert abs(rows - (2 + 1 + 1) * piece * 4) < 64  # + the optimizer's step counts
     assert per_device(state.relay) == 4 * N * -(-max(stage) // N)

@@ -12,7 +12,7 @@ from cdpjax import bench, plotting, speedup
 from cdpjax.cli import main
 from cdpjax.config import default_config
 from cdpjax.layouts import LAYOUTS, Layout
-from cdpjax.program.stage_axis import IDLE, kind_codes, lower_stage_axis
+from cdpjax.program.stage_axis import IDLE, kind_codes, lower_stage_axis, program_ticks
 from cdpjax.timetable import from_orders, table
 from helpers import capture_figures, png_matches, schedule_boxes
 
@@ -28,9 +28,10 @@ def compile_table(tbl, carry_residuals=False):
 class _Ticks:
     def __init__(self, prog):
         self.program, self.placement, self.period, self.lag = prog, prog.placement, prog.period, prog.lag
+        self.ticks = program_ticks(prog)  # what the engine compiles from the program's events
 
     def __getattr__(self, name):
-        return getattr(self.program.ticks, name)
+        return getattr(self.ticks, name)
 
 TABLES = {  # name -> (layout, sizes); laid out over enough steps for the program's window
     "gpipe-K4-M4": ("gpipe", dict(stages=4, microbatches=4)),
@@ -64,7 +65,7 @@ def replay(prog, calls, fed_calls):
         for t in range(prog.period):
             for d in range(prog.placement.devices):
                 for lane in range(prog.kind.shape[2]):
-                    step = k - int(prog.program.ticks.lag[t, d, lane])
+                    step = k - int(prog.ticks.lag[t, d, lane])
                     if prog.kind[t, d, lane] != IDLE and fed(step):
                         u = int(prog.unit[t, d, lane])
                         for j in prog.placement.units[u]:
@@ -115,7 +116,7 @@ def test_slots_hold_what_each_op_reads(name, carry):
             for d, lane in itertools.product(range(D), range(prog.kind.shape[2])):
                 at = (t, d, lane)
                 kind, u, m = KIND.get(int(prog.kind[at])), int(prog.unit[at]), int(prog.micro[at])
-                step = k - int(prog.program.ticks.lag[at])
+                step = k - int(prog.ticks.lag[at])
                 if kind is None or not 0 <= step < S:
                     continue
                 key = (u, m, step)

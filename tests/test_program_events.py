@@ -15,7 +15,7 @@ from cdpjax import bench, cost, timetable
 from cdpjax.kinds import KINDS
 from cdpjax.layouts import LAYOUTS
 from cdpjax.program import Apply, Compute, Gather, Receive, Send, Size, events, lower
-from cdpjax.program.stage_axis import lower_stage_axis, period_window
+from cdpjax.program.stage_axis import lower_stage_axis, period_window, program_ticks
 from helpers import build, small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -264,5 +264,5 @@ def test_the_memory_models_lanes_are_the_lowerings_from_the_events_alone(name, k
     forwards two, the rest one."""
     from cdpjax import bench
     _, program = _program(name, kw)
-    assert bench.lanes(program) == program.ticks.lanes
+    assert bench.lanes(program) == program_ticks(program).lanes
     assert bench.lanes(program) == {"dualpipev": 3, "cdp-mp": 2}.get(name, 1)

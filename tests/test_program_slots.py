@@ -3,6 +3,7 @@ figures read) is derived from the buffers a program declares, whatever its engin
 import pytest
 
 from cdpjax.program import lower
+from cdpjax.program.stage_axis import program_ticks
 from cdpjax.timetable import table
 
 
@@ -26,7 +27,7 @@ def test_stage_engine_slots_agree_with_its_own_ticks():
         declared = program.slots()
         assert declared, name
         for kind in ("act", "cot", "residual"):
-            assert declared[kind] == program.ticks.slots[kind], (name, kind, declared)
+            assert declared[kind] == program_ticks(program).slots[kind], (name, kind, declared)
 
 
 def test_ring_and_zero_declare_no_slots():

@@ -14,7 +14,8 @@ from cdpjax.errors import ConfigError
 from cdpjax.layouts.cdp import cdp_table
 from cdpjax.methods import ring
 from cdpjax.program import Apply, Compute
-from cdpjax.program.ring import lower_ring, op_order, program_period, ring_pool, ring_program_routing, ring_routing
+from cdpjax.program.ring import lower_ring, op_order, program_period, ring_pool, ring_program_routing, ring_routing, \
+    ring_ticks
 from cdpjax.timetable import table
 from helpers import assert_trees_close, assert_trees_equal, context, max_diff, random_batches, small_config
 
@@ -83,21 +84,22 @@ def _ring_tables():
 
 @pytest.mark.parametrize("make", [m for _, m in _ring_tables()], ids=[n for n, _ in _ring_tables()])
 def test_routing_compiled_from_the_events_is_the_lowerings(make):
-    program = lower_ring(make())
+    tbl = make()
+    program, lowered = lower_ring(tbl), ring_ticks(tbl)  # the program, and the period its lowering folded
     period = program_period(program)
-    assert period == program.ticks  # every tick's ops, sums, hops, applies; live buffers, lags, newest
-    routing, direct = ring_program_routing(program), ring_routing(program.ticks)
+    assert period == lowered  # every tick's ops, sums, hops, applies; live buffers, lags, newest
+    routing, direct = ring_program_routing(program), ring_routing(lowered)
     for name in ("op_branch", "op_lag", "op_read", "op_write", "op_start", "op_depth", "apply_stage", "apply_lag",
                  "apply_slot"):
         np.testing.assert_array_equal(getattr(routing, name), getattr(direct, name), err_msg=name)
     assert routing.op_kinds == direct.op_kinds and routing.names == direct.names
-    lag, read, write, start = _direct_op_arrays(program.ticks, routing)
+    lag, read, write, start = _direct_op_arrays(lowered, routing)
     for got, want in ((routing.op_lag, lag), (routing.op_read, read), (routing.op_write, write),
                       (routing.op_start, start)):
         np.testing.assert_array_equal(got, want)
     sizes = [5 + 3 * j for j in range(period.stages)]
     pool = ring_pool(period, routing, sizes)
-    read, write = _direct_pool_offsets(program.ticks, pool)
+    read, write = _direct_pool_offsets(lowered, pool)
     np.testing.assert_array_equal(pool.op_read, read)
     np.testing.assert_array_equal(pool.op_write, write)
 
@@ -280,9 +282,9 @@ def test_the_ring_runs_op_kinds_by_their_flags_not_their_letters():
         return method.export(method.flush(state))[0]
 
     with op_kinds.KINDS.temporarily("Fwd", fwd):
-        period = lower_ring(renamed).ticks
+        period = ring_ticks(renamed)
         got = trained(renamed)
-    want = lower_ring(own).ticks
+    want = ring_ticks(own)
     assert period == dataclasses.replace(want, ticks=tuple(
         dataclasses.replace(tk, ops=tuple(sorted(o._replace(kind="Fwd") if o.kind == "F" else o for o in tk.ops)))
         for tk in want.ticks))

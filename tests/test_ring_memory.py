@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from cdpjax.layouts.cdp import cdp_table
-from cdpjax.program.ring import lower_ring, op_order, ring_pool, ring_routing
+from cdpjax.program.ring import op_order, ring_pool, ring_routing, ring_ticks
 
 
 def replay(rule: str, workers: int, stages: int, ticks: str = "whole") -> tuple[list, int]:
@@ -18,7 +18,7 @@ def replay(rule: str, workers: int, stages: int, ticks: str = "whole") -> tuple[
     receiver writes what its sender read), applies after them, and at a period's end the pool's
     moves (all read, then all written). Returns the mismatches after the first periods (steps
     before the first have no writes) and the pool's size."""
-    period = lower_ring(cdp_table(rule, workers, stages, 3, ticks=ticks)).ticks
+    period = ring_ticks(cdp_table(rule, workers, stages, 3, ticks=ticks))
     routing = ring_routing(period)
     sizes = [5 + 3 * j for j in range(stages)]  # unequal: a buffer over another's bytes shows
     pool = ring_pool(period, routing, sizes)

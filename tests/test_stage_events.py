@@ -166,9 +166,9 @@ CASES = [(name, sizes) for name in STAGE_LAYOUTS for sizes in [{}] + SIZES.get(n
                                                    for n, s in CASES])
 @pytest.mark.parametrize("residuals", ["recompute", "carry"])
 def test_arrays_compiled_from_the_events_are_the_tables(name, sizes, residuals):
-    """Every array, slot count and cell the scan reads, compiled from the program's events alone,
-    equals the one built straight from the table; and the engine's own compilation of a lowered
-    program (`program_ticks`) is the program's."""
+    """Every array, slot count and cell the scan reads, compiled from the program's events alone
+    (`program_ticks`, as the engine compiles them from the program it is given), equals the one
+    built straight from the table."""
     if residuals == "carry" and not any(op_kinds.lookup(k).reads_cotangent for k in op_kinds.KINDS
                                         if k in {o.kind for o in table(name, **sizes).ops}):
         pytest.skip("no backward to carry residuals to (local learning)")
@@ -178,7 +178,6 @@ def test_arrays_compiled_from_the_events_are_the_tables(name, sizes, residuals):
     arrays, counts, cells = direct_arrays(tbl, residuals)
     ticks = program_ticks(program)
     compiled = ticks.arrays()
-    assert all(np.array_equal(compiled[k], a) for k, a in program.ticks.arrays().items())
     assert sorted(compiled) == sorted(arrays)
     for key, want in arrays.items():
         np.testing.assert_array_equal(compiled[key], want, err_msg=key)

@@ -1,16 +1,20 @@
 """cdp-zero's period read back from its program's events (`zero_program_period`, what its runtimes run)
 is the period its lowering folded from the table (`zero_ticks`), for every rule and tick kind, unrolled
-and scanned; and on a program written by hand, the period worked out by hand."""
+and scanned; on a program written by hand, the period worked out by hand; and a program whose events are
+changed trains as the changed events say."""
 import dataclasses
 
+import jax
 import pytest
 
 from cdpjax.layouts.cdp_zero import ZERO_RULES, cdp_zero_table
+from cdpjax.methods import cdp_zero
 from cdpjax.program import Placement, Program
 from cdpjax.program.events import Apply, Compute, Gather
 from cdpjax.program.zero import PERIODS, ZeroApply, ZeroOp, ZeroTick, ZeroTicks, lower_zero, zero_program_period, \
     zero_ticks
 from cdpjax.program.zero import Gather as ZeroGather
+from helpers import assert_trees_equal, build, max_diff, params, random_batches, run, small_config
 
 # every size whose table exists up to 8 workers and 5 stages (N = 2, 4, 8; N < L, N = L, N > L), and
 # N = L = 8 and N = 8, L = 16 / N = 16, L = 8 for each tick kind
@@ -31,8 +35,7 @@ def test_period_from_events_is_the_lowerings(rule, period):
 def _program(events, versions=2, lag=1) -> Program:
     return Program(method="hand", engine="ring", period=4, lag=lag, devices=2, microbatches=1, kinds=("F", "B"),
                    split_backward=False, residuals="recompute", versions=versions, grads_in_flight=True,
-                   placement=Placement(((0,), (1,)), (0, 0), (0, 1), 2, 2), buffers=(), events=tuple(events),
-                   ticks=None)
+                   placement=Placement(((0,), (1,)), (0, 0), (0, 1), 2, 2), buffers=(), events=tuple(events))
 
 
 # Two workers, two stages, four ticks; worker 1 runs worker 0's step two ticks later (its backward of stage 0
@@ -66,3 +69,20 @@ def test_period_of_a_program_written_by_hand():
     assert zero_program_period(_program(reversed(HAND))) == want
     unstarted = [dataclasses.replace(e, starts_sum=False) if isinstance(e, Compute) else e for e in HAND]
     assert zero_program_period(_program(unstarted)) != want
+
+
+@pytest.mark.parametrize("period", PERIODS)
+def test_a_program_without_a_stages_applies_never_updates_it(period, monkeypatch):
+    """cdp-zero's program (N = 2, L = 4) with every `Apply` of stage 2 taken out: after three steps and a
+    flush stage 2 is its initial value, while the other stages trained: the engine runs the events."""
+    def without_stage_2s_applies(*args, **kw):
+        p = lower_zero(*args, **kw)
+        return dataclasses.replace(p, events=tuple(e for e in p.events if not (isinstance(e, Apply) and e.stage == 2)))
+
+    monkeypatch.setattr(cdp_zero, "lower_zero", without_stage_2s_applies)
+    config = small_config("cdp-zero", stages=4, workers=2, zero_period=period, global_batch_size=16)
+    m = build(config, {"data": 2})
+    initial = params(m, m.init(jax.random.key(0)))
+    got = params(m, run(m, random_batches(3, 16)))
+    assert_trees_equal(got[2], initial[2])
+    assert min(max_diff(got[j], initial[j]) for j in (0, 1, 3)) > 1e-4

@@ -13,13 +13,11 @@ and the tests.
   call, which feeds one batch), as typed records (`cdpjax.program.events`):
   `Compute`, `Send` / `Receive`, `Apply`, `Gather`, each naming its step by
   `lag >= 0`. Every reader (cost, bench, the tests) reads these and nothing
-  engine-specific; `sends` is the `Send` events.
-- `ticks`: the engine's own per-tick data of the period, which only its runtime
-  reads: `StageTicks`, integer arrays indexed [tick, device, lane] that a
-  `lax.scan` reads (`cdpjax.program.stage_axis`); `RingTicks`
-  (`cdpjax.program.ring`; `ring_routing` makes them the arrays its scan reads) or
-  `ZeroTicks` (`cdpjax.program.zero`), the static events of each tick of
-  cdp-zero's period (`zero_routing` makes its ops the arrays its scanned form reads).
+  engine-specific; `sends` is the `Send` events. The engines execute them too: each
+  compiles its own per-tick data from the events and the typed fields below alone
+  (`stage_axis.program_ticks`: the arrays the stage engine's scan reads;
+  `ring.program_period`: the ring's `RingTicks`; `zero.zero_program_period`:
+  cdp-zero's `ZeroTicks`), so the program holds no engine's form of them.
 - `buffers`: every buffer a device allocates, what it holds, its size in
   per-stage units (`Size`), whether it lives between calls (part of the train
   state, checkpointed) and, for a call's temporaries, the ticks it is live.
@@ -34,19 +32,12 @@ measures those: parameters, stage inputs, kept residuals...).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Mapping, Sequence, Union
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from cdpjax.errors import ConfigError
 from cdpjax.program.events import MESSAGES, Apply, Compute, Event, Gather, Receive, Send, sorted_events
-
-if TYPE_CHECKING:  # the engines' own per-tick data, which only their runtimes read
-    from cdpjax.program.ring import RingTicks
-    from cdpjax.program.stage_axis import StageTicks
-    from cdpjax.program.zero import ZeroTicks
-
-    EngineTicks = Union[StageTicks, RingTicks, ZeroTicks]
 
 ENGINES = ("stage", "ring")
 SIZE_KINDS = ("param", "model_state", "head_param", "head_state", "input", "residual", "label", "image", "flag")
@@ -208,7 +199,6 @@ class Program:
     placement: Placement
     buffers: tuple[Buffer, ...]
     events: tuple[Event, ...]
-    ticks: "EngineTicks"
 
     def __post_init__(self):
         if self.engine not in ENGINES:

@@ -810,7 +810,7 @@ def lower_ring(table: TimeTable, residuals: str = "recompute", deeper: int = 0) 
     placement = Placement(tuple((j,) for j in stages), (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", ticks.period_ticks, ticks.max_lag, N, 1, kinds, table.split_backward,
                    residuals, ticks.stored_versions, bool(ticks.live), placement, tuple(between + gradients),
-                   ring_events(ticks), ticks)
+                   ring_events(ticks))
 
 
 def ring_events(ticks: RingTicks) -> tuple[Event, ...]:

@@ -180,7 +180,7 @@ def lower_stage_axis(table: TimeTable, residuals: str = "recompute", heads: bool
                        backprop=any(op_kinds.lookup(k).reads_cotangent for k in present),
                        model_state_sums=model_state_sums)
     return Program(table.method, "stage", table.period, lag, place.devices, microbatches, tuple(present),
-                   op_kinds.split(present), residuals, versions, in_flight, place, buffers, events, ticks)
+                   op_kinds.split(present), residuals, versions, in_flight, place, buffers, events)
 
 
 def table_events(table: TimeTable, place: Placement, m: int, carry_image: bool) -> tuple[Event, ...]:

@@ -401,7 +401,7 @@ def lower_zero(table, residuals: str = "recompute", period: str = "unrolled") ->
     kinds = tuple(k for k in served() if any(op.kind == k for tk in z.ticks for op in tk.ops))
     placement = Placement(every, (0,) * L, tuple(stages), N, L)
     return Program(table.method, "ring", len(z.ticks), z.max_lag, N, 1, kinds, table.split_backward, residuals,
-                   z.versions, True, placement, tuple(buffers), zero_events(z, period == "scan"), z)
+                   z.versions, True, placement, tuple(buffers), zero_events(z, period == "scan"))
 
 
 def zero_events(z: ZeroTicks, as_data: bool = False) -> tuple[ev.Event, ...]:
