@@ -71,6 +71,17 @@ def test_period_of_a_program_written_by_hand():
     assert zero_program_period(_program(unstarted)) != want
 
 
+
+def test_a_compute_without_its_gather_or_a_gather_without_its_compute_is_refused():
+    ungathered = [e for e in HAND if e != Gather(0, 0, 0, 2, 0, 0)]  # worker 0's F0 at tick 0
+    with pytest.raises(ValueError, match=r"^hand: Compute\(tick=0, device=0, kind='F', stage=0.* reads a stage its "
+                                         r"worker never gathered before it"):
+        zero_program_period(_program(ungathered))
+    idle = [e for e in HAND if e != Compute(2, 0, "B", 0, starts_sum=True)]  # worker 0's B0 at tick 2
+    with pytest.raises(ValueError, match=r"^hand: Gather\(tick=2, device=0, stage=0.* starts a visit with no Compute"):
+        zero_program_period(_program(idle))
+
+
 @pytest.mark.parametrize("period", PERIODS)
 def test_a_program_without_a_stages_applies_never_updates_it(period, monkeypatch):
     """cdp-zero's program (N = 2, L = 4) with every `Apply` of stage 2 taken out: after three steps and a

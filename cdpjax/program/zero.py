@@ -262,21 +262,27 @@ def zero_program_period(program: Program) -> ZeroTicks:
     def visit_of(c):  # (worker, stage, first tick): the visit of the latest gather at or before it
         first = max((s for s in starts[(c.device, c.stage)] if s <= at(c)), default=None)
         if first is None:
-            raise ValueError(f"{program.method}: {c} has no gather of its stage before it")
+            raise ValueError(f"{program.method}: {c} reads a stage its worker never gathered before it (each of "
+                             f"cdp-zero's Computes reads the stage of its worker's latest Gather of that stage)")
         return c.device, c.stage, first
 
-    first_kind, last = {}, {}
+    first_kind, last = {}, {}  # visit -> the kind of its first op, the tick of its last
     for c in sorted(computes, key=lambda c: (at(c), c.stage)):
         v = visit_of(c)
         first_kind.setdefault(v, c.kind)
         last[v] = max(last.get(v, at(c)), at(c))
-    relay = {}
-    relay_rows = 1
-    for w in range(N):
-        arcs = {(j, first_kind[(u, j, s)]): (s, last[(u, j, s)]) for u, j, s in first_kind if u == w}
-        rows, n = _circular_slots(arcs, T)
-        relay.update({(w, j, s): rows[(j, first_kind[(w, j, s)])] for u, j, s in first_kind if u == w})
-        relay_rows = max(relay_rows, n if arcs else 1)
+    idle = next((g for g in gathers if (g.device, g.stage, at(g)) not in first_kind), None)
+    if idle is not None:
+        raise ValueError(f"{program.method}: {idle} starts a visit with no Compute (each of cdp-zero's Gathers "
+                         f"starts a visit of at least one op of its worker on its stage)")
+    visits_of = defaultdict(list)  # worker -> its visits' (stage, first tick)
+    for w, j, s in first_kind:
+        visits_of[w].append((j, s))
+    relay, relay_rows = {}, 1
+    for w, mine in visits_of.items():
+        rows, n = _circular_slots({(j, first_kind[(w, j, s)]): (s, last[(w, j, s)]) for j, s in mine}, T)
+        relay.update({(w, j, s): rows[(j, first_kind[(w, j, s)])] for j, s in mine})
+        relay_rows = max(relay_rows, n)
     by_tick = [dict(gathers=[], ops=[], applies=set()) for _ in range(T)]
     for g in gathers:
         by_tick[g.tick]["gathers"].append(Gather(g.stage, g.device, g.row, relay[(g.device, g.stage, at(g))]))
