@@ -324,8 +324,8 @@ def forward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
         s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
         if rt.carry:
-            y, kept, (new_state, metrics) = rt.ops.forward_kept(j, p, s, x, ops.label)
-            out = out._replace(residual=_write_leaves(ops.residual, kept))
+            y, residuals, (new_state, metrics) = rt.ops.forward_residuals(j, p, s, x, ops.label)
+            out = out._replace(residual=_write_leaves(ops.residual, residuals))
         elif last and lay.model_state.sizes[u] == 0:  # the backward computes the loss; nothing to run
             return out
         else:
@@ -354,10 +354,10 @@ def backward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
         s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
         cotangent = lay.acts.unpack_one(u + 1, ops.cot) if u < rt.place.U - 1 else None
-        kept = None
+        residuals = None
         if rt.carry:
-            kept = lambda template: _read_leaves(ops.residual, template)  # noqa: E731
-        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops.label, cotangent, kept, want)
+            residuals = lambda template: _read_leaves(ops.residual, template)  # noqa: E731
+        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops.label, cotangent, residuals, want)
         if d_params is not None:
             out = out._replace(grads=out.grads._replace(body=lay.params.pack_one(u, [d_params])))
         if d_input is not None:
