@@ -597,9 +597,9 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
     between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
                "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
                "activations_in_flight": 0.0}
-    kept = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
-    sweep = backward_sweep(kept, grads)
-    within = {"gradients_in_flight": params, "activations": float(sum(kept)),
+    residuals = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
+    sweep = backward_sweep(residuals, grads)
+    within = {"gradients_in_flight": params, "activations": float(sum(residuals)),
               "reduced_gradients": params if reduced else 0.0}
     within["total"] = max(sweep, 2 * params if reduced else 0.0)
     return between, within
@@ -626,12 +626,12 @@ def op_workspace(program, priced) -> float:
     summed = program.microbatches > 1 or place.every_worker_holds_every_unit
     per_unit = []
     for stages in place.units:
-        kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
-        kept += sum(priced["head_residual"][j] for j in stages)
+        residuals = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
+        residuals += sum(priced["head_residual"][j] for j in stages)
         made = sum(priced["param"][j] for j in stages) if summed else 0.0
         after = stages[-1] + 1
         out = priced["input"][after] if local and after < len(priced["input"]) else 0.0
-        per_unit.append(kept + made + out)
+        per_unit.append(residuals + made + out)
     if place.every_worker_holds_every_unit:
         return float(max(per_unit, default=0.0))
     per_device = [max((per_unit[u] for u in place.of_device(d)), default=0.0) for d in range(place.devices)]
@@ -745,10 +745,10 @@ def switch_rows(program, priced) -> float:
     return float(lanes(program) * (2 * row * len(slotted) + results))
 
 
-def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:
+def backward_sweep(residuals: Sequence[float], grads: Sequence[float]) -> float:
     """The most bytes a backward from the last stage to the first holds at once: at stage j's
     backward, the residuals of stages 0..j (not yet read) and the gradients of stages j..L-1."""
-    return float(max((sum(kept[:j + 1]) + sum(grads[j:]) for j in range(len(kept))), default=0.0))
+    return float(max((sum(residuals[:j + 1]) + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:
