@@ -43,8 +43,9 @@ last worker's gradient op ends, reading the versions of CDP's table: it equals C
 local loss: it equals sequential `local`.
 
 SPMD realisation: one `shard_map` over (`stage`, `data`), a `lax.scan` over the
-ticks of one period inside a `lax.scan` over the steps of a call (its carry a
-`LoopState`: fixed fields, None where the program has no such part), one
+ticks of one period inside a `lax.scan` over the steps of a call (its carry one
+device's view of the train state `StageState`: fixed fields, None where the program
+has no such part), one
 `lax.switch` per tick over the program's cells (idle first; a cell's branch runs
 its ops' pieces one after another, typed `Operands` to `Results`) on the
 uniform carrier (`cdpjax.carrier`: parameters, optimizer and model state as
@@ -214,17 +215,28 @@ class Sums(NamedTuple):
     stage_valid: jax.Array
 
 
-class LoopState(NamedTuple):
-    """The scan carry of one device, over the steps of a call and the ticks of a period.
+@typed_state
+class StageState(NamedTuple):
+    """The stage engine's state, one type for the train state and the scan's carry (as MaxText's
+    loop state, a part a program lacks is None).
 
-    rows / opt_state / model_state / head_state: each unit's parameters, optimizer state, running
-    averages and heads' state, `[V, ...]`. previous: the previous version of the body rows
-    (cdp-mp's tables read it). state_sums: the step's running-average updates not yet applied
-    ('step_mean'). grads: the gradient sums of the units (within a period; between periods only
-    where the program keeps them in flight). buffers: the slot buffers (between periods only
-    where ops of a step spill into the next call, `Program.lag` > 0). fed / labels: whether each
-    of the last `lag` calls fed a batch, and their labels. sums: the period's `Sums` (None
-    between periods)."""
+    As the train state (what checkpoints hold, over all devices): each field with a leading
+    device axis `[D, ...]`, `sums` None. As the carry of one device's `lax.scan` over the steps of
+    a call and the ticks of a period (`loop_state` takes that view inside a call, `train_state`
+    puts it back): no device axis, and `sums` the period's `Sums`, set at a period's start and
+    None again at its end (None has no leaves, so the checkpoint's paths are those of the other
+    fields).
+
+    rows / opt_state / model_state / head_state: each unit's parameters (the carrier's padded rows
+    `[V, width]`, not per-stage trees: `export` gives those back through `unrows`), optimizer state,
+    running averages and heads' state. previous: the previous version of the body rows (cdp-mp's
+    tables read it). state_sums: the step's running-average updates not yet applied ('step_mean').
+    grads: the gradient sums of the units (within a period; between periods only where the program
+    keeps them in flight: `[D, groups, V, width]` in the train state). buffers: the slot buffers
+    (between periods only where ops of a step spill into the next call, `Program.lag` > 0: `[D, slots,
+    groups * mb, ...]`, residuals `[D, slots, groups, width]`). fed / labels: whether each of the
+    last `lag` calls fed a batch, and their labels (`[lag, B, ...]`). What a program keeps in flight
+    between calls (`buffers`, `grads`, `fed`, `labels`) is None where it keeps none."""
 
     rows: Rows
     opt_state: Rows
@@ -237,29 +249,6 @@ class LoopState(NamedTuple):
     fed: jax.Array | None = None
     labels: jax.Array | None = None
     sums: Sums | None = None
-
-
-@typed_state
-class StageState(NamedTuple):
-    """The train state of a stage-axis method (what checkpoints hold), over all devices: the
-    fields of `LoopState` but the period's sums, each with a leading device axis `[D, ...]`
-    (`loop_state` takes one device's view inside a call, `train_state` puts it back). What a
-    program keeps in flight between calls (`buffers`, `grads`, `fed`, `labels`) is None where it
-    keeps none: buffers `[D, slots, groups * mb, ...]` (residuals `[D, slots, groups, width]`), grads
-    `[D, groups, V, width]`, labels of the last `lag` batches `[lag, B, ...]`. `rows` are the
-    parameters packed into the carrier's padded rows `[D, V, width]`, not `params` (per-stage trees,
-    what `export` gives back through `unrows`)."""
-
-    rows: Rows
-    opt_state: Rows
-    model_state: jax.Array
-    head_state: jax.Array | None = None
-    previous: jax.Array | None = None
-    state_sums: jax.Array | None = None
-    grads: Rows | None = None
-    buffers: Buffers | None = None
-    fed: jax.Array | None = None
-    labels: jax.Array | None = None
 
 
 class Lane(NamedTuple):
@@ -585,7 +574,7 @@ class _Runtime:
 
     # ------------------------------------------------------------------ the tick
 
-    def _operands(self, c: LoopState, lane: Lane, images, labels) -> Operands:
+    def _operands(self, c: StageState, lane: Lane, images, labels) -> Operands:
         """What the op of one lane reads."""
         v = jnp.asarray(self.place.chunk_of)[lane.unit]
         buf = c.buffers
@@ -609,7 +598,7 @@ class _Runtime:
             # the op's slot row: a forward writes it, backward ops read it, the others give it back unchanged
             residual=None if buf.residual is None else read(buf.residual, lane.residual_slot)[None])
 
-    def _tick(self, c: LoopState, x, fed, images, labels, branches, apply_updates):
+    def _tick(self, c: StageState, x, fed, images, labels, branches, apply_updates):
         """One tick on one device: its cell's ops, the messages, the updates the table gives.
         `fed[h]`: the batch of h calls ago was fed; `labels[h]`: its labels."""
         me = lax.axis_index("stage")
@@ -660,7 +649,7 @@ class _Runtime:
             c = self._updates(c, x, me, fed)
         return c, None
 
-    def _model_state(self, c: LoopState, v, out: Results, forward) -> LoopState:
+    def _model_state(self, c: StageState, v, out: Results, forward) -> StageState:
         """The running averages after a lane's op: a forward's update applied ('sequential'), or added
         to the step's mean ('step_mean'); data groups' averaged (linear, so at every tick)."""
         rows = c.model_state
@@ -689,7 +678,7 @@ class _Runtime:
                 buf = _deliver(buf, back, x["recv_cot"][b], (me == src) & (x["send_cot"][b] > 0), lay.acts.width)
         return buf
 
-    def _updates(self, c: LoopState, x, me, fed) -> LoopState:
+    def _updates(self, c: StageState, x, me, fed) -> StageState:
         """Units whose update the table gives at this tick apply it (gradients averaged over `data`)."""
         grads = c.grads
         if self.axes.data:  # only at ticks where some unit updates: a loop, so that no collective sits in a branch
@@ -721,8 +710,8 @@ class _Runtime:
     # -------------------------------------------------------------------- state
 
     def init_state(self, rng) -> StageState:
-        """The train state (what checkpoints hold; `LoopState` is its per-device view inside a call):
-        rows per device and chunk, optimizer states, and (layouts that keep work in flight between
+        """The train state (what checkpoints hold; `loop_state` gives its per-device view inside a
+        call): rows per device and chunk, optimizer states, and (layouts that keep work in flight between
         calls) the slot buffers, gradient sums and which calls fed."""
         lay, prog = self.layouts, self.program
         params, model_state = self.net.init(rng)
@@ -789,13 +778,13 @@ class _Runtime:
             specs = specs._replace(fed=P(), labels=P(None, data))
         return specs
 
-    def loop_state(self, state: StageState) -> LoopState:
-        """The typed view of one device's train state (inside `shard_map`: leading axes of size 1)."""
+    def loop_state(self, state: StageState) -> StageState:
+        """One device's view of the train state, the scan's carry (inside `shard_map`: leading axes of size 1)."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-        c = LoopState(rows=one(state.rows), opt_state=one(state.opt_state), model_state=one(state.model_state),
-                      head_state=one(state.head_state), previous=one(state.previous),
-                      state_sums=one(state.state_sums))
+        c = StageState(rows=one(state.rows), opt_state=one(state.opt_state), model_state=one(state.model_state),
+                       head_state=one(state.head_state), previous=one(state.previous),
+                       state_sums=one(state.state_sums))
         if self.lag:
             b = state.buffers
             c = c._replace(buffers=one(b._replace(residual=None if b.residual is None else b.residual[:, :, 0])),
@@ -805,7 +794,7 @@ class _Runtime:
             c = c._replace(grads=jax.tree.map(lambda a: a[0, 0], state.grads))
         return c
 
-    def train_state(self, c: LoopState) -> StageState:
+    def train_state(self, c: StageState) -> StageState:
         """`loop_state`'s inverse: the train state of one device."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
@@ -822,7 +811,7 @@ class _Runtime:
 
     # ------------------------------------------------------------------ periods
 
-    def _period(self, c: LoopState, step, branches, apply_updates):
+    def _period(self, c: StageState, step, branches, apply_updates):
         """One period (one call's ticks) on one device."""
         images_p, labels_p, fed_now = step
         M, mb, names = self.program.microbatches, self.shapes.micro, self.axes.names
@@ -984,5 +973,5 @@ def _deliver(buf: Buffers, arrived: dict, slot, write, width: int) -> Buffers:
     return buf
 
 
-__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Buffers", "LoopState", "Operands", "Results", "Rows", "Rules", "Sums",
-           "build", "check_mesh"]
+__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Buffers", "Operands", "Results", "Rows", "Rules", "StageState",
+           "Sums", "build", "check_mesh"]
