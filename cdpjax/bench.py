@@ -709,9 +709,10 @@ def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
 
 
 def holds_carrier_slots(program) -> bool:
-    """Whether the program keeps its activations in slots of carrier rows (a buffer 'act', the
-    widest unit input wide): a tick that switches over units on such rows, which `stage_tick` models."""
-    return any(b.name == "act" for b in program.buffers)
+    """Whether the program keeps its activations in slots of carrier rows (a slotted buffer 'acts',
+    the widest unit input wide; the ring's 'acts' is a buffer per stage): a tick that switches over
+    units on such rows, which `stage_tick` models."""
+    return "acts" in program.slots()
 
 
 def lanes(program) -> int:
@@ -725,10 +726,10 @@ def lanes(program) -> int:
 
 
 def _slotted(program, priced) -> tuple[float, list[str]]:
-    """(one carrier row's bytes, the slot buffers of more than one row: 'act', 'cot')."""
+    """(one carrier row's bytes, the slot buffers of more than one row: 'acts', 'cots')."""
     names = {b.name for b in program.buffers}
-    act = program.buffer("act").size
-    slotted = [n for n in ("act", "cot") if n in names and program.buffer(n).size.count > 1]
+    act = program.buffer("acts").size
+    slotted = [n for n in ("acts", "cots") if n in names and program.buffer(n).size.count > 1]
     return act.bytes(priced) / act.count, slotted
 
 
@@ -741,7 +742,7 @@ def switch_rows(program, priced) -> float:
     [1, B, width] and as [B, width]); its results, an output row and, where the program sends
     cotangents, a cotangent row. A row is a carrier row (`Size.padded`: the widest unit input)."""
     row, slotted = _slotted(program, priced)
-    results = row * (2 if "cot" in {b.name for b in program.buffers} else 1)
+    results = row * (2 if "cots" in {b.name for b in program.buffers} else 1)
     return float(lanes(program) * (2 * row * len(slotted) + results))
 
 

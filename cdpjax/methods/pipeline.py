@@ -191,19 +191,21 @@ class Rows(NamedTuple):
     head: Any = None
 
 
-@typed_state
+# checkpoints written before the buffers took the program's plural names hold them as act / cot / residual
+@typed_state(renamed={"acts": "act", "cots": "cot", "residuals": "residual"})
 class Buffers(NamedTuple):
-    """A device's slot buffers (`StageTicks`' slots; None where the program declares none): `act`
-    [slots, mb, width] each unit's input (and a split backward's recomputation input), `input`
-    the first unit's batch input kept for a later call's backward, `image` the micro-batch's image
-    beside each input (heads that reconstruct it), `cot` [slots, mb, width] incoming cotangents,
-    `residual` [slots, width] carried residuals, one raveled row per slot."""
+    """A device's slot buffers, named as the program's buffers (`StageTicks`' slots; None where the
+    program declares none): `acts` [slots, mb, width] each unit's input (and a split backward's
+    recomputation input), `input` the first unit's batch input kept for a later call's backward,
+    `image` the micro-batch's image beside each input (heads that reconstruct it), `cots` [slots,
+    mb, width] incoming cotangents, `residuals` [slots, width] carried residuals, one raveled row
+    per slot."""
 
-    act: jax.Array
+    acts: jax.Array
     input: jax.Array | None = None
     image: jax.Array | None = None
-    cot: jax.Array | None = None
-    residual: jax.Array | None = None
+    cots: jax.Array | None = None
+    residuals: jax.Array | None = None
 
 
 class Sums(NamedTuple):
@@ -473,7 +475,7 @@ class _Runtime:
         codecs = compress.Codecs.from_config(ctx.config)
         program = self.program = compress.with_codecs(program, codecs)
         # each entry of a boundary's message by its codec (the image beside an activation goes as it is)
-        self.codecs = {"act": codecs.activations, "cot": codecs.cotangents, "image": codecs.of("image")}
+        self.codecs = {"acts": codecs.activations, "cots": codecs.cotangents, "image": codecs.of("image")}
         # what the scan reads: compiled from the program's events, the only description of what it runs
         self.ticks: StageTicks = program_ticks(program)
         # some cell runs ops of different steps (cdp-mp's paired forwards: a forward beside the
@@ -592,11 +594,11 @@ class _Runtime:
             body = jnp.where(lane.version == 1, c.previous[v], body)
         return Operands(
             rows=Rows(body, None if c.rows.head is None else c.rows.head[v]), model_state=c.model_state[v],
-            head_state=None if c.head_state is None else c.head_state[v], x=read(buf.act, lane.act_slot),
+            head_state=None if c.head_state is None else c.head_state[v], x=read(buf.acts, lane.act_slot),
             first_input=first_input, image=image, label=labels[lane.lag][lane.micro],
-            cot=None if buf.cot is None else read(buf.cot, lane.cot_slot),
+            cot=None if buf.cots is None else read(buf.cots, lane.cot_slot),
             # the op's slot row: a forward writes it, backward ops read it, the others give it back unchanged
-            residual=None if buf.residual is None else read(buf.residual, lane.residual_slot)[None])
+            residual=None if buf.residuals is None else read(buf.residuals, lane.residual_slot)[None])
 
     def _tick(self, c: StageState, x, fed, images, labels, branches, apply_updates):
         """One tick on one device: its cell's ops, the messages, the updates the table gives.
@@ -633,8 +635,8 @@ class _Runtime:
                 buf = buf._replace(input=buf.input.at[at].set(
                     jnp.where(here & (slot >= 0), ops.first_input, buf.input[at])))
             if self.carry:  # the row read above, as the op left it, back where it was read (no select)
-                buf = buf._replace(residual=lax.dynamic_update_slice(
-                    buf.residual, out.residual, (jnp.maximum(lane.residual_slot, 0), 0)))
+                buf = buf._replace(residuals=lax.dynamic_update_slice(
+                    buf.residuals, out.residual, (jnp.maximum(lane.residual_slot, 0), 0)))
             c = c._replace(grads=jax.tree.map(lambda g, d: g.at[v].add(d), c.grads, out.grads))
             c = self._model_state(c, v, out, here & forward[lane.kind])
             if c.head_state is not None:
@@ -667,13 +669,13 @@ class _Runtime:
         lay = self.layouts
         for b, (src, dst) in enumerate(self.ticks.boundaries):
             width = math.prod(lay.acts.shapes[b + 1])
-            message = {"act": act[:, :width]}
+            message = {"acts": act[:, :width]}
             if buf.image is not None:
                 message["image"] = image
             arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes.names, self.codecs)
             buf = _deliver(buf, arrived, x["recv_act"][b], (me == dst) & (x["send_act"][b] > 0), lay.acts.width)
-            if buf.cot is not None:
-                back = _gated_permute({"cot": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names,
+            if buf.cots is not None:
+                back = _gated_permute({"cots": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names,
                                       self.codecs)
                 buf = _deliver(buf, back, x["recv_cot"][b], (me == src) & (x["send_cot"][b] > 0), lay.acts.width)
         return buf
@@ -750,7 +752,7 @@ class _Runtime:
         """A buffer's shape over all devices and data groups. The data groups' examples are rows of
         the example axis (so that ppll's in-flight batches restore onto another number of data
         groups); carried residuals are flat rows, one per group."""
-        if name == "residual":
+        if name == "residuals":
             return (self.place.D, shape[0], self.shapes.groups, *shape[1:])
         return (self.place.D, shape[0], self.shapes.groups * shape[1], *shape[2:])
 
@@ -759,11 +761,11 @@ class _Runtime:
         lay, tk, mb = self.layouts, self.ticks, self.shapes.micro
         declared = {b.name for b in self.program.buffers}
         image = tuple(self.net.input_shape)
-        shapes = {"act": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
+        shapes = {"acts": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
                   "input": ((tk.input_slots, mb, *image), self.shapes.input.dtype),
                   "image": ((tk.act_slots, mb, *image), jnp.float32),
-                  "cot": ((tk.cot_slots, mb, lay.acts.width), jnp.float32),
-                  "residual": ((tk.residual_slots, lay.residual_width), jnp.float32)}
+                  "cots": ((tk.cot_slots, mb, lay.acts.width), jnp.float32),
+                  "residuals": ((tk.residual_slots, lay.residual_width), jnp.float32)}
         return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items() if k in declared}
 
     def specs(self, state: StageState) -> StageState:
@@ -787,7 +789,7 @@ class _Runtime:
                        state_sums=one(state.state_sums))
         if self.lag:
             b = state.buffers
-            c = c._replace(buffers=one(b._replace(residual=None if b.residual is None else b.residual[:, :, 0])),
+            c = c._replace(buffers=one(b._replace(residuals=None if b.residuals is None else b.residuals[:, :, 0])),
                            fed=state.fed,
                            labels=state.labels.reshape(self.lag, M, mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
@@ -803,7 +805,7 @@ class _Runtime:
         if self.lag:
             b = one(c.buffers)
             state = state._replace(
-                buffers=b._replace(residual=None if b.residual is None else b.residual[:, :, None]),
+                buffers=b._replace(residuals=None if b.residuals is None else b.residuals[:, :, None]),
                 fed=c.fed, labels=c.labels.reshape(self.lag, M * mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
             state = state._replace(grads=jax.tree.map(lambda a: a[None, None], c.grads))
@@ -966,7 +968,7 @@ def _deliver(buf: Buffers, arrived: dict, slot, write, width: int) -> Buffers:
     cotangents padded back to the carrier's rows of `width`."""
     at = jnp.maximum(slot, 0)
     for name, value in arrived.items():
-        if name in ("act", "cot"):
+        if name in ("acts", "cots"):
             value = jnp.pad(value, ((0, 0), (0, width - value.shape[1])))
         held = getattr(buf, name)
         buf = buf._replace(**{name: held.at[at].set(jnp.where(write, value, held[at]))})
