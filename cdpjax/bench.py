@@ -597,9 +597,9 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
     between = {"parameters": params * versions, "versions": versions, "optimizer_state": params * opt_ratio,
                "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
                "activations_in_flight": 0.0}
-    kept = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
-    sweep = backward_sweep(kept, grads)
-    within = {"gradients_in_flight": params, "activations": float(sum(kept)),
+    residuals = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
+    sweep = backward_sweep(residuals, grads)
+    within = {"gradients_in_flight": params, "activations": float(sum(residuals)),
               "reduced_gradients": params if reduced else 0.0}
     within["total"] = max(sweep, 2 * params if reduced else 0.0)
     return between, within
@@ -626,12 +626,12 @@ def op_workspace(program, priced) -> float:
     summed = program.microbatches > 1 or place.every_worker_holds_every_unit
     per_unit = []
     for stages in place.units:
-        kept = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
-        kept += sum(priced["head_residual"][j] for j in stages)
+        residuals = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
+        residuals += sum(priced["head_residual"][j] for j in stages)
         made = sum(priced["param"][j] for j in stages) if summed else 0.0
         after = stages[-1] + 1
         out = priced["input"][after] if local and after < len(priced["input"]) else 0.0
-        per_unit.append(kept + made + out)
+        per_unit.append(residuals + made + out)
     if place.every_worker_holds_every_unit:
         return float(max(per_unit, default=0.0))
     per_device = [max((per_unit[u] for u in place.of_device(d)), default=0.0) for d in range(place.devices)]
@@ -709,9 +709,10 @@ def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
 
 
 def holds_carrier_slots(program) -> bool:
-    """Whether the program keeps its activations in slots of carrier rows (a buffer 'act', the
-    widest unit input wide): a tick that switches over units on such rows, which `stage_tick` models."""
-    return any(b.name == "act" for b in program.buffers)
+    """Whether the program keeps its activations in slots of carrier rows (a slotted buffer 'acts',
+    the widest unit input wide; the ring's 'acts' is a buffer per stage): a tick that switches over
+    units on such rows, which `stage_tick` models."""
+    return "acts" in program.slots()
 
 
 def lanes(program) -> int:
@@ -725,10 +726,10 @@ def lanes(program) -> int:
 
 
 def _slotted(program, priced) -> tuple[float, list[str]]:
-    """(one carrier row's bytes, the slot buffers of more than one row: 'act', 'cot')."""
+    """(one carrier row's bytes, the slot buffers of more than one row: 'acts', 'cots')."""
     names = {b.name for b in program.buffers}
-    act = program.buffer("act").size
-    slotted = [n for n in ("act", "cot") if n in names and program.buffer(n).size.count > 1]
+    act = program.buffer("acts").size
+    slotted = [n for n in ("acts", "cots") if n in names and program.buffer(n).size.count > 1]
     return act.bytes(priced) / act.count, slotted
 
 
@@ -741,14 +742,14 @@ def switch_rows(program, priced) -> float:
     [1, B, width] and as [B, width]); its results, an output row and, where the program sends
     cotangents, a cotangent row. A row is a carrier row (`Size.padded`: the widest unit input)."""
     row, slotted = _slotted(program, priced)
-    results = row * (2 if "cot" in {b.name for b in program.buffers} else 1)
+    results = row * (2 if "cots" in {b.name for b in program.buffers} else 1)
     return float(lanes(program) * (2 * row * len(slotted) + results))
 
 
-def backward_sweep(kept: Sequence[float], grads: Sequence[float]) -> float:
+def backward_sweep(residuals: Sequence[float], grads: Sequence[float]) -> float:
     """The most bytes a backward from the last stage to the first holds at once: at stage j's
     backward, the residuals of stages 0..j (not yet read) and the gradients of stages j..L-1."""
-    return float(max((sum(kept[:j + 1]) + sum(grads[j:]) for j in range(len(kept))), default=0.0))
+    return float(max((sum(residuals[:j + 1]) + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:

@@ -58,7 +58,7 @@ import orbax.checkpoint as ocp
 
 from cdpjax import files, shutdown
 from cdpjax.errors import ConfigError, StorageError, storage_problem
-from cdpjax.train_state import as_dicts, from_dicts
+from cdpjax.train_state import as_dicts, as_renamed, from_dicts, from_renamed
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax writes checkpoint N to N.orbax-checkpoint-tmp*, then renames it
 DAMAGED_MARK = ".damaged-"  # a damaged checkpoint set aside: N.damaged-<time> (orbax lists only N)
@@ -456,23 +456,24 @@ class Checkpointer:
     def restore(self, step: int, like, explain=None):
         """Restores into the structure, shapes and shardings of `like` -> (state, meta), every
         array checked against its checksum. A checkpoint written when train states were dicts
-        (`cdpjax.train_state.as_dicts`: its arrays' paths `['params'][0]`, not `.params[0]`) is
-        restored in that form and returned in `like`'s types.
+        (`cdpjax.train_state.as_dicts`: its arrays' paths `['params'][0]`, not `.params[0]`), or
+        by a typed state before some of its fields were renamed (`as_renamed`: `.buffers.act`, not
+        `.buffers.acts`), is restored in that form and returned in `like`'s types.
 
         A state of another layout (another model, method or mesh: the meta's `tree` differs
         from `like`'s) is a ConfigError, worded by `explain(error)` when given; bytes that are
         not what was written are `Damaged`."""
         meta = self.read_meta(step)
         tree = meta.get("tree")
-        typed = like
+        typed, back = like, None
         if tree is not None:  # paths and shapes must agree (orbax casts dtypes, as it restores them)
             here = {path: shape for path, shape, _ in tree_signature(like)}
             there = {r[0]: r[1] for r in tree}
-            if here != there and there == {path: shape for path, shape, _ in tree_signature(as_dicts(like))}:
-                # written when train states were dicts: restored in that form, checked against its
-                # paths, then put back into the typed state
-                like = as_dicts(like)
-                here = there
+            # written when train states were dicts, or before a typed state's fields were renamed:
+            # restored in that form, checked against its paths, then put back into the typed state
+            for form, unform in ((as_dicts, from_dicts), (as_renamed, from_renamed)):
+                if here != there and there == {path: shape for path, shape, _ in tree_signature(form(like))}:
+                    like, back, here = form(like), unform, there
             if here != there:
                 diff = next((p for p in here if there.get(p) != here[p]), None)
                 what = (f"array {diff} has shape {there[diff]} there, {here[diff]} here" if diff in there
@@ -504,7 +505,7 @@ class Checkpointer:
             if bad:
                 raise Damaged(step, self.directory, f"is damaged: array {bad[0]} does not match its checksum"
                               + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-        return (from_dicts(typed, state) if like is not typed else state), meta
+        return (back(typed, state) if back is not None else state), meta
 
     def close(self):
         """Waits for a save in flight (errors held: the run has said its line already), then closes."""

@@ -64,11 +64,11 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
         y = net.apply_stage(j, p, s, x, True)[0]
         cot = jnp.zeros_like(y) if j < net.num_stages - 1 else None
         # traced as the backward's template will be (under jit): their residuals then agree leaf by leaf
-        kept = jax.jit(lambda p, s, x: ops.forward_kept(j, p, s, x, labels)[1])(p, s, x) if carry else None
+        residuals = jax.jit(lambda p, s, x: ops.forward_residuals(j, p, s, x, labels)[1])(p, s, x) if carry else None
         for kind in program.kinds:
             op = KINDS[kind]
             if op.forward and not op.backward:
-                fn = (lambda p, s, x: ops.forward_kept(j, p, s, x, labels)[:2]) if carry else \
+                fn = (lambda p, s, x: ops.forward_residuals(j, p, s, x, labels)[:2]) if carry else \
                      (lambda p, s, x: ops.run(j, p, s, x, labels)[0])
                 out[(kind, j)] = _priced(fn, p, s, x)
             elif op.backward and not op.forward:
@@ -77,7 +77,7 @@ def piece_costs(method, micro: int, tx, task=None) -> dict[tuple[str, int], dict
                     out[(kind, j)] = {"flops": 0.0, "bytes_accessed": 0.0}
                     continue
                 fn = functools.partial(_backward, ops, j, want)
-                out[(kind, j)] = _priced(fn, p, s, x, labels, cot, kept)
+                out[(kind, j)] = _priced(fn, p, s, x, labels, cot, residuals)
             else:
                 def local(p, h, s, g, x):
                     return stage_grads(net, heads, j, p, h, s, g, x, labels, image)[:3]
@@ -101,8 +101,8 @@ def _update(tx):
     return lambda p, o, g: jax.tree.map(jnp.add, p, tx.update(g, o, p)[0])
 
 
-def _backward(ops, j, want, p, s, x, labels, cot, kept):
-    d_params, d_input, _ = ops.backward(j, p, s, x, labels, cot, kept, want)
+def _backward(ops, j, want, p, s, x, labels, cot, residuals):
+    d_params, d_input, _ = ops.backward(j, p, s, x, labels, cot, residuals, want)
     return d_params, d_input
 
 

@@ -31,7 +31,7 @@ from cdpjax.kinds import KINDS  # the op kinds, one registry
 AXES = ("stage", "data")  # what a table's column is (`TimeTable.axis`)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Op:
     """One op of one device in one tick.
 
@@ -60,7 +60,7 @@ class Op:
         return self.device
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Update:
     """Stage `stage`'s update for `step` is applied at the end of `tick`."""
 
@@ -69,7 +69,7 @@ class Update:
     step: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Apply:
     """Worker `worker` applies stage `stage`'s update for `step` to its own copy at the end of
     `tick`. A table whose workers each keep one copy and apply each completed sum in their own
@@ -82,7 +82,7 @@ class Apply:
     step: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Message:
     """Gradient or parameter traffic sent at the end of `tick` (src = dst = -1: an all-reduce).
 

@@ -8,10 +8,13 @@ fields under the same keys as a dict's, but the checkpoint's meta names every ar
 `jax.tree_util.keystr` path, `.params[0]` now and `['params'][0]` then. `as_dicts` gives a
 state in that old form (its arrays' paths the old ones), and `from_dicts` takes a tree of that
 form back into the typed one, so `cdpjax.checkpoint` restores an old checkpoint bit for bit.
+A field renamed after its class was typed keeps its old name in `renamed` too: `as_renamed` /
+`from_renamed` give and take the typed form checkpoints had before the rename (`.buffers.act`).
 A leaf module: it imports nothing of cdpjax.
 """
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 # {registered class: {field: the dict key checkpoints written before it was typed used}}
@@ -51,6 +54,40 @@ def as_dicts(tree):
         return {k: as_dicts(v) for k, v in tree.items()}
     if type(tree) in (list, tuple):
         return type(tree)(as_dicts(v) for v in tree)
+    return tree
+
+
+# {registered class with renamed fields: a NamedTuple class of its fields under their saved names}
+_RENAMED_TYPES: dict[type, type] = {}
+
+
+def as_renamed(tree):
+    """`tree` with every registered typed state whose fields were renamed turned into a NamedTuple
+    of the same values under the fields' saved names: the form, and the paths (`.buffers.act`),
+    of a checkpoint the typed state wrote before the rename."""
+    if is_typed_state(tree):
+        keys = _SAVED_KEYS[type(tree)]
+        values = [as_renamed(v) for v in tree]
+        if all(keys[name] == name for name in tree._fields):
+            return type(tree)(*values)
+        if type(tree) not in _RENAMED_TYPES:
+            _RENAMED_TYPES[type(tree)] = collections.namedtuple(type(tree).__name__, [keys[n] for n in tree._fields])
+        return _RENAMED_TYPES[type(tree)](*values)
+    if isinstance(tree, dict):
+        return {k: as_renamed(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(as_renamed(v) for v in tree)
+    return tree
+
+
+def from_renamed(like, tree):
+    """`tree`, in `as_renamed(like)`'s form, back in `like`'s types (fields by position)."""
+    if is_typed_state(like):
+        return type(like)(*(None if value is None else from_renamed(value, old) for value, old in zip(like, tree)))
+    if isinstance(like, dict):
+        return {k: from_renamed(v, tree[k]) for k, v in like.items()}
+    if type(like) in (list, tuple):
+        return type(like)(from_renamed(a, b) for a, b in zip(like, tree))
     return tree
 
 

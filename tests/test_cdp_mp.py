@@ -179,7 +179,7 @@ def test_forward_writes_its_residuals_into_the_row_once():
 
     m = build_mp("resnet_tiny", "carry", "cdp-v2", "group")
     state = m.init(jax.random.key(0))
-    _, slots, _, width = state.buffers.residual.shape
+    _, slots, _, width = state.buffers.residuals.shape
     text = m.periods.lower(state, np.zeros((1, BATCH, 8, 8, 1), np.float32), np.zeros((1, BATCH), np.int32),
                            np.ones((1,), bool)).as_text()
     updates = re.findall(r"stablehlo.dynamic_update_slice.*?-> tensor<([^>]*)>", text)

@@ -115,7 +115,7 @@ CATEGORY_OF = {
     "state_sums": "model_state", "head_state": "model_state", "grads": "gradients", "sums": "gradients",
     "relay": "relayed_parameters", "fed": "flags", "labels": "labels", "acts": "activations",
     "cots": "cotangents", "residuals": "residuals",
-    ("buffers", "act"): "activations", ("buffers", "cot"): "cotangents", ("buffers", "residual"): "residuals",
+    ("buffers", "acts"): "activations", ("buffers", "cots"): "cotangents", ("buffers", "residuals"): "residuals",
     ("buffers", "input"): "images", ("buffers", "image"): "images",
 }
 

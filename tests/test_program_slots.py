@@ -14,9 +14,9 @@ def test_stash_rows_follow_the_schedules_rule(K, M):
     the kept residuals follow that rule instead, and only the arriving input has a row."""
     for name, rows in (("gpipe", M), ("1f1b", min(M, K))):
         slots = lower(table(name, stages=K, microbatches=M, steps=3), "recompute").summary()["slots"]
-        assert slots["act"] == rows and "residual" not in slots, (name, K, M, slots)
+        assert slots["acts"] == rows and "residuals" not in slots, (name, K, M, slots)
         slots = lower(table(name, stages=K, microbatches=M, steps=3), "carry").summary()["slots"]
-        assert slots["residual"] == rows and slots["act"] == 1, (name, K, M, slots)
+        assert slots["residuals"] == rows and slots["acts"] == 1, (name, K, M, slots)
 
 
 def test_stage_engine_slots_agree_with_its_own_ticks():
@@ -26,7 +26,7 @@ def test_stage_engine_slots_agree_with_its_own_ticks():
         program = lower(table(name, stages=4, microbatches=8, steps=3), "carry")
         declared = program.slots()
         assert declared, name
-        for kind in ("act", "cot", "residual"):
+        for kind in ("acts", "cots", "residuals"):
             assert declared[kind] == program_ticks(program).slots[kind], (name, kind, declared)
 
 

@@ -141,7 +141,8 @@ def direct_arrays(tbl, residuals):
             arrays["update"][up.tick - lo, place.device[u], place.chunk[u]] = True
             arrays["update_lag"][up.tick - lo, place.device[u], place.chunk[u]] = m - up.step
     arrays["any_update"] = arrays["update"].any(axis=(1, 2)).astype(np.int32)
-    counts = {name: max(s[1], 1) for name, s in slots.items()}
+    buffer = {"act": "acts", "input": "input", "cot": "cots", "residual": "residuals"}  # the program's buffer names
+    counts = {buffer[name]: max(s[1], 1) for name, s in slots.items()}
     return arrays, counts, tuple(sorted(index, key=index.get))
 
 

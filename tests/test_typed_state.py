@@ -5,6 +5,8 @@ bit into the typed state (`.params[0]...`).
 The old checkpoint is written by hand here: a dict with the keys the methods used before,
 saved by `Checkpointer.save` (which records whatever paths its tree has), then restored into
 the method's own typed `init` state."""
+from typing import NamedTuple
+
 import jax
 import numpy as np
 import pytest
@@ -42,9 +44,11 @@ def _stage_engine_dict(s):
     out = {"rows": parts(s.rows), "opt_state": parts(s.opt_state), "model_state": s.model_state}
     out.update({k: getattr(s, k) for k in ("head_state", "previous", "state_sums", "fed", "labels")
                 if getattr(s, k) is not None})
-    if s.buffers is not None:
-        out["buffers"] = {k: getattr(s.buffers, k) for k in ("act", "input", "image", "cot", "residual")
-                          if getattr(s.buffers, k) is not None}
+    if s.buffers is not None:  # under the names they had then (the fields are plural now)
+        out["buffers"] = {old: getattr(s.buffers, new) for old, new in (("act", "acts"), ("input", "input"),
+                                                                      ("image", "image"), ("cot", "cots"),
+                                                                      ("residual", "residuals"))
+                          if getattr(s.buffers, new) is not None}
     if s.grads is not None:
         out["grads"] = parts(s.grads)
     return out
@@ -130,9 +134,43 @@ def test_a_typed_checkpoint_restores_as_itself(tmp_path):
         np.testing.assert_array_equal(np.asarray(b), a)
 
 
-def test_renamed_fields_go_back_to_their_old_keys():
-    from typing import NamedTuple
+class _BuffersBeforeTheRename(NamedTuple):
+    """The stage engine's slot buffers as the typed state named them before they took the program's
+    plural names (its checkpoints' paths `.buffers.act`...), written out."""
 
+    act: object
+    input: object = None
+    image: object = None
+    cot: object = None
+    residual: object = None
+
+
+@pytest.mark.parametrize("name", ["cdp-mp", "ppll"])
+def test_a_typed_checkpoint_from_before_a_field_rename_restores(name, tmp_path):
+    """A checkpoint the typed stage state wrote while its buffers were `act` / `cot` / `residual`
+    (paths `.buffers.act`) restores bit for bit into the state whose fields are `acts` / `cots` /
+    `residuals`."""
+    method = build(small_config(name, global_batch_size=16, **SETTINGS[name]), MESHES[name])
+    typed = method.init(jax.random.key(0))
+    assert typed.buffers is not None
+    saved = jax.tree.map(np.asarray, _distinct(jax.device_get(typed), seed=3))
+    b = saved.buffers
+    old = saved._replace(buffers=_BuffersBeforeTheRename(b.acts, b.input, b.image, b.cots, b.residuals))
+    ckpt = Checkpointer(str(tmp_path))
+    try:
+        ckpt.save(2, old, {})
+        assert any(path.startswith(".buffers.act[") or path == ".buffers.act"
+                   for path, _, _ in ckpt.read_meta(2)["tree"])
+        restored, _ = ckpt.restore(2, typed)
+    finally:
+        ckpt.close()
+    assert type(restored) is type(typed) and jax.tree.structure(restored) == jax.tree.structure(typed)
+    for a, c in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(c), a)
+        assert np.asarray(c).dtype == a.dtype
+
+
+def test_renamed_fields_go_back_to_their_old_keys():
     @typed_state(renamed={"residuals": "kept"})
     class Held(NamedTuple):
         params: list

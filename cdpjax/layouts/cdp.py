@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from typing import NamedTuple
 
 from cdpjax.errors import ConfigError
 from cdpjax import kinds
@@ -57,6 +58,17 @@ V2_RULES = ("cdp-v2", "paper-code")  # the rules the cdp-v2 layout takes (`cdp_r
 # (F, B, W: 3L ticks), or two forwards a tick and whole backwards ('paired': L/2 + L ticks).
 TICKS = ("whole", "split", "paired")
 FUTURE = 2  # steps laid out past the table's own to find the windows of its last updates
+
+
+class _Read(NamedTuple):
+    """A read of an op of the steps laid out past the table's (`FUTURE`): what the delivery
+    windows and the one-version check read of it (an `Op` each would cost a third of the table's
+    time at N = L = 128, for ops the table drops)."""
+
+    tick: int
+    device: int
+    stage: int
+    version: int
 
 
 def phase_ops(stages: int, ticks: str = "whole") -> tuple[tuple[tuple[str, int], ...], ...]:
@@ -133,23 +145,24 @@ def _laid_out(method: str, N: int, L: int, S: int, ticks: str, period: int) -> T
     phases = phases + ((),) * (period - len(phases))
     T = len(phases)
     offsets = worker_offsets(method, N, L, ticks, T)
-    ops, updates, completer = _ops(method, N, L, S + FUTURE, offsets, phases)
+    ops, future, updates, completer = _ops(method, N, L, S, FUTURE, offsets, phases)
     messages, applies, plans = [], [], {}
     if method == "dp":
         if N > 1:
             messages = [Message(u.tick, -1, -1, u.stage, "allreduce", u.step) for u in updates]
     else:
         messages = _partials(ops, N)
-        plans = delivery(ops, updates, completer, N, L, S, T)
+        reads = ops + future
+        plans = delivery(reads, updates, completer, N, L, S, T)
         if any(d.late for d in plans.values()):  # one 'sum' a tick is not enough: two
-            plans = delivery(ops, updates, completer, N, L, S, T, capacity=2)
+            plans = delivery(reads, updates, completer, N, L, S, T, capacity=2)
         sums, applies = messages_and_applies(plans, updates)
         messages += sums
         skip = {(r, j) for j, d in plans.items() for r in d.late + d.acausal}
-        check_one_version(ops, applies, method, skip)
-    num_ticks = max(o.tick for o in ops if o.step < S) + 1
+        check_one_version(reads, applies, method, skip)
+    num_ticks = max(o.tick for o in ops) + 1
     keep = lambda t, k: k < S and t < num_ticks  # noqa: E731
-    ops = tuple(o for o in ops if o.step < S)
+    ops = tuple(ops)
     updates = tuple(u for u in updates if u.step < S)
     messages = tuple(sorted((m for m in messages if keep(m.tick, m.step)),
                             key=lambda m: (m.tick, m.kind != "partial", m.stage, m.src)))
@@ -172,9 +185,10 @@ def _laid_out(method: str, N: int, L: int, S: int, ticks: str, period: int) -> T
 # --------------------------------------------------------------------- the ops
 
 
-def _ops(method, N, L, steps, offsets, phases):
-    """Ops (with versions and slots), updates and each update's completing worker."""
-    T = len(phases)
+def _ops(method, N, L, S, future, offsets, phases):
+    """The ops of S steps (with versions and slots), the reads of the `future` steps after them
+    (`_Read`s), and the updates and each update's completing worker of all S + future."""
+    T, steps = len(phases), S + future
     grad = kinds.gradient_kind(kinds.split(kind for tick in phases for kind, _ in tick))
     forward = {kind: kinds.lookup(kind).forward for tick in phases for kind, _ in tick}
     # Lay out step -1 as well (then drop it), so that step 0 obeys the same rule as
@@ -196,7 +210,7 @@ def _ops(method, N, L, steps, offsets, phases):
         stale = {(i, j, k): rule[method](i, j) for i, j, k in fwd_tick if k >= 0}
 
     ticks = {j: sorted(update_tick[(j, k)] for k in range(steps)) for j in range(L)}
-    ops = []
+    ops, reads = [], []
     # in (tick, worker) order, a worker's ops of one tick in the order the phase lists them
     for t, i, j, kind, k in sorted((r for r in raw if r[4] >= 0), key=operator.itemgetter(0, 1)):
         is_stale = stale[(i, j, k)]
@@ -210,10 +224,13 @@ def _ops(method, N, L, steps, offsets, phases):
             slot = "future"  # reads an update that is not complete yet: simulate only
         else:  # two stored versions would not suffice: a schedule bug, not a user error
             raise AssertionError(f"{method}: op {(t, i, j, kind, k)} reads version {version} with {n} applied")
-        ops.append(Op(t, i, j, kind, k, i, version, slot, is_stale))
+        if k < S:
+            ops.append(Op(t, i, j, kind, k, i, version, slot, is_stale))
+        else:
+            reads.append(_Read(t, i, j, version))
     updates = sorted((Update(update_tick[(j, k)], j, k) for j in range(L) for k in range(steps)),
                      key=lambda u: (u.tick, u.stage))
-    return ops, updates, completer
+    return ops, reads, updates, completer
 
 
 def _partials(ops, N):

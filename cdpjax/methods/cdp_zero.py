@@ -422,7 +422,7 @@ class ZeroScan:
             labels = new_labels if j == 0 else c.labels
             residuals = c.residuals
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, p, c.model_state[j], x, labels)
+                out, k, (ms, metrics) = ops.forward_residuals(j, p, c.model_state[j], x, labels)
                 residuals = ring._set(residuals, j, k)
             else:
                 out, (ms, metrics) = ops.run(j, p, c.model_state[j], x, labels)

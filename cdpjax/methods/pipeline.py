@@ -43,8 +43,9 @@ last worker's gradient op ends, reading the versions of CDP's table: it equals C
 local loss: it equals sequential `local`.
 
 SPMD realisation: one `shard_map` over (`stage`, `data`), a `lax.scan` over the
-ticks of one period inside a `lax.scan` over the steps of a call (its carry a
-`LoopState`: fixed fields, None where the program has no such part), one
+ticks of one period inside a `lax.scan` over the steps of a call (its carry one
+device's view of the train state `StageState`: fixed fields, None where the program
+has no such part), one
 `lax.switch` per tick over the program's cells (idle first; a cell's branch runs
 its ops' pieces one after another, typed `Operands` to `Results`) on the
 uniform carrier (`cdpjax.carrier`: parameters, optimizer and model state as
@@ -190,19 +191,21 @@ class Rows(NamedTuple):
     head: Any = None
 
 
-@typed_state
+# checkpoints written before the buffers took the program's plural names hold them as act / cot / residual
+@typed_state(renamed={"acts": "act", "cots": "cot", "residuals": "residual"})
 class Buffers(NamedTuple):
-    """A device's slot buffers (`StageTicks`' slots; None where the program declares none): `act`
-    [slots, mb, width] each unit's input (and a split backward's recomputation input), `input`
-    the first unit's batch input kept for a later call's backward, `image` the micro-batch's image
-    beside each input (heads that reconstruct it), `cot` [slots, mb, width] incoming cotangents,
-    `residual` [slots, width] carried residuals, one raveled row per slot."""
+    """A device's slot buffers, named as the program's buffers (`StageTicks`' slots; None where the
+    program declares none): `acts` [slots, mb, width] each unit's input (and a split backward's
+    recomputation input), `input` the first unit's batch input kept for a later call's backward,
+    `image` the micro-batch's image beside each input (heads that reconstruct it), `cots` [slots,
+    mb, width] incoming cotangents, `residuals` [slots, width] carried residuals, one raveled row
+    per slot."""
 
-    act: jax.Array
+    acts: jax.Array
     input: jax.Array | None = None
     image: jax.Array | None = None
-    cot: jax.Array | None = None
-    residual: jax.Array | None = None
+    cots: jax.Array | None = None
+    residuals: jax.Array | None = None
 
 
 class Sums(NamedTuple):
@@ -214,17 +217,28 @@ class Sums(NamedTuple):
     stage_valid: jax.Array
 
 
-class LoopState(NamedTuple):
-    """The scan carry of one device, over the steps of a call and the ticks of a period.
+@typed_state
+class StageState(NamedTuple):
+    """The stage engine's state, one type for the train state and the scan's carry (as MaxText's
+    loop state, a part a program lacks is None).
 
-    rows / opt_state / model_state / head_state: each unit's parameters, optimizer state, running
-    averages and heads' state, `[V, ...]`. previous: the previous version of the body rows
-    (cdp-mp's tables read it). state_sums: the step's running-average updates not yet applied
-    ('step_mean'). grads: the gradient sums of the units (within a period; between periods only
-    where the program keeps them in flight). buffers: the slot buffers (between periods only
-    where ops of a step spill into the next call, `Program.lag` > 0). fed / labels: whether each
-    of the last `lag` calls fed a batch, and their labels. sums: the period's `Sums` (None
-    between periods)."""
+    As the train state (what checkpoints hold, over all devices): each field with a leading
+    device axis `[D, ...]`, `sums` None. As the carry of one device's `lax.scan` over the steps of
+    a call and the ticks of a period (`loop_state` takes that view inside a call, `train_state`
+    puts it back): no device axis, and `sums` the period's `Sums`, set at a period's start and
+    None again at its end (None has no leaves, so the checkpoint's paths are those of the other
+    fields).
+
+    rows / opt_state / model_state / head_state: each unit's parameters (the carrier's padded rows
+    `[V, width]`, not per-stage trees: `export` gives those back through `unrows`), optimizer state,
+    running averages and heads' state. previous: the previous version of the body rows (cdp-mp's
+    tables read it). state_sums: the step's running-average updates not yet applied ('step_mean').
+    grads: the gradient sums of the units (within a period; between periods only where the program
+    keeps them in flight: `[D, groups, V, width]` in the train state). buffers: the slot buffers
+    (between periods only where ops of a step spill into the next call, `Program.lag` > 0: `[D, slots,
+    groups * mb, ...]`, residuals `[D, slots, groups, width]`). fed / labels: whether each of the
+    last `lag` calls fed a batch, and their labels (`[lag, B, ...]`). What a program keeps in flight
+    between calls (`buffers`, `grads`, `fed`, `labels`) is None where it keeps none."""
 
     rows: Rows
     opt_state: Rows
@@ -237,29 +251,6 @@ class LoopState(NamedTuple):
     fed: jax.Array | None = None
     labels: jax.Array | None = None
     sums: Sums | None = None
-
-
-@typed_state
-class StageState(NamedTuple):
-    """The train state of a stage-axis method (what checkpoints hold), over all devices: the
-    fields of `LoopState` but the period's sums, each with a leading device axis `[D, ...]`
-    (`loop_state` takes one device's view inside a call, `train_state` puts it back). What a
-    program keeps in flight between calls (`buffers`, `grads`, `fed`, `labels`) is None where it
-    keeps none: buffers `[D, slots, groups * mb, ...]` (residuals `[D, slots, groups, width]`), grads
-    `[D, groups, V, width]`, labels of the last `lag` batches `[lag, B, ...]`. `rows` are the
-    parameters packed into the carrier's padded rows `[D, V, width]`, not `params` (per-stage trees,
-    what `export` gives back through `unrows`)."""
-
-    rows: Rows
-    opt_state: Rows
-    model_state: jax.Array
-    head_state: jax.Array | None = None
-    previous: jax.Array | None = None
-    state_sums: jax.Array | None = None
-    grads: Rows | None = None
-    buffers: Buffers | None = None
-    fed: jax.Array | None = None
-    labels: jax.Array | None = None
 
 
 class Lane(NamedTuple):
@@ -324,8 +315,8 @@ def forward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
         s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
         if rt.carry:
-            y, kept, (new_state, metrics) = rt.ops.forward_kept(j, p, s, x, ops.label)
-            out = out._replace(residual=_write_leaves(ops.residual, kept))
+            y, residuals, (new_state, metrics) = rt.ops.forward_residuals(j, p, s, x, ops.label)
+            out = out._replace(residual=_write_leaves(ops.residual, residuals))
         elif last and lay.model_state.sizes[u] == 0:  # the backward computes the loss; nothing to run
             return out
         else:
@@ -354,10 +345,10 @@ def backward_piece(rt: "_Runtime", u: int, kind: op_kinds.OpKind):
         s = lay.model_state.unpack_one(u, ops.model_state)[0]
         x = rt.stage_input(u, ops)
         cotangent = lay.acts.unpack_one(u + 1, ops.cot) if u < rt.place.U - 1 else None
-        kept = None
+        residuals = None
         if rt.carry:
-            kept = lambda template: _read_leaves(ops.residual, template)  # noqa: E731
-        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops.label, cotangent, kept, want)
+            residuals = lambda template: _read_leaves(ops.residual, template)  # noqa: E731
+        d_params, d_input, metrics = rt.ops.backward(j, p, s, x, ops.label, cotangent, residuals, want)
         if d_params is not None:
             out = out._replace(grads=out.grads._replace(body=lay.params.pack_one(u, [d_params])))
         if d_input is not None:
@@ -484,7 +475,7 @@ class _Runtime:
         codecs = compress.Codecs.from_config(ctx.config)
         program = self.program = compress.with_codecs(program, codecs)
         # each entry of a boundary's message by its codec (the image beside an activation goes as it is)
-        self.codecs = {"act": codecs.activations, "cot": codecs.cotangents, "image": codecs.of("image")}
+        self.codecs = {"acts": codecs.activations, "cots": codecs.cotangents, "image": codecs.of("image")}
         # what the scan reads: compiled from the program's events, the only description of what it runs
         self.ticks: StageTicks = program_ticks(program)
         # some cell runs ops of different steps (cdp-mp's paired forwards: a forward beside the
@@ -585,7 +576,7 @@ class _Runtime:
 
     # ------------------------------------------------------------------ the tick
 
-    def _operands(self, c: LoopState, lane: Lane, images, labels) -> Operands:
+    def _operands(self, c: StageState, lane: Lane, images, labels) -> Operands:
         """What the op of one lane reads."""
         v = jnp.asarray(self.place.chunk_of)[lane.unit]
         buf = c.buffers
@@ -603,13 +594,13 @@ class _Runtime:
             body = jnp.where(lane.version == 1, c.previous[v], body)
         return Operands(
             rows=Rows(body, None if c.rows.head is None else c.rows.head[v]), model_state=c.model_state[v],
-            head_state=None if c.head_state is None else c.head_state[v], x=read(buf.act, lane.act_slot),
+            head_state=None if c.head_state is None else c.head_state[v], x=read(buf.acts, lane.act_slot),
             first_input=first_input, image=image, label=labels[lane.lag][lane.micro],
-            cot=None if buf.cot is None else read(buf.cot, lane.cot_slot),
+            cot=None if buf.cots is None else read(buf.cots, lane.cot_slot),
             # the op's slot row: a forward writes it, backward ops read it, the others give it back unchanged
-            residual=None if buf.residual is None else read(buf.residual, lane.residual_slot)[None])
+            residual=None if buf.residuals is None else read(buf.residuals, lane.residual_slot)[None])
 
-    def _tick(self, c: LoopState, x, fed, images, labels, branches, apply_updates):
+    def _tick(self, c: StageState, x, fed, images, labels, branches, apply_updates):
         """One tick on one device: its cell's ops, the messages, the updates the table gives.
         `fed[h]`: the batch of h calls ago was fed; `labels[h]`: its labels."""
         me = lax.axis_index("stage")
@@ -644,8 +635,8 @@ class _Runtime:
                 buf = buf._replace(input=buf.input.at[at].set(
                     jnp.where(here & (slot >= 0), ops.first_input, buf.input[at])))
             if self.carry:  # the row read above, as the op left it, back where it was read (no select)
-                buf = buf._replace(residual=lax.dynamic_update_slice(
-                    buf.residual, out.residual, (jnp.maximum(lane.residual_slot, 0), 0)))
+                buf = buf._replace(residuals=lax.dynamic_update_slice(
+                    buf.residuals, out.residual, (jnp.maximum(lane.residual_slot, 0), 0)))
             c = c._replace(grads=jax.tree.map(lambda g, d: g.at[v].add(d), c.grads, out.grads))
             c = self._model_state(c, v, out, here & forward[lane.kind])
             if c.head_state is not None:
@@ -660,7 +651,7 @@ class _Runtime:
             c = self._updates(c, x, me, fed)
         return c, None
 
-    def _model_state(self, c: LoopState, v, out: Results, forward) -> LoopState:
+    def _model_state(self, c: StageState, v, out: Results, forward) -> StageState:
         """The running averages after a lane's op: a forward's update applied ('sequential'), or added
         to the step's mean ('step_mean'); data groups' averaged (linear, so at every tick)."""
         rows = c.model_state
@@ -678,18 +669,18 @@ class _Runtime:
         lay = self.layouts
         for b, (src, dst) in enumerate(self.ticks.boundaries):
             width = math.prod(lay.acts.shapes[b + 1])
-            message = {"act": act[:, :width]}
+            message = {"acts": act[:, :width]}
             if buf.image is not None:
                 message["image"] = image
             arrived = _gated_permute(message, x["send_act"][b], src, dst, self.axes.names, self.codecs)
             buf = _deliver(buf, arrived, x["recv_act"][b], (me == dst) & (x["send_act"][b] > 0), lay.acts.width)
-            if buf.cot is not None:
-                back = _gated_permute({"cot": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names,
+            if buf.cots is not None:
+                back = _gated_permute({"cots": cot[:, :width]}, x["send_cot"][b], dst, src, self.axes.names,
                                       self.codecs)
                 buf = _deliver(buf, back, x["recv_cot"][b], (me == src) & (x["send_cot"][b] > 0), lay.acts.width)
         return buf
 
-    def _updates(self, c: LoopState, x, me, fed) -> LoopState:
+    def _updates(self, c: StageState, x, me, fed) -> StageState:
         """Units whose update the table gives at this tick apply it (gradients averaged over `data`)."""
         grads = c.grads
         if self.axes.data:  # only at ticks where some unit updates: a loop, so that no collective sits in a branch
@@ -721,8 +712,8 @@ class _Runtime:
     # -------------------------------------------------------------------- state
 
     def init_state(self, rng) -> StageState:
-        """The train state (what checkpoints hold; `LoopState` is its per-device view inside a call):
-        rows per device and chunk, optimizer states, and (layouts that keep work in flight between
+        """The train state (what checkpoints hold; `loop_state` gives its per-device view inside a
+        call): rows per device and chunk, optimizer states, and (layouts that keep work in flight between
         calls) the slot buffers, gradient sums and which calls fed."""
         lay, prog = self.layouts, self.program
         params, model_state = self.net.init(rng)
@@ -761,7 +752,7 @@ class _Runtime:
         """A buffer's shape over all devices and data groups. The data groups' examples are rows of
         the example axis (so that ppll's in-flight batches restore onto another number of data
         groups); carried residuals are flat rows, one per group."""
-        if name == "residual":
+        if name == "residuals":
             return (self.place.D, shape[0], self.shapes.groups, *shape[1:])
         return (self.place.D, shape[0], self.shapes.groups * shape[1], *shape[2:])
 
@@ -770,11 +761,11 @@ class _Runtime:
         lay, tk, mb = self.layouts, self.ticks, self.shapes.micro
         declared = {b.name for b in self.program.buffers}
         image = tuple(self.net.input_shape)
-        shapes = {"act": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
+        shapes = {"acts": ((tk.act_slots, mb, lay.acts.width), jnp.float32),
                   "input": ((tk.input_slots, mb, *image), self.shapes.input.dtype),
                   "image": ((tk.act_slots, mb, *image), jnp.float32),
-                  "cot": ((tk.cot_slots, mb, lay.acts.width), jnp.float32),
-                  "residual": ((tk.residual_slots, lay.residual_width), jnp.float32)}
+                  "cots": ((tk.cot_slots, mb, lay.acts.width), jnp.float32),
+                  "residuals": ((tk.residual_slots, lay.residual_width), jnp.float32)}
         return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items() if k in declared}
 
     def specs(self, state: StageState) -> StageState:
@@ -789,23 +780,23 @@ class _Runtime:
             specs = specs._replace(fed=P(), labels=P(None, data))
         return specs
 
-    def loop_state(self, state: StageState) -> LoopState:
-        """The typed view of one device's train state (inside `shard_map`: leading axes of size 1)."""
+    def loop_state(self, state: StageState) -> StageState:
+        """One device's view of the train state, the scan's carry (inside `shard_map`: leading axes of size 1)."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-        c = LoopState(rows=one(state.rows), opt_state=one(state.opt_state), model_state=one(state.model_state),
-                      head_state=one(state.head_state), previous=one(state.previous),
-                      state_sums=one(state.state_sums))
+        c = StageState(rows=one(state.rows), opt_state=one(state.opt_state), model_state=one(state.model_state),
+                       head_state=one(state.head_state), previous=one(state.previous),
+                       state_sums=one(state.state_sums))
         if self.lag:
             b = state.buffers
-            c = c._replace(buffers=one(b._replace(residual=None if b.residual is None else b.residual[:, :, 0])),
+            c = c._replace(buffers=one(b._replace(residuals=None if b.residuals is None else b.residuals[:, :, 0])),
                            fed=state.fed,
                            labels=state.labels.reshape(self.lag, M, mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
             c = c._replace(grads=jax.tree.map(lambda a: a[0, 0], state.grads))
         return c
 
-    def train_state(self, c: LoopState) -> StageState:
+    def train_state(self, c: StageState) -> StageState:
         """`loop_state`'s inverse: the train state of one device."""
         M, mb = self.program.microbatches, self.shapes.micro
         one = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
@@ -814,7 +805,7 @@ class _Runtime:
         if self.lag:
             b = one(c.buffers)
             state = state._replace(
-                buffers=b._replace(residual=None if b.residual is None else b.residual[:, :, None]),
+                buffers=b._replace(residuals=None if b.residuals is None else b.residuals[:, :, None]),
                 fed=c.fed, labels=c.labels.reshape(self.lag, M * mb, *self.shapes.label.shape[1:]))
         if self.program.grads_in_flight:
             state = state._replace(grads=jax.tree.map(lambda a: a[None, None], c.grads))
@@ -822,7 +813,7 @@ class _Runtime:
 
     # ------------------------------------------------------------------ periods
 
-    def _period(self, c: LoopState, step, branches, apply_updates):
+    def _period(self, c: StageState, step, branches, apply_updates):
         """One period (one call's ticks) on one device."""
         images_p, labels_p, fed_now = step
         M, mb, names = self.program.microbatches, self.shapes.micro, self.axes.names
@@ -977,12 +968,12 @@ def _deliver(buf: Buffers, arrived: dict, slot, write, width: int) -> Buffers:
     cotangents padded back to the carrier's rows of `width`."""
     at = jnp.maximum(slot, 0)
     for name, value in arrived.items():
-        if name in ("act", "cot"):
+        if name in ("acts", "cots"):
             value = jnp.pad(value, ((0, 0), (0, width - value.shape[1])))
         held = getattr(buf, name)
         buf = buf._replace(**{name: held.at[at].set(jnp.where(write, value, held[at]))})
     return buf
 
 
-__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Buffers", "LoopState", "Operands", "Results", "Rows", "Rules", "Sums",
-           "build", "check_mesh"]
+__all__ = ["MODEL_STATE", "PIECES", "RESIDUALS", "Buffers", "Operands", "Results", "Rows", "Rules", "StageState",
+           "Sums", "build", "check_mesh"]

@@ -213,7 +213,7 @@ def forward_piece(stages: Stages, j: int, carry: bool):
     def run(i: ForwardIn) -> ForwardOut:
         residuals = i.old.residuals
         if carry:
-            out, residuals, (ms, metrics) = ops.forward_kept(j, i.params, i.model_state, i.x, i.labels)
+            out, residuals, (ms, metrics) = ops.forward_residuals(j, i.params, i.model_state, i.x, i.labels)
         else:
             out, (ms, metrics) = ops.run(j, i.params, i.model_state, i.x, i.labels)
         return varying(ForwardOut(ForwardWrites(i.old.next if last else out, residuals), ms, metrics), AXIS)
@@ -225,8 +225,8 @@ def forward_piece(stages: Stages, j: int, carry: bool):
 
 
 def _backward(stages: Stages, j: int, carry: bool, want: tuple[str, ...]):
-    def gradients(p, ms, x, keep, seed, labels):
-        d_params, d_input, _ = stages.ops.backward(j, p, ms, x, labels, seed, keep if carry else None, want)
+    def gradients(p, ms, x, residuals, seed, labels):
+        d_params, d_input, _ = stages.ops.backward(j, p, ms, x, labels, seed, residuals if carry else None, want)
         return d_params, d_input
     return gradients
 
@@ -395,11 +395,11 @@ def backward_operands(b: Buffers, j: int, params, L: int, carry: bool) -> tuple[
     """What a backward op of stage j reads (`BackwardIn`, the parameters from buffer `params`; its
     partial and cot for the caller to set) and their buffer names."""
     zero = varying(jnp.zeros((), jnp.float32), AXIS)
-    keep = b[("residuals", j)] if carry else ()
+    residuals = b[("residuals", j)] if carry else ()
     seed = b[("cots", j)] if j < L - 1 else zero
     reads = [params, ("model_state", j), ("acts", j), ("labels",)] + ([("residuals", j)] if carry else []) \
         + ([("cots", j)] if j < L - 1 else [])
-    return BackwardIn(b[params], b[("model_state", j)], b[("acts", j)], keep, seed, b[("labels",)]), reads
+    return BackwardIn(b[params], b[("model_state", j)], b[("acts", j)], residuals, seed, b[("labels",)]), reads
 
 
 class RingState(NamedTuple):
@@ -674,8 +674,8 @@ class Period:
             labels = new_labels if j == 0 else c.labels
             residuals, params = c.residuals, self._version(c, j, i.depth)
             if carry:
-                out, k, (ms, metrics) = ops.forward_kept(j, params, c.model_state[j], x, labels)
-                residuals = _set(residuals, j, k)
+                out, mine, (ms, metrics) = ops.forward_residuals(j, params, c.model_state[j], x, labels)
+                residuals = _set(residuals, j, mine)
             else:
                 out, (ms, metrics) = ops.run(j, params, c.model_state[j], x, labels)
             acts = _set(c.acts, j + 1, out) if j < L - 1 else c.acts
@@ -697,9 +697,9 @@ class Period:
 
         def run(c: RingState, i: OpInputs):
             seed = c.cots[j] if j < L - 1 else varying(jnp.zeros((), jnp.float32), AXIS)
-            keep = c.residuals[j] if carry else None
+            residuals = c.residuals[j] if carry else None
             d_params, d_input, _ = self.stages.ops.backward(j, self._version(c, j, i.depth), c.model_state[j],
-                                                            c.acts[j], c.labels, seed, keep, want)
+                                                            c.acts[j], c.labels, seed, residuals, want)
             if cotangent and j > 0:
                 c = c._replace(cots=_set(c.cots, j - 1, d_input))
             if not gradient:

@@ -17,7 +17,7 @@ parameters, inputs and gradients are kept; what one op computes is this module's
   the residuals its forward kept ('carry'). A split backward asks for one of the
   two: the input cotangent (`B`, sent upstream at once) or the parameter gradient
   (`W`, later); the other is never computed (XLA removes what no output needs).
-- `kept` / `rebuild`: the residuals a forward keeps (all the pullback's leaves but
+- `residual_leaves` / `rebuild`: the residuals a forward keeps (all the pullback's leaves but
   the stage's own parameters, which the backward reads from the version its
   forward read) and the pullback rebuilt from them on the structure of a template
   traced in the backward's own branch (the template's own leaves are dead code).
@@ -80,39 +80,39 @@ class StageOps:
         return self.vary(jnp.ones((), jnp.float32)) if j == self.last else cotangent
 
     @staticmethod
-    def kept(pullback, p) -> tuple[list, Any, list[int]]:
-        """A pullback's leaves, its structure, and the indices of the leaves a forward keeps: all
-        but the stage's own parameters."""
+    def residual_leaves(pullback, p) -> tuple[list, Any, list[int]]:
+        """A pullback's leaves, its structure, and the indices of its residuals (the leaves a
+        forward keeps): all but the stage's own parameters."""
         own = {id(q) for q in jax.tree.leaves(p)}
         leaves, structure = jax.tree.flatten(pullback)
         return leaves, structure, [i for i, leaf in enumerate(leaves) if id(leaf) not in own]
 
-    def forward_kept(self, j, p, s, x, labels):
-        """A forward that keeps its residuals: (out, kept leaves, (new state, metrics))."""
+    def forward_residuals(self, j, p, s, x, labels):
+        """A forward that keeps its residuals: (out, residuals (a list of leaves), (new state, metrics))."""
         out, pullback, aux = self.vjp(j, p, s, x, labels)
-        leaves, _, idx = self.kept(pullback, p)
+        leaves, _, idx = self.residual_leaves(pullback, p)
         return out, [leaves[i] for i in idx], aux
 
-    def rebuild(self, j, p, s, x_template, labels, kept_leaves):
-        """The pullback of the forward that kept `kept_leaves`, on the structure of a template
-        traced here from `x_template` (any input of the right shape). `kept_leaves` may be a
-        function of the template's own kept leaves (to unflatten a raveled buffer like them)."""
-        leaves, structure, idx = self.kept(self.vjp(j, p, s, x_template, labels)[1], p)
-        if callable(kept_leaves):
-            kept_leaves = kept_leaves([leaves[i] for i in idx])
-        for i, leaf in zip(idx, kept_leaves):
+    def rebuild(self, j, p, s, x_template, labels, residuals):
+        """The pullback of the forward that kept `residuals`, on the structure of a template
+        traced here from `x_template` (any input of the right shape). `residuals` may be a
+        function of the template's own residuals (to unflatten a raveled buffer like them)."""
+        leaves, structure, idx = self.residual_leaves(self.vjp(j, p, s, x_template, labels)[1], p)
+        if callable(residuals):
+            residuals = residuals([leaves[i] for i in idx])
+        for i, leaf in zip(idx, residuals):
             leaves[i] = leaf
         return jax.tree.unflatten(structure, leaves)
 
-    def backward(self, j, p, s, x, labels, cotangent, kept_leaves=None, want: tuple[str, ...] = ("params", "input")):
+    def backward(self, j, p, s, x, labels, cotangent, residuals=None, want: tuple[str, ...] = ("params", "input")):
         """(d params, d input, metrics) of one micro-batch at stage j; a gradient not in `want` is
         None (and never computed). From the kept residuals where given (`rebuild`: x then only
         shapes the template; metrics None, the forward counted them), else recomputed from x (the
         running averages are the forward's to update; metrics those of the recomputed forward)."""
-        if kept_leaves is None:
+        if residuals is None:
             _, pullback, (_, metrics) = self.vjp(j, p, s, x, labels)
         else:
-            pullback, metrics = self.rebuild(j, p, s, x, labels, kept_leaves), None
+            pullback, metrics = self.rebuild(j, p, s, x, labels, residuals), None
         grads = pullback(self.seed(j, cotangent))
         d_params = grads[0] if "params" in want else None
         d_input = grads[1] if "input" in want and j > 0 else None
@@ -129,8 +129,8 @@ class StageOps:
         def probe(varying):
             for j in range(self.net.num_stages):
                 p, s, x, y = varying(jax.tree.map(zeros, (params[j], state[j], inputs[j], labels)))
-                kept = self.forward_kept(j, p, s, x, y)[1]
-                found.append(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kept))
+                residuals = self.forward_residuals(j, p, s, x, y)[1]
+                found.append(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residuals))
 
         trace_inside(probe)
         return tuple(found)

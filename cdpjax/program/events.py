@@ -38,13 +38,15 @@ MESSAGES = ("activation", "cotangent", "partial", "sum", "parameters", "image")
 
 
 def _check(event, **fields: int) -> None:
+    """Refuses a negative count; called where `min` of the fields is negative (a lowering makes
+    some 10^5 events: the common case costs one `min`, no keyword dict)."""
     for name, value in fields.items():
         if int(value) < 0:
             raise ValueError(f"{type(event).__name__}.{name}={value} is negative; it counts ticks, devices, "
                              f"stages or calls back (>= 0)")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Compute:
     """Device `device` runs an op of kind `kind` (a registered `OpKind` name) on `stage` for
     micro-batch `microbatch` of the step `lag` calls back, reading parameter version `version`
@@ -72,11 +74,12 @@ class Compute:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Compute.kind={self.kind!r} is not a registered op kind ({', '.join(KINDS)})")
-        _check(self, tick=self.tick, device=self.device, stage=self.stage, microbatch=self.microbatch,
-               version=self.version, lag=self.lag)
+        if min(self.tick, self.device, self.stage, self.microbatch, self.version, self.lag) < 0:
+            _check(self, tick=self.tick, device=self.device, stage=self.stage, microbatch=self.microbatch,
+                   version=self.version, lag=self.lag)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Message:
     tick: int
     what: str
@@ -92,7 +95,8 @@ class _Message:
             raise ValueError(f"{type(self).__name__}.what={self.what!r} is not one of {', '.join(MESSAGES)}")
         if self.src == self.dst:
             raise ValueError(f"{type(self).__name__} from device {self.src} to itself: a copy, not a message")
-        _check(self, tick=self.tick, src=self.src, dst=self.dst, stage=self.stage, lag=self.lag)
+        if min(self.tick, self.src, self.dst, self.stage, self.lag) < 0:
+            _check(self, tick=self.tick, src=self.src, dst=self.dst, stage=self.stage, lag=self.lag)
         if self.codec != "none":  # the registry imports JAX: only a program with codecs reads it
             from cdpjax import compress
             compress.lookup(self.codec, f"{type(self).__name__}.codec")
@@ -108,7 +112,7 @@ class _Message:
         return float(compress.lookup(self.codec).wire_bytes(-(-int(nbytes) // 4)))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Send(_Message):
     """Device `src` sends `what` of `stage` (`size`) to `dst` at the end of `tick`, encoded by
     `codec` (a `cdpjax.compress` name; 'none': as it is)."""
@@ -118,7 +122,7 @@ class Send(_Message):
         return self.src
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Receive(_Message):
     """Device `dst` receives `what` of `stage` (`size`) from `src` at the end of `tick`."""
 
@@ -127,7 +131,7 @@ class Receive(_Message):
         return self.dst
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Apply:
     """Device `device` applies the completed gradient sum of `stage` (the step `lag` calls back)
     to its copy (`parts` 1) or to its 1/`parts` piece of the stage, at the end of `tick`."""
@@ -139,14 +143,15 @@ class Apply:
     lag: int = 0
 
     def __post_init__(self):
-        _check(self, tick=self.tick, device=self.device, stage=self.stage, lag=self.lag)
+        if min(self.tick, self.device, self.stage, self.lag) < 0:
+            _check(self, tick=self.tick, device=self.device, stage=self.stage, lag=self.lag)
 
     @property
     def piece(self) -> bool:
         return self.parts > 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Gather:
     """Device `device` assembles `stage`'s version row `row` (0 current, 1 previous) from every
     device's 1/`parts` piece at the start of `tick`, for a visit of the step `lag` calls back."""

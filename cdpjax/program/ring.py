@@ -479,11 +479,15 @@ def ring_ticks(table: TimeTable) -> RingTicks:
                           f"worker's apply of every stage's update): lay out more steps than {table.steps}")
     steps = _by_step(table, applies, set(whole))
     held = _held(applies)
-    folds = {k: _fold(table, k, *steps[k], held) for k in whole}
-    ticks = folds[whole[-1]]
+    ticks = _fold(table, whole[-1], *steps[whole[-1]], held)
     unversioned = [dataclasses.replace(tk, depths=()) for tk in ticks]
-    for k, other in folds.items():
-        other = [dataclasses.replace(tk, depths=()) for tk in other]  # early steps' reads clamp at version 0
+    updates = _shifted_updates(table, T)
+    last = (_shifted(steps[whole[-1]], whole[-1], T), updates.get(whole[-1]))
+    for k in whole[:-1]:
+        if (_shifted(steps[k], k, T), updates.get(k)) == last:
+            continue  # the same events T ticks apart fold into the same period (the reads aside)
+        # early steps' reads clamp at version 0: their depths differ
+        other = [dataclasses.replace(tk, depths=()) for tk in _fold(table, k, *steps[k], held)]
         if other != unversioned:
             t = next(t for t, (a, b) in enumerate(zip(unversioned, other)) if a != b)
             raise ConfigError(f"the ring engine runs a table that repeats every {T} ticks, and this {table.method} "
@@ -551,8 +555,9 @@ def _refuse_unservable(table: TimeTable, applies: dict) -> None:
     a gradient op with no partial sum to add to, an update whose tick is not its last gradient
     op's, an apply before its worker holds the sum. `applies`: the table's (`_applies`)."""
     what = f"the ring engine cannot run this {table.method} table"
+    runnable = {kind for kind in {o.kind for o in table.ops} if runs(kind)}  # a look-up per kind, not per op
     for o in table.ops:
-        if not runs(o.kind):
+        if o.kind not in runnable:
             raise ConfigError(f"{what}: worker {o.device}'s op {o.kind}{o.stage} at tick {o.tick} is of kind "
                               f"{o.kind!r}, which the ring has no piece for (it runs {', '.join(filter(runs, KINDS))})")
     applied = {}
@@ -623,6 +628,25 @@ def _by_step(table: TimeTable, applies: dict, steps: set) -> dict:
     return out
 
 
+def _shifted(events: tuple, step: int, T: int) -> tuple:
+    """A step's ops, messages and applies (`_by_step`'s) with their ticks counted from the step's
+    start, in a canonical order, versions aside: two steps whose shifted events are equal fold
+    into the same period (`_fold` reads nothing else of them but the versions)."""
+    ops, messages, applied = events
+    start = step * T
+    return (sorted((o.tick - start, o.device, o.stage, o.kind) for o in ops),
+            sorted((m.tick - start, m.src, m.dst, m.stage, m.kind) for m in messages),
+            sorted((j, w, t - start) for (j, w), t in applied.items()))
+
+
+def _shifted_updates(table: TimeTable, T: int) -> dict:
+    """step -> its updates' (stage, tick from the step's start), sorted."""
+    out: dict = {}
+    for u in table.updates:
+        out.setdefault(u.step, []).append((u.stage, u.tick - u.step * T))
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict, held) -> tuple[RingTick, ...]:
     """The period's events from those of `step` (each at tick t mod T, lag t // T - step): its
     `ops`, `messages` and `applied` ((stage, worker) -> apply tick), `_by_step`'s; each op's read
@@ -652,8 +676,9 @@ def _fold(table: TimeTable, step: int, ops: list, messages: list, applied: dict,
             early(o.tick, f"{o.kind}{o.stage} of worker {o.device}")
         tk = ticks[o.tick % T]
         tk["ops"].append(RingOp(o.device, o.kind, o.stage, lag))
-        if held(o) > o.version:
-            tk["depths"].append((tk["ops"][-1], held(o) - o.version))
+        newest = held(o)
+        if newest > o.version:
+            tk["depths"].append((tk["ops"][-1], newest - o.version))
         if o.kind == grad:
             if (o.device, o.stage) not in received:
                 tk["chain_start"].add((o.device, o.stage))

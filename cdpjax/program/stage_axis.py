@@ -141,9 +141,9 @@ class StageTicks:
 
     @property
     def slots(self) -> dict[str, int]:
-        """Buffer slots per kind of stash (each device's rows of the engine's buffers)."""
-        return {"act": self.act_slots, "input": self.input_slots, "cot": self.cot_slots,
-                "residual": self.residual_slots}
+        """Buffer slots per stash, by the name of its buffer (each device's rows of the engine's buffers)."""
+        return {"acts": self.act_slots, "input": self.input_slots, "cots": self.cot_slots,
+                "residuals": self.residual_slots}
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-tick arrays a `lax.scan` reads (leading axis: the ticks of the period)."""
@@ -460,15 +460,16 @@ def _buffers(place, ticks: StageTicks, lag, versions, in_flight, heads, carry, c
                 Buffer("head_state", "model_state", rows("head_state"), True),
                 Buffer("grads.head", "gradients", rows("head_param"), in_flight)]
     between = lag > 0
-    out.append(Buffer("act", "activations", Size("input", inputs, True, ticks.act_slots), between))
+    out.append(Buffer("acts", "activations", Size("input", inputs, True, ticks.act_slots), between))
     if ticks.input_slots and (ticks.input_slot >= 0).any():
         out.append(Buffer("input", "images", Size("image", ((0,),), False, ticks.input_slots), between))
     if carry_image:
         out.append(Buffer("image", "images", Size("image", ((0,),), False, ticks.act_slots), between))
     if backprop:  # a cotangent row is an activation row (one carrier layout): as wide as the widest input
-        out.append(Buffer("cot", "cotangents", Size("input", inputs, True, ticks.cot_slots), between))
+        out.append(Buffer("cots", "cotangents", Size("input", inputs, True, ticks.cot_slots), between))
     if carry:
-        out.append(Buffer("residual", "residuals", Size("residual", units, True, ticks.residual_slots), between))
+        out.append(Buffer("residuals", "residuals", Size("residual", units, True, ticks.residual_slots),
+                          between))
     if lag:
         out.append(Buffer("labels", "labels", Size("label", ((0,),), False, lag * microbatches), True))
         out.append(Buffer("fed", "flags", Size("flag", ((0,),), False, lag), True))  # which calls fed a batch
