@@ -181,7 +181,7 @@ def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
 # device (arguments + temporaries + outputs not written over the donated state: `bench.memory`) of the
 # compiled step, for every registered method, measured with this file's grid (`pytest -m heavy
 # tests/test_plan.py -k against_xla`, or `python experiments/memory_against_xla.py`; jax 0.10.2, CPU,
-# 2026-12-04; 67 of the 78 measured within 5%; the whole grid passes through pytest on this model:
+# 2026-12-04; 70 of the 78 measured within 5%; the whole grid passes through pytest on this model:
 # `-m heavy` 73 passed and 18 left out, the 5 CI cases passed). The arguments agree to a few bytes.
 # Where a case is off, XLA's own account of its peak is in `XLA_FLAGS=--xla_dump_to=DIR`'s
 # `*train_step*-live-range.txt` ("Live ranges at N (peak)", with the source of each buffer).
