@@ -300,10 +300,15 @@ def conv_transposes(net, params, state, inputs, labels, task, bound) -> list[int
     read (0 for a stage without one), from the traced backward's jaxpr: a `conv_general_dilated`
     of the pullback whose result has the shape of one of the stage's parameters is a kernel's
     gradient, and its left operand the forward's activation. XLA:CPU runs such a convolution on
-    copies of its operands transposed to its kernel's layout (`transpose_copy_fusion`), made beside
-    the residuals the trace declares (which count, per ReLU, a zero cotangent XLA never makes): in
-    the buffer assignments of resnet_tiny's rings, local learning and dp, the net excess at the peak,
-    the first stage's backward, is about one such copy. `net`, `inputs`, `labels`: `program_sizes`'."""
+    copies of its operands transposed to its kernel's layout (`transpose_copy_fusion`), held beside
+    or in place of the residuals the trace declares (the trace also counts, per ReLU, a zero
+    cotangent XLA never makes). One copy, the largest, counted where a backward runs brought
+    resnet_tiny's rings at 2 devices, dp at 8 and the one-unit pipelines within 5% of XLA
+    (`tests/test_plan.py`); the live sets differ in detail (a ring's first-stage backward branch held
+    five transposed copies and a copy of its cotangent, cdp-zero's the five without that copy).
+    `net`, `inputs`, `labels`: `program_sizes`'."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
     from cdpjax.methods.stage_ops import StageOps
 
     ops = StageOps(net, task=task)
@@ -312,7 +317,9 @@ def conv_transposes(net, params, state, inputs, labels, task, bound) -> list[int
     def inner(value) -> list:  # the jaxprs an equation's parameters hold (a call's, a cond's branches)
         if isinstance(value, (tuple, list)):
             return [j for v in value for j in inner(v)]
-        return [getattr(value, "jaxpr", value)] if hasattr(value, "eqns") or hasattr(value, "jaxpr") else []
+        if isinstance(value, ClosedJaxpr):
+            return [value.jaxpr]
+        return [value] if isinstance(value, Jaxpr) else []
 
     def largest(jaxpr, kernels) -> int:
         most = 0
