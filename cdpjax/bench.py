@@ -291,7 +291,58 @@ def program_sizes(method, micro: int, task=None) -> dict[str, list[float]]:
     shapes = StageOps(net, task=task).residual_shapes(
         params, state, inputs, labels, lambda probe: jax.make_jaxpr(lambda: probe(lambda t: t) or 0, axis_env=bound)())
     out["residual"] = [tree_bytes(r) for r in shapes]
+    out["conv_transpose"] = conv_transposes(net, params, state, inputs, labels, task, bound)
     return {k: [float(x) for x in v] for k, v in out.items()}
+
+
+def conv_transposes(net, params, state, inputs, labels, task, bound) -> list[int]:
+    """Per stage, the bytes of the largest activation its backward's weight-gradient convolutions
+    read (0 for a stage without one), from the traced backward's jaxpr: a `conv_general_dilated`
+    of the pullback whose result has the shape of one of the stage's parameters is a kernel's
+    gradient, and its left operand the forward's activation. XLA:CPU runs such a convolution on
+    copies of its operands transposed to its kernel's layout (`transpose_copy_fusion`), held beside
+    or in place of the residuals the trace declares (the trace also counts, per ReLU, a zero
+    cotangent XLA never makes). One copy, the largest, counted where a backward runs brought
+    resnet_tiny's rings at 2 devices, dp at 8 and the one-unit pipelines within 5% of XLA
+    (`tests/test_plan.py`); the live sets differ in detail (a ring's first-stage backward branch held
+    five transposed copies and a copy of its cotangent, cdp-zero's the five without that copy).
+    `net`, `inputs`, `labels`: `program_sizes`'."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    from cdpjax.methods.stage_ops import StageOps
+
+    ops = StageOps(net, task=task)
+    found = []
+
+    def inner(value) -> list:  # the jaxprs an equation's parameters hold (a call's, a cond's branches)
+        if isinstance(value, (tuple, list)):
+            return [j for v in value for j in inner(v)]
+        if isinstance(value, ClosedJaxpr):
+            return [value.jaxpr]
+        return [value] if isinstance(value, Jaxpr) else []
+
+    def largest(jaxpr, kernels) -> int:
+        most = 0
+        for eqn in jaxpr.eqns:
+            for sub in (j for v in eqn.params.values() for j in inner(v)):
+                most = max(most, largest(sub, kernels))
+            if eqn.primitive.name == "conv_general_dilated" and tuple(eqn.outvars[0].aval.shape) in kernels:
+                lhs = eqn.invars[0].aval
+                most = max(most, int(np.prod(lhs.shape)) * np.dtype(lhs.dtype).itemsize)
+        return most
+
+    def probe():
+        zeros = lambda a: jnp.zeros(a.shape, a.dtype)  # noqa: E731
+        for j in range(net.num_stages):
+            p, s, x, y = jax.tree.map(zeros, (params[j], state[j], inputs[j], labels))
+            out, pullback, _ = ops.vjp(j, p, s, x, y)
+            seed = ops.seed(j, jnp.zeros(out.shape, out.dtype))
+            kernels = {tuple(q.shape) for q in jax.tree.leaves(p)}
+            found.append(largest(jax.make_jaxpr(pullback, axis_env=bound)(seed).jaxpr, kernels))
+        return 0
+
+    jax.make_jaxpr(probe, axis_env=bound)()
+    return found
 
 
 def head_residuals(heads, head_params, head_state, micro: int, labels, image, bound) -> list[int]:
@@ -598,7 +649,7 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
                "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
                "activations_in_flight": 0.0}
     residuals = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
-    sweep = backward_sweep(residuals, grads)
+    sweep = backward_sweep(residuals, grads, None if priced is None else priced["conv_transpose"])
     within = {"gradients_in_flight": params, "activations": float(sum(residuals)),
               "reduced_gradients": params if reduced else 0.0}
     within["total"] = max(sweep, 2 * params if reduced else 0.0)
@@ -609,13 +660,16 @@ def op_workspace(program, priced) -> float:
     """The most bytes a device's backward ops hold beyond the program's buffers: per unit, the
     forward residuals its backward recomputes (none where the program carries them: they are its
     buffers), its auxiliary heads' residuals (`head_residuals`; local learning's op runs the head's
-    forward and backward too), the parameter gradient it makes before adding it to the unit's sum
+    forward and backward too), on a device that runs one unit its convolutions' transposed copies
+    (`conv_transposes`; on a device of several units `unit_rows`, read from resnet_tiny's buffer
+    assignment, already hold them: counted there too, zbv, dualpipev, interleaved-1f1b and looped-bfs
+    read 1.04-1.06 of XLA), the parameter gradient it makes before adding it to the unit's sum
     (none where a call runs one micro-batch on a stage device, ppll's: that gradient is the sum, written
     in place), and a local-learning op's output (the next module's input, made before it is written
     into the carried activation; a local program declares no message buffers). On the stage engine
-    that output is also the switch's result (`switch_rows`), where XLA writes it once: counted twice,
-    which stands in for what resnet_tiny's convolutions hold beyond their traced residuals (XLA:CPU's
-    transposed copies; without it ppll there is 0.88 at 4 devices), not yet modelled. A stage-engine
+    that output is also the switch's result (`switch_rows`), where XLA writes it once: counted twice
+    (without it ppll on resnet_tiny at 4 devices was 0.88, before the transposed copies were counted;
+    not re-read since). A stage-engine
     device that holds several units (zbv, interleaved-1f1b...) runs each in its own branch of the
     tick's switch; one branch runs a tick and XLA lays the branches' buffers over one another (the
     peak's live set in its buffer assignment): its workspace is its largest unit's, the largest
@@ -624,10 +678,12 @@ def op_workspace(program, priced) -> float:
     place = program.placement
     local = any(KINDS[k].forward and KINDS[k].backward for k in program.kinds)
     summed = program.microbatches > 1 or place.every_worker_holds_every_unit
+    one_unit = place.every_worker_holds_every_unit or place.chunks == 1
     per_unit = []
     for stages in place.units:
         residuals = 0.0 if program.carries else sum(priced["residual"][j] for j in stages)
         residuals += sum(priced["head_residual"][j] for j in stages)
+        residuals += max(priced["conv_transpose"][j] for j in stages) if one_unit else 0.0
         made = sum(priced["param"][j] for j in stages) if summed else 0.0
         after = stages[-1] + 1
         out = priced["input"][after] if local and after < len(priced["input"]) else 0.0
@@ -746,10 +802,12 @@ def switch_rows(program, priced) -> float:
     return float(lanes(program) * (2 * row * len(slotted) + results))
 
 
-def backward_sweep(residuals: Sequence[float], grads: Sequence[float]) -> float:
+def backward_sweep(residuals: Sequence[float], grads: Sequence[float], workspace: Sequence[float] | None = None) -> float:
     """The most bytes a backward from the last stage to the first holds at once: at stage j's
-    backward, the residuals of stages 0..j (not yet read) and the gradients of stages j..L-1."""
-    return float(max((sum(residuals[:j + 1]) + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
+    backward, the residuals of stages 0..j (not yet read), the gradients of stages j..L-1 and
+    stage j's own backward workspace (`workspace[j]`, `conv_transposes`; none where not given)."""
+    extra = list(workspace) if workspace is not None else [0.0] * len(residuals)
+    return float(max((sum(residuals[:j + 1]) + extra[j] + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:
