@@ -802,7 +802,8 @@ def switch_rows(program, priced) -> float:
     return float(lanes(program) * (2 * row * len(slotted) + results))
 
 
-def backward_sweep(residuals: Sequence[float], grads: Sequence[float], workspace: Sequence[float] | None = None) -> float:
+def backward_sweep(residuals: Sequence[float], grads: Sequence[float],
+                   workspace: Sequence[float] | None = None) -> float:
     """The most bytes a backward from the last stage to the first holds at once: at stage j's
     backward, the residuals of stages 0..j (not yet read), the gradients of stages j..L-1 and
     stage j's own backward workspace (`workspace[j]`, `conv_transposes`; none where not given)."""
