@@ -29,7 +29,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +195,64 @@ def memory(compiled) -> dict[str, int]:
     }
     out["held_bytes"] = out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"] - out["alias_bytes"]
     return out
+
+
+class HeapAccount(NamedTuple):
+    """XLA's temporaries of one compiled module, from its dump (`heap_account`): `heap`, the size of
+    its preallocated temp allocation (`memory()`'s `temp_bytes`); `live_peak`, the most bytes of that
+    allocation's values live at one point of the schedule (a slot shared by several values at once
+    counted once); `at`, that point's instruction; `buffers`, the (name, bytes) live there, largest
+    first. `heap - live_peak` is the heap's packing: bytes no live-set model can predict."""
+
+    heap: int
+    live_peak: int
+    at: str
+    buffers: tuple[tuple[str, int], ...]
+
+
+_TEMP_VALUE = re.compile(r" value: <\d+ (.+?) @\d+> \(size=(\d+),offset=(\d+)\)")
+_LIVE_RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
+_SEQUENCE = re.compile(r"\s+(\d+):(\S+)$")
+
+
+def heap_account(assignment: str, live_ranges: str) -> HeapAccount:
+    """`HeapAccount` of a module from the text of its `--xla_dump_to` files
+    `*-buffer-assignment.txt` (the values of the 'preallocated-temp' allocation, each with its size
+    and offset) and `*-live-range.txt` (each value's first and last instruction in the schedule,
+    `BufferLiveRange`). Not that file's "Live ranges at N (peak)": it counts the parameters' values
+    too, so it is neither the temporaries' peak nor the heap."""
+    lines = assignment.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("allocation") and "preallocated-temp" in line)
+    heap = int(re.search(r"size (\d+)", lines[start]).group(1))
+    values = []
+    for line in lines[start + 1:]:
+        m = _TEMP_VALUE.match(line)
+        if m is None:
+            break
+        name = m.group(1).replace(" (phi)", "")
+        values.append((name if "{" in name else name + "{}", int(m.group(2)), int(m.group(3))))
+    spans, order, section = {}, {}, None
+    for line in live_ranges.splitlines():
+        if line.strip().endswith(":") and not line.startswith("    "):
+            section = line.strip()
+            continue
+        pattern = _LIVE_RANGE if section == "BufferLiveRange:" else _SEQUENCE if section == "InstructionSequence:" \
+            else None
+        m = pattern.match(line) if pattern is not None else None
+        if m is not None and section == "BufferLiveRange:":
+            spans[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+        elif m is not None:
+            order[int(m.group(1))] = m.group(2)
+    live = collections.defaultdict(dict)  # point -> {(offset, size): name}
+    for name, size, offset in values:
+        first, last = spans.get(name, (0, -1))
+        for point in range(first, last + 1):
+            live[point].setdefault((offset, size), name)
+    if not live:
+        return HeapAccount(heap, 0, "", ())
+    point = max(live, key=lambda p: sum(size for _, size in live[p]))
+    held = sorted(((name, size) for (_, size), name in live[point].items()), key=lambda b: -b[1])
+    return HeapAccount(heap, sum(size for _, size in held), order.get(point, str(point)), tuple(held))
 
 
 def tree_bytes(tree) -> int:

@@ -344,3 +344,25 @@ def test_a_stages_weight_gradient_convolutions_read_its_activations():
         assert micro == 64 and priced["conv_transpose"] == want, (model, priced["conv_transpose"])
         assert bench.op_workspace(method.program, priced) == max(
             priced["residual"][j] + priced["param"][j] + want[j] for j in range(4))
+
+
+def test_heap_account_reads_the_temporaries_live_set_from_a_dump():
+    """A hand-made dump (the formats of XLA:CPU's `*-buffer-assignment.txt` and `*-live-range.txt`):
+    a parameter's value outside the temp allocation; in it, `a` (32 bytes, live 0-2), `b` (64, 1-3),
+    `c` (32, 2-3, the slot `a` held until 2: the phi of a conditional, in that slot at once with `a`
+    at 2). By hand, bytes live per point: 0: a 32; 1: a + b 96; 2: the slot at 0 once (32) + b 64 =
+    96; 3: c + b 96. The first point of 96 is 1 (instruction 'b'); the parameter never counts."""
+    assignment = "\n".join([
+        "allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:",
+        " value: <0 p @0> (size=64,offset=0): f32[16]{0}",
+        "allocation 1: size 128, preallocated-temp:",
+        " value: <1 a @0> (size=32,offset=0): f32[8]{0}",
+        " value: <2 b @0> (size=64,offset=32): f32[16]{0}",
+        " value: <3 c.clone{0} (phi) @0> (size=32,offset=0): f32[8]{0}",
+        "allocation 2: size 4, constant:"])
+    live = "\n".join(["HloLiveRange (max 3):", "  InstructionSequence:", "    0:a", "    1:b", "    2:c", "    3:d",
+                      "  BufferLiveRange:", "    p{}:0-3", "    a{}:0-2", "    b{}:1-3", "    c.clone{0}:2-3",
+                      "  Live ranges at 0 (peak):", "    p{}: 64 bytes"])
+    account = bench.heap_account(assignment, live)
+    assert account.heap == 128 and account.live_peak == 96 and account.at == "b"
+    assert account.buffers == (("b{}", 64), ("a{}", 32))
