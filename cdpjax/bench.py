@@ -625,7 +625,9 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     call's buffers its program declares (`cdpjax.program.Program`, padding included; the figure by
     category counts the carried state too, the total only what a category holds beyond its arguments:
     `_beyond_arguments`) plus one backward op's workspace (`op_workspace`) and, on a worker that holds
-    every stage, what a tick makes before it lands (`tick_outputs`); on the stage engine, the larger of
+    every stage, what a tick makes before it lands (`tick_outputs`), or, where the stages are kept in
+    pieces and gathered (`gathers_pieces`), the tick's gradients and their pieces (`piece_scatter`,
+    in place of the declared gradient row); on the stage engine, the larger of
     its tick's two halves instead, the switch's or the messages' and update's (`stage_tick`); for dp
     and the one-device methods, the backward's
     sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
@@ -758,8 +760,9 @@ def op_workspace(program, priced) -> float:
 
 
 def tick_outputs(program, priced) -> float:
-    """What a worker that holds every stage (a ring's, cdp-zero's: `Placement.every_worker_holds_every_unit`)
-    makes in one tick before it lands in its carried state: the op's output (a forward's activation for
+    """What a worker that holds every stage (a ring's: `Placement.every_worker_holds_every_unit`; where
+    the stages are kept in pieces, `piece_scatter` instead) makes in one tick before it lands in its
+    carried state: the op's output (a forward's activation for
     the next stage, a backward's cotangent for the previous one) and the messages it receives at the
     tick's end (each a fresh buffer, a collective's result, added to or written into the carried state
     after). Neither is one of the program's buffers; the most bytes any device's tick makes. A stage
