@@ -29,7 +29,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ import numpy as np
 
 from cdpjax import compilation
 from cdpjax.kinds import KINDS
-from cdpjax.program.events import Compute, Receive
+from cdpjax.program.events import Compute, Gather, Receive
 from cdpjax.program.ring import SENDS_BY_TICK
 
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter", "all-to-all")
@@ -195,6 +195,64 @@ def memory(compiled) -> dict[str, int]:
     }
     out["held_bytes"] = out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"] - out["alias_bytes"]
     return out
+
+
+class HeapAccount(NamedTuple):
+    """XLA's temporaries of one compiled module, from its dump (`heap_account`): `heap`, the size of
+    its preallocated temp allocation (`memory()`'s `temp_bytes`); `live_peak`, the most bytes of that
+    allocation's values live at one point of the schedule (a slot shared by several values at once
+    counted once); `at`, that point's instruction; `buffers`, the (name, bytes) live there, largest
+    first. `heap - live_peak` is the heap's packing: bytes no live-set model can predict."""
+
+    heap: int
+    live_peak: int
+    at: str
+    buffers: tuple[tuple[str, int], ...]
+
+
+_TEMP_VALUE = re.compile(r" value: <\d+ (.+?) @\d+> \(size=(\d+),offset=(\d+)\)")
+_LIVE_RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
+_SEQUENCE = re.compile(r"\s+(\d+):(\S+)$")
+
+
+def heap_account(assignment: str, live_ranges: str) -> HeapAccount:
+    """`HeapAccount` of a module from the text of its `--xla_dump_to` files
+    `*-buffer-assignment.txt` (the values of the 'preallocated-temp' allocation, each with its size
+    and offset) and `*-live-range.txt` (each value's first and last instruction in the schedule,
+    `BufferLiveRange`). Not that file's "Live ranges at N (peak)": it counts the parameters' values
+    too, so it is neither the temporaries' peak nor the heap."""
+    lines = assignment.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("allocation") and "preallocated-temp" in line)
+    heap = int(re.search(r"size (\d+)", lines[start]).group(1))
+    values = []
+    for line in lines[start + 1:]:
+        m = _TEMP_VALUE.match(line)
+        if m is None:
+            break
+        name = m.group(1).replace(" (phi)", "")
+        values.append((name if "{" in name else name + "{}", int(m.group(2)), int(m.group(3))))
+    spans, order, section = {}, {}, None
+    for line in live_ranges.splitlines():
+        if line.strip().endswith(":") and not line.startswith("    "):
+            section = line.strip()
+            continue
+        pattern = _LIVE_RANGE if section == "BufferLiveRange:" else _SEQUENCE if section == "InstructionSequence:" \
+            else None
+        m = pattern.match(line) if pattern is not None else None
+        if m is not None and section == "BufferLiveRange:":
+            spans[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+        elif m is not None:
+            order[int(m.group(1))] = m.group(2)
+    live = collections.defaultdict(dict)  # point -> {(offset, size): name}
+    for name, size, offset in values:
+        first, last = spans.get(name, (0, -1))
+        for point in range(first, last + 1):
+            live[point].setdefault((offset, size), name)
+    if not live:
+        return HeapAccount(heap, 0, "", ())
+    point = max(live, key=lambda p: sum(size for _, size in live[p]))
+    held = sorted(((name, size) for (_, size), name in live[point].items()), key=lambda b: -b[1])
+    return HeapAccount(heap, sum(size for _, size in held), order.get(point, str(point)), tuple(held))
 
 
 def tree_bytes(tree) -> int:
@@ -567,7 +625,9 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     call's buffers its program declares (`cdpjax.program.Program`, padding included; the figure by
     category counts the carried state too, the total only what a category holds beyond its arguments:
     `_beyond_arguments`) plus one backward op's workspace (`op_workspace`) and, on a worker that holds
-    every stage, what a tick makes before it lands (`tick_outputs`); on the stage engine, the larger of
+    every stage, what a tick makes before it lands (`tick_outputs`), or, where the stages are kept in
+    pieces and gathered (`gathers_pieces`), the tick's gradients and their pieces (`piece_scatter`,
+    in place of the declared gradient row); on the stage engine, the larger of
     its tick's two halves instead, the switch's or the messages' and update's (`stage_tick`); for dp
     and the one-device methods, the backward's
     sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
@@ -583,6 +643,11 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
         within["workspace"] = op_workspace(method.program, priced)
         within["tick_outputs"] = tick_outputs(method.program, priced)
         within["total"] = within["beyond_arguments"] + within["workspace"] + within["tick_outputs"]
+        if gathers_pieces(method.program):
+            within.update(piece_scatter(method.program, priced))
+            within["tick_outputs"] = 0.0
+            within["total"] = (within["beyond_arguments"] - _beyond_arguments(method.program, "gradients", priced)
+                               + within["workspace"] + within["scatter"])
         if holds_carrier_slots(method.program):
             within.update(stage_tick(method.program, priced, within["workspace"], opt_ratio))
     else:
@@ -695,8 +760,9 @@ def op_workspace(program, priced) -> float:
 
 
 def tick_outputs(program, priced) -> float:
-    """What a worker that holds every stage (a ring's, cdp-zero's: `Placement.every_worker_holds_every_unit`)
-    makes in one tick before it lands in its carried state: the op's output (a forward's activation for
+    """What a worker that holds every stage (a ring's: `Placement.every_worker_holds_every_unit`; where
+    the stages are kept in pieces, `piece_scatter` instead) makes in one tick before it lands in its
+    carried state: the op's output (a forward's activation for
     the next stage, a backward's cotangent for the previous one) and the messages it receives at the
     tick's end (each a fresh buffer, a collective's result, added to or written into the carried state
     after). Neither is one of the program's buffers; the most bytes any device's tick makes. A stage
@@ -716,6 +782,45 @@ def tick_outputs(program, priced) -> float:
         if isinstance(e, Receive):
             received[e.tick, e.dst] = received.get((e.tick, e.dst), 0.0) + e.size.bytes(priced)
     return float(max((made.get(k, 0.0) + received.get(k, 0.0) for k in set(made) | set(received)), default=0.0))
+
+
+def gathers_pieces(program) -> bool:
+    """Whether the program keeps each stage in pieces over its workers and gathers a stage before a
+    visit (`Gather` events: cdp-zero's engine), which `piece_scatter` models."""
+    return any(isinstance(e, Gather) for e in program.events)
+
+
+def piece_scatter(program, priced) -> dict[str, float]:
+    """What a tick of a program that keeps its stages in pieces (`gathers_pieces`) holds beside its
+    busiest op's workspace, in place of `tick_outputs` and the declared gradient row: every gradient
+    op of the tick as a whole-stage gradient on every device (one SPMD program: each worker's op is
+    a branch every device runs, the idle worker's making zeros of the stage's size), kept to the
+    tick's end where its pieces go out, and the gradient pieces the tick's permutes deliver: one
+    buffer per route (dst - src mod N) and payload length on every device, a permute's result, not
+    only on its receiver. The op's own gradient counts here and in its workspace: the second stands
+    for its stage's parameters, unpacked from the relay row in the op's branch. The gather's pieces
+    are landed before the ops: not beside them. The most bytes over the ticks. Read against XLA's
+    live set (`heap_account`) of cdp-zero on the MLP and `resnet_tiny` at 2, 4 and 8 devices."""
+    split, devices = program.split_backward, program.devices
+    rows: dict[int, float] = collections.defaultdict(float)
+    for e in program.events:
+        if isinstance(e, Compute) and KINDS[e.kind].completes_gradient(split):
+            rows[e.tick] += priced["param"][e.stage]
+    pairs: dict[tuple, float] = collections.defaultdict(float)
+    for e in program.events:
+        if isinstance(e, Receive) and e.size.parts > 1 and e.what in ("partial", "sum"):
+            pairs[e.tick, e.src, e.dst] += e.wire_bytes(priced)
+    routes: dict[int, set] = collections.defaultdict(set)
+    for (tick, src, dst), payload in pairs.items():
+        routes[tick].add(((dst - src) % devices, payload))
+    received = {tick: sum(payload for _, payload in kept) for tick, kept in routes.items()}
+    ticks = set(rows) | set(received)
+    best = max(ticks, key=lambda t: rows.get(t, 0.0) + received.get(t, 0.0), default=None)
+    if best is None:
+        return {"gradient_rows": 0.0, "gradient_pieces": 0.0, "scatter": 0.0}
+    out = {"gradient_rows": float(rows.get(best, 0.0)), "gradient_pieces": float(received.get(best, 0.0))}
+    out["scatter"] = out["gradient_rows"] + out["gradient_pieces"]
+    return out
 
 
 def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dict[str, float]:
@@ -751,14 +856,17 @@ def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
     """Parameter rows a stage engine's tick makes as new arrays (one carrier row each): per lane,
     the row its op reads where that is not the stored row itself, a device of several units
     (`Placement.chunks` > 1) reading its unit's row of a [units, width] array by index, or a program
-    of two versions (`Program.versions`: cdp-mp) selecting the version the op reads. A device of
-    several units also reads a unit's parameter and optimizer-state rows for the update, and copies
-    the gradient sums, which the tick adds to one unit's row while the averaging loop still reads
-    them all. 0 for one unit's one version (read in place)."""
+    of two versions (`Program.versions`: cdp-mp) selecting the version the op reads; such a program
+    also keeps each older version by a select its update makes, which XLA hoists to the tick's start
+    (live through the switch: cdp-mp on the MLP at 8 devices read 0.94 of XLA without it, 1.03 with).
+    A device of several units also reads a unit's parameter and optimizer-state rows for the update,
+    and copies the gradient sums, which the tick adds to one unit's row while the averaging loop
+    still reads them all. 0 for one unit's one version (read in place)."""
     V = program.placement.chunks
     grads = program.buffer("grads").size
     row = grads.bytes(priced) / grads.count
     out = lanes(program) * row if V > 1 or program.versions > 1 else 0.0
+    out += (program.versions - 1) * row
     if V > 1:
         out += row * (1 + opt_ratio) + row * V
     return float(out)

@@ -183,8 +183,11 @@ counts:
   unit reads, `bench.conv_transposes`, traced per stage from the backward's jaxpr: XLA:CPU runs those
   convolutions on copies of their operands in its kernels' layout), the largest of
   the units a device holds (each runs in its own branch of the tick's switch, and XLA lays the
-  branches' buffers over one another); on a worker that holds every stage (the rings, cdp-zero)
-  what its busiest tick makes before it lands (the op's output and the messages it receives); dp
+  branches' buffers over one another); on a worker that holds every stage (the rings) what its
+  busiest tick makes before it lands (the op's output and the messages it receives); where the
+  stages are kept in pieces (cdp-zero) instead the tick's gradient ops' whole-stage gradients, on
+  every device (each worker's op is a branch every device runs), and the gradient pieces its
+  permutes deliver, one buffer per route and piece length on every device (`bench.piece_scatter`); dp
   and the one-device methods sweep the backward over the stages (the residuals of stages 0..j with
   the gradients of j..L-1 and stage j's transposed copy), dp's all-reduced copy beside the gradient.
 - the stage engine's tick in two halves, which XLA does not hold at once (`bench.stage_tick`, read
@@ -201,27 +204,35 @@ counts:
   `resnet_tiny`: there a row (a 32 x 512 activation) outweighs a stage's parameters, so the switch
   half is the peak; on the MLP the messages' half is.
 
-Within 5% of XLA (70 of the 78 cases measured; the grid's other 18 are left out: a one-device
+Within 5% of XLA (75 of the 78 cases measured; the grid's other 18 are left out: a one-device
 method is measured at 2 devices only, a 4-stage pipeline needs 4): every pipeline on `resnet_tiny`
 (gpipe, 1f1b, zb-h1, zbv, interleaved-1f1b, looped-bfs, dualpipev, cdp-mp, ppll: 0.99-1.05, where the
 switch's rows were 0.58-0.90 unaccounted for before); e2e; dp; cdp-v1, cdp-v2 and cdp-random (on
 `resnet_tiny` at 2 devices 0.948 before the convolutions' transposed copies were counted, 1.004 after);
 gpipe, 1f1b, zb-h1, zbv, looped-bfs and ppll on the MLP (ppll was 1.10-1.15 while its head, a `Dense`
-on the module's output, also counted that output as its residual); cdp-zero on `resnet_tiny` at 4
-and 8 devices. The others, recorded in the test with their reasons (predicted over XLA's): on the
-MLP, interleaved-1f1b at 2 devices 1.051 (by a hair), dualpipev at 8 devices 0.93, cdp-mp at 8
-devices 0.94 (two parameter rows of its two-version update at the peak), cdp-zero 0.77-1.10 (its
-peak in a branch's scatter of whole-stage rows, not at an op); on `resnet_tiny`, local at 2 devices
-0.92 (its peak holds one more of the first stage's activations and transposed copies than e2e's), and
-cdp-zero at 2 devices 1.066 (1.006 before the transposed copies were counted: its backward branch
-holds them, but the model's op output and pieces beside it overshoot, as on the MLP). On a device of
-several units (zbv, dualpipev, interleaved-1f1b, looped-bfs) the transposed copy is not added: the
-unit rows, read from `resnet_tiny`'s buffer assignment, already hold it (added, they read 1.04-1.06).
-XLA's own account of a peak: `--xla_dump_to`'s `*-live-range.txt` ("Live ranges at N (peak)").
+on the module's output, also counted that output as its residual); cdp-zero everywhere (1.021, 0.974,
+0.954 on the MLP at 2, 4, 8 devices, 1.007, 1.005, 1.034 on `resnet_tiny`; 0.77-1.10 while its tick was
+modelled as a ring's, the op's output and the pieces received by one device). At 8 devices on the MLP
+cdp-zero's heap is 1.13 times XLA's own live peak (372872 bytes against 331052: small tuples laid out
+above the rest); the model's 346443 lies between. cdp-mp on the MLP at 8 devices, 0.94 before its
+update's select of the previous version was counted (XLA hoists it to the tick's start: three
+parameter rows at its live peak, the model's two), is 1.03.
+
+The others, recorded in the test with the buffers XLA holds at its live peak (in each the heap is
+that peak to 0.4%): on the MLP, interleaved-1f1b at 2 devices 1.051 (four [2, row] arrays, two unit
+rows, a kernel gradient: the model's switch half a row over), dualpipev at 8 devices 0.93 (two [2, row]
+arrays, seven unit rows, three kernels: 1.4 rows short); on `resnet_tiny`, local at 2 devices 0.92
+(13 arrays of 262144 bytes, the first stage's conv outputs and transposed copies, six and six where
+e2e's holds five and five: 1.45 of them short). On a device of several units (zbv, dualpipev,
+interleaved-1f1b, looped-bfs) the transposed copy is not added: the unit rows, read from
+`resnet_tiny`'s buffer assignment, already hold it (added, they read 1.04-1.06). XLA's own account
+of its temporaries: `bench.heap_account` of a module's `--xla_dump_to` files
+(`*-buffer-assignment.txt`, `*-live-range.txt`): its heap, its live peak and the buffers there (the
+live-range file's "Live ranges at N (peak)" counts the parameters' values too).
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
-`--top` where the first ones are), and one the model drops (cdp-zero on small MLPs) could have
-fitted.
+`--top` where the first ones are), and one the model drops (interleaved-1f1b on the MLP at 2
+devices, 5% over) could have fitted.
 
 ## Worked example
 
