@@ -365,29 +365,16 @@ def conv_transposes(net, params, state, inputs, labels, task, bound) -> list[int
     (`tests/test_plan.py`); the live sets differ in detail (a ring's first-stage backward branch held
     five transposed copies and a copy of its cotangent, cdp-zero's the five without that copy).
     `net`, `inputs`, `labels`: `program_sizes`'."""
-    from jax.extend.core import ClosedJaxpr, Jaxpr
-
+    from cdpjax.lowering import equations
     from cdpjax.methods.stage_ops import StageOps
 
     ops = StageOps(net, task=task)
     found = []
 
-    def inner(value) -> list:  # the jaxprs an equation's parameters hold (a call's, a cond's branches)
-        if isinstance(value, (tuple, list)):
-            return [j for v in value for j in inner(v)]
-        if isinstance(value, ClosedJaxpr):
-            return [value.jaxpr]
-        return [value] if isinstance(value, Jaxpr) else []
-
     def largest(jaxpr, kernels) -> int:
-        most = 0
-        for eqn in jaxpr.eqns:
-            for sub in (j for v in eqn.params.values() for j in inner(v)):
-                most = max(most, largest(sub, kernels))
-            if eqn.primitive.name == "conv_general_dilated" and tuple(eqn.outvars[0].aval.shape) in kernels:
-                lhs = eqn.invars[0].aval
-                most = max(most, int(np.prod(lhs.shape)) * np.dtype(lhs.dtype).itemsize)
-        return most
+        lhs = [eqn.invars[0].aval for eqn in equations(jaxpr)
+               if eqn.primitive.name == "conv_general_dilated" and tuple(eqn.outvars[0].aval.shape) in kernels]
+        return max((int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in lhs), default=0)
 
     def probe():
         zeros = lambda a: jnp.zeros(a.shape, a.dtype)  # noqa: E731

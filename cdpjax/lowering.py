@@ -109,19 +109,21 @@ def cuda_problems(config, devices=None, rng=None) -> list[str]:
     return problems
 
 
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs its equations hold (scan and loop bodies, cond
+    branches, calls), each equation before the ones it holds."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a bare Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
 def primitives(fn, args) -> list[str]:
     """The names of the primitives `fn(*args)` runs, in nested jaxprs too (scan bodies, branches)."""
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn.primitive.name
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return [eqn.primitive.name for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 _CONVOLUTION = re.compile(r"stablehlo\.convolution\(.*?dim_numbers = (\[[^\]]*\]x\[[^\]]*\]->\[[^\]]*\])")
@@ -133,4 +135,5 @@ def convolution_layouts(exported: jax.export.Exported) -> list[str]:
     return _CONVOLUTION.findall(exported.mlir_module())
 
 
-__all__ = ["abstract", "abstract_batch", "convolution_layouts", "cuda_problems", "export", "primitives", "programs"]
+__all__ = ["abstract", "abstract_batch", "convolution_layouts", "cuda_problems", "equations", "export", "primitives",
+           "programs"]

@@ -5,12 +5,13 @@
         --figure docs/figures/delays_digits.png                                # docs/delays.md's digits grid
     python experiments/delays.py --grid target --out out/delays_target \\
         --figure docs/figures/delays_charlm.png                                # the issue's target point
-    python experiments/delays.py --grid full --out out/delays_full             # a bigger machine
-    python experiments/delays.py --docs --out out/delays                       # docs/delays.md's two figures
+    python experiments/delays.py --grid charlm --out out/delays/charlm --part 0/2 --resume &   # two processes,
+    python experiments/delays.py --grid charlm --out out/delays/charlm --part 1/2 --resume     # one OUT
+    python experiments/delays.py --docs --out out/delays                       # docs/delays.md's three figures
 
 Every run trains `cdp-random` (`cdpjax.layouts.delays`) with `cdp_impl='simulate'` on one device,
 N = 4 workers vmapped, the model cut into 4 stages: on digits (`cdpjax/configs/digits.py`, the
-4-stage MLP, batch 128) and, in the full grid, on the character language model
+4-stage MLP, batch 128) and, in the charlm, target and full grids, on the character language model
 (`cdpjax/configs/charlm.py`, batch 64). A row is (task, delay model, nominal delay tau,
 correction, seed); each delay model is set for its nominal tau as `delay_for` says, and the
 x-axis is the *realised* mean staleness of the run's table (`cdpjax.staleness.mean`, over the
@@ -69,9 +70,11 @@ GRIDS = {
                           corrections=("none", "pipenag+staleness-square+fresh-weighted",
                                        "pipenag+staleness-sqrt+fresh-weighted", "fresh-sharp+staleness-lr"),
                           seeds=(0,), steps={"charlm": 300}, fresh_corrections=("none",)),
-    # the issue's grid on digits alone (the charlm half does not fit a 2-core machine: docs/delays.md)
+    # the issue's grid, one task at a time (docs/delays.md's two curve figures; together: "full")
     "digits": dict(tasks=("digits",), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
                    seeds=(0, 1, 2), steps={"digits": 600}),
+    "charlm": dict(tasks=("charlm",), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
+                   seeds=(0, 1, 2), steps={"charlm": 300}),
     # the issue's grid: both tasks, every model, tau in {0, 1, 2, 4, 8}, 3 seeds
     "full": dict(tasks=("digits", "charlm"), models=MODELS, taus=(0, 1, 2, 4, 8), corrections=CORRECTIONS,
                  seeds=(0, 1, 2), steps={"digits": 600, "charlm": 300}),
@@ -243,7 +246,8 @@ def plot(runs: list[Run], path: str) -> None:
 
 
 # docs/delays.md's figures: (grid, figure), each grid's runs in OUT/GRID (`--docs`)
-DOC_FIGURES = (("digits", "docs/figures/delays_digits.png"), ("target", "docs/figures/delays_charlm.png"))
+DOC_FIGURES = (("digits", "docs/figures/delays_digits.png"), ("charlm", "docs/figures/delays_charlm_grid.png"),
+               ("target", "docs/figures/delays_charlm.png"))
 
 
 def main(argv=None) -> int:
@@ -260,9 +264,20 @@ def main(argv=None) -> int:
     p.add_argument("--corrections", default=None,
                    help="comma-separated: train only these of the grid's corrections (then --resume for the rest)")
     p.add_argument("--models", default=None, help="comma-separated: train only these of the grid's delay models")
+    p.add_argument("--part", default=None, metavar="I/N",
+                   help="train only the grid's rows I, I + N, I + 2N, ... (N processes sharing one OUT, each with "
+                        "--resume; then one whole --resume call writes the table and figure)")
     args = p.parse_args(argv)
+    part, parts = 0, 1
+    if args.part:
+        try:
+            part, parts = (int(v) for v in args.part.split("/"))
+        except ValueError:
+            p.error(f"--part {args.part}: give I/N, e.g. 0/2")
+        if not 0 <= part < parts:
+            p.error(f"--part {args.part}: I must be in 0..N-1")
     if args.docs:
-        if args.tiny or args.figure or args.corrections or args.models:
+        if args.tiny or args.figure or args.corrections or args.models or args.part:
             p.error("--docs runs the docs' grids whole: give it only --out")
         root = pathlib.Path(__file__).resolve().parents[1]
         for name, figure in DOC_FIGURES:
@@ -284,7 +299,9 @@ def main(argv=None) -> int:
             done = {_resume_key(*r[:5]): r for r in (Run(**json.loads(line)) for line in f if line.strip())}
     runs = []
     with open(log, "a" if args.resume else "w") as f:
-        for task, model, tau, correction, seed in rows(grid):
+        for index, (task, model, tau, correction, seed) in enumerate(rows(grid)):
+            if index % parts != part:
+                continue
             r = done.get(_resume_key(task, model, tau, correction, seed))
             if r is None:
                 r = train_one(task, model, tau, correction, seed, grid["steps"][task])
@@ -293,6 +310,9 @@ def main(argv=None) -> int:
                 print(f"{task} {model} tau={tau} (mean {r.mean_tau:.2f}) {correction} seed {seed}: "
                       f"test loss {r.test_loss:.4f}, accuracy {r.test_metric:.4f}", flush=True)
             runs.append(r)
+    if parts > 1:
+        print(f"part {part}/{parts} of {args.out} trained: one whole --resume call writes its table and figure")
+        return 0
     with open(os.path.join(args.out, "delays.json"), "w") as f:
         json.dump({"grid": {k: v for k, v in grid.items()}, "runs": [r._asdict() for r in runs]}, f, indent=1)
     with open(os.path.join(args.out, "delays.md"), "w") as f:
