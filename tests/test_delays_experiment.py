@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import pytest
 from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,3 +48,35 @@ def test_docs_writes_each_figure_from_its_grids_runs_and_retrains_nothing_stored
     assert delays.main(["--docs", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "tiny" / "delays.json").read_text())["runs"] == first
     assert figure.stat().st_size > 1000
+
+
+def test_parts_share_one_out_and_train_each_row_once(tmp_path, monkeypatch):
+    """`--part I/N`: part I trains rows I, I + N, ... of the grid's order (counted here from the
+    grid's own loops: tau = 0 rows first, then model by model) into one OUT; the whole grid's
+    --resume call afterwards trains nothing and holds every row once."""
+    trained = []
+
+    def fake(task, model, tau, correction, seed, steps):
+        trained.append((task, model, tau, correction, seed))
+        return delays.Run(task, model, tau, correction, seed, float(tau), 1.0 + tau, 0.5, 0, 0)
+
+    monkeypatch.setattr(delays, "train_one", fake)
+    grid = ["--tiny", "--out", str(tmp_path), "--resume"]
+    # tiny: digits, uniform-tau, taus (0, 2), corrections (none, staleness-lr), seed 0
+    order = [("digits", "uniform-tau", 0, "none", 0), ("digits", "uniform-tau", 0, "staleness-lr", 0),
+             ("digits", "uniform-tau", 2, "none", 0), ("digits", "uniform-tau", 2, "staleness-lr", 0)]
+    assert delays.main(grid + ["--part", "1/2"]) == 0
+    assert trained == order[1::2] and not (tmp_path / "delays.json").exists()
+    assert delays.main(grid + ["--part", "0/2"]) == 0
+    assert trained == order[1::2] + order[0::2]
+    assert delays.main(grid) == 0
+    assert len(trained) == 4
+    runs = json.loads((tmp_path / "delays.json").read_text())["runs"]
+    assert sorted(tuple(r[k] for k in ("task", "model", "tau", "correction", "seed")) for r in runs) == sorted(order)
+
+
+def test_part_refuses_a_bad_share(tmp_path, capsys):
+    for bad in ("2/2", "x"):
+        with pytest.raises(SystemExit):
+            delays.main(["--tiny", "--out", str(tmp_path), "--part", bad])
+        assert "--part" in capsys.readouterr().err
