@@ -617,7 +617,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     in place of the declared gradient row); on the stage engine, the larger of
     its tick's two halves instead, the switch's or the messages' and update's (`stage_tick`); for dp
     and the one-device methods, the backward's
-    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
+    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces; local
+    learning's backwards after every forward, `forward_first_sweep`), or dp's
     all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
     method in `tests/test_plan.py` (within 5%, or the recorded ratio and why). `opt_ratio`:
     `optimizer_ratio(config, method.net)`, where the caller has it."""

@@ -183,9 +183,12 @@ def test_the_tiny_worked_example_regenerates(tmp_path, monkeypatch):
 # tests/test_plan.py -k against_xla`, or `python experiments/memory_against_xla.py`; jax 0.10.2, CPU,
 # 2026-12-04; 77 of the 78 measured within 5%, cdp-zero's six with `bench.piece_scatter`: MLP 1.021,
 # 0.974, 0.954 at 2, 4, 8 devices, resnet_tiny 1.007, 1.005, 1.034; cdp-mp with its update's select of
-# the previous version, `bench.unit_rows`: MLP 1.042, 1.025 at 4, 8; the whole grid passes through pytest
-# on this model: `-m heavy -n 2` 73 passed and 18 left out, the 5 CI cases passed). The arguments agree
-# to a few bytes.
+# the previous version, `bench.unit_rows`: MLP 1.042, 1.025 at 4, 8; local with its backwards after
+# every forward, `bench.forward_first_sweep`: resnet_tiny 0.956, MLP 1.022; interleaved-1f1b on the MLP
+# at 2 devices 1.023 with the gradient sums counted once and the update's rows through the tick,
+# `bench.update_rows`, its family's other one-lane cases 0.971-1.021; the whole grid passes through
+# pytest on this model: `-m heavy` 73 passed and 18 left out, the 5 CI cases passed). The arguments
+# agree to a few bytes.
 # Where a case is off, XLA's own account of its temporaries is in `XLA_FLAGS=--xla_dump_to=DIR`:
 # `bench.heap_account` of its `*train_step*-buffer-assignment.txt` and `*-live-range.txt` (the heap, its
 # live peak and the buffers there; the live-range file's "Live ranges at N (peak)" counts the
