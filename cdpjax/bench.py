@@ -861,11 +861,10 @@ def unit_rows(program, priced) -> float:
     at XLA's live peak of dualpipev on the MLP at 2 and 8 devices; on resnet_tiny's, later in the
     branch, a convolution's backward, they are freed: there the model reads 1.03-1.04), where one
     lane's op holds its own beside its gradient only in turn (`op_workspace` counts one): lanes - 1
-    rows more. The
-    gradient sums this device copies for the tick are the sums themselves (the copy replaces the
-    loop's value in XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2 devices,
-    dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them. 0 for one unit's
-    one version (read in place)."""
+    rows more. The gradient sums such a device copies for the tick are the sums themselves (the copy
+    replaces the loop's value in XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2
+    devices, dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them, not here.
+    0 for one unit's one version (read in place)."""
     V = program.placement.chunks
     grads = program.buffer("grads").size
     row = grads.bytes(priced) / grads.count
