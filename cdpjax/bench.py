@@ -617,7 +617,8 @@ def memory_model(method, config, table, sizes: dict, devices: int, priced: dict 
     in place of the declared gradient row); on the stage engine, the larger of
     its tick's two halves instead, the switch's or the messages' and update's (`stage_tick`); for dp
     and the one-device methods, the backward's
-    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces), or dp's
+    sweep over the stages (`backward_sweep`, from the residuals `program_sizes` traces; local
+    learning's backwards after every forward, `forward_first_sweep`), or dp's
     all-reduce of the gradient, out of place, if that holds more. Checked against XLA for every
     method in `tests/test_plan.py` (within 5%, or the recorded ratio and why). `opt_ratio`:
     `optimizer_ratio(config, method.net)`, where the caller has it."""
@@ -689,6 +690,8 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
     that stages 0..j's forwards kept for it (`jax.vjp`'s, traced by `program_sizes`: each layer's
     input and what its derivative reads, a stage's internal activations included) and the
     gradients of stages j..L-1 are held; the peak is the largest such moment (`backward_sweep`).
+    Local learning (`local`: a method with heads and no program) has no such chain: its modules'
+    backwards run after every forward, the first module's first (`forward_first_sweep`).
     `reduced`: the gradient is then all-reduced over devices, which XLA does out of place (the
     summed copy a second whole gradient, live with the first once the residuals are freed).
     Without `priced` residuals, each stage's output stands for them (the table's activations)."""
@@ -701,7 +704,12 @@ def _structural_memory(method, table, sizes, opt_ratio, reduced: bool, priced=No
                "model_state": state, "gradients_in_flight": 0.0, "relayed_parameters": 0.0,
                "activations_in_flight": 0.0}
     residuals = list(priced["residual"]) if priced is not None else list(sizes["activation_bytes"])
-    sweep = backward_sweep(residuals, grads, None if priced is None else priced["conv_transpose"])
+    workspace = None if priced is None else priced["conv_transpose"]
+    if method.heads is not None and priced is not None:  # local learning: each module's loss its head's
+        kept = [r + h for r, h in zip(residuals, priced["head_residual"])]
+        sweep = forward_first_sweep(kept, grads, workspace)
+    else:
+        sweep = backward_sweep(residuals, grads, workspace)
     within = {"gradients_in_flight": params, "activations": float(sum(residuals)),
               "reduced_gradients": params if reduced else 0.0}
     within["total"] = max(sweep, 2 * params if reduced else 0.0)
@@ -713,9 +721,9 @@ def op_workspace(program, priced) -> float:
     forward residuals its backward recomputes (none where the program carries them: they are its
     buffers), its auxiliary heads' residuals (`head_residuals`; local learning's op runs the head's
     forward and backward too), on a device that runs one unit its convolutions' transposed copies
-    (`conv_transposes`; on a device of several units `unit_rows`, read from resnet_tiny's buffer
-    assignment, already hold them: counted there too, zbv, dualpipev, interleaved-1f1b and looped-bfs
-    read 1.04-1.06 of XLA), the parameter gradient it makes before adding it to the unit's sum
+    (`conv_transposes`; not on a device of several units: added there, zbv, dualpipev, interleaved-1f1b
+    and looped-bfs read 1.04-1.06 of XLA when `unit_rows` still counted a copy of the gradient sums;
+    not re-read since), the parameter gradient it makes before adding it to the unit's sum
     (none where a call runs one micro-batch on a stage device, ppll's: that gradient is the sum, written
     in place), and a local-learning op's output (the next module's input, made before it is written
     into the carried activation; a local program declares no message buffers). On the stage engine
@@ -819,9 +827,10 @@ def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dic
     message buffer (`messages.*`: the gated permute's zero start), the zero start of the loop that
     averages the gradient over `data` (half of `reduced_gradients`), and, per slotted buffer a
     message lands in, the row its delivery reads (`jnp.where` against the old row), all made before
-    the switch; on a device of several units, the rows read out of its [units, width] arrays
-    (`unit_rows`). Then the larger of:
-    - the switch (`switch_rows`, plus the op's workspace, `op_workspace`);
+    the switch; on a device of several units, its unit's parameter and optimizer-state rows for the
+    update (`update_rows`). Then the larger of:
+    - the switch (`switch_rows`, plus the op's workspace, `op_workspace`, and the parameter rows the
+      lanes read, `unit_rows`);
     - after it, each boundary's received message (a permute's result, a second message buffer)
       beside the averaged gradient and the update's new row."""
     names = {b.name for b in program.buffers}
@@ -830,33 +839,54 @@ def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dic
     updated = _beyond_arguments(program, "parameters", priced)
     carried = sum(_beyond_arguments(program, k, priced) for k in ("gradients", *_IN_FLIGHT)) - messages
     row, slotted = _slotted(program, priced)
-    switch, units = switch_rows(program, priced), unit_rows(program, priced, opt_ratio)
+    switch, units = switch_rows(program, priced), unit_rows(program, priced)
     out = {"carried": carried, "messages": messages, "deliveries": row * len(slotted),
+           "update_rows": update_rows(program, priced, opt_ratio),
            "unit_rows": units, "switch_rows": switch, "switch": switch + workspace + units,
            "after_switch": messages + reduced / 2 + updated}
-    whole = carried + messages + reduced / 2 + out["deliveries"]
+    whole = carried + messages + reduced / 2 + out["deliveries"] + out["update_rows"]
     out["total"] = whole + max(out["switch"], out["after_switch"])
     return out
 
 
-def unit_rows(program, priced, opt_ratio: float = 1.0) -> float:
-    """Parameter rows a stage engine's tick makes as new arrays (one carrier row each): per lane,
+def unit_rows(program, priced) -> float:
+    """Parameter rows a stage engine's switch holds as new arrays (one carrier row each): per lane,
     the row its op reads where that is not the stored row itself, a device of several units
     (`Placement.chunks` > 1) reading its unit's row of a [units, width] array by index, or a program
     of two versions (`Program.versions`: cdp-mp) selecting the version the op reads; such a program
     also keeps each older version by a select its update makes, which XLA hoists to the tick's start
     (live through the switch: cdp-mp on the MLP at 8 devices read 0.94 of XLA without it, 1.03 with).
-    A device of several units also reads a unit's parameter and optimizer-state rows for the update,
-    and copies the gradient sums, which the tick adds to one unit's row while the averaging loop
-    still reads them all. 0 for one unit's one version (read in place)."""
+    On a device of several units, a tick of several lanes (dualpipev's) splits every lane's
+    parameters out of its row at once at its branch's start (a copy each: three 128 x 128 kernels
+    at XLA's live peak of dualpipev on the MLP at 2 and 8 devices; on resnet_tiny's, later in the
+    branch, a convolution's backward, they are freed: there the model reads 1.03-1.04), where one
+    lane's op holds its own beside its gradient only in turn (`op_workspace` counts one): lanes - 1
+    rows more. The gradient sums such a device copies for the tick are the sums themselves (the copy
+    replaces the loop's value in XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2
+    devices, dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them, not here.
+    0 for one unit's one version (read in place)."""
     V = program.placement.chunks
     grads = program.buffer("grads").size
     row = grads.bytes(priced) / grads.count
     out = lanes(program) * row if V > 1 or program.versions > 1 else 0.0
     out += (program.versions - 1) * row
     if V > 1:
-        out += row * (1 + opt_ratio) + row * V
+        out += (lanes(program) - 1) * row
     return float(out)
+
+
+def update_rows(program, priced, opt_ratio: float = 1.0) -> float:
+    """The rows a device of several units (`Placement.chunks` > 1) reads out of its [units, width]
+    parameter and optimizer-state arrays for its unit's update (one carrier row, and the optimizer
+    state's `opt_ratio` of one): read at the tick's start and held to the update at its end, through
+    the switch and after it (XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2
+    devices, dualpipev on the MLP at 2 and 8; counted in the switch only, interleaved-1f1b on the
+    MLP at 2 devices read 1.05 of XLA, its switch's peak over by the gradient sums counted twice).
+    0 on a device of one unit (its rows updated in place)."""
+    if program.placement.chunks == 1:
+        return 0.0
+    grads = program.buffer("grads").size
+    return float(grads.bytes(priced) / grads.count * (1 + opt_ratio))
 
 
 def holds_carrier_slots(program) -> bool:
@@ -904,6 +934,22 @@ def backward_sweep(residuals: Sequence[float], grads: Sequence[float],
     stage j's own backward workspace (`workspace[j]`, `conv_transposes`; none where not given)."""
     extra = list(workspace) if workspace is not None else [0.0] * len(residuals)
     return float(max((sum(residuals[:j + 1]) + extra[j] + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
+
+
+def forward_first_sweep(residuals: Sequence[float], grads: Sequence[float],
+                        workspace: Sequence[float] | None = None) -> float:
+    """The most bytes local learning's one-device step (`local`) holds at once. No gradient crosses
+    a module boundary, so module j's backward waits for nothing but its own forward, and XLA runs
+    every module's forward, its head's loss included, before the first backward, then the backwards
+    from the first module to the last, each module's update right after its backward (read from the
+    live ranges of its buffer assignment: the MLP and resnet_tiny at 2 devices; resnet_tiny's peak
+    is the first module's backward beside every later module's conv outputs, 0.92 of XLA on
+    `backward_sweep`, which holds only stages 0..j's). At module j's backward: the residuals of
+    modules j..L-1 (`residuals[j]`: the body's and its head's, not yet read), module j's backward
+    workspace (`workspace[j]`, `conv_transposes`; none where not given) and its gradient (`grads[j]`:
+    the body's and its head's)."""
+    extra = list(workspace) if workspace is not None else [0.0] * len(residuals)
+    return float(max((sum(residuals[j:]) + extra[j] + grads[j] for j in range(len(residuals))), default=0.0))
 
 
 def format_table(records: list[dict]) -> str:
