@@ -1,9 +1,11 @@
 """CDP under random and asynchronous delays: final test loss and accuracy against the mean delay.
 
     python experiments/delays.py --tiny --out out/delays_tiny                  # CI: seconds
-    python experiments/delays.py --grid digits --out out/delays_digits \\
+    python experiments/delays.py --grid digits --out out/delays/digits \\
         --figure docs/figures/delays_digits.png                                # docs/delays.md's digits grid
-    python experiments/delays.py --grid target --out out/delays_target \\
+    python experiments/delays.py --grid charlm --out out/delays/charlm \\
+        --figure docs/figures/delays_charlm_grid.png                           # its character language model grid
+    python experiments/delays.py --grid target --out out/delays/target \\
         --figure docs/figures/delays_charlm.png                                # the issue's target point
     python experiments/delays.py --grid charlm --out out/delays/charlm --part 0/2 --resume &   # two processes,
     python experiments/delays.py --grid charlm --out out/delays/charlm --part 1/2 --resume     # one OUT
