@@ -278,6 +278,9 @@ def main(argv=None) -> int:
             p.error(f"--part {args.part}: give I/N, e.g. 0/2")
         if not 0 <= part < parts:
             p.error(f"--part {args.part}: I must be in 0..N-1")
+        if not args.resume:
+            p.error(f"--part {args.part} needs --resume: the parts append to one OUT/runs.jsonl, which a fresh "
+                    "start empties")
     if args.docs:
         if args.tiny or args.figure or args.corrections or args.models or args.part:
             p.error("--docs runs the docs' grids whole: give it only --out")

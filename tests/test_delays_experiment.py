@@ -76,7 +76,8 @@ def test_parts_share_one_out_and_train_each_row_once(tmp_path, monkeypatch):
 
 
 def test_part_refuses_a_bad_share(tmp_path, capsys):
-    for bad in ("2/2", "x"):
+    for flags in (["--part", "2/2", "--resume"], ["--part", "x", "--resume"], ["--part", "0/2"]):
         with pytest.raises(SystemExit):
-            delays.main(["--tiny", "--out", str(tmp_path), "--part", bad])
+            delays.main(["--tiny", "--out", str(tmp_path)] + flags)
         assert "--part" in capsys.readouterr().err
+    assert not (tmp_path / "runs.jsonl").exists()
