@@ -866,8 +866,7 @@ def unit_rows(program, priced) -> float:
     devices, dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them, not here.
     0 for one unit's one version (read in place)."""
     V = program.placement.chunks
-    grads = program.buffer("grads").size
-    row = grads.bytes(priced) / grads.count
+    row = _parameter_row(program, priced)
     out = lanes(program) * row if V > 1 or program.versions > 1 else 0.0
     out += (program.versions - 1) * row
     if V > 1:
@@ -885,8 +884,13 @@ def update_rows(program, priced, opt_ratio: float = 1.0) -> float:
     0 on a device of one unit (its rows updated in place)."""
     if program.placement.chunks == 1:
         return 0.0
+    return float(_parameter_row(program, priced) * (1 + opt_ratio))
+
+
+def _parameter_row(program, priced) -> float:
+    """The bytes of one carrier row of parameters (a row of the program's gradient buffer)."""
     grads = program.buffer("grads").size
-    return float(grads.bytes(priced) / grads.count * (1 + opt_ratio))
+    return grads.bytes(priced) / grads.count
 
 
 def holds_carrier_slots(program) -> bool:
