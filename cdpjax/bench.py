@@ -829,8 +829,11 @@ def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dic
     message lands in, the row its delivery reads (`jnp.where` against the old row), all made before
     the switch; on a device of several units, its unit's parameter and optimizer-state rows for the
     update (`update_rows`). Then the larger of:
-    - the switch (`switch_rows`, plus the op's workspace, `op_workspace`, and the parameter rows the
-      lanes read, `unit_rows`);
+    - the switch (`switch_rows`, the parameter rows the lanes read, `unit_rows`, the zero gradient
+      rows of a tick of several lanes, `zero_gradient_rows`, and the larger of the op's workspace,
+      `op_workspace`, and the lanes' parameters split out of their rows, `lane_splits`: a branch of
+      several lanes splits every lane's parameters at its start and frees them before an op's
+      workspace is made);
     - after it, each boundary's received message (a permute's result, a second message buffer)
       beside the averaged gradient and the update's new row."""
     names = {b.name for b in program.buffers}
@@ -840,9 +843,11 @@ def stage_tick(program, priced, workspace: float, opt_ratio: float = 1.0) -> dic
     carried = sum(_beyond_arguments(program, k, priced) for k in ("gradients", *_IN_FLIGHT)) - messages
     row, slotted = _slotted(program, priced)
     switch, units = switch_rows(program, priced), unit_rows(program, priced)
+    zeros, splits = zero_gradient_rows(program, priced), lane_splits(program, priced)
     out = {"carried": carried, "messages": messages, "deliveries": row * len(slotted),
-           "update_rows": update_rows(program, priced, opt_ratio),
-           "unit_rows": units, "switch_rows": switch, "switch": switch + workspace + units,
+           "update_rows": update_rows(program, priced, opt_ratio), "unit_rows": units, "switch_rows": switch,
+           "zero_gradient_rows": zeros, "lane_splits": splits,
+           "switch": switch + units + zeros + max(workspace, splits),
            "after_switch": messages + reduced / 2 + updated}
     whole = carried + messages + reduced / 2 + out["deliveries"] + out["update_rows"]
     out["total"] = whole + max(out["switch"], out["after_switch"])
@@ -856,22 +861,55 @@ def unit_rows(program, priced) -> float:
     of two versions (`Program.versions`: cdp-mp) selecting the version the op reads; such a program
     also keeps each older version by a select its update makes, which XLA hoists to the tick's start
     (live through the switch: cdp-mp on the MLP at 8 devices read 0.94 of XLA without it, 1.03 with).
-    On a device of several units, a tick of several lanes (dualpipev's) splits every lane's
-    parameters out of its row at once at its branch's start (a copy each: three 128 x 128 kernels
-    at XLA's live peak of dualpipev on the MLP at 2 and 8 devices; on resnet_tiny's, later in the
-    branch, a convolution's backward, they are freed: there the model reads 1.03-1.04), where one
-    lane's op holds its own beside its gradient only in turn (`op_workspace` counts one): lanes - 1
-    rows more. The gradient sums such a device copies for the tick are the sums themselves (the copy
-    replaces the loop's value in XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2
-    devices, dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them, not here.
-    0 for one unit's one version (read in place)."""
+    The gradient sums such a device copies for the tick are the sums themselves (the copy replaces
+    the loop's value in XLA's live ranges: interleaved-1f1b on the MLP and resnet_tiny at 2 devices,
+    dualpipev on the MLP at 2 and 8), counted where `stage_tick` carries them, not here. 0 for one
+    unit's one version (read in place)."""
     V = program.placement.chunks
     row = _parameter_row(program, priced)
     out = lanes(program) * row if V > 1 or program.versions > 1 else 0.0
     out += (program.versions - 1) * row
-    if V > 1:
-        out += (lanes(program) - 1) * row
     return float(out)
+
+
+def lane_splits(program, priced) -> float:
+    """On a device of several units (`Placement.chunks` > 1), a tick of several lanes (dualpipev's)
+    splits every lane's parameters out of its row at once at its branch's start (a copy each: three
+    128 x 128 kernels at XLA's live peak of dualpipev on the MLP at 2, 4 and 8 devices, before any
+    op's workspace is made); on resnet_tiny's, whose peak is a convolution's backward later in the
+    branch, they are freed by then. `stage_tick` holds the larger of these and the op's workspace
+    (`op_workspace`: one lane's op holds its own parameters beside its gradient only in turn). 0 on
+    one lane."""
+    if program.placement.chunks == 1 or lanes(program) == 1:
+        return 0.0
+    return float(lanes(program) * _parameter_row(program, priced))
+
+
+def zero_gradient_rows(program, priced) -> float:
+    """A tick's branch returns a gradient row from every lane some op of which completes a
+    gradient (`stage_lanes`), zeros where the cell's op of that lane does not (a forward, a split
+    backward's input half, an idle lane): XLA makes each zero row as its own buffer (dualpipev on
+    the MLP at 2, 4 and 8 devices and on resnet_tiny at 2: a zero row and its copy, for its three
+    lanes of which W's is the gradient). The op's own gradient is in its workspace (`op_workspace`):
+    the rows of the other such lanes. 0 on one lane."""
+    making = sum(g for _, g in stage_lanes(program))
+    return float(max(making - 1, 0) * _parameter_row(program, priced))
+
+
+def stage_lanes(program) -> list[tuple[bool, bool]]:
+    """Per lane of a stage engine's cells (`cdpjax.program.stage_axis.StageTicks.cells`, the lanes
+    in the table's order), (whether some op of the lane runs a forward or sends a cotangent, whether
+    some op of the lane completes a parameter gradient): what the lane's results carry in some
+    branch. dualpipev's three lanes: F, B or W; B or W; W only."""
+    from cdpjax.program.stage_axis import program_ticks
+
+    cells = program_ticks(program).cells
+    out = []
+    for k in range(max((len(cell) for cell in cells), default=0)):
+        kinds = [KINDS[cell[k][0]] for cell in cells if len(cell) > k]
+        out.append((any(kind.forward or kind.cotangent for kind in kinds),
+                    any(kind.completes_gradient(program.split_backward) for kind in kinds)))
+    return out
 
 
 def update_rows(program, priced, opt_ratio: float = 1.0) -> float:
@@ -925,10 +963,13 @@ def switch_rows(program, priced) -> float:
     cotangents in slots, its cotangent row, each read out of a buffer of more than one slot (a copy;
     a one-slot buffer is read in place) and held in two shapes (the branches take the row as
     [1, B, width] and as [B, width]); its results, an output row and, where the program sends
-    cotangents, a cotangent row. A row is a carrier row (`Size.padded`: the widest unit input)."""
+    cotangents, a cotangent row, where some op of the lane makes either (`stage_lanes`: XLA drops
+    the rows of a lane no branch writes, dualpipev's W-only lane). A row is a carrier row
+    (`Size.padded`: the widest unit input)."""
     row, slotted = _slotted(program, priced)
     results = row * (2 if "cots" in {b.name for b in program.buffers} else 1)
-    return float(lanes(program) * (2 * row * len(slotted) + results))
+    writing = sum(w for w, _ in stage_lanes(program))
+    return float(lanes(program) * 2 * row * len(slotted) + writing * results)
 
 
 def backward_sweep(residuals: Sequence[float], grads: Sequence[float],

@@ -201,15 +201,18 @@ counts:
   then the larger of the switch and what follows it. The switch: every lane's operands, made before
   it whichever branch runs (one SPMD program), its input and cotangent rows read out of their slots
   (each held in two shapes, as the branches take it), a parameter row where the op's is not the
-  stored one (a device of several units reads its unit's by index, and a tick of several lanes
-  splits every lane's parameters out of its row at once; cdp-mp selects a version), and its results,
-  an output and a cotangent row (`bench.switch_rows`, `bench.unit_rows`), beside the op's
-  workspace. After it: each boundary's received message, the averaged gradient and the update's
-  new row. This is what XLA held beyond the declared buffers around the conv stages of
+  stored one (a device of several units reads its unit's by index; cdp-mp selects a version), and
+  its results: an output and a cotangent row where some op of the lane writes either, a gradient
+  row where some op of the lane completes one, zeros where the cell's op does not
+  (`bench.switch_rows`, `bench.unit_rows`, `bench.zero_gradient_rows`); beside them the op's
+  workspace or, larger on the MLP, the parameters a tick of several lanes splits out of every
+  lane's row at its branch's start (`bench.lane_splits`). After it: each boundary's received
+  message, the averaged gradient and the update's new row. This is what XLA held beyond the
+  declared buffers around the conv stages of
   `resnet_tiny`: there a row (a 32 x 512 activation) outweighs a stage's parameters, so the switch
   half is the peak; on the MLP the messages' half is.
 
-Within 5% of XLA (77 of the 78 cases measured; the grid's other 18 are left out: a one-device
+Within 5% of XLA (all 78 cases measured; the grid's other 18 are left out: a one-device
 method is measured at 2 devices only, a 4-stage pipeline needs 4): every pipeline on `resnet_tiny`
 (gpipe, 1f1b, zb-h1, zbv, interleaved-1f1b, looped-bfs, dualpipev, cdp-mp, ppll: 0.99-1.05, where the
 switch's rows were 0.58-0.90 unaccounted for before); e2e; dp; cdp-v1, cdp-v2 and cdp-random (on
@@ -227,19 +230,20 @@ above the rest); the model's 346443 lies between. cdp-mp on the MLP at 8 devices
 update's select of the previous version was counted (XLA hoists it to the tick's start: three
 parameter rows at its live peak, the model's two), is 1.03.
 
-The other, recorded in the test with the buffers XLA holds at its live peak (the heap is that peak
-to 0.4%): on the MLP, dualpipev at 8 devices 0.93 (two [2, row] arrays, seven unit rows, the three
-lanes' kernels: its zero gradient row and that row's copy short, nine activation rows over). On a
-device of several units (zbv, dualpipev, interleaved-1f1b, looped-bfs) the transposed copy is not
-added (added, they read 1.04-1.06 while the unit rows also counted the gradient sums' copy; not
-re-read since). XLA's own account
-of its temporaries: `bench.heap_account` of a module's `--xla_dump_to` files
+dualpipev on the MLP at 8 devices read 0.93 while every lane was counted an output and a cotangent
+row and no gradient row: XLA, at its live peak (the heap is that peak to 0.4%), keeps a zero gradient
+row for each lane that may complete one beyond the op's own (two of three), drops the rows of the lane
+that only runs W and splits the three lanes' kernels before any op runs; counted so, 1.016 (1.047,
+1.032 at 2, 4 devices; `resnet_tiny` 0.997, 0.989, 0.995). On a device of several units (zbv,
+dualpipev, interleaved-1f1b, looped-bfs) the transposed copy is not added (added, they read
+1.04-1.06 while the unit rows also counted the gradient sums' copy; not re-read since). XLA's own
+account of its temporaries: `bench.heap_account` of a module's `--xla_dump_to` files
 (`*-buffer-assignment.txt`, `*-live-range.txt`): its heap, its live peak and the buffers there (the
 live-range file's "Live ranges at N (peak)" counts the parameters' values too).
 
 Hence the verification: a candidate the model lets through may be dropped once compiled (raise
-`--top` where the first ones are), and one the model drops (up to 5% over XLA: dualpipev on
-`resnet_tiny` at 2 devices 1.041) could have fitted.
+`--top` where the first ones are), and one the model drops (up to 5% over XLA: dualpipev on the MLP
+at 2 devices 1.047) could have fitted.
 
 ## Worked example
 
