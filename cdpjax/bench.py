@@ -977,7 +977,7 @@ def backward_sweep(residuals: Sequence[float], grads: Sequence[float],
     """The most bytes a backward from the last stage to the first holds at once: at stage j's
     backward, the residuals of stages 0..j (not yet read), the gradients of stages j..L-1 and
     stage j's own backward workspace (`workspace[j]`, `conv_transposes`; none where not given)."""
-    extra = list(workspace) if workspace is not None else [0.0] * len(residuals)
+    extra = _per_stage(workspace, len(residuals))
     return float(max((sum(residuals[:j + 1]) + extra[j] + sum(grads[j:]) for j in range(len(residuals))), default=0.0))
 
 
@@ -993,8 +993,13 @@ def forward_first_sweep(residuals: Sequence[float], grads: Sequence[float],
     modules j..L-1 (`residuals[j]`: the body's and its head's, not yet read), module j's backward
     workspace (`workspace[j]`, `conv_transposes`; none where not given) and its gradient (`grads[j]`:
     the body's and its head's)."""
-    extra = list(workspace) if workspace is not None else [0.0] * len(residuals)
+    extra = _per_stage(workspace, len(residuals))
     return float(max((sum(residuals[j:]) + extra[j] + grads[j] for j in range(len(residuals))), default=0.0))
+
+
+def _per_stage(workspace: Sequence[float] | None, stages: int) -> list[float]:
+    """A sweep's per-stage workspace: as given, or none."""
+    return list(workspace) if workspace is not None else [0.0] * stages
 
 
 def format_table(records: list[dict]) -> str:

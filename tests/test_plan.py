@@ -394,6 +394,9 @@ def test_local_learnings_backwards_follow_every_forward():
     assert model["temporaries"]["total"] == kept + gradient
     assert bench.forward_first_sweep([5, 3, 2], [1, 1, 1], [4, 0, 0]) == 5 + 3 + 2 + 4 + 1
     assert bench.backward_sweep([5, 3, 2], [1, 1, 1], [4, 0, 0]) == 5 + 4 + 1 + 1 + 1  # stage 0's, every gradient
+    # no workspace given: none; at the last stage's backward every residual and its one gradient
+    no_workspace = (bench.backward_sweep([5, 3, 2], [1, 1, 1]), bench.forward_first_sweep([5, 3, 2], [1, 1, 1]))
+    assert no_workspace == (5 + 3 + 2 + 1, 5 + 3 + 2 + 1)
 
 
 @pytest.mark.parametrize("name,devices,lanes", [("interleaved-1f1b", 2, 1), ("dualpipev", 8, 3)])
