@@ -88,3 +88,59 @@ def test_the_command_synopses_list_every_flag(capsys):
             main([command, "--help"])
         parsed = set(re.findall(r"^\s{2}(?:-\w, )?(--[a-z][a-z-]*)", capsys.readouterr().out, re.M))
         assert flags == parsed - {"--help"}, command
+
+
+def _readme_commands() -> list[str]:
+    """Every `cdpjax ...` command the README shows: the lines of its bash blocks (their shell
+    variables expanded, comments dropped), `make train ARGS="..."` as the command it runs, and
+    the ones quoted inline."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        variables = {}
+        for line in block.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            assignment = re.fullmatch(r"([A-Z]+)=(\S+)", line)
+            if assignment:
+                variables[assignment.group(1)] = re.sub(r"\$(\w+)", lambda m: variables[m.group(1)],
+                                                        assignment.group(2))
+            elif line.startswith("cdpjax "):
+                commands.append(re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], line))
+    commands += [f"cdpjax train {args}" for args in re.findall(r'make train ARGS="([^"]*)"', README)]
+    commands += re.findall(r"`(cdpjax [a-z]+[^`]*)`", README)
+    return commands
+
+
+def test_every_command_the_readme_shows_parses_and_names_a_valid_config(monkeypatch):
+    """Each `cdpjax` command of the README goes through the CLI's parser (a flag renamed in the code
+    and not in the README fails here), and the configs it names load and validate, with every
+    `bench` variant (`method@KEY=VALUE`), without building or running anything."""
+    import shlex
+
+    from cdpjax import bench, checks, cli
+    from cdpjax import config as cfg_lib
+    from cdpjax.layouts import LAYOUTS
+
+    ran = []
+
+    def record(name):
+        def command(args, overrides):
+            ran.append(name)
+            if getattr(args, "config", None) is None and name not in ("train", "bench", "plan"):
+                return 0
+            c = cli._load(args, overrides)
+            cfg_lib.validate(c)
+            if name == "train":
+                checks.validate(c)
+            for spec in (args.methods.split(",") if name == "bench" and args.methods else []):
+                LAYOUTS.lookup(spec.split("@")[0])
+                cfg_lib.validate(bench.variant_config(c, spec))
+            return 0
+        return command
+
+    monkeypatch.setattr(cli, "cmd_train", record("train"))
+    monkeypatch.setattr(cli, "_runner", lambda module: record(module.__name__.rsplit(".", 1)[1]))
+    commands = _readme_commands()
+    assert len(commands) >= 15 and {c.split()[1] for c in commands} >= {"train", "schedule", "bench", "plan"}
+    for command in commands:
+        assert cli.main(shlex.split(command)[1:]) == 0, command
+    assert len(ran) == len(commands)

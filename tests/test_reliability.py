@@ -464,7 +464,11 @@ def test_ctrl_c_says_where_the_run_stands_and_the_same_command_resumes(reference
         (ref["full"] / "metrics.jsonl").read_text())
 
 
-PREEMPTED = [("dp", signal.SIGTERM), ("cdp-v2", signal.SIGTERM), ("ppll", signal.SIGTERM), ("dp", signal.SIGHUP),
+# SIGTERM for every method (in CI one of each engine: dp the data axis, cdp-v2 the ring, ppll the stage
+# axis; the rest with `make test-heavy`), the other signals on dp
+PREEMPTED_IN_CI = ("dp", "cdp-v2", "ppll")
+PREEMPTED = [*[pytest.param(m, signal.SIGTERM, marks=() if m in PREEMPTED_IN_CI else pytest.mark.heavy)
+               for m in METHODS], ("dp", signal.SIGHUP),
              *[pytest.param("dp", s, marks=pytest.mark.heavy) for s in (signal.SIGQUIT, signal.SIGUSR1)]]
 PREEMPTED_ASYNC = ("dp", "async")  # the same with checkpoint.async_save: checkpoint 4 and 6 written in orbax's threads
 
@@ -473,7 +477,7 @@ PREEMPTED_ASYNC = ("dp", "async")  # the same with checkpoint.async_save: checkp
                          ids=lambda x: x if isinstance(x, str) else signal.Signals(x).name)
 def test_a_preemption_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(name, sig, reference, tmp_path):
     """SIGTERM (or SIGHUP, SIGQUIT, SIGUSR1, taken as it) after step 5, between checkpoints 4 and 8,
-    one method of each engine (dp: the data axis; cdp-v2: the ring; ppll: the stage axis): the
+    every method (`PREEMPTED`): the
     run writes checkpoint 6 at the next step boundary and exits 128 + the signal's number (143,
     129...) with one line naming it; resumed from it, it ends as the uninterrupted run (the
     whole train state, metrics.jsonl without the timing fields)."""
