@@ -397,6 +397,12 @@ def restore_newest_intact(p: Prepared, init) -> tuple[int | None, tuple]:
     return None, (init, {})
 
 
+def _placed(mesh_shape: dict) -> dict:
+    """A mesh's axes that place anything: an axis of size 1 splits nothing (`cdpjax train` names
+    a stage-axis method's mesh {'stage': 4, 'data': 1} where a config may give {'stage': 4})."""
+    return {k: int(v) for k, v in mesh_shape.items() if int(v) != 1}
+
+
 def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
     """Restores checkpoint `step` into `state` -> (state, meta), or a ConfigError saying why not.
 
@@ -418,7 +424,7 @@ def restore_state(ckpt: Checkpointer, step: int, state, method, mesh, config):
                           f"set --config.workers={saved_workers} or start a fresh --workdir")
     here = {k: int(v) for k, v in mesh.shape.items()}
     there = meta.get("mesh")
-    if there is None or dict(there) == here:
+    if there is None or _placed(dict(there)) == _placed(here):
         return ckpt.restore(step, state)
     moved = (f"checkpoint {step} in {ckpt.directory} was written by {saved or config.method} on mesh "
              f"{dict(there)} ({meta.get('devices', '?')} devices); this run has mesh {here} "

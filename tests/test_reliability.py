@@ -767,6 +767,29 @@ def test_restore_onto_another_mesh_checks_the_state(declared, shape, message, tm
     ckpt.close()
 
 
+def test_a_mesh_axis_of_size_one_is_no_other_mesh(tmp_path):
+    """A state that depends on the mesh, written on {'stage': 4, 'data': 1} (what `cdpjax train`
+    names a stage-axis method's mesh on 4 devices), restores where the run's mesh is {'stage': 4}
+    (what a config may give): an axis of size 1 splits nothing, the devices hold the same pieces.
+    {'stage': 2, 'data': 2} is another mesh and is refused."""
+    from types import SimpleNamespace
+
+    config = default_config()
+    config.method = "x"
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(5, {"w": np.arange(12.0).reshape(4, 3)}, {"method": "x", "mesh": {"stage": 4, "data": 1},
+                                                        "devices": 4, "run": rundir.run_identity(config)})
+    method = SimpleNamespace(state_depends_on_mesh=True, stale=None, workers=None, info={})
+    like = {"w": jax.device_put(np.zeros((4, 3)))}
+    state, _ = rundir.restore_state(ckpt, 5, like, method, SimpleNamespace(shape={"stage": 4}, devices=np.zeros(4)),
+                                    config)
+    np.testing.assert_array_equal(state["w"], np.arange(12.0).reshape(4, 3))
+    with pytest.raises(ConfigError, match="train state depends on the mesh"):
+        rundir.restore_state(ckpt, 5, like, method, SimpleNamespace(shape={"stage": 2, "data": 2},
+                                                                    devices=np.zeros(4)), config)
+    ckpt.close()
+
+
 @pytest.mark.parametrize("src,dst", [("dp", "e2e"), ("e2e", "dp")])
 def test_dp_and_e2e_checkpoints_are_interchangeable(src, dst, reference, tmp_path):
     """A dp run on 8 devices continues as e2e on one device (and back): same update rule, same
