@@ -11,7 +11,7 @@ sizes of the stages set CDP's comm balance (this cut: 1.88 at FLOPs imbalance
 Expected (docs/measured.md): the cdp-v2 ring sends dp's bytes per worker per
 step (1.00x), no collective-permute larger than its largest stage (18.5 MiB),
 FLOPs 1.33x dp's (recomputed backwards; 1.00x with `residuals=carry`), arguments
-1.64x dp's and 1.17x dp's memory held per device (the state donated), step about
+1.77x dp's and 1.06x dp's memory held per device (the state donated), step about
 2x dp's at 2 devices (paired forwards with kept residuals: 1.1x to 1.35x); cdp-zero
 sends 1.29x dp's bytes and holds 0.66x dp's memory (each worker keeps 1/N of every
 stage); the table's activation peak in bytes is 0.86 of dp's (the unit model: 0.50). `--config.model_kwargs.width=0.25`
