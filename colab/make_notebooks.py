@@ -83,16 +83,15 @@ CONFIGS = _src("""
 
 
     def devices_for(config):
-        \"\"\"The first devices the method's mesh needs (cdpjax.layouts), or all for a -1 axis.\"\"\"
-        from cdpjax.layouts import devices_needed
+        \"\"\"The first devices the method's mesh takes here (cdpjax.layouts.devices_to_use); none where it
+        cannot run on the devices there are (gpipe's K stage devices on fewer).\"\"\"
+        from cdpjax.layouts import devices_to_use
 
-        return jax.devices()[:devices_needed(config) or jax.device_count()]
+        return jax.devices()[:devices_to_use(config, jax.device_count())]
 
 
     def fits(config):
-        from cdpjax.layouts import devices_needed
-
-        return (devices_needed(config) or 1) <= jax.device_count()
+        return bool(devices_for(config))
 """)
 
 PREPARE_CIFAR = _src("""
@@ -253,7 +252,7 @@ def memory_and_communication():
         new_code_cell(SETUP),
         new_code_cell(CONFIGS),
         new_code_cell(_src("""
-            from cdpjax import bench, data, models, plotting, timetable
+            import ml_collections
 
             if TINY:
                 base = load_config("digits:method=cdp-v2")
@@ -262,6 +261,22 @@ def memory_and_communication():
                 base.dataset, base.dataset_kwargs = "synthetic", {"image_shape": (32, 32, 3), "num_classes": 10}
                 if jax.device_count() < 8:  # the ring needs one device per worker; simulate otherwise
                     base.cdp_impl, base.mesh = "simulate", {"data": 1}
+
+
+            def method_config(method):
+                c = ml_collections.ConfigDict(base.to_dict())
+                c.method = method
+                if method == "dp" and c.cdp_impl == "simulate":  # dp has no simulation: its workers on the devices
+                    c.mesh = {"data": -1}
+                return c
+
+
+            # What the measurements below compile, each on devices_for(config).
+            PLAN = {m: method_config(m) for m in ("dp", "cdp-v2")}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import bench, data, models, plotting, timetable
+
             dataset = data.build(base)
             net = models.build(base, dataset.image_shape, dataset.num_classes)
             N = base.workers or jax.device_count()
@@ -329,15 +344,7 @@ def memory_and_communication():
             in small messages spread over the step.
         """)),
         new_code_cell(_src("""
-            import ml_collections
-
-            records = {}
-            for m in ("dp", "cdp-v2"):
-                c = ml_collections.ConfigDict(base.to_dict())
-                c.method = m
-                if m == "dp" and c.cdp_impl == "simulate":
-                    c.mesh = {"data": -1}
-                records[m] = bench.bench_method(c, devices_for(c), repeats=2)
+            records = {m: bench.bench_method(c, devices_for(c), repeats=2) for m, c in PLAN.items()}
             print(bench.format_table(list(records.values())))
             for m, r in records.items():
                 model = r["memory_model"]
@@ -395,8 +402,6 @@ def accuracy():
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
-            from cdpjax import train
-
             METHODS = ("dp", "cdp-v1", "cdp-v2")
             EPOCHS = 30  # GPU-sized config; 101 reproduces the paper's run
             TINY_STEPS = 150
@@ -415,9 +420,14 @@ def accuracy():
                 return c
 
 
+            # What the next cell trains, each on devices_for(config).
+            PLAN = {method: make_config(method) for method in METHODS}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
             summaries = {}
-            for method in METHODS:
-                config = make_config(method)
+            for method, config in PLAN.items():
                 summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>7}: test accuracy {summaries[method]['test_accuracy']:.4f} after "
@@ -482,7 +492,6 @@ def delays():
         new_code_cell(SETUP),
         new_code_cell(CONFIGS),
         new_code_cell(_src("""
-            from cdpjax import train
             from cdpjax.layouts.delays import at_mean_delay
 
             WORKERS = STAGES = 4
@@ -506,15 +515,18 @@ def delays():
                 return f"{model}-tau{tau}-{correction}"
 
 
+            # What the next cell trains, each on devices_for(config) (one device: the workers are simulated).
+            PLAN = {run_name(model, tau, correction): make_config(model, tau, correction)
+                    for model in MODELS for tau in TAUS for correction in CORRECTIONS}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
             summaries = {}
-            for model in MODELS:
-                for tau in TAUS:
-                    for correction in CORRECTIONS:
-                        name = run_name(model, tau, correction)
-                        config = make_config(model, tau, correction)
-                        summaries[name] = train.train(config, os.path.join("runs", name), progress=not TINY,
-                                                      devices=jax.devices()[:1])
-                        print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
+            for name, config in PLAN.items():
+                summaries[name] = train.train(config, os.path.join("runs", name), progress=not TINY,
+                                              devices=devices_for(config))
+                print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
         """)),
         new_code_cell(_src("""
             from matplotlib.figure import Figure
@@ -553,7 +565,8 @@ def ppll():
               grouped on the GPUs there are (all on one: PPLL's updates without its overlap); `gpipe` needs
               K devices, and with fewer its speed is predicted only.
             - Tiny config (`TINY = True`): `digits` (4-stage MLP, K = 4 on 8 simulated CPU devices),
-              150 steps per method.
+              150 steps per method; on fewer than K devices (a one-GPU runtime) `ppll` and `gpipe` are
+              predicted only.
 
             How long: the tiny config took 2 to 3.5 minutes on this project's 2-core CPU machine
             (measured twice, the machine shared with other work). The GPU-sized config on a Colab T4: about
@@ -569,7 +582,8 @@ def ppll():
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
-            from cdpjax import methods, train
+            from cdpjax import methods
+            from cdpjax.layouts import mesh_for
 
             K = 4
             EPOCHS = 40  # GPU-sized config; 400 reproduces the paper's run
@@ -592,14 +606,23 @@ def ppll():
 
 
             # On fewer GPUs than K (Colab: one), ppll's K modules share the GPUs there are (all on one: the
-            # same updates, without the pipeline's overlap); gpipe needs K and is then predicted only.
+            # same updates, without the pipeline's overlap); gpipe needs K and is then predicted only, as is
+            # the tiny config's ppll (its K modules are not grouped).
             DEVICES = min(K, jax.device_count())
-            summaries = {}
+            PLAN = {}  # what the next cell trains, each on devices_for(config)
             for method in METHODS:
                 config = make_config(method, devices=DEVICES)
-                if not fits(config):
-                    print(f"{method:>6}: needs {K} devices, {jax.device_count()} here: not trained (speed predicted below)")
-                    continue
+                if fits(config):
+                    PLAN[method] = config
+                else:
+                    print(f"{method:>6}: its mesh {mesh_for(config)} does not fit {jax.device_count()} device(s) here: "
+                          f"not trained (speed predicted below)")
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
+            summaries = {}
+            for method, config in PLAN.items():
                 summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>6}: test accuracy {summaries[method]['test_accuracy']:.4f}, "

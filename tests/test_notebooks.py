@@ -67,6 +67,118 @@ def test_first_cell_installs_only_where_cdpjax_is_missing():
         assert lines[-1].strip() == '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"', name
 
 
+# Runs in a subprocess with DEVICES simulated CPU devices (the tests' own process has 8): each
+# training notebook's config cells, as the notebook holds them, after a stand-in for its set-up cell
+# (TINY chosen or not, an accelerator assumed); prints, per notebook and config size, the runs its
+# PLAN holds with the devices each is given. With "setup", every planned run also goes through
+# `setup.setup` (validation, mesh, method build; nothing compiled), CIFAR-10 swapped for random
+# images of its shapes (an offline tensorflow-datasets load hangs).
+PLAN_PROBE = """
+import json, os, sys
+import jax
+import nbformat
+
+jax.config.update("jax_num_cpu_devices", int(os.environ["DEVICES"]))
+from cdpjax import setup as setup_lib
+
+out = {}
+for path in sys.argv[1:]:
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    for size in ("tiny", "gpu"):
+        ns = {"os": os, "jax": jax, "TINY": size == "tiny", "ACCELERATOR": True}
+        for source in cells:
+            if "def devices_for(" in source or "PLAN = " in source:
+                exec(source, ns)
+        runs = out.setdefault(os.path.basename(path), {})[size] = {}
+        for name, config in ns["PLAN"].items():
+            devices = ns["devices_for"](config)
+            runs[name] = len(devices)
+            if os.environ.get("SETUP") and devices:
+                if config.dataset == "cifar10":
+                    config.dataset = "synthetic"
+                    config.dataset_kwargs = {"image_shape": (32, 32, 3), "num_classes": 10}
+                    if config.get("aux_kwargs") and config.aux_kwargs.get("reconstruction"):
+                        # random images carry no pixel statistics, which the decoder's target needs
+                        config.aux_kwargs.update(pixel_mean=(0.5,) * 3, pixel_std=(0.25,) * 3)
+                setup_lib.setup(config, devices)
+print(json.dumps(out))
+"""
+TRAINING_NOTEBOOKS = ("cdp_memory_and_communication.ipynb", "cdp_accuracy.ipynb", "cdp_delays.ipynb",
+                      "ppll_vs_local_gpipe.ipynb")
+
+
+def _plans(devices: int, setup: bool = False) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": str(ROOT)}
+    env.pop("SETUP", None)
+    if setup:
+        env["SETUP"] = "1"
+    proc = subprocess.run([sys.executable, "-c", PLAN_PROBE, *(str(COLAB / n) for n in TRAINING_NOTEBOOKS)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _expected_plan(name: str, size: str, n: int) -> dict:
+    """The runs a notebook trains (or, for the memory notebook, compiles) on n devices, and the devices
+    each gets, by the notebooks' rules: a data-parallel mesh with a -1 axis takes every device; a
+    method run as `cdp_impl='simulate'` on `{'data': 1}` takes one; gpipe needs its K = 4 stage devices
+    (skipped below 4); ppll's GPU-sized config groups its K = 4 modules on min(K, n) devices, the tiny
+    one does not (4 stage devices, skipped below 4)."""
+    K = 4
+    if name == "cdp_memory_and_communication.ipynb":  # the ring of 8 workers is simulated below 8 devices
+        return {"dp": n, "cdp-v2": n if size == "tiny" or n >= 8 else 1}
+    if name == "cdp_accuracy.ipynb":
+        return {m: n for m in ("dp", "cdp-v1", "cdp-v2")}
+    if name == "cdp_delays.ipynb":  # 4 workers on 4 stages simulated on one device, every run
+        models, taus, corrections = ((("uniform-tau",), (0, 2), ("none", "staleness-lr")) if size == "tiny" else
+                                     (("uniform-tau", "geometric"), (0, 1, 2, 4, 8),
+                                      ("none", "staleness-lr", "dc-asgd", "pipenag")))
+        return {f"{m}-tau{t}-{c}": 1 for m in models for t in taus for c in corrections}
+    plan = {"e2e": n, "local": n}
+    if size == "gpu":
+        plan["ppll"] = min(K, n) * (n // min(K, n))
+    elif n >= K:
+        plan["ppll"] = n // K * K
+    if n >= K:
+        plan["gpipe"] = n // K * K
+    return plan
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_notebooks_train_only_what_fits_the_devices_there_are(devices):
+    """Colab's GPU runtime has one GPU: each training notebook, on its GPU-sized and its tiny config,
+    trains exactly the runs that fit 1 (and 2) devices and skips the rest (gpipe's 4 stage devices)
+    before any training starts; on 1 device every run it keeps passes set-up (validation, mesh,
+    method build), so none fails after the runs before it have trained."""
+    plans = _plans(devices, setup=devices == 1)
+    for name in TRAINING_NOTEBOOKS:
+        for size in ("tiny", "gpu"):
+            assert plans[name][size] == _expected_plan(name, size, devices), (name, size)
+
+
+def test_devices_to_use_says_whether_a_mesh_fits():
+    """Hand cases: a fixed mesh takes its size or does not fit; a -1 axis takes the most devices the
+    fixed axes divide, and nothing below their product."""
+    import ml_collections
+
+    from cdpjax.layouts import devices_needed, devices_to_use
+
+    def config(method, mesh):
+        return ml_collections.ConfigDict({"method": method, "mesh": mesh, "stages": 4})
+
+    cases = [({"data": 8}, 8, 8), ({"data": 8}, 4, 0), ({"data": 1}, 1, 1), ({"data": -1}, 3, 3),
+             ({"stage": 4, "data": -1}, 1, 0), ({"stage": 4, "data": -1}, 2, 0), ({"stage": 4, "data": -1}, 4, 4),
+             ({"stage": 4, "data": -1}, 6, 4), ({"stage": 4, "data": -1}, 8, 8), ({"stage": 2, "data": 2}, 3, 0)]
+    for mesh, available, expected in cases:
+        assert devices_to_use(config("gpipe", mesh), available) == expected, (mesh, available)
+    assert devices_needed(config("gpipe", {"stage": 4, "data": -1})) is None  # its callers' "every device"
+
+
 FAKE_GPU = """
 import os as _os
 _exists = _os.path.exists
