@@ -5,7 +5,8 @@
 The notebooks are generated so that their code can be reviewed here as plain
 Python and so that the cells they share (install, devices, config loading) are
 written once. Each notebook opens in Colab (its first cell names the repository
-and installs cdpjax from it where cdpjax is missing) and runs the paper's config
+and installs cdpjax from it where cdpjax is missing, restarting the runtime
+where pip replaced a module the kernel had loaded) and runs the paper's config
 on a GPU, or the tiny digits config where chosen (TINY = True in the set-up
 cell, or CDPJAX_TINY=1); without a GPU and without that choice it stops with
 one line saying what to change. Figures go to $CDPJAX_FIGURES (default
@@ -33,6 +34,27 @@ def badge(name: str) -> str:
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
+# Colab preloads numpy (and with it what imports it) into every kernel: a module that pip replaces on
+# disk stays loaded in memory, and jax imported next would run against it. Kept apart from INSTALL so
+# that tests/test_notebooks.py can run the rule as plain Python; INSTALL holds it verbatim.
+RESTART_RULE = _src("""
+    PRELOADED = ("numpy", "jax", "jaxlib", "ml_dtypes", "scipy")
+
+
+    def after_install(loaded, installed, in_colab):
+        \"\"\"What the install cell does once pip is done: ("go on", ""), ("restart", line) in Colab, or
+        ("stop", line) elsewhere, where loaded maps each module already imported to its version in memory
+        and installed maps names to the version pip left on disk (None: not installed as a distribution).\"\"\"
+        stale = [f"{name} {loaded[name]} -> {installed[name]}" for name in sorted(loaded)
+                 if installed.get(name) is not None and installed[name] != loaded[name]]
+        if not stale:
+            return "go on", ""
+        said = f"pip replaced modules this kernel had loaded ({', '.join(stale)})"
+        if in_colab:  # the install cell is a no-op after the restart: cdpjax is then installed
+            return "restart", f"{said}: restarting the runtime; then run all again"
+        return "stop", f"{said}: restart the kernel, then run all"
+""")
+
 INSTALL = _src(f"""
     # Where cdpjax comes from (a fork: change it here).
     REPOSITORY = "https://github.com/{REPOSITORY}"
@@ -41,11 +63,35 @@ INSTALL = _src(f"""
     import importlib.util
 
     if importlib.util.find_spec("cdpjax") is None:  # Colab; a checkout or CI already has it
-        # jax is upgraded with its CUDA plugin (the cuda12 extra) and flax with it: Colab's jax 0.7.2 has no
-        # lax.pcast, and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
-        # flax >= 0.12.8), and numpy to what the newest jax needs (>= 2.2); pip may then warn that other
+        import importlib.metadata
+        import os
+        import sys
+
+        # jax is upgraded with its CUDA plugin (the cuda12 extra, on a GPU runtime only: on a CPU one its
+        # NVIDIA wheels are gigabytes for nothing) and flax with it: Colab's jax 0.7.2 has no lax.pcast,
+        # and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
+        # flax >= 0.12.8), and numpy may move to what the newest jax needs; pip may then warn that other
         # Colab packages ask for an older numpy: this notebook does not use them.
-        %pip install -q "cdpjax[cuda12] @ git+{{REPOSITORY}}"
+        EXTRA = "[cuda12]" if os.path.exists("/dev/nvidia0") else ""
+        %pip install -q "cdpjax{{EXTRA}} @ git+{{REPOSITORY}}"
+
+{textwrap.indent(RESTART_RULE, " " * 8)}
+
+
+        importlib.invalidate_caches()
+        loaded = {{name: getattr(sys.modules[name], "__version__", None) for name in PRELOADED if name in sys.modules}}
+        installed = {{}}
+        for name in loaded:
+            try:
+                installed[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                installed[name] = None
+        action, line = after_install(loaded, installed, in_colab="google.colab" in sys.modules)
+        if action == "restart":
+            print(line, flush=True)
+            os.kill(os.getpid(), 9)  # Colab's way to restart the runtime: it starts a fresh kernel
+        elif action == "stop":
+            raise SystemExit(line)
 """)
 
 SETUP = _src("""

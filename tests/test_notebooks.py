@@ -5,6 +5,7 @@ the runs' own files."""
 import importlib.util
 import json
 import pathlib
+import textwrap
 
 import numpy as np
 import pytest
@@ -56,15 +57,64 @@ def test_notebooks_match_their_generator():
 
 
 def test_first_cell_installs_only_where_cdpjax_is_missing():
-    """The repository in one variable at the top, printed; the install (with the CUDA extra) from it,
-    only where cdpjax is not importable."""
+    """The repository in one variable at the top, printed; the install from it only where cdpjax is not
+    importable, with the CUDA extra only where an NVIDIA device is (a CPU runtime would download
+    gigabytes of CUDA wheels for nothing); then the check that no loaded module went stale."""
+    gen = _generator()
     for name in FIGURES:
         first = next(c for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code")
-        lines = [line for line in first.source.splitlines() if line and not line.startswith("#")]
+        lines = [line.strip() for line in first.source.splitlines() if line and not line.startswith("#")]
         assert lines[0].startswith('REPOSITORY = "https://github.com/'), name
         assert lines[1] == 'print(f"cdpjax from {REPOSITORY}")', name
         assert 'find_spec("cdpjax") is None' in first.source, name
-        assert lines[-1].strip() == '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"', name
+        pip = lines.index('%pip install -q "cdpjax{EXTRA} @ git+{REPOSITORY}"')
+        assert lines[pip - 1] == 'EXTRA = "[cuda12]" if os.path.exists("/dev/nvidia0") else ""', name
+        assert gen.RESTART_RULE in textwrap.dedent(first.source.split("%pip install", 1)[1].split("\n", 1)[1]), name
+
+
+def _install_rule():
+    namespace = {}
+    exec(_generator().RESTART_RULE, namespace)
+    return namespace["after_install"]
+
+
+def test_install_restarts_where_pip_replaced_a_loaded_module():
+    """Hand cases: a module imported before the install (Colab preloads numpy) whose version on disk is
+    now another makes the cell restart Colab's runtime, or elsewhere stop with one line asking for the
+    restart; nothing loaded, the same versions, or a module pip does not know leave it going on."""
+    after_install = _install_rule()
+    said = "pip replaced modules this kernel had loaded (numpy 2.1.3 -> 2.2.6)"
+    assert after_install({"numpy": "2.1.3"}, {"numpy": "2.2.6"}, in_colab=True) == \
+        ("restart", f"{said}: restarting the runtime; then run all again")
+    assert after_install({"numpy": "2.1.3"}, {"numpy": "2.2.6"}, in_colab=False) == \
+        ("stop", f"{said}: restart the kernel, then run all")
+    both = after_install({"numpy": "2.1.3", "jax": "0.7.2", "scipy": "1.16.1"},
+                         {"numpy": "2.2.6", "jax": "0.10.2", "scipy": "1.16.1"}, in_colab=True)
+    assert both == ("restart", "pip replaced modules this kernel had loaded (jax 0.7.2 -> 0.10.2, "
+                               "numpy 2.1.3 -> 2.2.6): restarting the runtime; then run all again")
+    unchanged = (({}, {}), ({"numpy": "2.1.3"}, {"numpy": "2.1.3"}), ({"numpy": "2.1.3"}, {"numpy": None}))
+    for loaded, installed in unchanged:
+        for in_colab in (True, False):
+            assert after_install(loaded, installed, in_colab) == ("go on", ""), (loaded, installed)
+
+
+def test_install_cell_stops_outside_colab_on_a_stale_module(monkeypatch):
+    """The install cell's code after pip, as the notebook holds it, with a numpy in memory older than the
+    one on disk and no google.colab: one-line SystemExit, no restart."""
+    import importlib.metadata
+    import sys
+    import types
+
+    first = next(c for c in nbformat.read(COLAB / "cdp_accuracy.ipynb", as_version=4).cells if c.cell_type == "code")
+    body = textwrap.dedent(first.source.split('find_spec("cdpjax") is None', 1)[1].split("\n", 1)[1])
+    body = "\n".join(line for line in body.splitlines() if not line.startswith("%pip"))
+    monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(__version__="1.0.0"))
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        exec(body, {"REPOSITORY": "unused"})
+    on_disk = importlib.metadata.version("numpy")
+    assert str(stop.value) == (f"pip replaced modules this kernel had loaded (numpy 1.0.0 -> {on_disk}): "
+                               f"restart the kernel, then run all")
 
 
 # Runs in a subprocess with DEVICES simulated CPU devices (the tests' own process has 8): each
@@ -488,7 +538,7 @@ def test_the_ppll_notebook_runs_on_colabs_packages(tmp_path):
 
     nb = nbformat.read(COLAB / "ppll_vs_local_gpipe.ipynb", as_version=4)
     install = next(c for c in nb.cells if c.cell_type == "code")
-    pip_line = '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"'
+    pip_line = '%pip install -q "cdpjax{EXTRA} @ git+{REPOSITORY}"'
     assert pip_line in install.source
     install.source = install.source.replace(pip_line, f'%pip install -q "cdpjax @ {ROOT.as_uri()}"')  # no CUDA here
     nb.cells.insert(nb.cells.index(install) + 1, nbformat.v4.new_code_cell(
