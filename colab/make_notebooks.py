@@ -142,12 +142,19 @@ CONFIGS = _src("""
 
 PREPARE_CIFAR = _src("""
     # GPU-sized config only: CIFAR-10 prepared once for tensorflow-datasets (internet; Colab has TensorFlow).
+    # In a process of its own with the GPU hidden: jax already holds the GPU in this kernel, and TensorFlow
+    # would load its own CUDA libraries beside jax's and claim GPU memory.
     if not TINY:
-        import tensorflow_datasets as tfds
+        import subprocess
+        import sys
 
-        builder = tfds.builder("cifar10")
-        if not builder.is_prepared():
-            builder.download_and_prepare(file_format="array_record")
+        PREPARE = ("import tensorflow_datasets as tfds; builder = tfds.builder('cifar10'); "
+                   "builder.is_prepared() or builder.download_and_prepare(file_format='array_record')")
+        done = subprocess.run([sys.executable, "-c", PREPARE], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                              capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise SystemExit(f"CIFAR-10 could not be prepared (internet needed): {last}")
 """)
 
 METRICS = _src("""

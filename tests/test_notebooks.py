@@ -117,6 +117,42 @@ def test_install_cell_stops_outside_colab_on_a_stale_module(monkeypatch):
                                f"restart the kernel, then run all")
 
 
+@pytest.mark.parametrize("name", ["cdp_accuracy.ipynb", "ppll_vs_local_gpipe.ipynb"])
+def test_cifar_is_prepared_in_a_process_without_the_gpu(name, monkeypatch):
+    """The notebooks that train on CIFAR-10 prepare it in another Python process whose CUDA devices are
+    hidden (TensorFlow's CUDA never loads into the kernel that runs jax on the GPU), only for the
+    GPU-sized config, and stop with one line where that fails. subprocess.run is stood in for: an
+    offline tensorflow-datasets call hangs."""
+    import os
+    import subprocess
+    import sys
+
+    gen = _generator()
+    cells = [c.source for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code"]
+    assert gen.PREPARE_CIFAR in cells
+    calls = []
+
+    def run(command, env=None, **kwargs):
+        calls.append((command, env))
+        return subprocess.CompletedProcess(command, returncode, "", stderr)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    before = set(sys.modules)
+    returncode, stderr = 0, ""
+    exec(gen.PREPARE_CIFAR, {"TINY": True, "os": os})
+    assert calls == []
+    exec(gen.PREPARE_CIFAR, {"TINY": False, "os": os})
+    ((command, env),) = calls
+    assert command[:2] == [sys.executable, "-c"] and env["CUDA_VISIBLE_DEVICES"] == ""
+    compile(command[2], "prepare", "exec")
+    assert "tfds.builder('cifar10')" in command[2] and "download_and_prepare(file_format='array_record')" in command[2]
+    assert not {m for m in set(sys.modules) - before if m.startswith(("tensorflow", "tensorflow_datasets"))}
+    returncode, stderr = 1, "Traceback (most recent call last):\n...\nConnectionError: no route to host\n"
+    with pytest.raises(SystemExit) as stop:
+        exec(gen.PREPARE_CIFAR, {"TINY": False, "os": os})
+    assert str(stop.value) == "CIFAR-10 could not be prepared (internet needed): ConnectionError: no route to host"
+
+
 # Runs in a subprocess with DEVICES simulated CPU devices (the tests' own process has 8): each
 # training notebook's config cells, as the notebook holds them, after a stand-in for its set-up cell
 # (TINY chosen or not, an accelerator assumed); prints, per notebook and config size, the runs its
