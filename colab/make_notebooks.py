@@ -157,6 +157,22 @@ PREPARE_CIFAR = _src("""
             raise SystemExit(f"CIFAR-10 could not be prepared (internet needed): {last}")
 """)
 
+RUNS_CELL = _src("""
+    # Where the runs go (checkpoints, metrics.jsonl): a run resumes from its last checkpoint when its cell
+    # is rerun. Colab wipes /content (and runs/ in it) when the runtime is recycled (idle, time limit, a
+    # new session): set DRIVE = True to keep them on Google Drive and resume there after a new runtime.
+    DRIVE = False
+    if DRIVE:
+        from google.colab import drive
+
+        drive.mount("/content/drive")
+        RUNS = "/content/drive/MyDrive/cdpjax/runs"
+    else:
+        RUNS = os.environ.get("CDPJAX_RUNS", "runs")
+    os.makedirs(RUNS, exist_ok=True)
+    print(f"runs go to {RUNS}/")
+""")
+
 METRICS = _src("""
     import json
 
@@ -448,10 +464,13 @@ def accuracy():
             an hour for the three methods at 30 epochs (an estimate from ResNet-18's FLOPs, not a
             measurement).
 
-            Runs go to `runs/<method>/` and resume from their last checkpoint when the cell is rerun.
+            Runs go to `runs/<method>/` (`RUNS`, set in its cell: Colab wipes `/content` when the runtime is
+            recycled, `DRIVE = True` keeps them on Google Drive) and resume from their last checkpoint when
+            the cell is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
@@ -481,7 +500,7 @@ def accuracy():
 
             summaries = {}
             for method, config in PLAN.items():
-                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+                summaries[method] = train.train(config, os.path.join(RUNS, method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>7}: test accuracy {summaries[method]['test_accuracy']:.4f} after "
                       f"{summaries[method]['steps']} steps")
@@ -496,7 +515,7 @@ def accuracy():
             fig = Figure(figsize=(10, 3.4))
             acc, loss = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
             for method in METHODS:
-                metrics = read_metrics(os.path.join("runs", method))
+                metrics = read_metrics(os.path.join(RUNS, method))
                 test = [m for m in metrics if m["split"] == "test"]
                 trained = [m for m in metrics if m["split"] == "train"]
                 acc.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
@@ -539,10 +558,13 @@ def delays():
             machine (shared with other work when measured); the GPU-sized grid is 2 x 5 x 4 runs of the
             small language model (an estimate: about an hour on a Colab GPU, not measured).
 
-            Runs go to `runs/<model>-tau<tau>-<correction>/` and resume when the cell is rerun.
+            Runs go to `runs/<model>-tau<tau>-<correction>/` (`RUNS`, set in its cell: Colab wipes `/content`
+            when the runtime is recycled, `DRIVE = True` keeps them on Google Drive) and resume when the cell
+            is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(_src("""
             from cdpjax.layouts.delays import at_mean_delay
@@ -577,7 +599,7 @@ def delays():
 
             summaries = {}
             for name, config in PLAN.items():
-                summaries[name] = train.train(config, os.path.join("runs", name), progress=not TINY,
+                summaries[name] = train.train(config, os.path.join(RUNS, name), progress=not TINY,
                                               devices=devices_for(config))
                 print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
         """)),
@@ -629,9 +651,14 @@ def ppll():
             Speedup on K devices is predicted by `cdpjax.speedup` from per-stage times measured on one
             device (assumptions in its docstring); times measured on simulated CPU devices share the
             same cores and show the framework's overhead, not a speedup.
+
+            Runs go to `runs/<method>/` (`RUNS`, set in its cell: Colab wipes `/content` when the runtime is
+            recycled, `DRIVE = True` keeps them on Google Drive) and resume from their last checkpoint when
+            the cell is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
@@ -676,7 +703,7 @@ def ppll():
 
             summaries = {}
             for method, config in PLAN.items():
-                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+                summaries[method] = train.train(config, os.path.join(RUNS, method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>6}: test accuracy {summaries[method]['test_accuracy']:.4f}, "
                       f"{summaries[method]['images_per_second']:.0f} images/s here")
@@ -732,7 +759,7 @@ def ppll():
             low = min(s["test_accuracy"] for s in summaries.values())
             bars.set(ylabel="test accuracy", title=f"after training, K = {K}", ylim=(max(0.0, low - 0.1), 1.0))
             for method in summaries:
-                test = [m for m in read_metrics(os.path.join("runs", method)) if m["split"] == "test"]
+                test = [m for m in read_metrics(os.path.join(RUNS, method)) if m["split"] == "test"]
                 curves.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
                             label=method)
             curves.set(xlabel="step", ylabel="test accuracy", title="test accuracy")

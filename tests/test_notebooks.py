@@ -153,6 +153,25 @@ def test_cifar_is_prepared_in_a_process_without_the_gpu(name, monkeypatch):
     assert str(stop.value) == "CIFAR-10 could not be prepared (internet needed): ConnectionError: no route to host"
 
 
+def test_notebooks_that_train_put_their_runs_where_the_runs_cell_says(tmp_path, monkeypatch):
+    """The notebooks that train write and read their runs under RUNS, set in one cell after the set-up
+    cell (runs/ by default, $CDPJAX_RUNS, or Google Drive where chosen: Colab wipes /content with the
+    runtime); no other cell names a runs folder of its own."""
+    import os
+
+    gen = _generator()
+    for name in ("cdp_accuracy.ipynb", "cdp_delays.ipynb", "ppll_vs_local_gpipe.ipynb"):
+        cells = [c.source for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code"]
+        assert cells.index(gen.RUNS_CELL) == cells.index(gen.SETUP) + 1, name
+        others = [c for c in cells if c != gen.RUNS_CELL]
+        assert not any('"runs"' in c for c in others), name
+        assert any("os.path.join(RUNS, " in c and "train.train(" in c for c in others), name
+    monkeypatch.setenv("CDPJAX_RUNS", str(tmp_path / "kept"))
+    namespace = {"os": os}
+    exec(gen.RUNS_CELL, namespace)
+    assert namespace["RUNS"] == str(tmp_path / "kept") and (tmp_path / "kept").is_dir()
+
+
 # Runs in a subprocess with DEVICES simulated CPU devices (the tests' own process has 8): each
 # training notebook's config cells, as the notebook holds them, after a stand-in for its set-up cell
 # (TINY chosen or not, an accelerator assumed); prints, per notebook and config size, the runs its
