@@ -86,7 +86,9 @@ INSTALL = _src(f"""
                 installed[name] = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 installed[name] = None
-        action, line = after_install(loaded, installed, in_colab="google.colab" in sys.modules)
+        # Colab's kernel imports google.colab, and its runtime sets COLAB_RELEASE_TAG: either will do.
+        in_colab = "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+        action, line = after_install(loaded, installed, in_colab)
         if action == "restart":
             print(line, flush=True)
             os.kill(os.getpid(), 9)  # Colab's way to restart the runtime: it starts a fresh kernel
@@ -779,6 +781,8 @@ NOTEBOOKS = (timing_diagrams, memory_and_communication, accuracy, delays, ppll)
 
 def build(make) -> tuple[str, nbformat.NotebookNode]:
     name, cells = make()
+    for number, cell in enumerate(cells):
+        cell.id = f"cell-{number}"  # nbformat's default is random: every regeneration rewrote every notebook
     nb = new_notebook(cells=cells)
     nb.metadata.update({
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},

@@ -110,6 +110,7 @@ def test_install_cell_stops_outside_colab_on_a_stale_module(monkeypatch):
     body = "\n".join(line for line in body.splitlines() if not line.startswith("%pip"))
     monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(__version__="1.0.0"))
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
     with pytest.raises(SystemExit) as stop:
         exec(body, {"REPOSITORY": "unused"})
     on_disk = importlib.metadata.version("numpy")
