@@ -5,7 +5,8 @@
 The notebooks are generated so that their code can be reviewed here as plain
 Python and so that the cells they share (install, devices, config loading) are
 written once. Each notebook opens in Colab (its first cell names the repository
-and installs cdpjax from it where cdpjax is missing) and runs the paper's config
+and installs cdpjax from it where cdpjax is missing, restarting the runtime
+where pip replaced a module the kernel had loaded) and runs the paper's config
 on a GPU, or the tiny digits config where chosen (TINY = True in the set-up
 cell, or CDPJAX_TINY=1); without a GPU and without that choice it stops with
 one line saying what to change. Figures go to $CDPJAX_FIGURES (default
@@ -33,6 +34,27 @@ def badge(name: str) -> str:
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
+# Colab preloads numpy (and with it what imports it) into every kernel: a module that pip replaces on
+# disk stays loaded in memory, and jax imported next would run against it. Kept apart from INSTALL so
+# that tests/test_notebooks.py can run the rule as plain Python; INSTALL holds it verbatim.
+RESTART_RULE = _src("""
+    PRELOADED = ("numpy", "jax", "jaxlib", "ml_dtypes", "scipy")
+
+
+    def after_install(loaded, installed, in_colab):
+        \"\"\"What the install cell does once pip is done: ("go on", ""), ("restart", line) in Colab, or
+        ("stop", line) elsewhere, where loaded maps each module already imported to its version in memory
+        and installed maps names to the version pip left on disk (None: not installed as a distribution).\"\"\"
+        stale = [f"{name} {loaded[name]} -> {installed[name]}" for name in sorted(loaded)
+                 if installed.get(name) is not None and installed[name] != loaded[name]]
+        if not stale:
+            return "go on", ""
+        said = f"pip replaced modules this kernel had loaded ({', '.join(stale)})"
+        if in_colab:  # the install cell is a no-op after the restart: cdpjax is then installed
+            return "restart", f"{said}: restarting the runtime; then run all again"
+        return "stop", f"{said}: restart the kernel, then run all"
+""")
+
 INSTALL = _src(f"""
     # Where cdpjax comes from (a fork: change it here).
     REPOSITORY = "https://github.com/{REPOSITORY}"
@@ -41,11 +63,37 @@ INSTALL = _src(f"""
     import importlib.util
 
     if importlib.util.find_spec("cdpjax") is None:  # Colab; a checkout or CI already has it
-        # jax is upgraded with its CUDA plugin (the cuda12 extra) and flax with it: Colab's jax 0.7.2 has no
-        # lax.pcast, and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
-        # flax >= 0.12.8), and numpy to what the newest jax needs (>= 2.2); pip may then warn that other
+        import importlib.metadata
+        import os
+        import sys
+
+        # jax is upgraded with its CUDA plugin (the cuda12 extra, on a GPU runtime only: on a CPU one its
+        # NVIDIA wheels are gigabytes for nothing) and flax with it: Colab's jax 0.7.2 has no lax.pcast,
+        # and its flax 0.11.2 fails on a newer jax, so both move to cdpjax's bounds (jax >= 0.10,
+        # flax >= 0.12.8), and numpy may move to what the newest jax needs; pip may then warn that other
         # Colab packages ask for an older numpy: this notebook does not use them.
-        %pip install -q "cdpjax[cuda12] @ git+{{REPOSITORY}}"
+        EXTRA = "[cuda12]" if os.path.exists("/dev/nvidia0") else ""
+        %pip install -q "cdpjax{{EXTRA}} @ git+{{REPOSITORY}}"
+
+{textwrap.indent(RESTART_RULE, " " * 8)}
+
+
+        importlib.invalidate_caches()
+        loaded = {{name: getattr(sys.modules[name], "__version__", None) for name in PRELOADED if name in sys.modules}}
+        installed = {{}}
+        for name in loaded:
+            try:
+                installed[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                installed[name] = None
+        # Colab's kernel imports google.colab, and its runtime sets COLAB_RELEASE_TAG: either will do.
+        in_colab = "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+        action, line = after_install(loaded, installed, in_colab)
+        if action == "restart":
+            print(line, flush=True)
+            os.kill(os.getpid(), 9)  # Colab's way to restart the runtime: it starts a fresh kernel
+        elif action == "stop":
+            raise SystemExit(line)
 """)
 
 SETUP = _src("""
@@ -83,26 +131,48 @@ CONFIGS = _src("""
 
 
     def devices_for(config):
-        \"\"\"The first devices the method's mesh needs (cdpjax.layouts), or all for a -1 axis.\"\"\"
-        from cdpjax.layouts import devices_needed
+        \"\"\"The first devices the method's mesh takes here (cdpjax.layouts.devices_to_use); none where it
+        cannot run on the devices there are (gpipe's K stage devices on fewer).\"\"\"
+        from cdpjax.layouts import devices_to_use
 
-        return jax.devices()[:devices_needed(config) or jax.device_count()]
+        return jax.devices()[:devices_to_use(config, jax.device_count())]
 
 
     def fits(config):
-        from cdpjax.layouts import devices_needed
-
-        return (devices_needed(config) or 1) <= jax.device_count()
+        return bool(devices_for(config))
 """)
 
 PREPARE_CIFAR = _src("""
     # GPU-sized config only: CIFAR-10 prepared once for tensorflow-datasets (internet; Colab has TensorFlow).
+    # In a process of its own with the GPU hidden: jax already holds the GPU in this kernel, and TensorFlow
+    # would load its own CUDA libraries beside jax's and claim GPU memory.
     if not TINY:
-        import tensorflow_datasets as tfds
+        import subprocess
+        import sys
 
-        builder = tfds.builder("cifar10")
-        if not builder.is_prepared():
-            builder.download_and_prepare(file_format="array_record")
+        PREPARE = ("import tensorflow_datasets as tfds; builder = tfds.builder('cifar10'); "
+                   "builder.is_prepared() or builder.download_and_prepare(file_format='array_record')")
+        done = subprocess.run([sys.executable, "-c", PREPARE], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                              capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise SystemExit(f"CIFAR-10 could not be prepared (internet needed): {last}")
+""")
+
+RUNS_CELL = _src("""
+    # Where the runs go (checkpoints, metrics.jsonl): a run resumes from its last checkpoint when its cell
+    # is rerun. Colab wipes /content (and runs/ in it) when the runtime is recycled (idle, time limit, a
+    # new session): set DRIVE = True to keep them on Google Drive and resume there after a new runtime.
+    DRIVE = False
+    if DRIVE:
+        from google.colab import drive
+
+        drive.mount("/content/drive")
+        RUNS = "/content/drive/MyDrive/cdpjax/runs"
+    else:
+        RUNS = os.environ.get("CDPJAX_RUNS", "runs")
+    os.makedirs(RUNS, exist_ok=True)
+    print(f"runs go to {RUNS}/")
 """)
 
 METRICS = _src("""
@@ -253,7 +323,7 @@ def memory_and_communication():
         new_code_cell(SETUP),
         new_code_cell(CONFIGS),
         new_code_cell(_src("""
-            from cdpjax import bench, data, models, plotting, timetable
+            import ml_collections
 
             if TINY:
                 base = load_config("digits:method=cdp-v2")
@@ -262,6 +332,22 @@ def memory_and_communication():
                 base.dataset, base.dataset_kwargs = "synthetic", {"image_shape": (32, 32, 3), "num_classes": 10}
                 if jax.device_count() < 8:  # the ring needs one device per worker; simulate otherwise
                     base.cdp_impl, base.mesh = "simulate", {"data": 1}
+
+
+            def method_config(method):
+                c = ml_collections.ConfigDict(base.to_dict())
+                c.method = method
+                if method == "dp" and c.cdp_impl == "simulate":  # dp has no simulation: its workers on the devices
+                    c.mesh = {"data": -1}
+                return c
+
+
+            # What the measurements below compile, each on devices_for(config).
+            PLAN = {m: method_config(m) for m in ("dp", "cdp-v2")}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import bench, data, models, plotting, timetable
+
             dataset = data.build(base)
             net = models.build(base, dataset.image_shape, dataset.num_classes)
             N = base.workers or jax.device_count()
@@ -329,15 +415,7 @@ def memory_and_communication():
             in small messages spread over the step.
         """)),
         new_code_cell(_src("""
-            import ml_collections
-
-            records = {}
-            for m in ("dp", "cdp-v2"):
-                c = ml_collections.ConfigDict(base.to_dict())
-                c.method = m
-                if m == "dp" and c.cdp_impl == "simulate":
-                    c.mesh = {"data": -1}
-                records[m] = bench.bench_method(c, devices_for(c), repeats=2)
+            records = {m: bench.bench_method(c, devices_for(c), repeats=2) for m, c in PLAN.items()}
             print(bench.format_table(list(records.values())))
             for m, r in records.items():
                 model = r["memory_model"]
@@ -388,15 +466,16 @@ def accuracy():
             an hour for the three methods at 30 epochs (an estimate from ResNet-18's FLOPs, not a
             measurement).
 
-            Runs go to `runs/<method>/` and resume from their last checkpoint when the cell is rerun.
+            Runs go to `runs/<method>/` (`RUNS`, set in its cell: Colab wipes `/content` when the runtime is
+            recycled, `DRIVE = True` keeps them on Google Drive) and resume from their last checkpoint when
+            the cell is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
-            from cdpjax import train
-
             METHODS = ("dp", "cdp-v1", "cdp-v2")
             EPOCHS = 30  # GPU-sized config; 101 reproduces the paper's run
             TINY_STEPS = 150
@@ -415,10 +494,15 @@ def accuracy():
                 return c
 
 
+            # What the next cell trains, each on devices_for(config).
+            PLAN = {method: make_config(method) for method in METHODS}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
             summaries = {}
-            for method in METHODS:
-                config = make_config(method)
-                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+            for method, config in PLAN.items():
+                summaries[method] = train.train(config, os.path.join(RUNS, method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>7}: test accuracy {summaries[method]['test_accuracy']:.4f} after "
                       f"{summaries[method]['steps']} steps")
@@ -433,7 +517,7 @@ def accuracy():
             fig = Figure(figsize=(10, 3.4))
             acc, loss = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
             for method in METHODS:
-                metrics = read_metrics(os.path.join("runs", method))
+                metrics = read_metrics(os.path.join(RUNS, method))
                 test = [m for m in metrics if m["split"] == "test"]
                 trained = [m for m in metrics if m["split"] == "train"]
                 acc.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
@@ -476,13 +560,15 @@ def delays():
             machine (shared with other work when measured); the GPU-sized grid is 2 x 5 x 4 runs of the
             small language model (an estimate: about an hour on a Colab GPU, not measured).
 
-            Runs go to `runs/<model>-tau<tau>-<correction>/` and resume when the cell is rerun.
+            Runs go to `runs/<model>-tau<tau>-<correction>/` (`RUNS`, set in its cell: Colab wipes `/content`
+            when the runtime is recycled, `DRIVE = True` keeps them on Google Drive) and resume when the cell
+            is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(_src("""
-            from cdpjax import train
             from cdpjax.layouts.delays import at_mean_delay
 
             WORKERS = STAGES = 4
@@ -506,15 +592,18 @@ def delays():
                 return f"{model}-tau{tau}-{correction}"
 
 
+            # What the next cell trains, each on devices_for(config) (one device: the workers are simulated).
+            PLAN = {run_name(model, tau, correction): make_config(model, tau, correction)
+                    for model in MODELS for tau in TAUS for correction in CORRECTIONS}
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
             summaries = {}
-            for model in MODELS:
-                for tau in TAUS:
-                    for correction in CORRECTIONS:
-                        name = run_name(model, tau, correction)
-                        config = make_config(model, tau, correction)
-                        summaries[name] = train.train(config, os.path.join("runs", name), progress=not TINY,
-                                                      devices=jax.devices()[:1])
-                        print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
+            for name, config in PLAN.items():
+                summaries[name] = train.train(config, os.path.join(RUNS, name), progress=not TINY,
+                                              devices=devices_for(config))
+                print(f"{name:>32}: test loss {summaries[name]['test_loss']:.4f}")
         """)),
         new_code_cell(_src("""
             from matplotlib.figure import Figure
@@ -553,7 +642,8 @@ def ppll():
               grouped on the GPUs there are (all on one: PPLL's updates without its overlap); `gpipe` needs
               K devices, and with fewer its speed is predicted only.
             - Tiny config (`TINY = True`): `digits` (4-stage MLP, K = 4 on 8 simulated CPU devices),
-              150 steps per method.
+              150 steps per method; on fewer than K devices (a one-GPU runtime) `ppll` and `gpipe` are
+              predicted only.
 
             How long: the tiny config took 2 to 3.5 minutes on this project's 2-core CPU machine
             (measured twice, the machine shared with other work). The GPU-sized config on a Colab T4: about
@@ -563,13 +653,19 @@ def ppll():
             Speedup on K devices is predicted by `cdpjax.speedup` from per-stage times measured on one
             device (assumptions in its docstring); times measured on simulated CPU devices share the
             same cores and show the framework's overhead, not a speedup.
+
+            Runs go to `runs/<method>/` (`RUNS`, set in its cell: Colab wipes `/content` when the runtime is
+            recycled, `DRIVE = True` keeps them on Google Drive) and resume from their last checkpoint when
+            the cell is rerun.
         """)),
         new_code_cell(INSTALL),
         new_code_cell(SETUP),
+        new_code_cell(RUNS_CELL),
         new_code_cell(CONFIGS),
         new_code_cell(PREPARE_CIFAR),
         new_code_cell(_src("""
-            from cdpjax import methods, train
+            from cdpjax import methods
+            from cdpjax.layouts import mesh_for
 
             K = 4
             EPOCHS = 40  # GPU-sized config; 400 reproduces the paper's run
@@ -592,15 +688,24 @@ def ppll():
 
 
             # On fewer GPUs than K (Colab: one), ppll's K modules share the GPUs there are (all on one: the
-            # same updates, without the pipeline's overlap); gpipe needs K and is then predicted only.
+            # same updates, without the pipeline's overlap); gpipe needs K and is then predicted only, as is
+            # the tiny config's ppll (its K modules are not grouped).
             DEVICES = min(K, jax.device_count())
-            summaries = {}
+            PLAN = {}  # what the next cell trains, each on devices_for(config)
             for method in METHODS:
                 config = make_config(method, devices=DEVICES)
-                if not fits(config):
-                    print(f"{method:>6}: needs {K} devices, {jax.device_count()} here: not trained (speed predicted below)")
-                    continue
-                summaries[method] = train.train(config, os.path.join("runs", method), progress=not TINY,
+                if fits(config):
+                    PLAN[method] = config
+                else:
+                    print(f"{method:>6}: its mesh {mesh_for(config)} does not fit {jax.device_count()} device(s) here: "
+                          f"not trained (speed predicted below)")
+        """)),
+        new_code_cell(_src("""
+            from cdpjax import train
+
+            summaries = {}
+            for method, config in PLAN.items():
+                summaries[method] = train.train(config, os.path.join(RUNS, method), progress=not TINY,
                                                 devices=devices_for(config))
                 print(f"{method:>6}: test accuracy {summaries[method]['test_accuracy']:.4f}, "
                       f"{summaries[method]['images_per_second']:.0f} images/s here")
@@ -656,7 +761,7 @@ def ppll():
             low = min(s["test_accuracy"] for s in summaries.values())
             bars.set(ylabel="test accuracy", title=f"after training, K = {K}", ylim=(max(0.0, low - 0.1), 1.0))
             for method in summaries:
-                test = [m for m in read_metrics(os.path.join("runs", method)) if m["split"] == "test"]
+                test = [m for m in read_metrics(os.path.join(RUNS, method)) if m["split"] == "test"]
                 curves.plot([m["step"] for m in test], [m["accuracy"] for m in test], marker="o", markersize=3,
                             label=method)
             curves.set(xlabel="step", ylabel="test accuracy", title="test accuracy")
@@ -676,6 +781,8 @@ NOTEBOOKS = (timing_diagrams, memory_and_communication, accuracy, delays, ppll)
 
 def build(make) -> tuple[str, nbformat.NotebookNode]:
     name, cells = make()
+    for number, cell in enumerate(cells):
+        cell.id = f"cell-{number}"  # nbformat's default is random: every regeneration rewrote every notebook
     nb = new_notebook(cells=cells)
     nb.metadata.update({
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},

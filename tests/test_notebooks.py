@@ -5,6 +5,7 @@ the runs' own files."""
 import importlib.util
 import json
 import pathlib
+import textwrap
 
 import numpy as np
 import pytest
@@ -56,15 +57,232 @@ def test_notebooks_match_their_generator():
 
 
 def test_first_cell_installs_only_where_cdpjax_is_missing():
-    """The repository in one variable at the top, printed; the install (with the CUDA extra) from it,
-    only where cdpjax is not importable."""
+    """The repository in one variable at the top, printed; the install from it only where cdpjax is not
+    importable, with the CUDA extra only where an NVIDIA device is (a CPU runtime would download
+    gigabytes of CUDA wheels for nothing); then the check that no loaded module went stale."""
+    gen = _generator()
     for name in FIGURES:
         first = next(c for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code")
-        lines = [line for line in first.source.splitlines() if line and not line.startswith("#")]
+        lines = [line.strip() for line in first.source.splitlines() if line and not line.startswith("#")]
         assert lines[0].startswith('REPOSITORY = "https://github.com/'), name
         assert lines[1] == 'print(f"cdpjax from {REPOSITORY}")', name
         assert 'find_spec("cdpjax") is None' in first.source, name
-        assert lines[-1].strip() == '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"', name
+        pip = lines.index('%pip install -q "cdpjax{EXTRA} @ git+{REPOSITORY}"')
+        assert lines[pip - 1] == 'EXTRA = "[cuda12]" if os.path.exists("/dev/nvidia0") else ""', name
+        assert gen.RESTART_RULE in textwrap.dedent(first.source.split("%pip install", 1)[1].split("\n", 1)[1]), name
+
+
+def _install_rule():
+    namespace = {}
+    exec(_generator().RESTART_RULE, namespace)
+    return namespace["after_install"]
+
+
+def test_install_restarts_where_pip_replaced_a_loaded_module():
+    """Hand cases: a module imported before the install (Colab preloads numpy) whose version on disk is
+    now another makes the cell restart Colab's runtime, or elsewhere stop with one line asking for the
+    restart; nothing loaded, the same versions, or a module pip does not know leave it going on."""
+    after_install = _install_rule()
+    said = "pip replaced modules this kernel had loaded (numpy 2.1.3 -> 2.2.6)"
+    assert after_install({"numpy": "2.1.3"}, {"numpy": "2.2.6"}, in_colab=True) == \
+        ("restart", f"{said}: restarting the runtime; then run all again")
+    assert after_install({"numpy": "2.1.3"}, {"numpy": "2.2.6"}, in_colab=False) == \
+        ("stop", f"{said}: restart the kernel, then run all")
+    both = after_install({"numpy": "2.1.3", "jax": "0.7.2", "scipy": "1.16.1"},
+                         {"numpy": "2.2.6", "jax": "0.10.2", "scipy": "1.16.1"}, in_colab=True)
+    assert both == ("restart", "pip replaced modules this kernel had loaded (jax 0.7.2 -> 0.10.2, "
+                               "numpy 2.1.3 -> 2.2.6): restarting the runtime; then run all again")
+    unchanged = (({}, {}), ({"numpy": "2.1.3"}, {"numpy": "2.1.3"}), ({"numpy": "2.1.3"}, {"numpy": None}))
+    for loaded, installed in unchanged:
+        for in_colab in (True, False):
+            assert after_install(loaded, installed, in_colab) == ("go on", ""), (loaded, installed)
+
+
+def test_install_cell_stops_outside_colab_on_a_stale_module(monkeypatch):
+    """The install cell's code after pip, as the notebook holds it, with a numpy in memory older than the
+    one on disk and no google.colab: one-line SystemExit, no restart."""
+    import importlib.metadata
+    import sys
+    import types
+
+    first = next(c for c in nbformat.read(COLAB / "cdp_accuracy.ipynb", as_version=4).cells if c.cell_type == "code")
+    body = textwrap.dedent(first.source.split('find_spec("cdpjax") is None', 1)[1].split("\n", 1)[1])
+    body = "\n".join(line for line in body.splitlines() if not line.startswith("%pip"))
+    monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(__version__="1.0.0"))
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        exec(body, {"REPOSITORY": "unused"})
+    on_disk = importlib.metadata.version("numpy")
+    assert str(stop.value) == (f"pip replaced modules this kernel had loaded (numpy 1.0.0 -> {on_disk}): "
+                               f"restart the kernel, then run all")
+
+
+@pytest.mark.parametrize("name", ["cdp_accuracy.ipynb", "ppll_vs_local_gpipe.ipynb"])
+def test_cifar_is_prepared_in_a_process_without_the_gpu(name, monkeypatch):
+    """The notebooks that train on CIFAR-10 prepare it in another Python process whose CUDA devices are
+    hidden (TensorFlow's CUDA never loads into the kernel that runs jax on the GPU), only for the
+    GPU-sized config, and stop with one line where that fails. subprocess.run is stood in for: an
+    offline tensorflow-datasets call hangs."""
+    import os
+    import subprocess
+    import sys
+
+    gen = _generator()
+    cells = [c.source for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code"]
+    assert gen.PREPARE_CIFAR in cells
+    calls = []
+
+    def run(command, env=None, **kwargs):
+        calls.append((command, env))
+        return subprocess.CompletedProcess(command, returncode, "", stderr)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    before = set(sys.modules)
+    returncode, stderr = 0, ""
+    exec(gen.PREPARE_CIFAR, {"TINY": True, "os": os})
+    assert calls == []
+    exec(gen.PREPARE_CIFAR, {"TINY": False, "os": os})
+    ((command, env),) = calls
+    assert command[:2] == [sys.executable, "-c"] and env["CUDA_VISIBLE_DEVICES"] == ""
+    compile(command[2], "prepare", "exec")
+    assert "tfds.builder('cifar10')" in command[2] and "download_and_prepare(file_format='array_record')" in command[2]
+    assert not {m for m in set(sys.modules) - before if m.startswith(("tensorflow", "tensorflow_datasets"))}
+    returncode, stderr = 1, "Traceback (most recent call last):\n...\nConnectionError: no route to host\n"
+    with pytest.raises(SystemExit) as stop:
+        exec(gen.PREPARE_CIFAR, {"TINY": False, "os": os})
+    assert str(stop.value) == "CIFAR-10 could not be prepared (internet needed): ConnectionError: no route to host"
+
+
+def test_notebooks_that_train_put_their_runs_where_the_runs_cell_says(tmp_path, monkeypatch):
+    """The notebooks that train write and read their runs under RUNS, set in one cell after the set-up
+    cell (runs/ by default, $CDPJAX_RUNS, or Google Drive where chosen: Colab wipes /content with the
+    runtime); no other cell names a runs folder of its own."""
+    import os
+
+    gen = _generator()
+    for name in ("cdp_accuracy.ipynb", "cdp_delays.ipynb", "ppll_vs_local_gpipe.ipynb"):
+        cells = [c.source for c in nbformat.read(COLAB / name, as_version=4).cells if c.cell_type == "code"]
+        assert cells.index(gen.RUNS_CELL) == cells.index(gen.SETUP) + 1, name
+        others = [c for c in cells if c != gen.RUNS_CELL]
+        assert not any('"runs"' in c for c in others), name
+        assert any("os.path.join(RUNS, " in c and "train.train(" in c for c in others), name
+    monkeypatch.setenv("CDPJAX_RUNS", str(tmp_path / "kept"))
+    namespace = {"os": os}
+    exec(gen.RUNS_CELL, namespace)
+    assert namespace["RUNS"] == str(tmp_path / "kept") and (tmp_path / "kept").is_dir()
+
+
+# Runs in a subprocess with DEVICES simulated CPU devices (the tests' own process has 8): each
+# training notebook's config cells, as the notebook holds them, after a stand-in for its set-up cell
+# (TINY chosen or not, an accelerator assumed); prints, per notebook and config size, the runs its
+# PLAN holds with the devices each is given. With "setup", every planned run also goes through
+# `setup.setup` (validation, mesh, method build; nothing compiled), CIFAR-10 swapped for random
+# images of its shapes (an offline tensorflow-datasets load hangs).
+PLAN_PROBE = """
+import json, os, sys
+import jax
+import nbformat
+
+jax.config.update("jax_num_cpu_devices", int(os.environ["DEVICES"]))
+from cdpjax import setup as setup_lib
+
+out = {}
+for path in sys.argv[1:]:
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    for size in ("tiny", "gpu"):
+        ns = {"os": os, "jax": jax, "TINY": size == "tiny", "ACCELERATOR": True}
+        for source in cells:
+            if "def devices_for(" in source or "PLAN = " in source:
+                exec(source, ns)
+        runs = out.setdefault(os.path.basename(path), {})[size] = {}
+        for name, config in ns["PLAN"].items():
+            devices = ns["devices_for"](config)
+            runs[name] = len(devices)
+            if os.environ.get("SETUP") and devices:
+                if config.dataset == "cifar10":
+                    config.dataset = "synthetic"
+                    config.dataset_kwargs = {"image_shape": (32, 32, 3), "num_classes": 10}
+                    if config.get("aux_kwargs") and config.aux_kwargs.get("reconstruction"):
+                        # random images carry no pixel statistics, which the decoder's target needs
+                        config.aux_kwargs.update(pixel_mean=(0.5,) * 3, pixel_std=(0.25,) * 3)
+                setup_lib.setup(config, devices)
+print(json.dumps(out))
+"""
+TRAINING_NOTEBOOKS = ("cdp_memory_and_communication.ipynb", "cdp_accuracy.ipynb", "cdp_delays.ipynb",
+                      "ppll_vs_local_gpipe.ipynb")
+
+
+def _plans(devices: int, setup: bool = False) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": str(ROOT)}
+    env.pop("SETUP", None)
+    if setup:
+        env["SETUP"] = "1"
+    proc = subprocess.run([sys.executable, "-c", PLAN_PROBE, *(str(COLAB / n) for n in TRAINING_NOTEBOOKS)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _expected_plan(name: str, size: str, n: int) -> dict:
+    """The runs a notebook trains (or, for the memory notebook, compiles) on n devices, and the devices
+    each gets, by the notebooks' rules: a data-parallel mesh with a -1 axis takes every device; a
+    method run as `cdp_impl='simulate'` on `{'data': 1}` takes one; gpipe needs its K = 4 stage devices
+    (skipped below 4); ppll's GPU-sized config groups its K = 4 modules on min(K, n) devices, the tiny
+    one does not (4 stage devices, skipped below 4)."""
+    K = 4
+    if name == "cdp_memory_and_communication.ipynb":  # the ring of 8 workers is simulated below 8 devices
+        return {"dp": n, "cdp-v2": n if size == "tiny" or n >= 8 else 1}
+    if name == "cdp_accuracy.ipynb":
+        return {m: n for m in ("dp", "cdp-v1", "cdp-v2")}
+    if name == "cdp_delays.ipynb":  # 4 workers on 4 stages simulated on one device, every run
+        models, taus, corrections = ((("uniform-tau",), (0, 2), ("none", "staleness-lr")) if size == "tiny" else
+                                     (("uniform-tau", "geometric"), (0, 1, 2, 4, 8),
+                                      ("none", "staleness-lr", "dc-asgd", "pipenag")))
+        return {f"{m}-tau{t}-{c}": 1 for m in models for t in taus for c in corrections}
+    plan = {"e2e": n, "local": n}
+    if size == "gpu":
+        plan["ppll"] = min(K, n) * (n // min(K, n))
+    elif n >= K:
+        plan["ppll"] = n // K * K
+    if n >= K:
+        plan["gpipe"] = n // K * K
+    return plan
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_notebooks_train_only_what_fits_the_devices_there_are(devices):
+    """Colab's GPU runtime has one GPU: each training notebook, on its GPU-sized and its tiny config,
+    trains exactly the runs that fit 1 (and 2) devices and skips the rest (gpipe's 4 stage devices)
+    before any training starts; on 1 device every run it keeps passes set-up (validation, mesh,
+    method build), so none fails after the runs before it have trained."""
+    plans = _plans(devices, setup=devices == 1)
+    for name in TRAINING_NOTEBOOKS:
+        for size in ("tiny", "gpu"):
+            assert plans[name][size] == _expected_plan(name, size, devices), (name, size)
+
+
+def test_devices_to_use_says_whether_a_mesh_fits():
+    """Hand cases: a fixed mesh takes its size or does not fit; a -1 axis takes the most devices the
+    fixed axes divide, and nothing below their product."""
+    import ml_collections
+
+    from cdpjax.layouts import devices_needed, devices_to_use
+
+    def config(method, mesh):
+        return ml_collections.ConfigDict({"method": method, "mesh": mesh, "stages": 4})
+
+    cases = [({"data": 8}, 8, 8), ({"data": 8}, 4, 0), ({"data": 1}, 1, 1), ({"data": -1}, 3, 3),
+             ({"stage": 4, "data": -1}, 1, 0), ({"stage": 4, "data": -1}, 2, 0), ({"stage": 4, "data": -1}, 4, 4),
+             ({"stage": 4, "data": -1}, 6, 4), ({"stage": 4, "data": -1}, 8, 8), ({"stage": 2, "data": 2}, 3, 0)]
+    for mesh, available, expected in cases:
+        assert devices_to_use(config("gpipe", mesh), available) == expected, (mesh, available)
+    assert devices_needed(config("gpipe", {"stage": 4, "data": -1})) is None  # its callers' "every device"
 
 
 FAKE_GPU = """
@@ -376,7 +594,7 @@ def test_the_ppll_notebook_runs_on_colabs_packages(tmp_path):
 
     nb = nbformat.read(COLAB / "ppll_vs_local_gpipe.ipynb", as_version=4)
     install = next(c for c in nb.cells if c.cell_type == "code")
-    pip_line = '%pip install -q "cdpjax[cuda12] @ git+{REPOSITORY}"'
+    pip_line = '%pip install -q "cdpjax{EXTRA} @ git+{REPOSITORY}"'
     assert pip_line in install.source
     install.source = install.source.replace(pip_line, f'%pip install -q "cdpjax @ {ROOT.as_uri()}"')  # no CUDA here
     nb.cells.insert(nb.cells.index(install) + 1, nbformat.v4.new_code_cell(

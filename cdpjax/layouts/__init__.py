@@ -226,6 +226,25 @@ def devices_needed(config) -> int | None:
     return math.prod(sizes) if sizes else 1
 
 
+def devices_to_use(config, available: int) -> int:
+    """How many of `available` devices the config's mesh takes, 0 where it cannot run on them: a
+    mesh without a -1 axis takes its size; one with a -1 axis (a stage-axis method's default
+    `{'stage': K, 'data': -1}`) takes the most devices its fixed axes divide, at least their
+    product (the -1 axis at least 1). Where the config does not say yet (a method name that
+    validation will refuse, a malformed mesh) all of them, so that validation names the fault.
+    Unlike `devices_needed`, which answers None for a -1 axis, this says whether it fits."""
+    try:
+        sizes = list(mesh_for(config).values())
+    except (ConfigError, TypeError):
+        return available
+    if any(not isinstance(s, int) or (s < 1 and s != -1) for s in sizes) or sizes.count(-1) > 1:
+        return available
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        return available // fixed * fixed
+    return fixed if fixed <= available else 0
+
+
 def table_for_config(config, devices: int, stages: int, steps: int | None = None):
     """The time table of `config.method` as the config runs it on `devices` devices with
     `stages` stages (None for a method without one): the config's worker count (data-axis
@@ -259,5 +278,5 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["COLOURS", "LAYOUTS", "Layout", "Reference", "TABLE_SIZES", "devices_needed", "mesh_for", "register",
-           "stage_count", "stage_devices", "table_for_config"]
+__all__ = ["COLOURS", "LAYOUTS", "Layout", "Reference", "TABLE_SIZES", "devices_needed", "devices_to_use", "mesh_for",
+           "register", "stage_count", "stage_devices", "table_for_config"]
