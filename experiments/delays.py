@@ -37,6 +37,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import typing
@@ -247,6 +248,13 @@ def plot(runs: list[Run], path: str) -> None:
     plt.close(fig)
 
 
+def kept_runs(figure) -> pathlib.Path:
+    """Where a docs figure's runs are kept in the repository (its runs.jsonl, beside it:
+    `docs/figures/NAME.runs.jsonl`), for `--docs` to start from where OUT/GRID has none."""
+    figure = pathlib.Path(figure)
+    return figure.with_name(figure.stem + ".runs.jsonl")
+
+
 # docs/delays.md's figures: (grid, figure), each grid's runs in OUT/GRID (`--docs`)
 DOC_FIGURES = (("digits", "docs/figures/delays_digits.png"), ("charlm", "docs/figures/delays_charlm_grid.png"),
                ("target", "docs/figures/delays_charlm.png"))
@@ -286,7 +294,14 @@ def main(argv=None) -> int:
             p.error("--docs runs the docs' grids whole: give it only --out")
         root = pathlib.Path(__file__).resolve().parents[1]
         for name, figure in DOC_FIGURES:
-            main(["--grid", name, "--out", os.path.join(args.out, name), "--figure", str(root / figure), "--resume"])
+            out = os.path.join(args.out, name)
+            kept = kept_runs(root / figure)
+            if kept.exists() and not os.path.exists(os.path.join(out, "runs.jsonl")):
+                # the runs the figure was drawn from, kept beside it: hours of training not repeated
+                os.makedirs(out, exist_ok=True)
+                shutil.copyfile(kept, os.path.join(out, "runs.jsonl"))
+                print(f"{name}: starting from the runs kept in {kept}", flush=True)
+            main(["--grid", name, "--out", out, "--figure", str(root / figure), "--resume"])
         return 0
     grid = GRIDS["tiny" if args.tiny else args.grid]
     for key, value in (("corrections", args.corrections), ("models", args.models)):

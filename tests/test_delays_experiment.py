@@ -50,6 +50,30 @@ def test_docs_writes_each_figure_from_its_grids_runs_and_retrains_nothing_stored
     assert figure.stat().st_size > 1000
 
 
+def test_docs_starts_from_the_runs_kept_beside_a_figure(tmp_path, monkeypatch):
+    """`--docs` where OUT/GRID holds no runs but the figure's runs are kept beside it
+    (`FIGURE.runs.jsonl`): it trains nothing (train_one made to fail) and writes the figure and the
+    table from exactly the kept runs; rows it lacks are trained (one dropped: trained once)."""
+    made = tmp_path / "made"
+    figure = tmp_path / "figures" / "tiny.png"
+    figure.parent.mkdir()
+    monkeypatch.setattr(delays, "DOC_FIGURES", (("tiny", str(figure)),))
+    assert delays.main(["--docs", "--out", str(made)]) == 0
+    kept = figure.parent / "tiny.runs.jsonl"
+    assert delays.kept_runs(figure) == kept
+    lines = (made / "tiny" / "runs.jsonl").read_text().splitlines()
+    kept.write_text("\n".join(lines[:-1]) + "\n")
+    trained = []
+    real = delays.train_one
+    monkeypatch.setattr(delays, "train_one", lambda *row: trained.append(row) or real(*row))
+    again = tmp_path / "again"
+    assert delays.main(["--docs", "--out", str(again)]) == 0
+    assert len(trained) == 1 and trained[0][:5] == tuple(json.loads(lines[-1])[k] for k in (
+        "task", "model", "tau", "correction", "seed"))
+    runs = json.loads((again / "tiny" / "delays.json").read_text())["runs"]
+    assert runs == json.loads((made / "tiny" / "delays.json").read_text())["runs"]
+
+
 def test_parts_share_one_out_and_train_each_row_once(tmp_path, monkeypatch):
     """`--part I/N`: part I trains rows I, I + N, ... of the grid's order (counted here from the
     grid's own loops: tau = 0 rows first, then model by model) into one OUT; the whole grid's
