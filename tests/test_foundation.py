@@ -110,6 +110,44 @@ BAD_INPUT = [
 ]
 
 
+class _Device:
+    """A device of another backend as make_mesh sees it (its platform); the mesh is refused before
+    any is used."""
+
+    def __init__(self, platform):
+        self.platform = platform
+
+
+# (backend, mesh, devices there are, method, cdp_impl, what the hint must say): by hand, from what
+# helps there: CPU devices are simulated (--cpu-devices); an accelerator's are the host's, so a data
+# axis of -1 takes them (CDP's ring needs a device per worker, its `simulate` does not); a fixed
+# stage axis larger than the host needs more hosts.
+MESH_HINTS = [
+    ("cpu", {"data": 8}, 4, "cdp-v2", "ring", "(on CPU, more can be simulated with --cpu-devices)"),
+    ("gpu", {"data": 8}, 4, "cdp-v2", "ring", "(on GPUs, --config.mesh.data=-1 --config.cdp_impl=simulate runs "
+                                              "on the 4 there are: cdp-v2's workers then share them)"),
+    ("gpu", {"data": 8}, 4, "cdp-v1", "simulate", "(on GPUs, --config.mesh.data=-1 runs on the 4 there are, as "
+                                                  "the mesh {'data': 4})"),
+    ("gpu", {"data": 8}, 2, "dp", "ring", "(on GPUs, --config.mesh.data=-1 runs on the 2 there are, as the mesh "
+                                          "{'data': 2})"),
+    ("tpu", {"stage": 2, "data": 4}, 4, "gpipe", "ring", "(on TPUs, --config.mesh.data=-1 runs on the 4 there "
+                                                         "are, as the mesh {'stage': 2, 'data': 2})"),
+    ("gpu", {"stage": 4}, 2, "ppll", "ring", "(on GPUs, run on a host with more, or on several hosts: "
+                                             "docs/guarantees.md, multi-process runs)"),
+]
+
+
+@pytest.mark.parametrize("platform,mesh,count,method,impl,hint", MESH_HINTS,
+                         ids=[f"{p}-{m}-{i}" for p, _, _, m, i, _ in MESH_HINTS])
+def test_too_few_devices_hint_what_helps_on_that_backend(platform, mesh, count, method, impl, hint):
+    total = int(np.prod(list(mesh.values())))
+    with pytest.raises(ConfigError) as refused:
+        make_mesh(mesh, [_Device(platform)] * count, method, impl)
+    assert str(refused.value) == f"mesh {mesh} needs {total} devices but only {count} exist {hint}"
+    if platform != "cpu":
+        assert "--cpu-devices" not in str(refused.value)
+
+
 @pytest.mark.parametrize("args,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
 def test_bad_input_fails_before_compiling(args, message, capsys, tmp_path, compiles):
     """Exit status 2 and one line (no "training ... in DIR" line before it: the checks that need
