@@ -17,8 +17,9 @@ give each process one GPU, the one of its local rank, which is right for one pro
 (`--ntasks-per-node=1`): each would drive GPU 0 alone. So where the launcher says that this
 process is its host's only one (SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE or
 SLURM_TASKS_PER_NODE; OMPI_COMM_WORLD_LOCAL_SIZE), cdpjax passes every GPU the host lets it
-see (`local_gpus`); elsewhere it leaves JAX's choice. `distributed.local_device_ids`, else
-JAX's own JAX_LOCAL_DEVICE_IDS, overrides both.
+see (`local_gpus`); a process that sees one GPU (`srun --gpus-per-task=1`) gets that one;
+elsewhere it leaves JAX's choice. `distributed.local_device_ids`, else JAX's own
+JAX_LOCAL_DEVICE_IDS, overrides these.
 
 With none of these, or a single process, nothing is started. On CPU the
 cross-process collectives go through gloo. An address must be HOST:PORT (a port in
@@ -141,8 +142,9 @@ def local_gpus(environ: Mapping[str, str], dev: str | None = None) -> int | None
 def local_device_ids(config, environ: Mapping[str, str], cluster_name: str | None,
                      dev: str | None = None) -> list[int] | None:
     """The `local_device_ids` this process passes to `jax.distributed.initialize`, or None to leave
-    them to JAX (see the module's docstring): the config's, else JAX_LOCAL_DEVICE_IDS', else every
-    visible GPU where the process is alone on its host in a cluster where JAX would give it one."""
+    them to JAX (see the module's docstring): the config's, else JAX_LOCAL_DEVICE_IDS', else, in a
+    cluster where JAX would give the process the GPU of its local rank, every visible GPU where the
+    process is alone on its host, and the one it sees where it sees one."""
     d = config.get("distributed", None) or {}
     given = d.get("local_device_ids", ()) or ()
     if given:
@@ -154,10 +156,18 @@ def local_device_ids(config, environ: Mapping[str, str], cluster_name: str | Non
         except ValueError:
             ids = text
         return check_device_ids(ids, ENV_LOCAL_DEVICE_IDS)
-    if cluster_name not in ONE_GPU_CLUSTERS or tasks_on_this_host(cluster_name, environ) != 1:
-        return None  # one process per GPU (JAX's local rank), or a launch that does not say
+    if cluster_name not in ONE_GPU_CLUSTERS:
+        return None
     gpus = local_gpus(environ, dev)
-    return list(range(gpus)) if gpus else None
+    if not gpus:
+        return None  # no GPU found: nothing for JAX's choice to hide
+    if tasks_on_this_host(cluster_name, environ) == 1:
+        return list(range(gpus))
+    if gpus == 1:
+        # Bound to one GPU (srun --gpus-per-task=1), or every process shares the one: JAX's local rank
+        # would name a GPU this process cannot see (jax#28194).
+        return [0]
+    return None  # one process per GPU (JAX's local rank), or a launch that does not say
 
 
 def _int(value, name: str) -> int:

@@ -233,15 +233,17 @@ def _mpirun(per_host: int, hosts: int, host: int, local: int) -> dict:
             "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_host)}
 
 
-# (the launcher's variables, the processes on this host, this process's local rank)
+# (the launcher's variables, the processes on this host, this process's local rank, the GPUs it sees)
 LAUNCHES = {
-    "srun-one-task-per-node": (_slurm_step(1, 4, 2, 0, "1(x4)"), 1, 0),
-    "srun-one-task-per-gpu": (_slurm_step(8, 4, 1, 5, "8(x4)"), 8, 5),
-    "srun-ntasks-per-node-1": (_slurm_step(1, 4, 3, 0, None), 1, 0),
-    "srun-uneven-alone-here": (_slurm_step(1, 2, 1, 0, "8,1"), 1, 0),
-    "srun-uneven-eight-here": ({**_slurm_step(8, 2, 0, 3, "8,1"), "SLURM_NTASKS": "9"}, 8, 3),
-    "mpirun-one-per-host": (_mpirun(1, 4, 1, 0), 1, 0),
-    "mpirun-one-per-gpu": (_mpirun(8, 2, 1, 6), 8, 6),
+    "srun-one-task-per-node": (_slurm_step(1, 4, 2, 0, "1(x4)"), 1, 0, GPUS),
+    "srun-one-task-per-gpu": (_slurm_step(8, 4, 1, 5, "8(x4)"), 8, 5, GPUS),
+    "srun-ntasks-per-node-1": (_slurm_step(1, 4, 3, 0, None), 1, 0, GPUS),
+    "srun-uneven-alone-here": (_slurm_step(1, 2, 1, 0, "8,1"), 1, 0, GPUS),
+    "srun-uneven-eight-here": ({**_slurm_step(8, 2, 0, 3, "8,1"), "SLURM_NTASKS": "9"}, 8, 3, GPUS),
+    # --gpus-per-task=1: SLURM shows each task its own GPU alone
+    "srun-gpus-per-task-1": ({**_slurm_step(8, 4, 1, 5, "8(x4)"), "CUDA_VISIBLE_DEVICES": "5"}, 8, 5, 1),
+    "mpirun-one-per-host": (_mpirun(1, 4, 1, 0), 1, 0, GPUS),
+    "mpirun-one-per-gpu": (_mpirun(8, 2, 1, 6), 8, 6, GPUS),
 }
 
 
@@ -282,15 +284,17 @@ def _visible_after(kwargs):
 
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_a_process_alone_on_its_host_drives_every_gpu_and_one_per_gpu_drives_its_own(launch, cluster_env):
-    """The arguments jax.distributed.initialize receives: every GPU of the host (0..7) where the
-    launcher starts one process on it (`srun --ntasks-per-node=1`, `mpirun` with one process
-    per host), none where it starts one per GPU, JAX then giving local rank r GPU r alone."""
-    env, per_host, local = LAUNCHES[launch]
+    """The arguments jax.distributed.initialize receives: every GPU the process sees (0..7) where the
+    launcher starts one process on its host (`srun --ntasks-per-node=1`, `mpirun` with one process
+    per host); the one it sees where it sees one (numbered 0 then); none where it starts one per
+    GPU, all seen, JAX then giving local rank r GPU r alone."""
+    env, per_host, local, seen = LAUNCHES[launch]
     calls = cluster_env(env)
     distributed.initialize(default_config())
     [kwargs] = calls
-    assert kwargs.get("local_device_ids") == (list(range(GPUS)) if per_host == 1 else None)
-    assert list(_visible_after(kwargs)) == (list(range(GPUS)) if per_host == 1 else [local])
+    expected = list(range(seen)) if per_host == 1 or seen == 1 else None
+    assert kwargs.get("local_device_ids") == expected
+    assert list(_visible_after(kwargs)) == (expected or [local])
     assert "num_processes" not in kwargs and "process_id" not in kwargs  # JAX takes them from the cluster
 
 
@@ -301,7 +305,7 @@ def test_a_process_alone_on_its_host_drives_every_gpu_and_one_per_gpu_drives_its
 ])
 @pytest.mark.parametrize("launch", ["srun-one-task-per-node", "srun-one-task-per-gpu", "mpirun-one-per-gpu"])
 def test_the_gpus_given_beat_what_the_launch_implies(launch, config_ids, variable, expected, cluster_env):
-    env, per_host, _ = LAUNCHES[launch]
+    env, per_host, _, _ = LAUNCHES[launch]
     calls = cluster_env({**env, "JAX_LOCAL_DEVICE_IDS": variable})
     c = default_config()
     c.distributed.local_device_ids = config_ids
@@ -324,7 +328,7 @@ def test_the_gpus_counted_without_jax(tmp_path):
 def test_a_host_without_gpus_or_a_launch_that_does_not_say_is_left_to_jax(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    alone, _, _ = LAUNCHES["srun-one-task-per-node"]
+    alone, _, _, _ = LAUNCHES["srun-one-task-per-node"]
     no_gpus = {k: v for k, v in alone.items() if k != "CUDA_VISIBLE_DEVICES"}
     assert distributed.local_device_ids(default_config(), no_gpus, "slurm", str(empty)) is None
     unsaid = {k: v for k, v in alone.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
