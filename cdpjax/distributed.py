@@ -49,13 +49,13 @@ from cdpjax.config import check_address, check_device_ids
 from cdpjax.errors import ConfigError
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # JAX's own: jax.distributed.initialize reads it too
+ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"  # JAX has no variable for the count...
+ENV_PROCESS_ID = "CDPJAX_PROCESS_ID"  # ... nor for the id: its cluster detection finds them
 ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # JAX's own too ("0,1,2,3"), read where no ids are passed
 # The clusters for which JAX restricts a process to the GPU of its local rank (their
 # `get_local_process_id`); JAX's other cluster types leave every GPU visible.
 ONE_GPU_CLUSTERS = ("slurm", "ompi")
 DEV = "/dev"  # where NVIDIA's device files are (`local_gpus`)
-ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"  # JAX has no variable for the count...
-ENV_PROCESS_ID = "CDPJAX_PROCESS_ID"  # ... nor for the id: its cluster detection finds them
 _started: dict | None = None
 
 
