@@ -51,7 +51,8 @@ def more_devices_hint(sizes: Mapping[str, int], num_devices: int, platform: str 
     device per worker, or more hosts."""
     if platform == "cpu":
         return "on CPU, more can be simulated with --cpu-devices"
-    where = f"on {platform.upper()}s"
+    # (jax names CUDA's and ROCm's devices 'gpu'; their plugins' own names are taken too)
+    where = "on " + {"gpu": "GPUs", "cuda": "GPUs", "rocm": "GPUs", "tpu": "TPUs"}.get(platform, f"{platform} devices")
     rest = int(np.prod([s for a, s in sizes.items() if a != "data" and s != -1])) if sizes else 1
     if "data" in sizes and num_devices % rest == 0:
         if method in SIMULATE_METHODS and cdp_impl != "simulate":

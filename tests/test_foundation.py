@@ -136,6 +136,10 @@ MESH_HINTS = [
                                                          "are, as the mesh {'stage': 2, 'data': 2})"),
     ("gpu", {"stage": 4}, 2, "ppll", "ring", "(on GPUs, run on a host with more, or on several hosts: "
                                              "docs/guarantees.md, multi-process runs)"),
+    ("cuda", {"data": 8}, 2, "dp", "ring", "(on GPUs, --config.mesh.data=-1 runs on the 2 there are, as the mesh "
+                                           "{'data': 2})"),
+    ("neuron", {"data": 8}, 2, "dp", "ring", "(on neuron devices, --config.mesh.data=-1 runs on the 2 there are, "
+                                             "as the mesh {'data': 2})"),
 ]
 
 
