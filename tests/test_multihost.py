@@ -1,6 +1,7 @@
 """Multi-process runs: two processes on this machine, 4 simulated CPU devices each, train dp as
-one process with the same 8 devices does; and how a process finds the others (config,
-environment, SLURM), with a clear error for settings that cannot work."""
+one process with the same 8 devices does; how a process finds the others (config,
+environment, SLURM), with a clear error for settings that cannot work; and which GPUs it drives
+(a process per host or per GPU, the launchers' variables stood in)."""
 import json
 import os
 import re
