@@ -82,8 +82,11 @@ class Boundary:
         self.taken = False
 
     def open(self) -> None:
-        # Without the watcher too: train.train's own SIGTERM handler hands the signal over (hand_to_boundary).
-        if _state["forward"] is None:
+        # Without the watcher, a loop of the main thread too: train.train's SIGTERM handler, which
+        # Python runs in that thread, hands the signal over (hand_to_boundary); a loop in another
+        # thread has no handler and must not take the main thread's requests.
+        library = threading.current_thread() is threading.main_thread()
+        if _state["forward"] is None and (_Watcher.current is not None or library):
             _state["boundary"] = self
 
     def close(self) -> None:
