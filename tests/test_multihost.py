@@ -276,11 +276,18 @@ def cluster_env(monkeypatch, tmp_path):
 def _visible_after(kwargs):
     """The GPUs JAX's initialize then makes visible (jax_cuda_visible_devices): JAX's own detection
     run on what cdpjax passed, as initialize runs it, without starting the distributed service."""
+    import inspect
+
     from jax._src import clusters
 
-    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
-        kwargs.get("coordinator_address"), kwargs.get("num_processes"), kwargs.get("process_id"),
-        kwargs.get("local_device_ids"), None, kwargs["initialization_timeout"])[3]
+    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+    given = {"coordinator_address": kwargs.get("coordinator_address"), "num_processes": kwargs.get("num_processes"),
+             "process_id": kwargs.get("process_id"), "local_device_ids": kwargs.get("local_device_ids"),
+             "initialization_timeout": kwargs["initialization_timeout"]}
+    # Its arguments by name, as this JAX version has them (the detection method's name and the
+    # timeout came and went across versions; None picks the method as initialize does).
+    accepted = inspect.signature(detect).parameters
+    return detect(**{k: given.get(k) for k in accepted})[3]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
