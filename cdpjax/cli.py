@@ -80,16 +80,17 @@ def check_cpu_devices(count: int, why: str) -> None:
 
 def check_process_count(settings: dict | None) -> None:
     """The process count of a multi-process run, from any source (the config's own is range-checked
-    with the other keys; the environment's and SLURM's are not), at most `config.PROCESS_LIMIT`."""
+    with the other keys; the environment's and a cluster's are not), at most `config.PROCESS_LIMIT`.
+    `distributed.settings` names the count for every source, JAX's cluster detection included."""
     from cdpjax import config as cfg_lib
     from cdpjax import distributed
 
     if settings is None:
         return
-    count = settings.get("num_processes") or distributed.slurm_tasks(os.environ)
+    count = settings["num_processes"]
     if count > cfg_lib.PROCESS_LIMIT:
-        where = {"environment": distributed.ENV_NUM_PROCESSES, "slurm": "SLURM_NTASKS"}.get(settings["source"],
-                                                                                         "distributed.num_processes")
+        where = {"environment": distributed.ENV_NUM_PROCESSES, "slurm": "SLURM_NTASKS",
+                 "ompi": "OMPI_COMM_WORLD_SIZE"}.get(settings["source"], "distributed.num_processes")
         raise ConfigError(f"{where}={count}: a run has at most {cfg_lib.PROCESS_LIMIT} processes")
 
 

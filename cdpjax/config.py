@@ -120,6 +120,9 @@ def default_config() -> ml_collections.ConfigDict:
         "process_id": -1,  # -1: from the cluster (JAX's detection) or CDPJAX_PROCESS_ID
         "auto_detect": True,  # JAX's cluster detection (SLURM, Open MPI, Kubernetes) starts a multi-process run
         "timeout_s": 300,  # how long processes wait for each other at start-up
+        # The GPUs this process drives ([0, 1, ...], as JAX's JAX_LOCAL_DEVICE_IDS); empty: every GPU of the
+        # host where the process is its host's only one, else JAX's one GPU per process (cdpjax.distributed)
+        "local_device_ids": (),
     })
     return c
 
@@ -405,7 +408,9 @@ _DISTRIBUTED = {
     "process_id": (int, -1, PROCESS_LIMIT),
     "auto_detect": bool,
     "timeout_s": (int, 1, 7 * 24 * 3600),
+    "local_device_ids": list,
 }
+LOCAL_DEVICE_LIMIT = 4096  # far above the accelerators of one host
 # HOST:PORT: a host name or IPv4 address, or an IPv6 address in brackets, and a port number.
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 
@@ -548,3 +553,15 @@ def _check_distributed(d) -> None:
             raise ConfigError(f"distributed.{key} must be a string (HOST:PORT), got {v!r}")
         elif rule is str and v:
             check_address(v, f"distributed.{key}")
+        elif rule is list:
+            check_device_ids(v, f"distributed.{key}")
+
+
+def check_device_ids(ids, name: str = "distributed.local_device_ids") -> list[int]:
+    """`ids` as a list of distinct device numbers (each in [0, LOCAL_DEVICE_LIMIT)), or ConfigError."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < LOCAL_DEVICE_LIMIT for i in ids) \
+            or len(set(ids)) != len(ids):
+        raise ConfigError(f"{name}={ids!r} must be a list of distinct device numbers in [0, {LOCAL_DEVICE_LIMIT}), "
+                          f"e.g. [0, 1, 2, 3]")
+    return list(ids)

@@ -11,6 +11,16 @@ finds the others comes, in this order, from
    steps, Open MPI's `mpirun`, Kubernetes, Cloud TPU; `JAX_COORDINATOR_PORT` picks the
    port), used where it finds a cluster of more than one process (`distributed.auto_detect`).
 
+Which GPUs a process drives (`local_device_ids`): under SLURM and `mpirun` JAX alone would
+give each process one GPU, the one of its local rank, which is right for one process per GPU
+(`srun --ntasks-per-node=8 --gpus-per-node=8`) and wrong for one process per host
+(`--ntasks-per-node=1`): each would drive GPU 0 alone. So where the launcher says that this
+process is its host's only one (SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE or
+SLURM_TASKS_PER_NODE; OMPI_COMM_WORLD_LOCAL_SIZE), cdpjax passes every GPU the host lets it
+see (`local_gpus`); a process that sees one GPU (`srun --gpus-per-task=1`) gets that one;
+elsewhere it leaves JAX's choice. `distributed.local_device_ids`, else JAX's own
+JAX_LOCAL_DEVICE_IDS, overrides these.
+
 With none of these, or a single process, nothing is started. On CPU the
 cross-process collectives go through gloo. An address must be HOST:PORT (a port in
 1..65535, a host name that resolves, an IPv6 address in brackets): anything else is a
@@ -31,15 +41,21 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import socket
 from typing import Mapping
 
-from cdpjax.config import check_address
+from cdpjax.config import check_address, check_device_ids
 from cdpjax.errors import ConfigError
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # JAX's own: jax.distributed.initialize reads it too
 ENV_NUM_PROCESSES = "CDPJAX_NUM_PROCESSES"  # JAX has no variable for the count...
 ENV_PROCESS_ID = "CDPJAX_PROCESS_ID"  # ... nor for the id: its cluster detection finds them
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # JAX's own too ("0,1,2,3"), read where no ids are passed
+# The clusters for which JAX restricts a process to the GPU of its local rank (their
+# `get_local_process_id`); JAX's other cluster types leave every GPU visible.
+ONE_GPU_CLUSTERS = ("slurm", "ompi")
+DEV = "/dev"  # where NVIDIA's device files are (`local_gpus`)
 _started: dict | None = None
 
 
@@ -61,6 +77,97 @@ def detect_cluster() -> tuple[str, int, int] | None:
         except Exception:  # noqa: BLE001 - a cluster type that cannot tell: as JAX, try the next
             continue
     return None
+
+
+def _slurm_counts(text: str) -> list[int]:
+    """SLURM's compressed per-node task counts ('8(x2),4' -> [8, 8, 4]); [] if unreadable."""
+    counts = []
+    for part in text.split(",") if text.strip() else []:
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return []
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def tasks_on_this_host(source: str | None, environ: Mapping[str, str]) -> int | None:
+    """How many processes of the run the launcher starts on this process's host, or None where it
+    does not say. SLURM: the job step's per-node counts (this node's: SLURM_NODEID), else the
+    --ntasks-per-node asked for, else the job's per-node counts; Open MPI: the local size."""
+    if source == "slurm":
+        for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            counts = _slurm_counts(environ.get(var, ""))
+            if not counts:
+                continue
+            if len(set(counts)) == 1:
+                return counts[0]
+            node = environ.get("SLURM_NODEID", "")
+            return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+        return None
+    if source == "ompi":
+        size = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+        return int(size) if size.strip().isdigit() else None
+    return None
+
+
+def _visible(text: str) -> int:
+    """The devices a CUDA_VISIBLE_DEVICES-like list shows: its entries up to the first invalid one
+    (CUDA's rule: '-1' or an empty list hides every device; SLURM writes 'NoDevFiles' for none)."""
+    count = 0
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry or entry.startswith("-") or entry == "NoDevFiles":
+            break
+        count += 1
+    return count
+
+
+def local_gpus(environ: Mapping[str, str], dev: str | None = None) -> int | None:
+    """The GPUs this host lets this process see, counted without JAX (whose backends must not
+    start before `jax.distributed`): CUDA_VISIBLE_DEVICES (ROCR_VISIBLE_DEVICES,
+    HIP_VISIBLE_DEVICES on AMD) where set, else SLURM_GPUS_ON_NODE, else NVIDIA's device files
+    (`dev`/nvidia0, nvidia1...; `dev` defaults to DEV); None where nothing says."""
+    for var in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        if var in environ:
+            return _visible(environ[var])
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node.isdigit():
+        return int(on_node)
+    try:
+        found = sum(1 for name in os.listdir(DEV if dev is None else dev) if re.fullmatch(r"nvidia\d+", name))
+    except OSError:
+        return None
+    return found or None
+
+
+def local_device_ids(config, environ: Mapping[str, str], cluster_name: str | None,
+                     dev: str | None = None) -> list[int] | None:
+    """The `local_device_ids` this process passes to `jax.distributed.initialize`, or None to leave
+    them to JAX (see the module's docstring): the config's, else JAX_LOCAL_DEVICE_IDS', else, in a
+    cluster where JAX would give the process the GPU of its local rank, every visible GPU where the
+    process is alone on its host, and the one it sees where it sees one."""
+    d = config.get("distributed", None) or {}
+    given = d.get("local_device_ids", ()) or ()
+    if given:
+        return check_device_ids(list(given))
+    text = environ.get(ENV_LOCAL_DEVICE_IDS, "").strip()
+    if text:
+        try:
+            ids = [int(x) for x in text.split(",")]
+        except ValueError:
+            ids = text
+        return check_device_ids(ids, ENV_LOCAL_DEVICE_IDS)
+    if cluster_name not in ONE_GPU_CLUSTERS:
+        return None
+    gpus = local_gpus(environ, dev)
+    if not gpus:
+        return None  # no GPU found: nothing for JAX's choice to hide
+    if tasks_on_this_host(cluster_name, environ) == 1:
+        return list(range(gpus))
+    if gpus == 1:
+        # Bound to one GPU (srun --gpus-per-task=1), or every process shares the one: JAX's local rank
+        # would name a GPU this process cannot see (jax#28194).
+        return [0]
+    return None  # one process per GPU (JAX's local rank), or a launch that does not say
 
 
 def _int(value, name: str) -> int:
@@ -85,11 +192,25 @@ def resolve(address: str, name: str = "distributed.coordinator_address") -> None
                           f"host name or address") from None
 
 
-def settings(config, environ: Mapping[str, str] | None = None, cluster=detect_cluster) -> dict | None:
+def settings(config, environ: Mapping[str, str] | None = None, cluster=detect_cluster,
+             dev: str | None = None) -> dict | None:
     """How this process joins a multi-process run: a dict of `jax.distributed.initialize`
     arguments plus `source`, or None for a single process. Raises ConfigError when the
-    settings are incomplete or inconsistent. `cluster`: JAX's detection (`detect_cluster`)."""
+    settings are incomplete or inconsistent. `cluster`: JAX's detection (`detect_cluster`);
+    `dev`: where NVIDIA's device files are (`local_gpus`)."""
     environ = os.environ if environ is None else environ
+    args = _settings(config, environ, cluster)
+    if args is not None:
+        # JAX's detection runs inside initialize whatever the source, as long as local_device_ids is
+        # unset: the cluster is asked even where it does not name the processes.
+        detected = cluster()
+        ids = local_device_ids(config, environ, detected[0] if detected else None, dev)
+        if ids is not None:
+            args["local_device_ids"] = ids
+    return args
+
+
+def _settings(config, environ: Mapping[str, str], cluster) -> dict | None:
     d = config.get("distributed", None) or {}
     timeout = _int(d.get("timeout_s", 300), "distributed.timeout_s")
     found = cluster() if d.get("auto_detect", True) else None
@@ -143,10 +264,10 @@ def initialize(config, environ: Mapping[str, str] | None = None) -> dict | None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if "coordinator_address" in args:
         resolve(args["coordinator_address"])
-    # Where JAX's detection found the cluster, JAX takes every argument from it itself.
+    # Where JAX's detection found the cluster, JAX takes the processes from it itself.
     kwargs = {k: v for k, v in args.items()
-              if k != "source" and (args["source"] in ("config", "environment") or k == "initialization_timeout"
-                                    or k == "coordinator_address")}
+              if k != "source" and (args["source"] in ("config", "environment")
+                                    or k in ("initialization_timeout", "coordinator_address", "local_device_ids"))}
     timeout = int(args["initialization_timeout"])
     extra = {"heartbeat_timeout_seconds": min(timeout, HEARTBEAT_LIMIT_S), "shutdown_timeout_seconds": timeout}
     accepted = inspect.signature(jax.distributed.initialize).parameters
@@ -163,7 +284,7 @@ def initialize(config, environ: Mapping[str, str] | None = None) -> dict | None:
 
 
 # Keys that differ between the processes of one run by design.
-PER_PROCESS_KEYS = ("distributed.process_id",)
+PER_PROCESS_KEYS = ("distributed.process_id", "distributed.local_device_ids")  # a host's own GPUs
 
 
 def flat_config(config) -> dict:

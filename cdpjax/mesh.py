@@ -38,9 +38,36 @@ def devices():
     return jax.devices()
 
 
-def resolve_axes(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, int]:
+# The methods whose cdp_impl='simulate' runs their workers on fewer devices than workers (the ring
+# needs a device per worker): cdpjax.methods.cdp, cdp_random.
+SIMULATE_METHODS = ("cdp-v1", "cdp-v2", "cdp-random")
+
+
+def more_devices_hint(sizes: Mapping[str, int], num_devices: int, platform: str = "cpu",
+                      method: str | None = None, cdp_impl: str | None = None) -> str:
+    """What helps, on this backend, a mesh of `sizes` that needs more than the `num_devices` there
+    are: on CPU more simulated devices; on an accelerator (its devices are what the host has) a
+    data axis that takes the devices there are, with CDP's `simulate` where its ring would need a
+    device per worker, or more hosts."""
+    if platform == "cpu":
+        return "on CPU, more can be simulated with --cpu-devices"
+    # (jax names CUDA's and ROCm's devices 'gpu'; their plugins' own names are taken too)
+    where = "on " + {"gpu": "GPUs", "cuda": "GPUs", "rocm": "GPUs", "tpu": "TPUs"}.get(platform, f"{platform} devices")
+    rest = int(np.prod([s for a, s in sizes.items() if a != "data" and s != -1])) if sizes else 1
+    if "data" in sizes and num_devices % rest == 0:
+        if method in SIMULATE_METHODS and cdp_impl != "simulate":
+            return (f"{where}, --config.mesh.data=-1 --config.cdp_impl=simulate runs on the {num_devices} there are: "
+                    f"{method}'s workers then share them")
+        fits = {**sizes, "data": num_devices // rest}
+        return f"{where}, --config.mesh.data=-1 runs on the {num_devices} there are, as the mesh {fits}"
+    return f"{where}, run on a host with more, or on several hosts: docs/guarantees.md, multi-process runs"
+
+
+def resolve_axes(mesh_config: Mapping[str, int], num_devices: int, platform: str = "cpu",
+                 method: str | None = None, cdp_impl: str | None = None) -> dict[str, int]:
     """Axis sizes with -1 resolved; raises ConfigError if they do not match the devices, naming a
-    mesh that would fit (on fewer devices, or with pipeline replicas on `data`)."""
+    mesh that would fit (on fewer devices, or with pipeline replicas on `data`). `platform`,
+    `method`, `cdp_impl`: what the hint for too few devices says (`more_devices_hint`)."""
     sizes = {a: int(s) for a, s in dict(mesh_config).items()}
     fixed = int(np.prod([s for s in sizes.values() if s != -1])) if sizes else 1
     for axis, size in sizes.items():
@@ -58,7 +85,7 @@ def resolve_axes(mesh_config: Mapping[str, int], num_devices: int) -> dict[str, 
     if total > num_devices:
         raise ConfigError(
             f"mesh {dict(mesh_config)} needs {total} devices but only {num_devices} exist "
-            f"(on CPU, more can be simulated with --cpu-devices)"
+            f"({more_devices_hint(sizes, num_devices, platform, method, cdp_impl)})"
         )
     if total != num_devices:
         if "data" not in sizes and num_devices % total == 0:
@@ -79,16 +106,18 @@ def _fewer_devices(count: int) -> str:
     return f"run with --cpu-devices {count} on CPU or CUDA_VISIBLE_DEVICES on GPUs"
 
 
-def make_mesh(mesh_config: Mapping[str, int], devs=None):
+def make_mesh(mesh_config: Mapping[str, int], devs=None, method: str | None = None, cdp_impl: str | None = None):
     """A `jax.sharding.Mesh` over the first prod(sizes) devices, axes in `AXES` order.
 
     Built directly from a device array so that axes are Auto on every JAX version
-    (`jax.make_mesh` defaults to Explicit axes on recent ones).
+    (`jax.make_mesh` defaults to Explicit axes on recent ones). `method`, `cdp_impl`: the
+    config's, for the hint when the devices are too few.
     """
     from jax.sharding import Mesh
 
     devs = list(devices() if devs is None else devs)
-    sizes = resolve_axes(mesh_config, len(devs))
+    platform = devs[0].platform if devs else "cpu"
+    sizes = resolve_axes(mesh_config, len(devs), platform, method, cdp_impl)
     names = tuple(a for a in AXES if a in sizes)
     shape = tuple(sizes[a] for a in names)
     n = int(np.prod(shape)) if shape else 1

@@ -33,7 +33,7 @@ def setup(config, devices=None):
         raise ConfigError(f"global_batch_size={config.global_batch_size} is not divisible by the "
                           f"{jax.process_count()} processes")
     checks.try_model(config, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype)
-    mesh = make_mesh(layouts.mesh_for(config), devices)
+    mesh = make_mesh(layouts.mesh_for(config), devices, config.method, config.get("cdp_impl", None))
     ctx = methods_lib.Context(config, mesh, tuple(dataset.image_shape), dataset.num_classes, dataset.input_dtype,
                               tasks.resolve(config, dataset))
     try:

@@ -30,7 +30,11 @@ A signal whose disposition was SIG_IGN when `install` ran (a job started with no
 the background of a shell) stays ignored. `forward_to(pid)` turns the watcher into a relay
 (the multi-process supervisor of `cdpjax.supervisor` hands the signals to its child). Used
 as a library (`cdpjax.train.train` from Python), none of this is installed and Ctrl-C is
-Python's KeyboardInterrupt.
+Python's KeyboardInterrupt; `train.train` sets a SIGTERM handler of its own for the call
+(`cdpjax.workdir.sigterm_as_interrupt`, main thread only) that hands the signal to an open
+`Boundary` as the watcher does (`hand_to_boundary`): the run saves at its next step boundary
+and raises `Interrupted` naming the checkpoint; outside the boundaries the signal unwinds the
+run as an exception.
 """
 from __future__ import annotations
 
@@ -78,7 +82,11 @@ class Boundary:
         self.taken = False
 
     def open(self) -> None:
-        if _Watcher.current is not None and _state["forward"] is None:
+        # Without the watcher, a loop of the main thread too: train.train's SIGTERM handler, which
+        # Python runs in that thread, hands the signal over (hand_to_boundary); a loop in another
+        # thread has no handler and must not take the main thread's requests.
+        library = threading.current_thread() is threading.main_thread()
+        if _state["forward"] is None and (_Watcher.current is not None or library):
             _state["boundary"] = self
 
     def close(self) -> None:
@@ -102,6 +110,20 @@ class Boundary:
         if self.signum is None:
             return False
         return time.monotonic() - self.asked_at > GRACE_S or (_state["boundary"] is not self and not self.taken)
+
+
+def hand_to_boundary(signum: int) -> bool:
+    """A signal taken by a Python handler (`train.train` used as a library, no watcher) handed to
+    the open boundary: True if the run loop will save and stop at its next step boundary (or
+    already was asked and GRACE_S has not passed: the same request again), False if no loop
+    takes requests now and the handler must end the run itself."""
+    boundary = _state["boundary"]
+    if _Watcher.current is not None or boundary is None:
+        return False
+    if not boundary.asked():
+        boundary._ask(signum)
+        return True
+    return not boundary._left_waiting()
 
 
 def completed() -> None:
@@ -326,4 +348,4 @@ def install() -> Callable[[], None]:
 
 
 __all__ = ["AS_SIGTERM", "EXIT_STATUS", "GRACE_S", "HOW", "Boundary", "active", "completed", "critical", "forget",
-           "forward_to", "install", "on_exit", "received", "set_message", "write_line"]
+           "forward_to", "hand_to_boundary", "install", "on_exit", "received", "set_message", "write_line"]

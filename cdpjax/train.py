@@ -91,8 +91,13 @@ def train(config, workdir: str, progress: bool = True, devices=None, stop_after:
     `force`: take WORKDIR's lock over even from a live run (`cdpjax.workdir`).
     `device_note`: (simulated CPU devices asked for, why), said on CPU (the command line's).
     A finished run started again returns its summary.json, with `already_finished` added.
-    Ctrl-C and SIGTERM raise `Interrupted`, whose message names the last complete checkpoint
-    (under the command line's `cdpjax.shutdown` the same line ends the process instead).
+    A SIGTERM from the end of the first step on (main thread only) saves a checkpoint at the next
+    step boundary and raises `Interrupted` naming it (exit_status 143), as `cdpjax train` does on
+    a preemption; the resumed run ends as an uninterrupted one (one during the last step lets the
+    run finish: its final checkpoint is its whole work). Ctrl-C, and a SIGTERM before the first
+    step ends or in the final phase, raise `Interrupted` naming the last complete checkpoint
+    (under the command line's `cdpjax.shutdown` the same line ends the process instead). The
+    SIGTERM handler in place before the call is put back when it returns.
     A full disk (or a quota, a read-only file system) is a StorageError naming the file and
     the last complete checkpoint; a run that lost WORKDIR to another (--force) stops with a
     ConfigError saying who took it.

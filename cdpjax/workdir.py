@@ -498,8 +498,10 @@ def check_token(workdir: str, token: int, wait_s: float = 10.0) -> None:
 
 
 class sigterm_as_interrupt:
-    """While active (main thread only), SIGTERM raises `Terminated` so that the run unwinds,
-    releasing its lock, instead of dying where it stands."""
+    """While active (main thread only), SIGTERM asks the run loop to save at its next step boundary
+    where one takes requests (`shutdown.hand_to_boundary`: a preemption keeps its work, as under
+    the command line); anywhere else it raises `Terminated` so that the run unwinds, releasing its
+    lock, instead of dying where it stands. The previous handler is put back on exit."""
 
     def __enter__(self):
         self.previous = None
@@ -510,6 +512,8 @@ class sigterm_as_interrupt:
 
     @staticmethod
     def _raise(signum, frame):
+        if shutdown.hand_to_boundary(signum):
+            return
         raise Terminated("SIGTERM")
 
     def __exit__(self, *exc):

@@ -1,6 +1,8 @@
 """The foundation's claims: dp equals e2e, resume equals an uninterrupted run, the default trains,
 and bad input fails early with a message naming the value."""
 import json
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -108,6 +110,106 @@ BAD_INPUT = [
     (["--config.num_steps=ten"], "num_steps must be a number, got 'ten'"),
     (["--config.nosuchkey=1"], "unknown config key 'nosuchkey'"),
 ]
+
+
+class _Device:
+    """A device of another backend as make_mesh sees it (its platform); the mesh is refused before
+    any is used."""
+
+    def __init__(self, platform):
+        self.platform = platform
+
+
+# (backend, mesh, devices there are, method, cdp_impl, what the hint must say): by hand, from what
+# helps there: CPU devices are simulated (--cpu-devices); an accelerator's are the host's, so a data
+# axis of -1 takes them (CDP's ring needs a device per worker, its `simulate` does not); a fixed
+# stage axis larger than the host needs more hosts.
+MESH_HINTS = [
+    ("cpu", {"data": 8}, 4, "cdp-v2", "ring", "(on CPU, more can be simulated with --cpu-devices)"),
+    ("gpu", {"data": 8}, 4, "cdp-v2", "ring", "(on GPUs, --config.mesh.data=-1 --config.cdp_impl=simulate runs "
+                                              "on the 4 there are: cdp-v2's workers then share them)"),
+    ("gpu", {"data": 8}, 4, "cdp-v1", "simulate", "(on GPUs, --config.mesh.data=-1 runs on the 4 there are, as "
+                                                  "the mesh {'data': 4})"),
+    ("gpu", {"data": 8}, 2, "dp", "ring", "(on GPUs, --config.mesh.data=-1 runs on the 2 there are, as the mesh "
+                                          "{'data': 2})"),
+    ("tpu", {"stage": 2, "data": 4}, 4, "gpipe", "ring", "(on TPUs, --config.mesh.data=-1 runs on the 4 there "
+                                                         "are, as the mesh {'stage': 2, 'data': 2})"),
+    ("gpu", {"stage": 4}, 2, "ppll", "ring", "(on GPUs, run on a host with more, or on several hosts: "
+                                             "docs/guarantees.md, multi-process runs)"),
+    ("cuda", {"data": 8}, 2, "dp", "ring", "(on GPUs, --config.mesh.data=-1 runs on the 2 there are, as the mesh "
+                                           "{'data': 2})"),
+    ("neuron", {"data": 8}, 2, "dp", "ring", "(on neuron devices, --config.mesh.data=-1 runs on the 2 there are, "
+                                             "as the mesh {'data': 2})"),
+]
+
+
+@pytest.mark.parametrize("platform,mesh,count,method,impl,hint", MESH_HINTS,
+                         ids=[f"{p}-{m}-{i}" for p, _, _, m, i, _ in MESH_HINTS])
+def test_too_few_devices_hint_what_helps_on_that_backend(platform, mesh, count, method, impl, hint):
+    total = int(np.prod(list(mesh.values())))
+    with pytest.raises(ConfigError) as refused:
+        make_mesh(mesh, [_Device(platform)] * count, method, impl)
+    assert str(refused.value) == f"mesh {mesh} needs {total} devices but only {count} exist {hint}"
+    if platform != "cpu":
+        assert "--cpu-devices" not in str(refused.value)
+
+
+GUARANTEES = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guarantees.md"
+
+
+def _gpu_commands() -> list[tuple[int, str]]:
+    """(devices, command) for each `cdpjax train` of the bash blocks of docs/guarantees.md's one-host
+    and cluster sections: the devices the comment above it names (`on 8 GPUs`, `a mesh of 32
+    devices`; a comment without a count keeps the one before), the command from `cdpjax` on (a
+    launcher's prefix dropped, continued lines joined). The simulated-CPU recipe is not one."""
+    text = GUARANTEES.read_text()
+    sections = text[text.index("## One host, several GPUs"):]
+    after = sections.find("\n## ", sections.index("## Multi-host"))
+    sections = sections if after < 0 else sections[:after]
+    found, count = [], None
+    for block in re.findall(r"```bash\n(.*?)```", sections, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith("#"):
+                counts = re.findall(r"(\d+) (?:GPUs|devices)\b", line)
+                count = int(counts[-1]) if counts else count
+            elif "cdpjax train" in line and "--cpu-devices" not in line:
+                found.append((count, line[line.index("cdpjax train"):].split("  #")[0].strip()))
+    return found
+
+
+BUILD_SCRIPT = """
+import json, shlex, sys
+import jax
+jax.config.update("jax_num_cpu_devices", max(n for n, _ in json.loads(sys.argv[1])))
+from cdpjax import checks, cli, layouts, methods
+from cdpjax import config as cfg_lib
+from cdpjax.mesh import make_mesh
+out = []
+for n, command in json.loads(sys.argv[1]):
+    parsed = {}
+    cli.cmd_train = lambda args, overrides: parsed.update(args=args, overrides=overrides) or 0
+    assert cli.main(shlex.split(command)[1:]) == 0, command
+    c = cli._load(parsed["args"], parsed["overrides"])
+    cfg_lib.validate(c)
+    checks.validate(c)
+    mesh = make_mesh(layouts.mesh_for(c), jax.devices()[:n], c.method, c.cdp_impl)
+    methods.build(methods.Context(c, mesh, (32, 32, 3), 10))  # CIFAR-10's images and classes
+    out.append({k: int(v) for k, v in mesh.shape.items()})
+print(json.dumps(out))
+"""
+
+
+def test_the_commands_for_one_host_and_for_a_cluster_build_on_their_devices():
+    """Each GPU command of docs/guarantees.md parses, its config and overrides load and validate, and
+    its method builds (CDP's ring or simulate, DP) on the devices its comment names (simulated CPU
+    devices stand in for the GPUs; a cluster's processes together hold them): every one a data
+    mesh over all of them ({'data': N})."""
+    commands = _gpu_commands()
+    assert len(commands) >= 8 and {n for n, _ in commands} == {4, 8, 32}, commands
+    done = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, json.dumps(commands)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [{"data": n} for n, _ in commands]
 
 
 @pytest.mark.parametrize("args,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])

@@ -1,6 +1,7 @@
 """Multi-process runs: two processes on this machine, 4 simulated CPU devices each, train dp as
-one process with the same 8 devices does; and how a process finds the others (config,
-environment, SLURM), with a clear error for settings that cannot work."""
+one process with the same 8 devices does; how a process finds the others (config,
+environment, SLURM), with a clear error for settings that cannot work; and which GPUs it drives
+(a process per host or per GPU, the launchers' variables stood in)."""
 import json
 import os
 import re
@@ -204,6 +205,173 @@ def test_initialize_passes_the_settings_to_jax(monkeypatch):
     distributed.initialize(default_config(), {})
     assert calls[-1] == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 100,
                          "shutdown_timeout_seconds": 300}  # JAX reads the rest from SLURM
+
+
+# Which GPUs a process drives -----------------------------------------------------------------
+
+GPUS = 8  # the GPUs of each host below
+
+
+def _slurm_step(tasks_per_node: int, nodes: int, node: int, local: int, step_counts: str | None) -> dict:
+    """A SLURM job step's variables for the process of local rank `local` on node `node` (what
+    `srun --nodes=NODES --ntasks-per-node=TASKS --gpus-per-node=8` sets; `step_counts`: its
+    SLURM_STEP_TASKS_PER_NODE, or None for a launch that only sets SLURM_NTASKS_PER_NODE)."""
+    env = {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": f"node[1-{nodes}]", "SLURM_NTASKS": str(tasks_per_node * nodes),
+           "SLURM_PROCID": str(node * tasks_per_node + local), "SLURM_LOCALID": str(local),
+           "SLURM_NODEID": str(node), "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(GPUS)))}
+    if step_counts is None:
+        env["SLURM_NTASKS_PER_NODE"] = str(tasks_per_node)
+    else:
+        env["SLURM_STEP_TASKS_PER_NODE"] = step_counts
+    return env
+
+
+def _mpirun(per_host: int, hosts: int, host: int, local: int) -> dict:
+    """Open MPI's variables under `mpirun -np N` (N = per_host * hosts) for one process; no
+    CUDA_VISIBLE_DEVICES: the host's GPUs are its device files."""
+    return {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:34911",
+            "OMPI_COMM_WORLD_SIZE": str(per_host * hosts), "OMPI_COMM_WORLD_RANK": str(host * per_host + local),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_host)}
+
+
+# (the launcher's variables, the processes on this host, this process's local rank, the GPUs it sees)
+LAUNCHES = {
+    "srun-one-task-per-node": (_slurm_step(1, 4, 2, 0, "1(x4)"), 1, 0, GPUS),
+    "srun-one-task-per-gpu": (_slurm_step(8, 4, 1, 5, "8(x4)"), 8, 5, GPUS),
+    "srun-ntasks-per-node-1": (_slurm_step(1, 4, 3, 0, None), 1, 0, GPUS),
+    "srun-uneven-alone-here": (_slurm_step(1, 2, 1, 0, "8,1"), 1, 0, GPUS),
+    "srun-uneven-eight-here": ({**_slurm_step(8, 2, 0, 3, "8,1"), "SLURM_NTASKS": "9"}, 8, 3, GPUS),
+    # --gpus-per-task=1: SLURM shows each task its own GPU alone
+    "srun-gpus-per-task-1": ({**_slurm_step(8, 4, 1, 5, "8(x4)"), "CUDA_VISIBLE_DEVICES": "5"}, 8, 5, 1),
+    "mpirun-one-per-host": (_mpirun(1, 4, 1, 0), 1, 0, GPUS),
+    "mpirun-one-per-gpu": (_mpirun(8, 2, 1, 6), 8, 6, GPUS),
+}
+
+
+@pytest.fixture
+def cluster_env(monkeypatch, tmp_path):
+    """Sets a launch's variables in this process (JAX's detection reads os.environ) and a /dev
+    with a host's NVIDIA device files (8 GPUs, the control files beside them)."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "OMPI_", "KUBERNETES_", "TPU_", "JAX_COORD", "CDPJAX_")) or key in (
+                "JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+            monkeypatch.delenv(key)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in [*(f"nvidia{i}" for i in range(GPUS)), "nvidiactl", "nvidia-uvm", "nvidia-modeset"]:
+        (dev / name).touch()
+    monkeypatch.setattr(distributed, "DEV", str(dev))
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "_started", None)
+
+    def launch(env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return calls
+
+    return launch
+
+
+def _visible_after(kwargs):
+    """The GPUs JAX's initialize then makes visible (jax_cuda_visible_devices): JAX's own detection
+    run on what cdpjax passed, as initialize runs it, without starting the distributed service."""
+    import inspect
+
+    from jax._src import clusters
+
+    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+    given = {"coordinator_address": kwargs.get("coordinator_address"), "num_processes": kwargs.get("num_processes"),
+             "process_id": kwargs.get("process_id"), "local_device_ids": kwargs.get("local_device_ids"),
+             "initialization_timeout": kwargs["initialization_timeout"]}
+    # Its arguments by name, as this JAX version has them (the detection method's name and the
+    # timeout came and went across versions; None picks the method as initialize does).
+    accepted = inspect.signature(detect).parameters
+    return detect(**{k: given.get(k) for k in accepted})[3]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_process_alone_on_its_host_drives_every_gpu_and_one_per_gpu_drives_its_own(launch, cluster_env):
+    """The arguments jax.distributed.initialize receives: every GPU the process sees (0..7) where the
+    launcher starts one process on its host (`srun --ntasks-per-node=1`, `mpirun` with one process
+    per host); the one it sees where it sees one (numbered 0 then); none where it starts one per
+    GPU, all seen, JAX then giving local rank r GPU r alone."""
+    env, per_host, local, seen = LAUNCHES[launch]
+    calls = cluster_env(env)
+    distributed.initialize(default_config())
+    [kwargs] = calls
+    expected = list(range(seen)) if per_host == 1 or seen == 1 else None
+    assert kwargs.get("local_device_ids") == expected
+    assert list(_visible_after(kwargs)) == (expected or [local])
+    assert "num_processes" not in kwargs and "process_id" not in kwargs  # JAX takes them from the cluster
+
+
+@pytest.mark.parametrize("config_ids,variable,expected", [
+    ([2, 3], "4,5", [2, 3]),  # the config first
+    ((), "4,5", [4, 5]),  # JAX's own variable, passed on as JAX reads it
+    ((), "", list(range(GPUS))),  # (empty: unset)
+])
+@pytest.mark.parametrize("launch", ["srun-one-task-per-node", "srun-one-task-per-gpu", "mpirun-one-per-gpu"])
+def test_the_gpus_given_beat_what_the_launch_implies(launch, config_ids, variable, expected, cluster_env):
+    env, per_host, _, _ = LAUNCHES[launch]
+    calls = cluster_env({**env, "JAX_LOCAL_DEVICE_IDS": variable})
+    c = default_config()
+    c.distributed.local_device_ids = config_ids
+    distributed.initialize(c)
+    given = config_ids or variable
+    assert calls[0].get("local_device_ids") == (expected if given or per_host == 1 else None)
+
+
+def test_the_gpus_counted_without_jax(tmp_path):
+    """What the host lets the process see, by the variables' own rules, else the device files."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for environ, expected in [({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4), ({"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2"}, 2),
+                              ({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, 1), ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+                              ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, 0), ({"ROCR_VISIBLE_DEVICES": "0,1"}, 2),
+                              ({"SLURM_GPUS_ON_NODE": "4"}, 4), ({}, None)]:
+        assert distributed.local_gpus(environ, str(empty)) == expected, environ
+
+
+def test_a_host_without_gpus_or_a_launch_that_does_not_say_is_left_to_jax(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    alone, _, _, _ = LAUNCHES["srun-one-task-per-node"]
+    no_gpus = {k: v for k, v in alone.items() if k != "CUDA_VISIBLE_DEVICES"}
+    assert distributed.local_device_ids(default_config(), no_gpus, "slurm", str(empty)) is None
+    unsaid = {k: v for k, v in alone.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
+    assert distributed.local_device_ids(default_config(), unsaid, "slurm", str(empty)) is None
+    # Kubernetes, Cloud TPU: JAX leaves every device visible itself
+    assert distributed.local_device_ids(default_config(), alone, "tpu", str(empty)) is None
+
+
+@pytest.mark.parametrize("config_ids,variable,message", [
+    ([0, 0], "", "distributed.local_device_ids=[0, 0] must be a list of distinct device numbers"),
+    ([-1], "", "distributed.local_device_ids=[-1] must be"),
+    ((), "0,x", "JAX_LOCAL_DEVICE_IDS='0,x' must be"),
+])
+def test_gpus_that_cannot_be_refuse_in_one_line(config_ids, variable, message):
+    c = default_config()
+    c.distributed.local_device_ids = config_ids
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        distributed.local_device_ids(c, {"JAX_LOCAL_DEVICE_IDS": variable}, "slurm")
+
+
+def test_the_process_count_of_a_cluster_is_bounded_on_the_command_line(monkeypatch, tmp_path, capsys):
+    """A count past config.PROCESS_LIMIT from SLURM refuses in one line naming the variable."""
+    from cdpjax import cli
+    from cdpjax import config as cfg_lib
+
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "OMPI_", "KUBERNETES_", "TPU_", "JAX_COORD", "CDPJAX_")):
+            monkeypatch.delenv(key)
+    too_many = cfg_lib.PROCESS_LIMIT + 1
+    for k, v in {**SLURM, "SLURM_NTASKS": str(too_many)}.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main(["train", "--config", "digits", "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code != 0 and f"SLURM_NTASKS={too_many}: a run has at most {cfg_lib.PROCESS_LIMIT} processes" in err, err
+    cli.check_process_count({"source": "slurm", "num_processes": 2})  # within the bound: no error
 
 
 def test_processes_with_different_configs_refuse_in_one_line_each(tmp_path):

@@ -544,6 +544,62 @@ def test_jax_preemption_notice_saves_at_the_next_step_boundary_and_resumes_to_th
         (ref["full"] / "metrics.jsonl").read_text())
 
 
+# `train.train` as a user's script calls it (no command line, hence no cdpjax.shutdown watcher): the
+# config from `_overrides`, the reference's mesh and device count (every device); what the call raised, and whether the
+# SIGTERM handler the script had before the call is back after it, on stderr; the exit status the
+# Interrupted carries.
+TRAIN_API_SCRIPT = """
+import signal, sys
+from cdpjax.mesh import setup_devices
+setup_devices(int(sys.argv[2]))
+import jax
+from cdpjax import train
+from cdpjax.config import apply_overrides, default_config
+c = default_config()
+apply_overrides(c, sys.argv[3:])
+mine = lambda signum, frame: None
+signal.signal(signal.SIGTERM, mine)
+try:
+    train.train(c, sys.argv[1], progress=False, devices=jax.devices())
+except train.Interrupted as e:
+    print(f"raised: {e}", file=sys.stderr)
+    print(f"handler restored: {signal.getsignal(signal.SIGTERM) is mine}", file=sys.stderr)
+    sys.exit(e.exit_status)
+"""
+
+
+def test_a_preemption_of_train_train_saves_at_the_next_step_boundary_and_resumes_to_the_same_end(reference,
+                                                                                               tmp_path):
+    """`train.train` from Python (a notebook, a user's script) gets SIGTERM after step 5, between
+    checkpoints 4 and 8: it writes checkpoint 6 at the next step boundary and raises Interrupted
+    naming it (exit_status 143), the caller's own SIGTERM handler put back; resumed from it, the
+    run ends as the uninterrupted one (the whole train state, metrics.jsonl without the timing
+    fields)."""
+    ref = reference("dp")
+    work = tmp_path / "run"
+    env, release = _wait_env(tmp_path, 5)
+    overrides = [o.removeprefix("--config.") for o in _overrides("dp")] + ["mesh.data=-1"]
+    assert layout("dp")[1] == jax.devices()  # the script's devices (all there are) are the reference's
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN_API_SCRIPT, str(work), str(len(jax.devices())), *overrides],
+                            env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(pathlib.Path(f"{release}.waiting"), proc)
+    proc.send_signal(signal.SIGTERM)
+    release.touch()
+    _, err = proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith(("raised:", "handler restored:"))]
+    assert said == [f"raised: terminated (SIGTERM) at step 6; checkpoint 6 saved in {work}/checkpoints; run the "
+                    f"same command to resume from it", "handler restored: True"], err[-3000:]
+    assert steps(work) == [4, 6] and not (work / "lock.json").exists()
+    c = small_config("dp")
+    resumed = train.train(c, str(work), progress=False, devices=layout("dp")[1])
+    assert resumed["resumed_from"] == 6
+    _equal_trees(final_state(c, work, layout("dp")[1])[0], ref["state"])
+    assert without_timing((work / "metrics.jsonl").read_text()) == without_timing(
+        (ref["full"] / "metrics.jsonl").read_text())
+
+
 def test_multi_process_preemption_is_agreed_on_only_at_sync_steps(monkeypatch):
     """Two processes (stood in for): the loop's preemption question all-gathers its flag only at
     sync steps (here 4 and 8 of 1..8), never at the steps between, where nothing else comes to
