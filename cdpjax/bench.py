@@ -886,12 +886,17 @@ def lane_splits(program, priced) -> float:
 
 
 def zero_gradient_rows(program, priced) -> float:
-    """A tick's branch returns a gradient row from every lane some op of which completes a
-    gradient (`stage_lanes`), zeros where the cell's op of that lane does not (a forward, a split
-    backward's input half, an idle lane): XLA makes each zero row as its own buffer (dualpipev on
-    the MLP at 2, 4 and 8 devices and on resnet_tiny at 2: a zero row and its copy, for its three
-    lanes of which W's is the gradient). The op's own gradient is in its workspace (`op_workspace`):
-    the rows of the other such lanes. 0 on one lane."""
+    """On a device of several units (`Placement.chunks` > 1), a tick's branch returns a gradient row
+    from every lane some op of which completes a gradient (`stage_lanes`), zeros where the cell's
+    op of that lane does not (a forward, a split backward's input half, an idle lane), each added
+    into its unit's row of the [units, width] sums: XLA makes such a zero row as its own buffer, and
+    a copy (dualpipev on the MLP at 2, 4 and 8 devices and on resnet_tiny at 2: a zero row and its
+    copy for its three lanes, of which W's is the gradient). The op's own gradient is in its
+    workspace (`op_workspace`): the rows of the other such lanes. Not on a device of one unit:
+    cdp-mp's paired forwards (two lanes, one unit) hold no such row (XLA's heap on the MLP at 4
+    devices is the model's without it to 0.2%). 0 on one lane."""
+    if program.placement.chunks == 1:
+        return 0.0
     making = sum(g for _, g in stage_lanes(program))
     return float(max(making - 1, 0) * _parameter_row(program, priced))
 

@@ -480,19 +480,22 @@ CHECK_STAGES = 4
 class MemoryCase:
     """One case of the memory model's check against XLA: `method` training `model` (digits, the
     default config, `CHECK_STAGES` stages) on `devices` devices, every one on the axis its layout
-    declares; `left_out` says why the grid skips it (None: it is measured)."""
+    declares; `left_out` says why the grid skips it (None: it is measured); `overrides`
+    (KEY=VALUE, as `--config.KEY=VALUE`) a variant the plan also enumerates (a tick kind)."""
 
     model: str
     devices: int
     method: str
     left_out: str | None = None
+    overrides: tuple[str, ...] = ()
 
     def config(self):
-        from cdpjax.config import default_config
+        from cdpjax.config import apply_overrides, default_config
         from cdpjax.layouts import LAYOUTS
 
         c = default_config()
         c.method, c.model, c.stages = self.method, self.model, CHECK_STAGES
+        apply_overrides(c, list(self.overrides))
         layout = LAYOUTS[self.method]
         if layout.device_axis == "data":
             c.mesh.data = self.devices

@@ -218,6 +218,23 @@ def test_memory_prediction_against_xla(case):
     assert ratio == pytest.approx(recorded, rel=0.05), f"predicted/XLA = {ratio:.3f}, recorded {recorded} ({why})"
 
 
+# Variants the plan enumerates beside each method's default (its tick kinds), measured on the cases
+# where they change the tick: cdp-mp's paired forwards (two lanes on a device of one unit) and split
+# backwards. Held out from the grid the several-lane terms were read from (dualpipev's): paired on the
+# MLP at 4 devices read 1.054 while `zero_gradient_rows` was counted on one unit, 0.999 without.
+TICK_VARIANTS = [plan.MemoryCase(model, n, "cdp-mp", overrides=(f"cdp_ticks={ticks}",))
+                 for ticks in ("paired", "split") for model in ("mlp", "resnet_tiny") for n in (4, 8)]
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=() if (c.model, c.devices, c.overrides) == ("mlp", 4, ("cdp_ticks=paired",))
+                 else pytest.mark.heavy, id=f"{c.model}-{c.devices}-{c.method}-{c.overrides[0]}")
+    for c in TICK_VARIANTS])
+def test_memory_prediction_of_tick_variants_against_xla(case):
+    held, predicted = plan.held_and_predicted(case)
+    assert predicted / held == pytest.approx(1.0, rel=0.05), f"predicted/XLA = {predicted / held:.3f}"
+
+
 def test_the_memory_grid_is_every_method_at_every_size():
     """The shared case list covers the registry on both models at 2, 4 and 8 devices (rule: 2 x 3 x
     methods), and leaves out only one-device methods off 2 devices and stage counts that do not
