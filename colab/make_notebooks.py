@@ -44,8 +44,9 @@ RESTART_RULE = _src("""
     def after_install(loaded, installed, in_colab):
         \"\"\"What the install cell does once pip is done: ("go on", ""), ("restart", line) in Colab, or
         ("stop", line) elsewhere, where loaded maps each module already imported to its version in memory
-        and installed maps names to the version pip left on disk (None: not installed as a distribution).\"\"\"
-        stale = [f"{name} {loaded[name]} -> {installed[name]}" for name in sorted(loaded)
+        and installed maps names to the version pip left on disk (None: not installed as a distribution).
+        A module loaded without a version (None) may be the old one: it counts as replaced.\"\"\"
+        stale = [f"{name} {loaded[name] or '(version unknown)'} -> {installed[name]}" for name in sorted(loaded)
                  if installed.get(name) is not None and installed[name] != loaded[name]]
         if not stale:
             return "go on", ""

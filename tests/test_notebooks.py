@@ -81,7 +81,8 @@ def _install_rule():
 def test_install_restarts_where_pip_replaced_a_loaded_module():
     """Hand cases: a module imported before the install (Colab preloads numpy) whose version on disk is
     now another makes the cell restart Colab's runtime, or elsewhere stop with one line asking for the
-    restart; nothing loaded, the same versions, or a module pip does not know leave it going on."""
+    restart (a module loaded without a version counts as replaced); nothing loaded, the same versions,
+    or a module pip does not know leave it going on."""
     after_install = _install_rule()
     said = "pip replaced modules this kernel had loaded (numpy 2.1.3 -> 2.2.6)"
     assert after_install({"numpy": "2.1.3"}, {"numpy": "2.2.6"}, in_colab=True) == \
@@ -92,6 +93,10 @@ def test_install_restarts_where_pip_replaced_a_loaded_module():
                          {"numpy": "2.2.6", "jax": "0.10.2", "scipy": "1.16.1"}, in_colab=True)
     assert both == ("restart", "pip replaced modules this kernel had loaded (jax 0.7.2 -> 0.10.2, "
                                "numpy 2.1.3 -> 2.2.6): restarting the runtime; then run all again")
+    # a module loaded without a version may be the old one: replaced, said so
+    assert after_install({"scipy": None}, {"scipy": "1.16.1"}, in_colab=False) == \
+        ("stop", "pip replaced modules this kernel had loaded (scipy (version unknown) -> 1.16.1): restart the "
+                 "kernel, then run all")
     unchanged = (({}, {}), ({"numpy": "2.1.3"}, {"numpy": "2.1.3"}), ({"numpy": "2.1.3"}, {"numpy": None}))
     for loaded, installed in unchanged:
         for in_colab in (True, False):
@@ -283,6 +288,9 @@ def test_devices_to_use_says_whether_a_mesh_fits():
     for mesh, available, expected in cases:
         assert devices_to_use(config("gpipe", mesh), available) == expected, (mesh, available)
     assert devices_needed(config("gpipe", {"stage": 4, "data": -1})) is None  # its callers' "every device"
+    # a malformed mesh (two -1 axes, a size 0): every device, so that validation, run on them, names the fault
+    for method, mesh in (("dp", {"data": -1, "model": -1}), ("dp", {"data": 0}), ("dp", {"data": "8"})):
+        assert devices_to_use(config(method, mesh), 5) == 5 and devices_needed(config(method, mesh)) is None, mesh
 
 
 FAKE_GPU = """

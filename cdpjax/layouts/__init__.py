@@ -214,14 +214,23 @@ def mesh_for(config) -> dict[str, int]:
     return own
 
 
-def devices_needed(config) -> int | None:
-    """Devices the config's mesh needs, or None where an axis is -1 (whatever there is) or
-    where the config does not say yet (a method name that validation will refuse)."""
+def _mesh_sizes(config) -> list[int] | None:
+    """The config's mesh axis sizes (-1 at most once: whatever there is), or None where the config
+    does not say yet (a method name that validation will refuse, a malformed mesh)."""
     try:
         sizes = list(mesh_for(config).values())
     except (ConfigError, TypeError):
         return None
-    if any(not isinstance(s, int) or s < 1 for s in sizes):
+    if any(not isinstance(s, int) or (s < 1 and s != -1) for s in sizes) or sizes.count(-1) > 1:
+        return None
+    return sizes
+
+
+def devices_needed(config) -> int | None:
+    """Devices the config's mesh needs, or None where an axis is -1 (whatever there is) or
+    where the config does not say yet (a method name that validation will refuse)."""
+    sizes = _mesh_sizes(config)
+    if sizes is None or -1 in sizes:
         return None
     return math.prod(sizes) if sizes else 1
 
@@ -233,11 +242,8 @@ def devices_to_use(config, available: int) -> int:
     product (the -1 axis at least 1). Where the config does not say yet (a method name that
     validation will refuse, a malformed mesh) all of them, so that validation names the fault.
     Unlike `devices_needed`, which answers None for a -1 axis, this says whether it fits."""
-    try:
-        sizes = list(mesh_for(config).values())
-    except (ConfigError, TypeError):
-        return available
-    if any(not isinstance(s, int) or (s < 1 and s != -1) for s in sizes) or sizes.count(-1) > 1:
+    sizes = _mesh_sizes(config)
+    if sizes is None:
         return available
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
