@@ -210,7 +210,8 @@ counts:
   message, the averaged gradient and the update's new row. This is what XLA held beyond the
   declared buffers around the conv stages of
   `resnet_tiny`: there a row (a 32 x 512 activation) outweighs a stage's parameters, so the switch
-  half is the peak; on the MLP the messages' half is.
+  half is the peak; on the MLP the messages' half is, for one op a tick (dualpipev's three lanes:
+  the switch, their parameters split at its start).
 
 Within 5% of XLA (all 78 cases measured; the grid's other 18 are left out: a one-device
 method is measured at 2 devices only, a 4-stage pipeline needs 4): every pipeline on `resnet_tiny`
