@@ -181,3 +181,20 @@ def test_every_script_the_readme_shows_takes_its_arguments(monkeypatch):
         script = load_script(str(ROOT / words[1]), pathlib.Path(words[1]).stem)
         with pytest.raises(_Parsed):
             script.main(words[2:])
+
+
+def test_every_test_the_docs_cite_exists():
+    """Every test the README and docs/ cite as `test_file.py::test_name` (or `::test_name` after a file
+    named before it in the same page; `test_name_*` for the tests whose names start so) is defined in
+    that file: a test renamed in the code and not in the docs fails here."""
+    cited, missing = 0, []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        last = None
+        for m in re.finditer(r"(?:tests/)?(test_\w+\.py)?::(test_\w+)(\*)?", doc.read_text()):
+            last = m.group(1) or last
+            cited += 1
+            source = (ROOT / "tests" / last).read_text() if last and (ROOT / "tests" / last).exists() else ""
+            name = re.escape(m.group(2)) + (r"\w*" if m.group(3) else "")
+            if not re.search(rf"^def {name}\(", source, re.M):
+                missing.append(f"{doc.name}: {last}::{m.group(2)}{m.group(3) or ''}")
+    assert cited >= 50 and missing == []
