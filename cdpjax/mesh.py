@@ -38,9 +38,15 @@ def devices():
     return jax.devices()
 
 
-# The methods whose cdp_impl='simulate' runs their workers on fewer devices than workers (the ring
-# needs a device per worker): cdpjax.methods.cdp, cdp_random.
-SIMULATE_METHODS = ("cdp-v1", "cdp-v2", "cdp-random")
+def simulates_its_workers(method: str | None) -> bool:
+    """Whether `method`'s workers run on the data axis and `cdp_impl='simulate'` runs them on fewer
+    devices than workers (CDP's ring needs a device per worker): read from its layout, which names
+    the simulation as the reference its ring equals."""
+    from cdpjax.layouts import LAYOUTS
+
+    layout = LAYOUTS[method] if method and method in LAYOUTS else None
+    return (layout is not None and layout.device_axis == "data" and layout.reference is not None
+            and ("cdp_impl", "simulate") in layout.reference.settings)
 
 
 def more_devices_hint(sizes: Mapping[str, int], num_devices: int, platform: str = "cpu",
@@ -55,7 +61,7 @@ def more_devices_hint(sizes: Mapping[str, int], num_devices: int, platform: str 
     where = "on " + {"gpu": "GPUs", "cuda": "GPUs", "rocm": "GPUs", "tpu": "TPUs"}.get(platform, f"{platform} devices")
     rest = int(np.prod([s for a, s in sizes.items() if a != "data" and s != -1])) if sizes else 1
     if "data" in sizes and num_devices % rest == 0:
-        if method in SIMULATE_METHODS and cdp_impl != "simulate":
+        if simulates_its_workers(method) and cdp_impl != "simulate":
             return (f"{where}, --config.mesh.data=-1 --config.cdp_impl=simulate runs on the {num_devices} there are: "
                     f"{method}'s workers then share them")
         fits = {**sizes, "data": num_devices // rest}
