@@ -260,7 +260,7 @@ def _expected_plan(name: str, size: str, n: int) -> dict:
     return plan
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.heavy)])  # 1: Colab's one GPU
 def test_notebooks_train_only_what_fits_the_devices_there_are(devices):
     """Colab's GPU runtime has one GPU: each training notebook, on its GPU-sized and its tiny config,
     trains exactly the runs that fit 1 (and 2) devices and skips the rest (gpipe's 4 stage devices)
