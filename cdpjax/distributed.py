@@ -199,21 +199,21 @@ def settings(config, environ: Mapping[str, str] | None = None, cluster=detect_cl
     settings are incomplete or inconsistent. `cluster`: JAX's detection (`detect_cluster`);
     `dev`: where NVIDIA's device files are (`local_gpus`)."""
     environ = os.environ if environ is None else environ
-    args = _settings(config, environ, cluster)
+    detected = cluster()  # asked once: it names the processes (auto_detect) and which GPUs JAX would pick
+    args = _settings(config, environ, detected)
     if args is not None:
         # JAX's detection runs inside initialize whatever the source, as long as local_device_ids is
         # unset: the cluster is asked even where it does not name the processes.
-        detected = cluster()
         ids = local_device_ids(config, environ, detected[0] if detected else None, dev)
         if ids is not None:
             args["local_device_ids"] = ids
     return args
 
 
-def _settings(config, environ: Mapping[str, str], cluster) -> dict | None:
+def _settings(config, environ: Mapping[str, str], detected: tuple[str, int, int] | None) -> dict | None:
     d = config.get("distributed", None) or {}
     timeout = _int(d.get("timeout_s", 300), "distributed.timeout_s")
-    found = cluster() if d.get("auto_detect", True) else None
+    found = detected if d.get("auto_detect", True) else None
     address = d.get("coordinator_address", "") or environ.get(ENV_COORDINATOR, "")
     source = "config" if d.get("coordinator_address", "") else "environment"
     count = _int(d.get("num_processes", 0) or environ.get(ENV_NUM_PROCESSES, 0), "distributed.num_processes")
